@@ -1,0 +1,78 @@
+"""Versioned JSON files: atomic writes, and reads that fail with one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+
+from baft.errors import ConfigError
+
+
+def write_json_atomic(path, doc) -> Path:
+    """Write ``doc`` to ``path`` so that a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@lru_cache(maxsize=None)
+def _schema(name: str) -> dict:
+    return json.loads(resources.files("baft.schemas").joinpath(name).read_text())
+
+
+def read_json(path) -> dict:
+    """Parse a JSON file, turning every way it can be unreadable into a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a JSON file") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return doc
+
+
+def load_versioned(path, schema: str, version: int, schema_file: str) -> dict:
+    """Read a baft JSON document, check its kind and version, and validate it against its schema."""
+    doc = read_json(path)
+    kind = doc.get("schema")
+    if kind != schema:
+        raise ConfigError(f"{path}: not a {schema} file (its 'schema' is {kind!r})")
+    found = doc.get("version")
+    if not isinstance(found, int):
+        raise ConfigError(f"{path}: missing integer 'version'")
+    if found > version:
+        raise ConfigError(f"{path}: {schema} version {found} is newer than this baft reads ({version}); upgrade baft")
+    if found < version:
+        raise ConfigError(f"{path}: {schema} version {found} is older than this baft reads ({version}); profile again")
+    try:
+        jsonschema.validate(doc, _schema(schema_file))
+    except jsonschema.ValidationError as err:
+        where = "/".join(str(p) for p in err.absolute_path) or "top level"
+        raise ConfigError(f"{path}: {where}: {err.message}") from None
+    return doc
