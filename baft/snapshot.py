@@ -1,0 +1,166 @@
+"""What a snapshot holds: the layout of one rank's state in a host buffer, and its commit record.
+
+A rank's state is a list of tensors (parameters, optimizer state) plus small JSON items
+(RNG states, LR scheduler, loss scaler, data position, step counters). The tensors are
+cut into chunks, the unit the executor copies in one go inside a bubble. With ``dp``
+data-parallel replicas of a stage, each replica holds only its shard: a contiguous share
+of the stage's chunks. A commit record, written last, makes a filled buffer a snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import xxhash
+
+FORMAT_VERSION = 1
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def checksum(data) -> str:
+    """xxh3-64 of a bytes-like object, as hex: fast enough to run inside a bubble."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the state. ``kind`` is "parameters", "optimizer" or "other"."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A byte range ``[start, start + nbytes)`` of one tensor, stored at ``offset`` in the shard buffer."""
+
+    index: int
+    tensor: str
+    start: int
+    nbytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensors of a stage and the chunks of this replica's shard, packed in a buffer."""
+
+    tensors: tuple[TensorEntry, ...]
+    chunks: tuple[Chunk, ...]
+    shard: int = 0
+    num_shards: int = 1
+    total_chunks: int = 0  # chunks of the whole stage, over all shards
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the stage's tensors (names, dtypes, shapes), independent of sharding."""
+        desc = json.dumps([[t.name, t.dtype, list(t.shape)] for t in self.tensors])
+        return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+    def tensor(self, name: str) -> TensorEntry:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        kinds = {t.name: t.kind for t in self.tensors}
+        out = {"parameters": 0, "optimizer": 0, "other": 0}
+        for c in self.chunks:
+            out[kinds[c.tensor]] += c.nbytes
+        return out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Layout":
+        tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"])
+        chunks = tuple(Chunk(**c) for c in doc["chunks"])
+        return cls(tensors, chunks, doc.get("shard", 0), doc.get("num_shards", 1), doc.get("total_chunks", len(chunks)))
+
+
+def plan_layout(tensors: Iterable[TensorEntry], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                shard: int = 0, num_shards: int = 1) -> Layout:
+    """Cut tensors into chunks of at most ``chunk_bytes`` and keep shard ``shard`` of ``num_shards``.
+
+    Shards are contiguous runs of chunks with about equal bytes, so replicas share the copy work evenly.
+    """
+    tensors = tuple(tensors)
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"tensor {t.name}: unsupported dtype {t.dtype}")
+    pieces = []
+    for t in tensors:
+        for start in range(0, max(t.nbytes, 1), chunk_bytes):
+            if t.nbytes:
+                pieces.append((t.name, start, min(chunk_bytes, t.nbytes - start)))
+    total = sum(p[2] for p in pieces)
+    chunks, offset, before = [], 0, 0
+    for index, (name, start, nbytes) in enumerate(pieces):
+        # a chunk belongs to the shard its first byte falls in, by cumulative bytes
+        owner = min(num_shards - 1, before * num_shards // total) if total else 0
+        before += nbytes
+        if owner == shard:
+            chunks.append(Chunk(index, name, start, nbytes, offset))
+            offset += nbytes
+    return Layout(tensors, tuple(chunks), shard, num_shards, len(pieces))
+
+
+@dataclass
+class CommitRecord:
+    """Written last: the buffer it names holds a complete, checksummed snapshot of ``step``.
+
+    ``items`` holds the small state as JSON (RNG states, LR scheduler, loss scaler, data
+    position, step counters); ``checksums[i]`` is the checksum of ``layout.chunks[i]``.
+    """
+
+    step: int
+    rank: int
+    stage: int
+    layout: Layout
+    checksums: list[str]
+    items: dict = field(default_factory=dict)
+    dp_rank: int = 0
+    topology: dict = field(default_factory=dict)  # pipe, data, world size
+    run_id: str = ""
+    model: str = ""  # layout fingerprint of the whole model, for refusing foreign snapshots
+    wall_time: float = 0.0
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        doc = dataclasses.asdict(self)
+        doc["layout"] = self.layout.to_json()
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "CommitRecord":
+        doc = dict(doc)
+        doc["layout"] = Layout.from_json(doc["layout"])
+        return cls(**doc)
+
+    def verify(self, buffer) -> Optional[str]:
+        """Check every chunk of ``buffer`` against its checksum; return the first bad chunk's description."""
+        view = memoryview(buffer)
+        if len(self.checksums) != len(self.layout.chunks):
+            return f"commit record lists {len(self.checksums)} checksums for {len(self.layout.chunks)} chunks"
+        if view.nbytes < self.layout.nbytes:
+            return f"buffer holds {view.nbytes} bytes, the layout needs {self.layout.nbytes}"
+        for chunk, expected in zip(self.layout.chunks, self.checksums):
+            if checksum(view[chunk.offset:chunk.offset + chunk.nbytes]) != expected:
+                return f"chunk {chunk.index} ({chunk.tensor} bytes {chunk.start}..{chunk.start + chunk.nbytes}) fails its checksum"
+        return None
