@@ -12,8 +12,9 @@ and idle intervals: the analytic bubble map.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple
 
 import networkx as nx
 from deepspeed.runtime.pipe.schedule import (
@@ -30,7 +31,7 @@ from baft.bubblemap import Bubble, BubbleMap
 from baft.errors import ConfigError
 from baft.schedules import instruction_stream, micro_batch_ops
 
-PerStage = Union[float, Sequence[float]]
+PerStage = float | Sequence[float]
 
 # Instructions a stage blocks in while its input is on the way (DualPipeV's receives only
 # queue work; its CommitP2P waits).
@@ -76,8 +77,8 @@ class Op(NamedTuple):
 
     stage: int
     kind: str
-    micro_batch: Optional[int] = None
-    chunk: Optional[int] = None
+    micro_batch: int | None = None
+    chunk: int | None = None
 
 
 class Interval(NamedTuple):

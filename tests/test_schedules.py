@@ -127,7 +127,10 @@ def test_interleaved_carries_chunks():
     stream = instruction_stream("interleaved", 4, 2, 0, chunks=2)
     assert all(instr.chunk in (0, 1) for instr in stream if hasattr(instr, "buffer_id"))
     assert [repr(i) for i in stream[:3]] == [
-        "LoadMicroBatch(buffer_id=0, chunk=0)", "ForwardPass(buffer_id=0, chunk=0)", "SendActivation(buffer_id=0, chunk=0)"]
+        "LoadMicroBatch(buffer_id=0, chunk=0)",
+        "ForwardPass(buffer_id=0, chunk=0)",
+        "SendActivation(buffer_id=0, chunk=0)",
+    ]
     # rank 0 holds the first virtual stage (loads data) and virtual stage 2 (receives)
     assert any(isinstance(i, RecvActivation) and i.chunk == 1 for i in stream)
     assert not any(isinstance(i, RecvActivation) and i.chunk == 0 for i in stream)
