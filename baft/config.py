@@ -1,0 +1,125 @@
+"""The ``"baft"`` section of a DeepSpeed config: every key, its default, and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Optional, Union
+
+from baft.errors import ConfigError
+
+POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    every: int = 0  # persist every N-th committed snapshot (0: never, unless seconds is set)
+    seconds: float = 0.0  # or every T seconds
+    dir: Optional[str] = None
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class ParityConfig:
+    group: tuple[str, ...] = ()  # host:port of every manager of the group, in node-id order
+    k: int = 1  # data shares needed to rebuild; the group tolerates len(group) - k lost nodes
+
+
+@dataclass(frozen=True)
+class BaftConfig:
+    """Validated ``"baft"`` section. See README.rst for the table of keys."""
+
+    enabled: bool = True
+    policy: str = "baft"
+    schedule: str = "1f1b"
+    bubble_map: Optional[str] = None
+    plan: Optional[str] = None
+    period: Union[int, str] = "auto"
+    chunk_bytes: int = 1 << 20
+    shm_root: str = "/dev/shm/baft"
+    run_id: str = "default"
+    node_id: int = 0
+    manager: Optional[str] = None  # Unix socket of the node's manager; None: <shm_root>/<run_id>/node<id>/manager.sock
+    require_manager: bool = False
+    memory_limit: Optional[int] = None  # bytes of host memory snapshots may hold on this node
+    persist: PersistConfig = field(default_factory=PersistConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    fresh_start: bool = True  # may a restart with no snapshot anywhere start from scratch?
+    save_dir: Optional[str] = None  # checkpoint directory of the disk baselines (deepspeed, torch-save, dcp-async)
+
+
+def _check_type(key: str, value, expected) -> None:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
+        raise ConfigError(f"baft.{key}: expected {names.get(expected, expected.__name__)}, got {value!r}")
+
+
+def _section(cls, doc: dict, prefix: str):
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{prefix}: expected an object, got {doc!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+    return known
+
+
+def parse_config(ds_config: Optional[dict]) -> BaftConfig:
+    """The ``"baft"`` section of a DeepSpeed config dict, validated; disabled when absent."""
+    doc = (ds_config or {}).get("baft")
+    if doc is None:
+        return BaftConfig(enabled=False)
+    _section(BaftConfig, doc, "baft")
+    values = {}
+    for key, value in doc.items():
+        if key == "persist":
+            _section(PersistConfig, value, "baft.persist")
+            for k, v in value.items():
+                _check_type(f"persist.{k}", v, {"every": int, "seconds": float, "dir": str, "keep": int}[k])
+            values[key] = PersistConfig(**value)
+        elif key == "parity":
+            _section(ParityConfig, value, "baft.parity")
+            group = tuple(value.get("group", ()))
+            if not all(isinstance(g, str) and ":" in g for g in group):
+                raise ConfigError(f"baft.parity.group: expected a list of \"host:port\" strings, got {group!r}")
+            k = value.get("k", 1)
+            _check_type("parity.k", k, int)
+            if group and not 1 <= k < len(group):
+                raise ConfigError(f"baft.parity.k: must be at least 1 and less than the group size {len(group)}, got {k}")
+            values[key] = ParityConfig(group, k)
+        elif key == "period":
+            if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"baft.period: expected \"auto\" or an integer >= 1, got {value!r}")
+            values[key] = value
+        elif key == "memory_limit":
+            if value is not None:
+                _check_type(key, value, int)
+            values[key] = value
+        else:
+            default = getattr(BaftConfig, key, None)
+            expected = type(default) if default is not None else str
+            if value is not None or default is not None:
+                _check_type(key, value, expected)
+            values[key] = value
+    cfg = BaftConfig(**values)
+    if cfg.policy not in POLICIES:
+        raise ConfigError(f"baft.policy: unknown policy {cfg.policy!r} (one of {', '.join(POLICIES)})")
+    if cfg.chunk_bytes < 4096:
+        raise ConfigError(f"baft.chunk_bytes: must be at least 4096, got {cfg.chunk_bytes}")
+    if cfg.persist.keep < 1:
+        raise ConfigError(f"baft.persist.keep: must be at least 1, got {cfg.persist.keep}")
+    return cfg
+
+
+def defaults_table() -> list[tuple[str, str]]:
+    """(key, default) for every key, for the README and ``baft config``."""
+    rows = []
+    for f in fields(BaftConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            rows += [(f"{f.name}.{k}", repr(v)) for k, v in dataclasses.asdict(default).items()]
+        else:
+            rows.append((f.name, repr(default)))
+    return rows

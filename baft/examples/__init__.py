@@ -1,0 +1,1 @@
+"""Example models that baft can profile and train without a user script."""

@@ -1,0 +1,145 @@
+"""A rank's training state: the tensors to snapshot and the small items beside them.
+
+Tensors (parameters, buffers, optimizer state) are enumerated in a fixed order so two
+processes of the same model agree on the layout. The small items (RNG states, step
+counters, optimizer hyper-parameters, LR scheduler, loss scaler, data position) are
+captured as JSON at the step boundary, right after an optimizer step.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from baft.snapshot import TensorEntry
+
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) for every tensor of the rank's state, in a stable order."""
+    module = engine.module
+    for name, p in module.named_parameters():
+        yield f"param/{name}", "parameters", p.data
+    for name, b in module.named_buffers():
+        yield f"buffer/{name}", "other", b
+    names = {id(p): n for n, p in module.named_parameters()}
+    optimizer = _torch_optimizer(engine.optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in sorted(optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(value):
+                    yield f"optim/{names.get(id(p), id(p))}/{key}", "optimizer", value
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer inside DeepSpeed's wrappers (fp16/bf16 wrappers hold it as .optimizer)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def tensor_entries(engine) -> list[TensorEntry]:
+    return [TensorEntry(name, _dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), kind)
+            for name, kind, t in named_state_tensors(engine)]
+
+
+def state_tensors(engine) -> dict[str, torch.Tensor]:
+    return {name: t for name, _, t in named_state_tensors(engine)}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _torch_blob(obj) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return _b64(buf.getvalue())
+
+
+def _torch_unblob(text: str):
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
+def capture_items(engine, data_iterator=None) -> dict:
+    """The small state at the step boundary, as JSON-able values."""
+    np_state = np.random.get_state()
+    items = {
+        "rng": {
+            "python": _torch_blob(random.getstate()),
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+        },
+        "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in _torch_optimizer(engine.optimizer).param_groups],
+    }
+    if torch.cuda.is_available():
+        items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    if getattr(engine, "lr_scheduler", None) is not None:
+        items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and hasattr(scaler, "cur_scale"):
+        items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    if data_iterator is not None and hasattr(data_iterator, "state_dict"):
+        items["data"] = data_iterator.state_dict()
+    return _jsonable(items)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    return _torch_blob(obj)
+
+
+def restore_items(engine, items: dict, data_iterator=None) -> None:
+    """Put the small state back: RNG, counters, hyper-parameters, scheduler, scaler, data position."""
+    rng = items["rng"]
+    random.setstate(_torch_unblob(rng["python"]))
+    kind, keys, pos, has_gauss, gauss = rng["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in rng["cuda"]])
+    for k, v in items["counters"].items():
+        setattr(engine, k, v)
+    for group, saved in zip(_torch_optimizer(engine.optimizer).param_groups, items["param_groups"]):
+        for k, v in saved.items():
+            if k in group and not isinstance(group[k], (list, tuple)):
+                group[k] = type(group[k])(v) if group[k] is not None else v
+            elif k in group:
+                group[k] = type(group[k])(v)
+    if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
+        engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for k, v in items.get("loss_scaler", {}).items():
+        setattr(scaler, k, v)
+    if "data" in items and data_iterator is not None:
+        data_iterator.load_state_dict(items["data"])
+
+
+def ensure_optimizer_state(engine) -> Optional[str]:
+    """None when every trainable parameter has optimizer state, else why not (before the first step)."""
+    optimizer = _torch_optimizer(engine.optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state.get(p):
+                return "optimizer state is created by the first optimizer step"
+    return None
