@@ -136,10 +136,10 @@ def plan(bmap: BubbleMap, chunk_bytes: int = 1 << 20, budget: float = DEFAULT_BU
     """Plan every rank of a measured bubble map, with chunks of ``chunk_bytes``."""
     ranks = []
     for profile in bmap.ranks:
-        size = profile.state_bytes.parameters + profile.state_bytes.optimizer
-        if bmap.data_parallel > 1:
-            size = math.ceil(size / bmap.data_parallel)
-        chunks = [chunk_bytes] * (size // chunk_bytes) + ([size % chunk_bytes] if size % chunk_bytes else [])
+        chunks = bmap.model.get("chunk_sizes", {}).get(str(profile.rank))
+        if chunks is None:  # an analytic or hand-made map: cut the state bytes evenly
+            size = math.ceil((profile.state_bytes.parameters + profile.state_bytes.optimizer) / bmap.data_parallel)
+            chunks = [chunk_bytes] * (size // chunk_bytes) + ([size % chunk_bytes] if size % chunk_bytes else [])
         bubbles = [b for b in bmap.stage_bubbles(profile.stage)]
         ranks.append(plan_rank(bubbles, chunks, profile.copy_bandwidth, profile.iteration_time,
                                rank=profile.rank, stage=profile.stage,

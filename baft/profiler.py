@@ -13,6 +13,7 @@ the receive instructions' durations.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 import json
 import statistics
 import sys
@@ -81,8 +82,12 @@ class ProfileSession(InstructionTimer):
         if len(self.iterations) < self.total:
             return
         self.bar.close()
+        grid = engine.grid
+        layout = plan_layout(state.tensor_entries(engine), shard=grid.get_data_parallel_rank(),
+                             num_shards=grid.get_data_parallel_world_size())
         model = {"name": self.model_name, "parameters": sum(p.numel() for p in engine.module.parameters()),
-                 "layout": {str(engine.stage_id): plan_layout(state.tensor_entries(engine)).fingerprint}}
+                 "layout": {str(engine.stage_id): layout.fingerprint},
+                 "chunk_sizes": {str(engine.global_rank): [c.nbytes for c in layout.chunks]}}
         write_trace(self.directory / f"trace-rank{engine.global_rank}.json", engine, self,
                     measure_copy_bandwidth(engine), model)
         dist.barrier()
@@ -178,19 +183,31 @@ def measured_bubbles(profile: RankProfile) -> list[Bubble]:
     return bubbles
 
 
-def measured_costs(profiles: list[RankProfile], stages: int) -> Costs:
-    """Per-stage median forward, backward and optimizer times, for the analytic model."""
-    def median_of(stage, name):
-        vals = [ins.duration for p in profiles if p.stage == stage for ins in p.instructions
-                if ins.name.startswith(name)]
-        return statistics.median(vals) if vals else 0.0
+_FORWARD_SIDE = ("LoadMicroBatch", "ForwardPass", "SendActivation")
+_BACKWARD_SIDE = ("BackwardPass", "SendGrad")
+_OPTIMIZER_SIDE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 
-    return Costs(forward=[median_of(s, "ForwardPass") for s in range(stages)],
-                 backward=[median_of(s, "BackwardPass") for s in range(stages)],
-                 optimizer=[median_of(s, "OptimizerStep") + median_of(s, "ReduceGrads")
-                            + median_of(s, "ReduceTiedGrads") for s in range(stages)],
-                 p2p=statistics.median([ins.duration for p in profiles for ins in p.instructions
-                                        if ins.name.startswith("Send")] or [0.0]))
+
+def measured_costs(profiles: list[RankProfile], stages: int) -> Costs:
+    """Per-stage costs for the analytic model: everything a stage does per micro-batch, minus waits.
+
+    A forward costs its micro-batch's load, forward pass and (blocking) send; a backward,
+    its backward pass and send; the optimizer, the reductions and the step. Transfers
+    between processes on one host are part of the send, so p2p latency is zero.
+    """
+    def stage_costs(stage):
+        rank = next(p for p in profiles if p.stage == stage and p.dp_rank == 0)
+        spent, forwards = defaultdict(float), 0
+        for ins in rank.instructions:
+            name = ins.name.split("(")[0]
+            spent[name] += ins.duration
+            forwards += name == "ForwardPass"
+        m = max(forwards, 1)
+        return (sum(spent[n] for n in _FORWARD_SIDE) / m, sum(spent[n] for n in _BACKWARD_SIDE) / m,
+                sum(spent[n] for n in _OPTIMIZER_SIDE))
+
+    forward, backward, optimizer = zip(*(stage_costs(s) for s in range(stages)))
+    return Costs(forward=list(forward), backward=list(backward), optimizer=list(optimizer), p2p=0.0)
 
 
 def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
@@ -208,7 +225,8 @@ def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
         bubbles=[b for p in profiles if p.dp_rank == 0 for b in measured_bubbles(p)], ranks=profiles,
         data_parallel=head["data_parallel"], iterations=len(head["iterations"][skip:]),
         makespan=max(p.iteration_time for p in profiles),
-        model={**head["model"], "layout": {k: v for t in traces for k, v in t["model"]["layout"].items()}},
+        model={**head["model"], **{key: {k: v for t in traces for k, v in t["model"][key].items()}
+                                   for key in ("layout", "chunk_sizes")}},
         analytic_bubble_fraction=dict(analytic.analytic_bubble_fraction))
 
 
