@@ -95,7 +95,7 @@ class Bundle:
 
     node_id: int
     step: int
-    snapshots: list[tuple[CommitRecord, bytes]]
+    snapshots: list[tuple[CommitRecord, memoryview]]
 
 
 def pack_bundle(node_id: int, step: int, snapshots: list[tuple[CommitRecord, bytes]]) -> bytes:
@@ -112,7 +112,7 @@ def pack_bundle(node_id: int, step: int, snapshots: list[tuple[CommitRecord, byt
 
 
 def unpack_bundle(data, verify: bool = True) -> Bundle:
-    """Read a bundle back; with ``verify``, every chunk must match its commit record's checksum."""
+    """Read a bundle back, its buffers as views into ``data``; with ``verify``, every chunk must pass its checksum."""
     view = memoryview(data)
     start = len(BUNDLE_MAGIC) + _HEADER_LEN.size
     if view.nbytes < start or bytes(view[:len(BUNDLE_MAGIC)]) != BUNDLE_MAGIC:
@@ -125,8 +125,7 @@ def unpack_bundle(data, verify: bool = True) -> Bundle:
         for entry in header["ranks"]:
             record = CommitRecord.from_json(entry["record"])
             lo = body + entry["offset"]
-            buffer = bytes(view[lo:lo + entry["nbytes"]])
-            snapshots.append((record, buffer))
+            snapshots.append((record, view[lo:lo + entry["nbytes"]]))
     except (ValueError, KeyError, TypeError) as err:
         raise BaftError(f"snapshot bundle: unreadable header ({err})") from None
     if verify:
