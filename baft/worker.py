@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import baft
 from baft.config import POLICIES
+from baft.errors import BaftError
 from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
 
 
@@ -69,8 +70,8 @@ def ds_config(args, dp: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def build(args: argparse.Namespace):
+    """Initialize the process group, the example GPT pipeline and its data; return (engine, data)."""
     torch.set_num_threads(args.threads)
     import deepspeed
 
@@ -78,12 +79,10 @@ def main(argv=None) -> int:
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     if world % args.stages:
-        print(f"baft: {world} processes cannot form {args.stages} pipeline stages", file=sys.stderr)
-        return 2
-    dp = world // args.stages
+        raise BaftError(f"{world} processes cannot form {args.stages} pipeline stages")
     if args.d_model % args.heads:
-        print(f"baft: --d-model {args.d_model} is not a multiple of --heads {args.heads}", file=sys.stderr)
-        return 2
+        raise BaftError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    dp = world // args.stages
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     dropout=args.dropout)
     model = gpt_pipeline(cfg, args.stages, seed=args.seed)
@@ -91,6 +90,16 @@ def main(argv=None) -> int:
     data = MicroBatches(SyntheticTokens(cfg, seed=args.seed), args.micro_batch_size,
                         shard=model._grid.get_data_parallel_rank(), shards=dp)
     engine, *_ = baft.initialize(model=model, config=ds_config(args, dp), data_iterator=data)
+    return engine, data
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        engine, data = build(args)
+    except BaftError as err:
+        print(f"baft: error: {err}", file=sys.stderr)
+        return 2
     lead = engine.global_rank == 0
     log = _open_log(args.run_dir) if lead else None
     times = []

@@ -1,0 +1,86 @@
+"""Train under --policy with an independent synchronous reference copy after every optimizer step.
+
+After each iteration, the snapshot committed for the previous step is read back from shared
+memory (checksums verified) and compared byte for byte with the reference taken right after
+that step. Writes ``--out/rank<R>.json``: the steps checked and any mismatch.
+With ``--kill-step S --kill-chunk N`` the rank ``--kill-rank`` SIGKILLs itself while copying
+chunk N of step S's snapshot.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from baft import snapshotter, state, store
+from baft.engine import InstructionHook
+from baft.policies import shm_root
+from baft.snapshot import chunk_bytes_of
+from baft.worker import build, parse_args
+
+extra = argparse.ArgumentParser()
+extra.add_argument("--out", required=True)
+extra.add_argument("--kill-step", type=int, default=-1)
+extra.add_argument("--kill-chunk", type=int, default=-1)
+extra.add_argument("--kill-rank", type=int, default=0)
+mine, rest = extra.parse_known_args()
+args = parse_args(rest)
+engine, data = build(args)
+rank = engine.global_rank
+root = shm_root(engine.baft_config)
+
+if rank == mine.kill_rank and mine.kill_step >= 0:
+    original_copy = snapshotter.Snapshot.copy
+
+    def copy_then_die(self):
+        if self.step == mine.kill_step and len(self.source.layout.chunks) - len(self.pending) == mine.kill_chunk:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_copy(self)
+
+    snapshotter.Snapshot.copy = copy_then_die
+
+
+class Reference(InstructionHook):
+    """A synchronous copy of the state right after each optimizer step, and the check of the snapshots."""
+
+    def __init__(self):
+        self.reference = {}
+        self.checked, self.mismatches = [], []
+
+    def iteration_end(self, engine):
+        step = engine.global_steps
+        self.check(step - 1)
+        self.reference[step] = ({k: v.detach().clone().reshape(-1).view(torch.uint8)
+                                 for k, v in state.state_tensors(engine).items()},
+                                state.capture_items(engine, data))
+
+    def check(self, step):
+        if step not in self.reference:
+            return
+        tensors, items = self.reference.pop(step)
+        found = store.load_verified(root, rank, step=step)
+        if found is None:
+            return
+        record, buf = found
+        for chunk, got in chunk_bytes_of(record, buf):
+            want = tensors[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].numpy().tobytes()
+            if bytes(got) != want:
+                self.mismatches.append(f"step {step} chunk {chunk.index} ({chunk.tensor})")
+        for key in ("rng", "counters", "data", "param_groups"):
+            if record.items.get(key) != items.get(key):
+                self.mismatches.append(f"step {step} item {key}")
+        self.checked.append(step)
+
+
+ref = Reference()
+engine.baft_hooks.append(ref)
+for _ in range(args.iters):
+    engine.train_batch(data_iter=data)
+Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
+    "checked": ref.checked, "mismatches": ref.mismatches, "root": root,
+    "commits": [r.step for r in engine.baft_hooks[0].commits]}))
+sys.exit(0)

@@ -1,0 +1,22 @@
+"""GPipe, which DeepSpeed does not ship, trains exactly like DeepSpeed's own 1F1B."""
+
+import torch
+
+from conftest import TINY, run_ranks
+
+
+def test_one_gpipe_step_equals_one_1f1b_step(tmp_path):
+    results = {}
+    for schedule in ("gpipe", "1f1b"):
+        out = tmp_path / schedule
+        out.mkdir()
+        run_ranks(2, "one_step.py", [*TINY, "--schedule", schedule, "--policy", "none", "--out", str(out)])
+        results[schedule] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for gpipe, one_f_one_b in zip(results["gpipe"], results["1f1b"]):
+        assert gpipe["params"].keys() == one_f_one_b["params"].keys()
+        for name, value in gpipe["params"].items():
+            torch.testing.assert_close(value, one_f_one_b["params"][name], rtol=1e-6, atol=1e-7)
+        assert abs(gpipe["loss"] - one_f_one_b["loss"]) < 1e-6
+    # the step moved the parameters: the comparison is not between two untouched models
+    for rank in results["gpipe"]:
+        assert any(not torch.equal(rank["initial"][n], v) for n, v in rank["params"].items())
