@@ -139,8 +139,8 @@ class ManagerClient:
             key = str(Path(shm_root))
             if key not in cls._warned:
                 cls._warned.add(key)
-                message = (f"baft: no snapshot manager reachable ({err}); training continues, snapshots "
-                           f"stay in this process's shared memory only and do not outlive the node")
+                message = (f"baft: no snapshot manager reachable ({err}); training continues, but its snapshots "
+                           f"get no parity across nodes, no persistence and no manager to serve a restore")
                 (warn or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=3)))(message)
             return None
 
@@ -151,8 +151,12 @@ class ManagerClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                sock.connect(str(self.address))
+                try:
+                    sock.settimeout(self.timeout)
+                    sock.connect(str(self.address))
+                except OSError:
+                    sock.close()
+                    raise
         except OSError as err:
             raise ManagerUnavailable(f"{describe(self.address)}: no manager answers "
                                      f"({err.strerror or type(err).__name__})") from None

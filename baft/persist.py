@@ -35,6 +35,7 @@ Loading without baft (see also docs/persisted-format.rst)::
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -43,8 +44,6 @@ from typing import Callable, Iterable, Optional
 
 import jsonschema
 import safetensors
-import safetensors.torch
-import torch
 
 from baft.errors import BaftError, ConfigError
 from baft.jsonfile import read_json, write_json_atomic
@@ -82,11 +81,13 @@ _MANIFEST_SCHEMA = {
     },
 }
 
-_TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
+
+def _torch():
+    """torch and safetensors.torch, imported on first use: the manager starts without them."""
+    import safetensors.torch
+    import torch
+
+    return torch, safetensors.torch
 
 Log = Optional[Callable[[str], None]]
 
@@ -164,13 +165,14 @@ def _tensor_pieces(layout: Layout) -> list[dict]:
     return out
 
 
-def _tensors_of(record: CommitRecord, buffer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def _tensors_of(record: CommitRecord, buffer) -> tuple[dict, list[dict]]:
+    torch, _ = _torch()
     flat = torch.frombuffer(memoryview(buffer), dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
     pieces = _tensor_pieces(record.layout)
     tensors = {}
     for p in pieces:
         raw = flat[p["offset"]:p["offset"] + p["end"] - p["start"]]
-        dtype = _TORCH_DTYPES[p["dtype"]]
+        dtype = getattr(torch, p["dtype"])
         if p["offset"] % dtype.itemsize:  # the layout packs tensors unaligned; a view needs alignment
             raw = raw.clone()
         tensors[p["key"]] = raw.view(dtype).reshape(p["shape"])
@@ -182,7 +184,7 @@ def _write_rank(path: Path, record: CommitRecord, buffer) -> dict:
         warnings.simplefilter("ignore", UserWarning)
         tensors, pieces = _tensors_of(record, buffer)
     metadata = {"baft.step": str(record.step), "baft.rank": str(record.rank), "baft.run_id": record.run_id}
-    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    _torch()[1].save_file(tensors, str(path), metadata=metadata)
     _fsync_path(path)
     return {
         "rank": record.rank,
@@ -230,12 +232,20 @@ def write_snapshot(directory, snapshots: list[tuple[CommitRecord, bytes]], node_
         _fsync_path(directory)
     except (OSError, safetensors.SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
-        raise BaftError(f"{directory}: cannot persist step {first.step} ({reason}); "
+        raise BaftError(f"{directory}: cannot persist step {first.step} ({_reason(err)}); "
                         f"earlier snapshots are kept") from None
     if keep is not None:
         retain(directory, keep)
     return final
+
+
+def _reason(err: Exception) -> str:
+    """An OS error's own words, also when safetensors wraps it ("... (os error 28)")."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    found = re.search(r"os error (\d+)", text)
+    return os.strerror(int(found.group(1))) if found else text
 
 
 def retain(directory, keep: int) -> list[Path]:
@@ -303,6 +313,7 @@ def _read_rank(step_path: Path, entry: dict) -> tuple[CommitRecord, bytes]:
         raise BaftError(f"{file}: cannot read ({err.strerror})") from None
     if size != entry["file_bytes"]:
         raise BaftError(f"{file}: holds {size} bytes, the manifest says {entry['file_bytes']} (truncated or replaced)")
+    torch, _ = _torch()
     record = CommitRecord.from_json(entry["record"])
     buffer = bytearray(record.layout.nbytes)
     flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)

@@ -16,13 +16,14 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from baft.errors import BaftError
 from baft.jsonfile import read_json, write_json_atomic
 from baft.snapshot import CommitRecord, Layout
+
+if TYPE_CHECKING:
+    import torch
 
 SLOTS = 3
 DEFAULT_ROOT = "/dev/shm/baft"
@@ -55,6 +56,8 @@ def map_file(path: Path, nbytes: int, create: bool) -> mmap.mmap:
 
 def pin_if_cuda(buffer: torch.Tensor) -> torch.Tensor:
     """Register a host buffer with CUDA so device-to-host copies can run asynchronously."""
+    import torch
+
     if torch.cuda.is_available() and buffer.numel():
         torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     return buffer
@@ -74,6 +77,8 @@ class SnapshotWriter:
     """
 
     def __init__(self, root, rank: int, layout: Layout):
+        import torch  # here, not at the top: the manager process reads slots without loading torch
+
         self.directory = rank_dir(root, rank)
         self.layout = layout
         try:

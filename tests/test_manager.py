@@ -1,0 +1,420 @@
+"""The snapshot manager as real processes: it outlives trainers, rebuilds lost nodes, persists safely."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from baft import erasure, manager, persist, store
+from baft.errors import BaftError
+from baft.manager import ManagerConfig, parse_args, parse_group
+from baft.manager_protocol import ManagerClient
+from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
+
+TOPO = {"pipe": 2, "data": 1, "world": 2}
+RUN = "run-a"
+
+
+def layout_for(nbytes):
+    """A stage of two tensors, ``nbytes`` in all, cut in 256 KB chunks."""
+    half = nbytes // 8 * 4
+    tensors = [TensorEntry("w", "float32", (half // 4,), half, "parameters"),
+               TensorEntry("m", "float32", ((nbytes - half) // 4,), nbytes - half, "optimizer")]
+    return plan_layout(tensors, chunk_bytes=256 << 10)
+
+
+def data_for(rank, step, nbytes):
+    return np.random.default_rng(rank * 100003 + step).bytes(nbytes)
+
+
+def record_for(rank, step, layout, data):
+    sums = [checksum(data[c.offset:c.offset + c.nbytes]) for c in layout.chunks]
+    return CommitRecord(step, rank, rank % 2, layout, sums, items={"rng": [rank, step], "data": {"index": step}},
+                        topology=TOPO, run_id=RUN, model="model-0", wall_time=float(step))
+
+
+class Trainer:
+    """What a trainer rank does: hello, then fill a slot and commit, through the real store."""
+
+    def __init__(self, root, rank, nbytes, client=None):
+        self.root, self.rank, self.layout = Path(root), rank, layout_for(nbytes)
+        self.client = client or ManagerClient.connect(root)
+        self.client.hello(rank, self.layout.nbytes, run_id=RUN, model="model-0", topology=TOPO)
+        self.writer = store.SnapshotWriter(root, rank, self.layout)
+
+    def step(self, step, corrupt_chunk=None):
+        data = data_for(self.rank, step, self.layout.nbytes)
+        record = record_for(self.rank, step, self.layout, data)
+        buffer = self.writer.begin(step)
+        buffer.numpy()[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        if corrupt_chunk is not None:
+            buffer[self.layout.chunks[corrupt_chunk].offset + 7] ^= 1
+        slot = self.writer.slot
+        self.writer.commit(record)
+        self.client.commit(self.rank, step, slot)
+        return record, data
+
+    def close(self):
+        self.writer.close()
+        self.client.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def managers():
+    """Start manager processes; SIGKILL any still running at the end."""
+    procs = []
+
+    def run(*configs):
+        started = [manager.spawn(c) for c in configs]
+        procs.extend(started)
+        for config, proc in zip(configs, started):
+            manager.wait_ready(config.shm_root, 60, proc)
+        return started
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def held(root):
+    with ManagerClient.connect(root) as c:
+        return c.held()
+
+
+def same_snapshot(got, record, data):
+    return got is not None and got[0].to_json() == record.to_json() and bytes(got[1]) == data
+
+
+# ---- erasure across nodes ----------------------------------------------------------------------
+
+
+def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers):
+    ports = [free_port() for _ in range(3)]
+    group = parse_group(",".join(f"127.0.0.1:{p}" for p in ports))
+    configs = [ManagerConfig(node_id=i, shm_root=tmp_path / f"n{i}", group=group, parity_k=2) for i in range(3)]
+    procs = managers(*configs)
+    nbytes = 1 << 20
+    trainers = {r: Trainer(configs[r // 2].shm_root, r, nbytes + r * 4096) for r in range(6)}
+    sent = {}
+    for step in (1, 2):
+        for r, t in trainers.items():
+            sent[(r, step)] = t.step(step)
+
+    def encoded(i):
+        st = manager.status(configs[i].shm_root)
+        return st["parity"]["encoded_step"] == 2 and len(st["parity"]["acked"].get("2", [])) == 3
+    for i in range(3):
+        wait_for(lambda: encoded(i), what=f"node {i} parity of step 2")
+    assert "survives this node's loss" in manager.status(configs[2].shm_root)["parity"]["line"]
+
+    # node 2 is lost: its manager and its trainers' shared memory
+    procs[2].kill()
+    procs[2].wait()
+    for r in (4, 5):
+        trainers[r].close()
+    shutil.rmtree(configs[2].shm_root)
+
+    with ManagerClient.connect(configs[0].shm_root) as c:
+        reply, bundle = c.rebuild(2)
+    assert reply["step"] == 2 and reply["checksum"] == erasure.bundle_checksum(bundle)
+    rebuilt = erasure.unpack_bundle(bundle)
+    assert [r.rank for r, _ in rebuilt.snapshots] == [4, 5]
+    for record, buffer in rebuilt.snapshots:
+        want_record, want_data = sent[(record.rank, 2)]
+        assert record.to_json() == want_record.to_json() and bytes(buffer) == want_data
+
+    # a replacement node 2 (new manager, empty shared memory) restores its ranks from the survivors
+    fresh = ManagerConfig(node_id=2, shm_root=tmp_path / "n2-new", group=group, parity_k=2)
+    managers(fresh)
+    assert held(fresh.shm_root) == {}
+    replacement = Trainer(fresh.shm_root, 4, nbytes + 4 * 4096)
+    with ManagerClient.connect(fresh.shm_root) as c:
+        assert c.held()["4"]["parity"] == [2, 1]
+        first, second = c.restore(4), c.restore(5)
+    assert (first["source"], first["step"]) == ("parity", 2)
+    assert (second["source"], second["step"]) == ("memory", 2)
+    for r in (4, 5):
+        assert same_snapshot(store.load_verified(fresh.shm_root, r, 2), *sent[(r, 2)])
+    replacement.close()
+
+    # with node 1 gone too, one share of node 2's bundle is left: k=2 cannot be met, said in one line
+    procs[1].kill()
+    procs[1].wait()
+    with ManagerClient.connect(configs[0].shm_root) as c, pytest.raises(BaftError, match="fewer than k=2") as err:
+        c.rebuild(2)
+    assert "\n" not in str(err.value)
+    for r in (0, 1, 2, 3):
+        trainers[r].close()
+
+
+def test_mismatched_group_is_refused_in_one_line(tmp_path, managers):
+    ports = [free_port() for _ in range(3)]
+    three = parse_group(",".join(f"127.0.0.1:{p}" for p in ports))
+    managers(ManagerConfig(node_id=0, shm_root=tmp_path / "a", group=three, parity_k=2))
+    two = parse_group(",".join(f"127.0.0.1:{p}" for p in ports[:2]))
+    with pytest.raises(BaftError, match=r"--group mismatch: node 1 has n=2, k=1.*node 0 has n=3, k=2") as err:
+        manager.start(ManagerConfig(node_id=1, shm_root=tmp_path / "b", group=two, parity_k=1))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--node-id", "5", "--group", "h:1,h:2,h:3"], "--node-id 5: not a member of --group (members 0, 1, 2)"),
+    (["--node-id", "0", "--group", "h:1,h:2,h:3", "--parity-k", "3"], "--parity-k 3: must be at least 1 and below the group size 3"),
+    (["--node-id", "0", "--group", "h:1,h:2", "--parity-k", "0"], "--parity-k 0: must be at least 1"),
+    (["--node-id", "0", "--group", "0@h:1,0@h:2"], "--group: node id 0 is listed twice"),
+    (["--node-id", "0", "--group", "h1,h:2"], "--group: 'h1' is not host:port"),
+    (["--node-id", "0", "--parity-k", "1"], "--parity-k 1: needs --group"),
+    (["--node-id", "0", "--persist-every", "10"], "--persist-every/--persist-seconds: need --dir"),
+    (["--node-id", "-1"], "--node-id -1: must be a non-negative integer"),
+    (["--node-id", "0", "--memory-limit", "lots"], "--memory-limit: 'lots' is not a byte count"),
+])
+def test_bad_configuration_is_one_line(tmp_path, argv, message):
+    with pytest.raises(BaftError) as err:
+        parse_args(argv + (["--shm-root", str(tmp_path)] if "--shm-root" not in argv else []))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_command_line_error_is_one_line_on_stderr(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "baft.manager", "--node-id", "7", "--group", "127.0.0.1:1,127.0.0.1:2",
+                           "--shm-root", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --node-id 7: not a member of --group (members 0, 1)"]
+
+
+# ---- the manager outlives its trainers ---------------------------------------------------------
+
+TRAINERS = textwrap.dedent("""
+    # One process holding four ranks' writers, each stopped at another moment of its iteration,
+    # then SIGKILLed: the files are all the manager has, as after four trainers were killed.
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from test_manager import Trainer, data_for
+    root = sys.argv[1]
+    moments = {{0: ("mid-copy", 3), 1: ("after-commit", 0), 2: ("after-begin", 0), 3: ("mid-copy", 7)}}
+    for rank, (moment, chunks) in moments.items():
+        t = Trainer(root, rank, {nbytes})
+        t.step(1)
+        t.step(2)
+        if moment == "after-commit":
+            continue
+        buffer = t.writer.begin(3)
+        data = np.frombuffer(data_for(rank, 3, t.layout.nbytes), dtype=np.uint8)
+        for c in t.layout.chunks[:chunks]:
+            buffer.numpy()[c.offset:c.offset + c.nbytes] = data[c.offset:c.offset + c.nbytes]
+    print("READY", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_trainers_sigkilled_at_any_moment_lose_nothing_committed(tmp_path, managers):
+    root = tmp_path / "shm"
+    managers(ManagerConfig(node_id=0, shm_root=root))
+    nbytes = 2 << 20
+    code = TRAINERS.format(tests=str(Path(__file__).parent), nbytes=nbytes)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY", "the trainers failed"
+    finally:
+        proc.kill()
+        proc.wait()
+    layout = layout_for(nbytes)
+    for r in range(4):
+        assert wait_for(lambda: held(root)[str(r)]["memory"] == [2, 1], what=f"rank {r} held")
+        with ManagerClient.connect(root) as c:
+            reply = c.restore(r)
+        assert (reply["source"], reply["step"]) == ("memory", 2)
+        want = data_for(r, 2, layout.nbytes)
+        assert same_snapshot(store.load_verified(root, r), record_for(r, 2, layout, want), want)
+    st = manager.status(root)
+    assert all(s["verified"] == "ok" and s["step"] in (1, 2) for r in st["ranks"].values() for s in r["slots"])
+
+
+def test_corrupt_shared_memory_chunk_is_refused_and_older_used(tmp_path, managers):
+    root = tmp_path / "shm"
+    managers(ManagerConfig(node_id=0, shm_root=root))
+    t = Trainer(root, 0, 1 << 20)
+    t.step(1)
+    t.step(2)
+    wait_for(lambda: held(root)["0"]["memory"] == [2, 1], what="steps 1 and 2 verified")
+    t.step(3, corrupt_chunk=2)  # the trainer's copy went wrong before commit: background check refuses it
+    wait_for(lambda: any(s["step"] == 3 and s["verified"] != "pending"
+                         for s in manager.status(root)["ranks"]["0"]["slots"]), what="step 3 checked")
+    verdict = next(s["verified"] for s in manager.status(root)["ranks"]["0"]["slots"] if s["step"] == 3)
+    assert verdict == "chunk 2 (m bytes 0..262144) fails its checksum"
+    assert held(root)["0"]["memory"] == [2, 1]
+    # a bit flips in step 2's committed slot after it was verified: restore re-verifies
+    slot2 = next(i.slot for i in store.committed(root, 0) if i.record.step == 2)
+    chunk = t.layout.chunks[1]
+    with open(root / "rank0" / f"slot{slot2}.bin", "r+b") as f:
+        f.seek(chunk.offset + 100)
+        byte = f.read(1)
+        f.seek(chunk.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with ManagerClient.connect(root) as c:
+        reply = c.restore(0)
+        assert (reply["source"], reply["step"]) == ("memory", 1)
+        assert any("step 3 refused: chunk 2 (m bytes 0..262144)" in line for line in reply["refused"])
+        assert any("step 2 refused: chunk 1 (w bytes 262144..524288)" in line for line in reply["refused"])
+        with pytest.raises(BaftError, match=r"step 2 is held nowhere valid .*chunk 1 \(w bytes") as err:
+            c.restore(0, step=2)
+    assert "\n" not in str(err.value)
+    want = data_for(0, 1, t.layout.nbytes)
+    assert same_snapshot(store.load_verified(root, 0, 1), record_for(0, 1, t.layout, want), want)
+    t.close()
+
+
+def test_sigterm_keeps_shared_memory_for_the_next_manager_and_stop_unlinks(tmp_path, managers):
+    root = tmp_path / "shm"
+    first = managers(ManagerConfig(node_id=0, shm_root=root))[0]
+    t = Trainer(root, 0, 1 << 20)
+    sent = t.step(1)
+    t.close()
+    first.terminate()
+    assert first.wait(30) == 0
+    assert (root / "rank0" / "slot0.bin").exists()
+    managers(ManagerConfig(node_id=0, shm_root=root))
+    with ManagerClient.connect(root) as c:
+        assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
+        assert c.restore(0)["step"] == 1
+    assert same_snapshot(store.load_verified(root, 0), *sent)
+    manager.stop(root)
+    assert not (root / "rank0").exists() and not (root / "manager.sock").exists()
+    with pytest.raises(BaftError, match="no manager running"):
+        manager.stop(root)
+
+
+def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ManagerClient.try_connect(tmp_path / "nobody") is None
+        assert ManagerClient.try_connect(tmp_path / "nobody") is None
+    assert len(caught) == 1 and "no snapshot manager reachable" in str(caught[0].message)
+
+
+# ---- memory and directory checks before training -------------------------------------------------
+
+
+def test_memory_limit_is_refused_at_hello(tmp_path):
+    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", memory_limit=10 << 20))
+    m.open()
+    try:
+        m.hello(0, 3 << 20)  # 3 slots x 3 MB fit
+        with pytest.raises(BaftError, match=r"rank 1: node 0 needs 15\.0 MB .*over --memory-limit 10\.0 MB") as err:
+            m.hello(1, 2 << 20)
+        assert "\n" not in str(err.value)
+        assert not (tmp_path / "shm" / "rank1").exists()
+    finally:
+        m.request_stop(unlink=True)
+        m.serve()
+
+
+def test_foreign_snapshot_directory_is_refused_at_hello(tmp_path):
+    layout = layout_for(1 << 16)
+    data = data_for(0, 9, layout.nbytes)
+    other = record_for(0, 9, layout, data)
+    other.run_id = "run-b"
+    persist.write_snapshot(tmp_path / "ckpt", [(other, data)])
+    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "ckpt", persist_every=1))
+    m.open()
+    try:
+        with pytest.raises(BaftError, match=r"step-00000009: snapshot from run 'run-b', this run is 'run-a'") as err:
+            m.hello(0, layout.nbytes, run_id=RUN)
+        assert "\n" not in str(err.value)
+    finally:
+        m.request_stop(unlink=True)
+        m.serve()
+
+
+def test_unwritable_snapshot_directory_is_refused_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "file" / "ckpt",
+                                      persist_every=1))
+    with pytest.raises(BaftError, match=r"--dir .*file/ckpt: not writable \(Not a directory\)"):
+        m.open()
+
+
+# ---- persistence -------------------------------------------------------------------------------
+
+
+def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path, managers):
+    root, ckpt = tmp_path / "shm", tmp_path / "ckpt"
+    config = ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=1, keep=3)
+    proc = managers(config)[0]
+    nbytes = 32 << 20
+    trainers = [Trainer(root, r, nbytes) for r in (0, 1)]
+    first = [t.step(1) for t in trainers]
+    wait_for(lambda: manager.status(root)["persist"]["last_step"] == 1, what="step 1 persisted")
+    for t in trainers:
+        t.step(2)
+    partial = wait_for(lambda: list(ckpt.glob(".tmp-step-00000002-*")), timeout=60, what="the write of step 2",
+                       poll=0.001)
+    proc.kill()
+    proc.wait()
+    assert not (ckpt / "step-00000002").exists(), "the write finished before the kill; make the snapshot larger"
+    assert partial[0].exists()
+    assert [s.step for s in persist.list_steps(ckpt)] == [1]
+    loaded = persist.load_latest(ckpt)
+    assert [r.step for r, _ in loaded] == [1, 1]
+    for got, want in zip(loaded, first):
+        assert same_snapshot(got, *want)
+    # the next manager adopts the shared memory, writes step 2 whole, and clears the leftover
+    managers(config)
+    wait_for(lambda: manager.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
+    assert not partial[0].exists()
+    assert [r.step for r, _ in persist.load_latest(ckpt)] == [2, 2]
+    for t in trainers:
+        t.close()
+
+
+def test_full_disk_is_reported_and_memory_snapshots_kept(tmp_path, managers):
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ckpt)], check=True,
+                       capture_output=True, timeout=10)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("cannot mount a small tmpfs here (needs root); persist.write_snapshot's own test covers it")
+    try:
+        root = tmp_path / "shm"
+        managers(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=1))
+        t = Trainer(root, 0, 1 << 20)
+        sent = t.step(1)
+        error = wait_for(lambda: manager.status(root)["persist"]["error"], what="the failed write")
+        assert "cannot persist step 1 (No space left on device)" in error and "\n" not in error
+        assert "FAILED" in manager.format_status(manager.status(root))
+        with ManagerClient.connect(root) as c:
+            assert c.restore(0)["source"] == "memory"
+        assert same_snapshot(store.load_verified(root, 0), *sent)
+        assert list(ckpt.iterdir()) == []
+        t.close()
+    finally:
+        subprocess.run(["umount", str(ckpt)], check=False)
