@@ -350,6 +350,9 @@ class Manager:
 
     def serve(self) -> None:
         """Run the servers and background threads until ``shutdown`` or :meth:`request_stop`."""
+        if self.config.dir is not None or self.config.group:
+            # restores from disk or parity write slots through torch: load it before one is asked for
+            self._spawn(persist.preload, "preload")
         for server in self._servers:
             self._spawn(server.serve_forever, f"serve-{type(server).__name__}")
         self._spawn(self._work_loop, "verify-encode")
@@ -379,7 +382,7 @@ class Manager:
         socket_path(self.root).unlink(missing_ok=True)
         (self.root / INFO_NAME).unlink(missing_ok=True)
         if self._unlink:
-            for rank in list(self.ranks):
+            for rank in self._rank_ids():
                 shutil.rmtree(store.rank_dir(self.root, rank), ignore_errors=True)
             log.info("stopped; shared-memory snapshots unlinked")
         else:
@@ -439,7 +442,7 @@ class Manager:
 
     def held(self) -> dict:
         """Per rank, the steps this manager can serve from memory (verified), parity and disk."""
-        for rank in list(self.ranks):
+        for rank in self._rank_ids():
             self._verify_rank(rank)
         parity = self._parity_steps(self.config.node_id) if self.config.group else {}
         disk = persist.list_steps(self.config.dir) if self.config.dir is not None else []
@@ -466,7 +469,7 @@ class Manager:
             candidates &= {step}
         for s in sorted(candidates, reverse=True):
             if s in memory:
-                problem = self._check_in_place(rank, memory[s], force=True)
+                problem = self._check_in_place(rank, memory[s])
                 if problem is None:
                     return self._restored("memory", rank, memory[s].slot, s, refused)
                 if problem is not _RECYCLED:
@@ -489,6 +492,10 @@ class Manager:
         wanted = f"step {step}" if step is not None else "any step"
         why = f"; {refused[-1]}" if refused else ""
         raise BaftError(f"restore rank {rank}: {wanted} is held nowhere valid (memory, parity, disk){why}")
+
+    def _rank_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self.ranks)
 
     def _identity(self, rank: int) -> Optional[Identity]:
         with self._lock:
@@ -528,7 +535,7 @@ class Manager:
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _check_in_place(self, rank: int, info: store.SlotInfo, force: bool = False):
+    def _check_in_place(self, rank: int, info: store.SlotInfo):
         """None if the slot verifies, the first bad chunk if not, _RECYCLED if a trainer reused it meanwhile."""
         try:
             with store.open_slot(self.root, rank, info.slot) as m:
@@ -582,7 +589,7 @@ class Manager:
                 log.exception("background work failed")
 
     def _work_once(self) -> None:
-        for rank in list(self.ranks):
+        for rank in self._rank_ids():
             self._verify_rank(rank)
         common = self._complete_steps()
         if not common:
@@ -603,7 +610,7 @@ class Manager:
         """This node's bundle of ``step``, copied out of shared memory and verified on the copy."""
         maps, snapshots = [], []
         try:
-            for rank in sorted(self.ranks):
+            for rank in self._rank_ids():
                 info = next((i for i in store.committed(self.root, rank) if i.record.step == step), None)
                 if info is None:
                     return None
@@ -631,7 +638,7 @@ class Manager:
         shares = erasure.encode(bundle, cfg.k, cfg.n)
         encoded = time.perf_counter() - began
         meta = {"step": step, "size": len(bundle), "checksum": erasure.bundle_checksum(bundle),
-                "ranks": sorted(self.ranks)}
+                "ranks": self._rank_ids()}
         acked, errors = [], {}
         for index, member in enumerate(cfg.group):
             data, shares[index] = shares[index], None
@@ -717,7 +724,7 @@ class Manager:
         """On a clean stop, persist the newest complete step if the schedule has not yet."""
         if not self.config.persists:
             return
-        for rank in list(self.ranks):
+        for rank in self._rank_ids():
             self._verify_rank(rank)
         common = self._complete_steps()
         if not common:

@@ -89,6 +89,11 @@ def _torch():
 
     return torch, safetensors.torch
 
+
+def preload() -> None:
+    """Import what writing and reading snapshots needs (about 2 s), e.g. in a background thread."""
+    _torch()
+
 Log = Optional[Callable[[str], None]]
 
 

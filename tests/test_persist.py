@@ -226,3 +226,41 @@ def test_read_only_directory_is_one_line(tmp_path):
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_inspect_persisted_and_shared_memory_snapshots(tmp_path):
+    from baft.inspect import SnapshotCorrupt, inspect
+
+    snaps = node(6)
+    step = persist.write_snapshot(tmp_path / "ckpt", snaps)
+    text = inspect(step)
+    assert "step 6 (persisted)" in text and "run 'run-a'" in text
+    assert "layer.weight" in text and "[64, 33]" in text and "bfloat16" in text
+    assert text.count("checksums: ok") == 2
+    assert inspect(tmp_path / "ckpt") == text
+
+    writer = SnapshotWriter(tmp_path / "shm", 0, snaps[0][0].layout)
+    writer.begin(6)[:] = torch.frombuffer(bytearray(snaps[0][1]), dtype=torch.uint8)
+    writer.commit(snaps[0][0])
+    writer.close()
+    shm_text = inspect(tmp_path / "shm" / "rank0")
+    assert "slot 0: step 6" in shm_text and "checksums: ok" in shm_text
+    assert "rank 0 (shared memory)" in inspect(tmp_path / "shm")
+
+    with open(tmp_path / "shm" / "rank0" / "slot0.bin", "r+b") as f:
+        f.seek(snaps[0][0].layout.chunks[1].offset)
+        f.write(b"\xff\xfe")
+    with pytest.raises(SnapshotCorrupt, match=r"rank0/slot0\.bin: snapshot of step 6 refused: chunk 1 \(layer\.weight bytes 4096\.\.8192\)") as err:
+        inspect(tmp_path / "shm" / "rank0")
+    assert "\n" not in str(err.value) and "layer.weight" in err.value.report
+
+    file = step / "rank0.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 1
+    file.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt, match=r"rank0\.safetensors: snapshot of step 6 refused: chunk \d+"):
+        inspect(step)
+    assert "FAILED" not in inspect(step, verify=False)
+
+    with pytest.raises(BaftError, match="not a baft snapshot"):
+        inspect(tmp_path)
