@@ -45,6 +45,7 @@ class BaftConfig:
     persist: PersistConfig = field(default_factory=PersistConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     fresh_start: bool = True  # may a restart with no snapshot anywhere start from scratch?
+    run_dir: Optional[str] = None  # where restarts append recovery.jsonl
     save_dir: Optional[str] = None  # checkpoint directory of the disk baselines (deepspeed, torch-save, dcp-async)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Optional
 
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
@@ -36,9 +36,9 @@ class SnapshotPolicy(InstructionHook):
     name = "none"
 
     def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = 1 << 20, data_iterator=None,
-                 on_commit: Optional[Callable[[CommitRecord, int], None]] = None):
+                 link=None):
         self.shm_root, self.period, self.chunk_bytes = shm_root, period, chunk_bytes
-        self.data_iterator, self.on_commit = data_iterator, on_commit
+        self.data_iterator, self.link = data_iterator, link
         self.source: Optional[StateSource] = None
         self.writer: Optional[SnapshotWriter] = None
         self.snapshot: Optional[Snapshot] = None
@@ -53,6 +53,8 @@ class SnapshotPolicy(InstructionHook):
         """Lay out the state and map the slots (once the optimizer state exists)."""
         if self.source is None:
             self.source = StateSource(engine, self.chunk_bytes)
+            if self.link is not None:
+                self.link.hello(self.source.layout)  # the manager sizes the slots, or refuses
             self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout)
 
     def iteration_start(self, engine):
@@ -77,8 +79,8 @@ class SnapshotPolicy(InstructionHook):
         record = self.snapshot.finish()
         self.snapshot = None
         self.commits.append(record)
-        if self.on_commit is not None:
-            self.on_commit(record, slot)
+        if self.link is not None:
+            self.link.commit(record, slot)
 
 
 class BubbleExecutor(SnapshotPolicy):

@@ -8,6 +8,7 @@ from pathlib import Path
 import deepspeed
 
 from baft.config import parse_config
+from baft.errors import BaftError
 from baft.engine import attach
 from baft.jsonfile import read_json
 
@@ -29,10 +30,14 @@ def initialize(model, config, data_iterator=None, **kwargs):
     ``deepspeed.initialize``. ``data_iterator`` is the training iterator whose position is
     saved and restored (any object with ``state_dict``/``load_state_dict``).
     """
+    from baft import recovery
+
+    recovery.mark("init_start")
     ds_config = load_ds_config(config)
     cfg = parse_config(ds_config)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=ds_config, **kwargs)
+    recovery.mark("init_end")
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
     attach(engine, cfg.schedule)
@@ -40,10 +45,65 @@ def initialize(model, config, data_iterator=None, **kwargs):
     engine.baft_run_id = cfg.run_id
     if profile_dir:
         _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), model)
-    elif cfg.policy != "none":
-        from baft.policies import make_policy  # noqa: PLC0415 (imports the manager client only when used)
-        engine.baft_hooks.append(make_policy(engine, cfg, data_iterator))
+        return engine, optimizer, loader, scheduler
+    if cfg.policy != "none":
+        _protect(engine, cfg, data_iterator)
     return engine, optimizer, loader, scheduler
+
+
+def _protect(engine, cfg, data_iterator) -> None:
+    """Restore the newest snapshot every rank holds, then snapshot as the policy says."""
+    from baft import chaos, recovery
+    from baft.manager_protocol import ManagerClient
+    from baft.policies import IN_MEMORY, make_policy, shm_root, warn
+
+    root = shm_root(cfg)
+    client = None
+    if cfg.policy in IN_MEMORY:
+        client = ManagerClient.try_connect(root, warn=lambda m: warn(engine, m))
+        if client is None and cfg.require_manager:
+            raise BaftError(f"baft.require_manager: no snapshot manager answers at {root}; start one with "
+                            f"'baft manager start' or set require_manager to false")
+        restored = recovery.restore(engine, root, client, data_iterator, cfg.fresh_start,
+                                    log=lambda m: warn(engine, m))
+        if restored is not None and engine.global_rank == 0:
+            print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
+        engine.baft_restored = restored
+    policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))
+    engine.baft_hooks.append(policy)
+    if cfg.policy in IN_MEMORY:
+        engine.baft_hooks.append(recovery.RecoveryReport(engine.baft_restored, cfg.run_dir))
+    faults = chaos.faults_from_env()
+    if faults:
+        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, recovery.restart_count(), cfg.run_dir))
+
+
+class ManagerLink:
+    """Tells the node's manager about this rank's slots and commits; warns once and trains on if it is gone."""
+
+    def __init__(self, engine, client):
+        self.engine, self.client = engine, client
+
+    def hello(self, layout) -> None:
+        if self.client is None:
+            return
+        from baft.snapshot import model_signature
+
+        engine = self.engine
+        self.client.hello(engine.global_rank, layout.nbytes, engine.baft_run_id, model_signature(layout.tensors),
+                          {"pipe": engine.num_stages, "data": engine.grid.get_data_parallel_world_size()})
+
+    def commit(self, record, slot: int) -> None:
+        if self.client is None:
+            return
+        from baft.manager_protocol import ManagerUnavailable
+        from baft.policies import warn
+
+        try:
+            self.client.commit(record.rank, record.step, slot)
+        except ManagerUnavailable as err:
+            warn(self.engine, f"{err}; snapshots stay in shared memory only")
+            self.client = None
 
 
 def _start_profiler(engine, directory: str, iterations: int, model) -> None:

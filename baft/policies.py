@@ -36,10 +36,13 @@ def shm_root(cfg: BaftConfig) -> str:
     return str(Path(cfg.shm_root) / cfg.run_id / f"node{cfg.node_id}")
 
 
-def make_policy(engine, cfg: BaftConfig, data_iterator=None, on_commit=None) -> InstructionHook:
-    """The hook that takes snapshots as ``cfg.policy`` says."""
+IN_MEMORY = ("baft", "sync-copy", "thread-copy")
+
+
+def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> InstructionHook:
+    """The hook that takes snapshots as ``cfg.policy`` says; ``link`` tells the manager of commits."""
     period = cfg.period if isinstance(cfg.period, int) else None
-    common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, on_commit=on_commit)
+    common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
     if cfg.policy == "baft":
         return PlannedExecutor(cfg, shm_root(cfg), period=period or 1, fixed_period=period, **common)
     if cfg.policy in ("sync-copy", "thread-copy"):
@@ -60,7 +63,7 @@ class PlannedExecutor(BubbleExecutor):
         self.plan_source = ""
 
     def iteration_start(self, engine):
-        if not self.planned and engine.global_steps >= 1:
+        if not self.planned and engine.global_steps >= 1 and self.timer.iterations:
             self.make_plan(engine)
         if not self.planned:
             self.timer.iteration_start(engine)

@@ -94,6 +94,12 @@ class Layout:
         return cls(tensors, chunks, doc.get("shard", 0), doc.get("num_shards", 1), doc.get("total_chunks", len(chunks)))
 
 
+def model_signature(tensors: Iterable[TensorEntry]) -> str:
+    """Identifies the model a stage's state belongs to: its parameters and buffers, not optimizer state."""
+    desc = json.dumps([[t.name, t.dtype, list(t.shape)] for t in tensors if t.kind != "optimizer"])
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
 def plan_layout(tensors: Iterable[TensorEntry], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 shard: int = 0, num_shards: int = 1) -> Layout:
     """Cut tensors into chunks of at most ``chunk_bytes`` and keep shard ``shard`` of ``num_shards``.

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from baft import state
-from baft.snapshot import CommitRecord, Layout, checksum, plan_layout
+from baft.snapshot import CommitRecord, Layout, checksum, model_signature, plan_layout
 from baft.store import SnapshotWriter
 
 
@@ -91,7 +91,7 @@ class Snapshot:
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,
                               checksums=list(self.checksums), items=self.items,
                               topology=self.source.topology(), run_id=getattr(engine, "baft_run_id", ""),
-                              model=self.source.layout.fingerprint, wall_time=time.time())
+                              model=model_signature(self.source.layout.tensors), wall_time=time.time())
         self.writer.commit(record)
         return record
 

@@ -143,3 +143,23 @@ def ensure_optimizer_state(engine) -> Optional[str]:
             if p.requires_grad and not optimizer.state.get(p):
                 return "optimizer state is created by the first optimizer step"
     return None
+
+
+def create_optimizer_state(engine, entries) -> None:
+    """Allocate the optimizer-state tensors a snapshot's layout lists, so a restore can fill them.
+
+    Before the first optimizer step a torch optimizer has no state; a snapshot of step
+    k >= 1 has it, and every value is overwritten by the restore.
+    """
+    optimizer = _torch_optimizer(engine.optimizer)
+    params = dict(engine.module.named_parameters())
+    for entry in entries:
+        if entry.kind != "optimizer":
+            continue
+        pname, key = entry.name[len("optim/"):].rsplit("/", 1)
+        p = params.get(pname)
+        if p is None:
+            continue
+        slot = optimizer.state[p]
+        if key not in slot:
+            slot[key] = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype), device=p.device)

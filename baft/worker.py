@@ -21,6 +21,7 @@ import torch.distributed as dist
 import baft
 from baft.config import POLICIES
 from baft.errors import BaftError
+from baft.recovery import mark, restart_count
 from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
 
 
@@ -60,6 +61,7 @@ def ds_config(args, dp: int) -> dict:
         section["plan"] = args.plan
     if args.run_dir:
         section["save_dir"] = str(Path(args.run_dir) / "checkpoints")
+        section["run_dir"] = args.run_dir
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.micro_batches,
@@ -76,6 +78,7 @@ def build(args: argparse.Namespace):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    mark("init_start")
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     if world % args.stages:
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     lead = engine.global_rank == 0
     log = _open_log(args.run_dir) if lead else None
     times = []
-    for _ in range(args.iters):
+    while engine.global_steps < args.iters:  # a restarted run resumes at its restored step
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         elapsed = time.perf_counter() - start
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
         dist.all_reduce(stall, op=dist.ReduceOp.MAX)
         times.append(elapsed)
         if lead:
-            record = {"step": engine.global_steps, "loss": float(loss), "iter_s": elapsed, "stall_s": float(stall)}
+            record = {"step": engine.global_steps, "loss": float(loss), "iter_s": elapsed, "stall_s": float(stall),
+                      "restart": restart_count(), "time": time.time()}
             print(f"step {record['step']:5d}  loss {record['loss']!r}  iter {elapsed * 1e3:8.1f} ms  "
                   f"stall {record['stall_s'] * 1e3:7.2f} ms", flush=True)
             if log is not None:

@@ -1,0 +1,269 @@
+"""The restart hook: agree on the newest step every rank can restore, load it, and time the restart.
+
+On every (re)start ``baft.initialize`` calls :func:`restore`. Each rank lists the steps whose
+snapshots of its pipeline stage it can reach — in this node's shared memory (fastest), or
+through the node's manager from the parity group or from disk — and which data-parallel
+shards of the stage each covers. An all-gather lets every rank compute the same answer:
+the newest step for which every stage's shards are all reachable. Each rank then loads its
+stage's shards (verifying checksums), replicas of a stage exchange shards they lack, and
+the small items (RNG, counters, LR scheduler, data position) are put back. If any rank
+fails to load the chosen step, all ranks drop it and agree on the next one: the job never
+resumes from a mix of steps.
+
+Restart timings (T1 process restart, T2 process-group init, T3 state load, T4 warm-up,
+T0 rollback) are recorded in :data:`clock` and written to ``RUN_DIR/recovery.jsonl`` by
+rank 0 once the first resumed iteration completes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from baft import state, store
+from baft.engine import InstructionHook
+from baft.errors import BaftError
+from baft.snapshot import CommitRecord, chunk_bytes_of, model_signature, plan_layout
+
+clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
+SOURCES = ("memory", "parity", "disk")
+
+
+def mark(name: str) -> None:
+    """Record the wall time of a restart phase boundary (first call wins)."""
+    clock.setdefault(name, time.time())
+
+
+@dataclass
+class Restored:
+    step: int
+    source: str
+    shards: int
+    refused: list[str] = field(default_factory=list)
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _rank_ids(root) -> list[int]:
+    return sorted(int(p.name[4:]) for p in Path(root).glob("rank*") if p.name[4:].isdigit())
+
+
+def _local_offers(root: str, stage: int, fingerprint: str, held: dict) -> dict[int, dict]:
+    """step -> {"shards": {shard: (old_rank, source)}, "num_shards": n} reachable from this node."""
+    offers: dict[int, dict] = {}
+
+    for old_rank in _rank_ids(root):
+        for info in store.committed(root, old_rank):
+            rec = info.record
+            if rec.stage == stage and rec.model == fingerprint:
+                entry = offers.setdefault(rec.step, {"shards": {}, "num_shards": rec.layout.num_shards})
+                entry["shards"].setdefault(rec.layout.shard, (old_rank, "memory"))
+    for old_rank, sources in held.items():
+        for source in ("parity", "disk"):
+            for step in sources.get(source, []):
+                if step not in offers:
+                    offers.setdefault(step, {"shards": {}, "num_shards": None, "pending": []})
+                offers[step].setdefault("pending", []).append((int(old_rank), source))
+    return offers
+
+
+def restore(engine, root: str, client=None, data_iterator=None, fresh_start: bool = True,
+            log=print) -> Optional[Restored]:
+    """Load the newest snapshot every rank can restore into ``engine``; None for a fresh start."""
+    mark("restore_start")
+    stage, rank = engine.stage_id, engine.global_rank
+    fingerprint = model_signature(state.tensor_entries(engine))
+    held = {}
+    if client is not None:
+        try:
+            held = client.held()
+        except BaftError as err:
+            log(f"baft: rank {rank}: manager did not say what it holds ({err})")
+    refused: list[str] = []
+    tried: set[int] = set()
+    while True:
+        offers = _local_offers(root, stage, fingerprint, held)
+        mine = {step: {"stage": stage, "shards": sorted(k for k in o["shards"] if k is not None),
+                       "num_shards": o["num_shards"], "pending": bool(o.get("pending"))}
+                for step, o in offers.items() if step not in tried}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        step = _newest_common(everyone, engine.num_stages)
+        if step is None:
+            break
+        ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
+        flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(flags)
+        if flags.item() == 0:
+            state.restore_items(engine, shards_items(shards, rank), data_iterator)
+            mark("restore_end")
+            return Restored(step, source, len(shards), refused)
+        tried.add(step)
+        held = {}  # what the manager could not materialize, it will not on a second ask
+    for line in refused:
+        log(f"baft: rank {rank}: {line}")
+    mark("restore_end")
+    if not fresh_start:
+        raise BaftError("no snapshot that every rank can restore, and fresh_start is false")
+    return None
+
+
+def _newest_common(everyone: list[dict], stages: int) -> Optional[int]:
+    """The newest step at which, for every stage, the ranks of that stage together reach every shard."""
+    steps = set.intersection(*(set(offers) for offers in everyone)) if everyone else set()
+    for step in sorted(steps, reverse=True):
+        complete = True
+        for s in range(stages):
+            entries = [o[step] for o in everyone if o[step]["stage"] == s]
+            if any(e["pending"] for e in entries):
+                continue  # a manager will materialize it from parity or disk; assume whole
+            counts = {e["num_shards"] for e in entries}
+            covered = set().union(*(set(e["shards"]) for e in entries))
+            if len(counts) != 1 or covered != set(range(counts.pop() or 0)) or not covered:
+                complete = False
+                break
+        if complete:
+            return step
+    return None
+
+
+def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[bool, str, dict]:
+    """Load every reachable shard of this stage at ``step`` and exchange missing ones with replicas."""
+    source = "memory"
+    for old_rank, pending_source in offer.get("pending", []):
+        try:
+            client.restore(old_rank, step)
+            source = pending_source
+        except BaftError as err:
+            refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
+    shards: dict[int, tuple[CommitRecord, bytes]] = {}
+    for old_rank in _rank_ids(root):
+        found = store.load_verified(root, old_rank, step=step, log=refused.append)
+        if found and found[0].stage == engine.stage_id and found[0].model == fingerprint:
+            shards.setdefault(found[0].layout.shard, found)
+    if shards:
+        state.create_optimizer_state(engine, next(iter(shards.values()))[0].layout.tensors)
+    try:
+        _apply(engine, shards)
+        _exchange_shards(engine, shards)
+    except BaftError as err:
+        refused.append(str(err))
+        return False, source, shards
+    return True, source, shards
+
+
+def shards_items(shards: dict, rank: int) -> dict:
+    """The small items to restore: this rank's own record if it is here, else any shard's."""
+    for record, _ in shards.values():
+        if record.rank == rank:
+            return record.items
+    return next(iter(shards.values()))[0].items
+
+
+def _apply(engine, shards: dict) -> None:
+    views = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
+    for record, data in shards.values():
+        for chunk, payload in chunk_bytes_of(record, data):
+            target = views.get(chunk.tensor)
+            if target is None or chunk.start + chunk.nbytes > target.numel():
+                raise BaftError(f"snapshot of step {record.step} (rank {record.rank}) has tensor {chunk.tensor} "
+                                f"that this model does not match")
+            target[chunk.start:chunk.start + chunk.nbytes].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+def _exchange_shards(engine, shards: dict) -> None:
+    """Replicas of a stage broadcast the shards some of them lack (multi-node restores)."""
+    group = engine.grid.get_data_parallel_group()
+    dp = engine.grid.get_data_parallel_world_size()
+    num_shards = next(iter(shards.values()))[0].layout.num_shards if shards else 0
+    if dp == 1:
+        if not shards or set(shards) != set(range(num_shards)):
+            raise BaftError(f"stage {engine.stage_id}: shards {sorted(shards)} of {num_shards} are reachable "
+                            f"on this node; the rest are on other nodes and no replica can send them")
+        return
+    have = [None] * dp
+    dist.all_gather_object(have, sorted(shards), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    views = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
+    entries = state.tensor_entries(engine)
+    num_shards = max(num_shards, max((max(h) + 1 for h in have if h), default=0))
+    for shard in range(num_shards):
+        holders = [i for i, h in enumerate(have) if shard in h]
+        if not holders:
+            raise BaftError(f"stage {engine.stage_id}: no replica holds shard {shard} of the snapshot")
+        if len(holders) == dp:
+            continue
+        layout = plan_layout(entries, shard=shard, num_shards=num_shards)
+        for chunk in layout.chunks:
+            dist.broadcast(views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes], src=ranks[holders[0]],
+                           group=group)
+
+
+class RecoveryReport(InstructionHook):
+    """After the first resumed iteration: T0..T4 of this restart, printed and appended to recovery.jsonl."""
+
+    def __init__(self, restored: Optional[Restored], run_dir: Optional[str]):
+        self.restored, self.run_dir, self.done = restored, run_dir, False
+
+    def iteration_end(self, engine):
+        if self.done:
+            return
+        self.done = True
+        mark("first_iteration_end")
+        if engine.global_rank != 0 or restart_count() == 0 or self.run_dir is None:
+            return
+        record = recovery_record(self.restored, Path(self.run_dir))
+        with open(Path(self.run_dir) / "recovery.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print("baft: recovered " + "  ".join(f"{k} {record[k]:.2f}s" for k in ("T0", "T1", "T2", "T3", "T4", "total"))
+              + f"  from step {record['restored_step']} ({record['source']})", flush=True)
+
+
+def _last_progress(run_dir: Path) -> dict[int, float]:
+    """step -> wall time it completed, from losses.jsonl (every attempt so far)."""
+    done = {}
+    path = run_dir / "losses.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                done[rec["step"]] = rec["time"]
+            except (ValueError, KeyError):
+                continue
+    return done
+
+
+def _fault(run_dir: Path) -> dict:
+    """The newest injected fault (chaos.jsonl), if the run has one for this restart."""
+    path = run_dir / "chaos.jsonl"
+    faults = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    faults = [f for f in faults if f.get("restart") == restart_count() - 1]
+    return faults[-1] if faults else {}
+
+
+def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
+    progress = _last_progress(run_dir)
+    fault = _fault(run_dir)
+    failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
+    step = restored.step if restored else 0
+    since = progress.get(step, failed_at)
+    t = {
+        "T0": max(0.0, failed_at - since),
+        "T1": clock["process_start"] - failed_at + (clock.get("init_start", clock["process_start"]) - clock["process_start"]),
+        "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
+        "T3": clock["restore_end"] - clock["restore_start"],
+        "T4": clock["first_iteration_end"] - clock["restore_end"],
+    }
+    return {"restart": restart_count(), "fault": fault.get("what", "process exit"), "killed_at": fault.get("time"),
+            "restored_step": step, "source": restored.source if restored else "fresh",
+            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}
