@@ -58,6 +58,9 @@ def encode(data, k: int, n: int) -> list[bytes]:
     validate(k, n)
     view = memoryview(data).cast("B")
     size = view.nbytes
+    if k == 1:  # every share is the input itself: replication, at copy speed
+        share = bytes(view) if size else b"\0"
+        return [share] * n
     block = share_size(size, k)
     blocks = []
     for i in range(k):
@@ -78,6 +81,12 @@ def decode(shares: dict[int, bytes], k: int, n: int, size: int) -> bytes:
     if len(shares) < k:
         raise BaftError(f"erasure decode: {len(shares)} shares of {n} left, at least k={k} are needed")
     block = share_size(size, k)
+    if k == 1:
+        share = shares[min(shares)]
+        if len(share) != block:
+            raise BaftError(f"erasure decode: share {min(shares)} holds {len(share)} bytes, expected {block} "
+                            f"for a {size}-byte input with k=1")
+        return bytes(share[:size])
     # primary shares (index < k) decode for free, so prefer them
     chosen = sorted(shares)[:k]
     for i in chosen:

@@ -400,7 +400,7 @@ class Manager:
             for other in self.ranks.values():
                 if other.rank != rank and run_id and other.identity.run_id and other.identity.run_id != run_id:
                     raise BaftError(f"hello: rank {rank} is from run {run_id!r}, rank {other.rank} on this "
-                                    f"manager from run {other.identity.run_id!r}")
+                                    f"manager from run {other.identity.run_id!r}; 'baft manager stop' drops the old run")
             sizes = [r.nbytes for r in self.ranks.values() if r.rank != rank] + [nbytes]
             needed = memory_needed(sizes, self.config.k, self.config.n)
             limit = self.config.memory_limit

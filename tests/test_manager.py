@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -102,6 +103,25 @@ def managers():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def in_process():
+    """Run a manager on a thread of the test process (for what needs no process to die)."""
+    running = []
+
+    def run(config):
+        m = manager.Manager(config)
+        m.open()
+        thread = threading.Thread(target=m.serve, daemon=True)
+        thread.start()
+        running.append((m, thread))
+        return m
+
+    yield run
+    for m, thread in running:
+        m.request_stop(unlink=True)
+        thread.join(60)
 
 
 def held(root):
@@ -418,3 +438,30 @@ def test_full_disk_is_reported_and_memory_snapshots_kept(tmp_path, managers):
         t.close()
     finally:
         subprocess.run(["umount", str(ckpt)], check=False)
+
+
+def test_persist_every_n_writes_multiples_of_n_and_the_newest_on_stop(tmp_path, in_process):
+    root, ckpt = tmp_path / "shm", tmp_path / "ckpt"
+    m = in_process(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=3, keep=2))
+    t = Trainer(root, 0, 1 << 18)
+    for step in range(1, 9):
+        t.step(step)
+        wait_for(lambda: step in held(root)["0"]["memory"], what=f"step {step} verified")
+    wait_for(lambda: m.status()["persist"]["last_step"] == 6, what="step 6 persisted")
+    assert [s.step for s in persist.list_steps(ckpt)] == [6, 3]
+    t.close()
+    m.request_stop(unlink=True)
+    wait_for(lambda: not (root / "rank0").exists(), what="stop")
+    assert [s.step for s in persist.list_steps(ckpt)] == [8, 6]
+    want = data_for(0, 8, t.layout.nbytes)
+    assert same_snapshot(persist.load_latest(ckpt)[0], record_for(0, 8, t.layout, want), want)
+
+
+def test_persist_seconds_writes_the_newest_when_due(tmp_path, in_process):
+    root, ckpt = tmp_path / "shm", tmp_path / "ckpt"
+    m = in_process(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_seconds=0.5))
+    t = Trainer(root, 0, 1 << 18)
+    t.step(1)
+    t.step(2)
+    wait_for(lambda: m.status()["persist"]["last_step"] == 2, what="step 2 persisted")
+    t.close()
