@@ -764,16 +764,16 @@ class Manager:
 
     def store_share(self, origin: int, step: int, share: Share) -> None:
         with self._lock:
-            held = self.shares.setdefault(origin, {})
+            kept = {**self.shares.get(origin, {}), step: share}
+            kept = {s: kept[s] for s in sorted(kept)[-SHARE_STEPS_KEPT:]}
             limit = self.config.memory_limit
             if limit is not None and origin != self.config.node_id:
-                total = self._slot_bytes() + self._share_bytes() + len(share.data)
+                others = sum(len(s.data) for o, h in self.shares.items() if o != origin for s in h.values())
+                total = self._slot_bytes() + others + sum(len(s.data) for s in kept.values())
                 if total > limit:
                     raise BaftError(f"node {self.config.node_id}: a {human(len(share.data))} share of node {origin} "
                                     f"would bring host memory to {human(total)}, over --memory-limit {human(limit)}")
-            held[step] = share
-            for old in sorted(held)[:-SHARE_STEPS_KEPT]:
-                del held[old]
+            self.shares[origin] = kept
 
     def _parity_steps(self, node: int) -> dict[int, tuple[list[int], list[int]]]:
         """For each step of ``node``'s bundle: which members hold a share, and which ranks it covers.
