@@ -164,5 +164,163 @@ def plan_cmd(bubble_map, out, budget):
     click.echo(f"wrote {path}")
 
 
+@main.command()
+@click.option("--example", type=click.Choice(["gpt"]), help="Train the bundled example instead of a script.")
+@example_options
+@click.option("--iters", default=20, show_default=True, help="Train until this optimizer step.")
+@click.option("--policy", default="baft", show_default=True,
+              type=click.Choice(["none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async"]))
+@click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
+@click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
+@click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
+              help="Where losses.jsonl, recovery.jsonl and checkpoints go.")
+@click.option("--max-restarts", default=3, show_default=True, help="Elastic restarts after a failure.")
+@click.option("--nprocs", type=int, help="Processes for a script (default: stages x data-parallel).")
+@click.option("--manager/--no-manager", default=True, show_default=True,
+              help="Start this node's snapshot manager for the run (stopped at the end).")
+@click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
+@click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
+          persist_every, faults, command, dp, **model):
+    """Train under a snapshot policy, restarting from the newest snapshot after a failure.
+
+    Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
+    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Prints one
+    line per iteration and appends them to ``RUN_DIR/losses.jsonl``.
+    """
+    from baft import chaos
+    from baft.launch import example_args, launch_env, torchrun
+    from baft.manager import ManagerConfig, start, stop
+
+    if bool(example) == bool(command):
+        raise BaftError("give either --example gpt or a training script after --, not both or neither")
+    for fault in faults:
+        chaos.parse_fault(fault)
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    run_id = run.name
+    shm = "/dev/shm/baft"
+    node_root = Path(shm) / run_id / "node0"
+    procs = nprocs or model["stages"] * dp
+    env = launch_env({chaos.ENV: ";".join(faults)} if faults else {})
+    if example:
+        args = {**model, "iters": iters, "policy": policy, "period": period, "run_dir": str(run),
+                "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm}
+        cmd = torchrun(procs, example_args(args), max_restarts=max_restarts)
+    else:
+        cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False)
+    started = False
+    if manager and policy in ("baft", "sync-copy", "thread-copy"):
+        start(ManagerConfig(node_id=0, shm_root=node_root, dir=run / "persisted" if persist_every else None,
+                            persist_every=persist_every).validate())
+        started = True
+    try:
+        code = _run(cmd, env)
+    finally:
+        if started:
+            stop(node_root)
+    if (run / "recovery.jsonl").exists():
+        from baft.report import load_recoveries, render_recovery_text
+
+        click.echo(render_recovery_text(load_recoveries(run)))
+    if code != 0:
+        raise BaftError(f"training failed (exit code {code}); see the output above and {run}")
+
+
+@main.group()
+def manager():
+    """Start, stop or query this node's snapshot manager."""
+
+
+@manager.command(name="start")
+@click.option("--node-id", default=0, show_default=True)
+@click.option("--shm-root", required=True, help="This node's shared-memory root, e.g. /dev/shm/baft/RUN/node0.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Where to persist snapshots.")
+@click.option("--group", help="host:port of every manager of the parity group, e.g. 0@127.0.0.1:7100,1@...")
+@click.option("--parity-k", type=int, help="Shares needed to rebuild a node (default: group size - 1).")
+@click.option("--persist-every", type=int)
+@click.option("--persist-seconds", type=float)
+@click.option("--keep", default=3, show_default=True)
+@click.option("--memory-limit", help="Refuse ranks whose snapshots need more host memory, e.g. 8G.")
+@user_errors
+def manager_start(node_id, shm_root, directory, group, parity_k, persist_every, persist_seconds, keep, memory_limit):
+    """Start the manager in the background; it outlives the trainers."""
+    from baft.manager import ManagerConfig, parse_bytes, parse_group, start
+
+    pid = start(ManagerConfig(node_id=node_id, shm_root=Path(shm_root), dir=directory,
+                              group=parse_group(group) if group else (), parity_k=parity_k,
+                              persist_every=persist_every, persist_seconds=persist_seconds, keep=keep,
+                              memory_limit=parse_bytes(memory_limit) if memory_limit else None).validate())
+    click.echo(f"manager of node {node_id} running (pid {pid}) at {shm_root}")
+
+
+@manager.command(name="stop")
+@click.option("--shm-root", required=True)
+@user_errors
+def manager_stop(shm_root):
+    """Persist what is due, stop the manager and free its shared memory."""
+    from baft.manager import stop
+
+    stop(shm_root)
+    click.echo("manager stopped")
+
+
+@manager.command(name="status")
+@click.option("--shm-root", required=True)
+@user_errors
+def manager_status(shm_root):
+    """Steps held, sizes, checksums verified, parity status, last persisted step."""
+    from baft.manager import format_status, status
+
+    click.echo(format_status(status(shm_root)))
+
+
+@main.command(name="inspect")
+@click.argument("path", type=click.Path())
+@click.option("--no-verify", is_flag=True, help="Print the manifest without checking checksums.")
+@user_errors
+def inspect_cmd(path, no_verify):
+    """Print a persisted or in-memory snapshot's manifest and verify its checksums."""
+    from baft.inspect import inspect
+
+    click.echo(inspect(path, verify=not no_verify))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--png", type=click.Path(dir_okay=False), help="Also draw the phases per fault to this PNG.")
+@user_errors
+def report(run_dir, png):
+    """The recovery-time breakdown (T0..T4) of every fault of a run."""
+    from baft.report import draw_recovery, load_recoveries, render_recovery_text
+
+    recs = load_recoveries(run_dir)
+    click.echo(render_recovery_text(recs))
+    if png:
+        draw_recovery(recs, png)
+        click.echo(f"wrote {png}")
+
+
+@main.command()
+@click.option("--preset", help="A bundled scenario (gpt3-175b-1024, gpt3-3b-8, gpt3-15b-8, this-machine).")
+@click.option("--scenario", type=click.Path(dir_okay=False), help="A scenario JSON file.")
+@click.option("--set", "overrides", multiple=True, help="Override a scenario key: key=value.")
+@user_errors
+def simulate(preset, scenario, overrides):
+    """Bubbles, snapshot period, overhead and time lost per day at cluster scale."""
+    from baft.simulate import render, run
+
+    values = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BaftError(f"--set {item!r}: expected key=value")
+        values[key] = value
+    click.echo(render(run(preset=preset, scenario_file=scenario, overrides=values)))
+
+
 if __name__ == "__main__":
     main()

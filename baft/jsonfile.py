@@ -14,15 +14,14 @@ import jsonschema
 from baft.errors import ConfigError
 
 
-def write_json_atomic(path, doc) -> Path:
+def write_json_atomic(path, doc, indent: int | None = 1) -> Path:
     """Write ``doc`` to ``path`` so that a reader sees the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+            f.write(json.dumps(doc, indent=indent) + "\n")  # one write: json.dump writes piece by piece
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -10,6 +10,7 @@ of the stage's chunks. A commit record, written last, makes a filled buffer a sn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class Layout:
         return out
 
     def to_json(self) -> dict:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> dict:
+        # every snapshot of a run shares one layout: build its JSON once, not at every commit
         return dataclasses.asdict(self)
 
     @classmethod
@@ -149,7 +155,7 @@ class CommitRecord:
     version: int = FORMAT_VERSION
 
     def to_json(self) -> dict:
-        doc = dataclasses.asdict(self)
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         doc["layout"] = self.layout.to_json()
         return doc
 

@@ -57,6 +57,11 @@ def state_tensors(engine) -> dict[str, torch.Tensor]:
     return {name: t for name, _, t in named_state_tensors(engine)}
 
 
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -76,7 +81,7 @@ def capture_items(engine, data_iterator=None) -> dict:
     np_state = np.random.get_state()
     items = {
         "rng": {
-            "python": _torch_blob(random.getstate()),
+            "python": _python_rng(),
             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
             "torch": _b64(torch.get_rng_state().numpy().tobytes()),
         },
@@ -111,7 +116,8 @@ def _jsonable(obj):
 def restore_items(engine, items: dict, data_iterator=None) -> None:
     """Put the small state back: RNG, counters, hyper-parameters, scheduler, scaler, data position."""
     rng = items["rng"]
-    random.setstate(_torch_unblob(rng["python"]))
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, gauss = rng["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))

@@ -106,7 +106,7 @@ class SnapshotWriter:
         """Make the filled slot a committed snapshot. Must be called after every chunk is copied."""
         if self.slot is None:
             raise RuntimeError("commit() without begin()")
-        path = write_json_atomic(_commit_path(self.directory, self.slot), record.to_json())
+        path = write_json_atomic(_commit_path(self.directory, self.slot), record.to_json(), indent=None)
         self.slot = None
         return path
 
