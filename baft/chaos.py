@@ -4,8 +4,10 @@ A fault is ``rank=R,step=S,phase=P[,restart=N]``: during the iteration that prod
 step S of attempt N (0: the first run), rank R dies in phase P — ``forward`` (first
 forward pass), ``backward`` (first backward pass), ``copy`` (inside a bubble, with a
 snapshot in flight), ``commit`` (right after the snapshot is committed, before the
-optimizer step) or ``optimizer`` (while the optimizer step runs). Each fault is logged to
-``RUN_DIR/chaos.jsonl`` before the kill, so recovery reports know when it happened.
+optimizer step) or ``optimizer`` (while the optimizer step runs). ``node=N,step=S`` kills
+a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
+(deleted) and all its ranks. Each fault is logged to ``RUN_DIR/chaos.jsonl`` before the
+kill, so recovery reports know when it happened.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -31,29 +34,33 @@ ENV = "BAFT_CHAOS"
 
 @dataclass(frozen=True)
 class Fault:
-    rank: int
+    rank: Optional[int]
     step: int
-    phase: str
+    phase: str  # one of PHASES, or "node"
     restart: int = 0
+    node: Optional[int] = None
 
     def __str__(self) -> str:
-        return f"rank={self.rank},step={self.step},phase={self.phase},restart={self.restart}"
+        who = f"node={self.node}" if self.phase == "node" else f"rank={self.rank},phase={self.phase}"
+        return f"{who},step={self.step},restart={self.restart}"
 
 
 def parse_fault(text: str) -> Fault:
-    """``rank=1,step=7,phase=backward[,restart=0]`` as a Fault; a one-line ConfigError otherwise."""
+    """``rank=1,step=7,phase=backward[,restart=0]`` or ``node=1,step=7`` as a Fault; a one-line ConfigError otherwise."""
     fields = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("rank", "step", "phase", "restart"):
-            raise ConfigError(f"fault {text!r}: expected rank=R,step=S,phase=P[,restart=N]")
+        if not sep or key.strip() not in ("rank", "node", "step", "phase", "restart"):
+            raise ConfigError(f"fault {text!r}: expected rank=R,step=S,phase=P[,restart=N] or node=N,step=S")
         fields[key.strip()] = value.strip()
-    if fields.get("phase") not in PHASES:
-        raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES)}")
     try:
+        if "node" in fields:
+            return Fault(None, int(fields["step"]), "node", int(fields.get("restart", 0)), int(fields["node"]))
+        if fields.get("phase") not in PHASES:
+            raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES)}")
         return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"], int(fields.get("restart", 0)))
     except (KeyError, ValueError):
-        raise ConfigError(f"fault {text!r}: rank, step and restart must be integers") from None
+        raise ConfigError(f"fault {text!r}: rank, node, step and restart must be integers") from None
 
 
 def random_fault(seed: int, ranks: int, first_step: int, last_step: int, restart: int = 0) -> Fault:
@@ -69,9 +76,10 @@ def faults_from_env() -> list[Fault]:
 class ChaosHook(InstructionHook):
     """Kills this rank when one of its faults comes due. Install it after the snapshot policy."""
 
-    def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Optional[str]):
-        self.faults = [f for f in faults if f.rank == rank and f.restart == attempt]
-        self.run_dir = run_dir
+    def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Optional[str],
+                 node: int = 0, node_root: Optional[str] = None):
+        self.faults = [f for f in faults if f.restart == attempt and (f.rank == rank or f.phase == "node" and f.node == node)]
+        self.run_dir, self.node_root = run_dir, node_root
 
     def _due(self, engine, phase: str) -> Optional[Fault]:
         step = engine.global_steps + 1  # the step this iteration produces
@@ -79,15 +87,28 @@ class ChaosHook(InstructionHook):
 
     def _kill(self, fault: Fault, delay: float = 0.0) -> None:
         if self.run_dir:
+            what = (f"kill node {fault.node} at step {fault.step}" if fault.phase == "node"
+                    else f"kill rank {fault.rank} at step {fault.step} ({fault.phase})")
             with open(Path(self.run_dir) / "chaos.jsonl", "a") as f:
-                f.write(json.dumps({"time": time.time() + delay, "restart": fault.restart,
-                                    "what": f"kill rank {fault.rank} at step {fault.step} ({fault.phase})"}) + "\n")
+                f.write(json.dumps({"time": time.time() + delay, "restart": fault.restart, "what": what}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         if delay:
             threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def iteration_start(self, engine):
+        fault = self._due(engine, "node")
+        if fault is None:
+            return
+        info = Path(self.node_root) / "manager.json"
+        try:
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass  # no manager on this node, or another rank of the node got it first
+        shutil.rmtree(self.node_root, ignore_errors=True)  # the node's memory is gone with it
+        self._kill(fault)
 
     def before(self, engine, index, cmd):
         if isinstance(cmd, ForwardPass) and (fault := self._due(engine, "forward")):

@@ -13,7 +13,7 @@ import click
 from baft.errors import BaftError
 
 EXAMPLE_OPTIONS = [
-    click.option("--stages", default=2, show_default=True, help="Pipeline stages (processes per data-parallel replica)."),
+    click.option("--stages", default=2, show_default=True, help="Pipeline stages (processes per replica)."),
     click.option("--data-parallel", "dp", default=1, show_default=True, help="Data-parallel replicas of every stage."),
     click.option("--micro-batches", default=8, show_default=True, help="Micro-batches per iteration."),
     click.option("--micro-batch-size", default=2, show_default=True, help="Sequences per micro-batch."),
@@ -180,11 +180,13 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--manager/--no-manager", default=True, show_default=True,
               help="Start this node's snapshot manager for the run (stopped at the end).")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
+@click.option("--nodes", default=1, show_default=True,
+              help="Simulated nodes: one manager each, in one parity group over loopback.")
 @click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
-          persist_every, faults, command, dp, **model):
+          persist_every, nodes, faults, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
@@ -193,7 +195,7 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
     """
     from baft import chaos
     from baft.launch import example_args, launch_env, torchrun
-    from baft.manager import ManagerConfig, start, stop
+    from baft.nodes import node_configs, start_all, stop_all
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
@@ -203,25 +205,32 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
     run.mkdir(parents=True, exist_ok=True)
     run_id = run.name
     shm = "/dev/shm/baft"
-    node_root = Path(shm) / run_id / "node0"
     procs = nprocs or model["stages"] * dp
+    if procs % nodes:
+        raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
     env = launch_env({chaos.ENV: ";".join(faults)} if faults else {})
+    configs = []
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "run_dir": str(run),
-                "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm}
+                "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm,
+                "ranks_per_node": procs // nodes}
+        if nodes > 1 or persist_every:
+            configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+            args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
+                        parity_k=configs[0].parity_k, persist_every=persist_every,
+                        persist_dir=str(run / "persisted") if persist_every else None)
         cmd = torchrun(procs, example_args(args), max_restarts=max_restarts)
     else:
         cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False)
-    started = False
-    if manager and policy in ("baft", "sync-copy", "thread-copy"):
-        start(ManagerConfig(node_id=0, shm_root=node_root, dir=run / "persisted" if persist_every else None,
-                            persist_every=persist_every).validate())
-        started = True
+    if not (manager and policy in ("baft", "sync-copy", "thread-copy")):
+        configs = []
+    elif not configs:
+        configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+    start_all(configs)
     try:
         code = _run(cmd, env)
     finally:
-        if started:
-            stop(node_root)
+        stop_all(configs)
     if (run / "recovery.jsonl").exists():
         from baft.report import load_recoveries, render_recovery_text
 

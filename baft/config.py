@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
@@ -38,8 +40,8 @@ class BaftConfig:
     chunk_bytes: int = 1 << 20
     shm_root: str = "/dev/shm/baft"
     run_id: str = "default"
-    node_id: int = 0
-    manager: Optional[str] = None  # Unix socket of the node's manager; None: <shm_root>/<run_id>/node<id>/manager.sock
+    node_id: Optional[int] = None  # this process's node; default rank // ranks_per_node
+    ranks_per_node: Optional[int] = None  # default: torchrun's LOCAL_WORLD_SIZE (all local ranks share a node)
     require_manager: bool = False
     memory_limit: Optional[int] = None  # bytes of host memory snapshots may hold on this node
     persist: PersistConfig = field(default_factory=PersistConfig)
@@ -65,6 +67,14 @@ def _section(cls, doc: dict, prefix: str):
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
     return known
+
+
+def _field_type(key: str) -> tuple[type, bool]:
+    """The type a BaftConfig key takes, and whether null is allowed."""
+    hint = typing.get_type_hints(BaftConfig)[key]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    return (args[0] if args else hint), optional
 
 
 def parse_config(ds_config: Optional[dict]) -> BaftConfig:
@@ -99,9 +109,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
                 _check_type(key, value, int)
             values[key] = value
         else:
-            default = getattr(BaftConfig, key, None)
-            expected = type(default) if default is not None else str
-            if value is not None or default is not None:
+            expected, optional = _field_type(key)
+            if not (optional and value is None):
                 _check_type(key, value, expected)
             values[key] = value
     cfg = BaftConfig(**values)
@@ -109,9 +118,19 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
         raise ConfigError(f"baft.policy: unknown policy {cfg.policy!r} (one of {', '.join(POLICIES)})")
     if cfg.chunk_bytes < 4096:
         raise ConfigError(f"baft.chunk_bytes: must be at least 4096, got {cfg.chunk_bytes}")
+    if (cfg.persist.every or cfg.persist.seconds) and not cfg.persist.dir:
+        raise ConfigError("baft.persist.dir: required when persist.every or persist.seconds is set")
     if cfg.persist.keep < 1:
         raise ConfigError(f"baft.persist.keep: must be at least 1, got {cfg.persist.keep}")
     return cfg
+
+
+def node_of(cfg: BaftConfig, rank: int) -> int:
+    """The node whose manager keeps ``rank``'s snapshots."""
+    if cfg.node_id is not None:
+        return cfg.node_id
+    per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
+    return rank // per_node
 
 
 def defaults_table() -> list[tuple[str, str]]:

@@ -54,13 +54,12 @@ def initialize(model, config, data_iterator=None, **kwargs):
 def _protect(engine, cfg, data_iterator) -> None:
     """Restore the newest snapshot every rank holds, then snapshot as the policy says."""
     from baft import chaos, recovery
-    from baft.manager_protocol import ManagerClient
     from baft.policies import IN_MEMORY, make_policy, shm_root, warn
 
-    root = shm_root(cfg)
+    root = shm_root(cfg, engine.global_rank)
     client = None
     if cfg.policy in IN_MEMORY:
-        client = ManagerClient.try_connect(root, warn=lambda m: warn(engine, m))
+        client = _connect_manager(engine, cfg, root)
         if client is None and cfg.require_manager:
             raise BaftError(f"baft.require_manager: no snapshot manager answers at {root}; start one with "
                             f"'baft manager start' or set require_manager to false")
@@ -75,7 +74,43 @@ def _protect(engine, cfg, data_iterator) -> None:
         engine.baft_hooks.append(recovery.RecoveryReport(engine.baft_restored, cfg.run_dir))
     faults = chaos.faults_from_env()
     if faults:
-        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, recovery.restart_count(), cfg.run_dir))
+        from baft.config import node_of
+
+        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, recovery.restart_count(), cfg.run_dir,
+                                                 node=node_of(cfg, engine.global_rank), node_root=root))
+
+
+def _connect_manager(engine, cfg, root):
+    """This node's manager; when the config describes one (parity or persistence) and none answers
+    (a replaced node), the node's first rank starts it before every rank connects."""
+    import torch.distributed as dist
+
+    from baft.config import node_of
+    from baft.manager import start
+    from baft.manager_protocol import ManagerClient
+    from baft.policies import warn
+
+    if cfg.parity.group or cfg.persist.dir:
+        node = node_of(cfg, engine.global_rank)
+        first = min(r for r in range(dist.get_world_size()) if node_of(cfg, r) == node)
+        if engine.global_rank == first and ManagerClient.try_connect(root, warn=lambda m: None) is None:
+            warn(engine, f"no manager answers for node {node}; starting one at {root}")
+            start(manager_config(cfg, node, root))
+        dist.barrier()
+    return ManagerClient.try_connect(root, warn=lambda m: warn(engine, m))
+
+
+def manager_config(cfg, node: int, root):
+    """The manager a config asks for on ``node``."""
+    from baft.manager import ManagerConfig, parse_group
+
+    persist_dir = Path(cfg.persist.dir) / f"node{node}" if cfg.persist.dir else None
+    return ManagerConfig(node_id=node, shm_root=Path(root), dir=persist_dir,
+                         group=parse_group(",".join(cfg.parity.group)) if cfg.parity.group else (),
+                         parity_k=cfg.parity.k if cfg.parity.group else None,
+                         persist_every=cfg.persist.every or None,
+                         persist_seconds=cfg.persist.seconds or None, keep=cfg.persist.keep,
+                         memory_limit=cfg.memory_limit).validate()
 
 
 class ManagerLink:

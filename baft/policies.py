@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from baft import state
 from baft.bubblemap import BubbleMap
-from baft.config import BaftConfig
+from baft.config import BaftConfig, node_of
 from baft.engine import InstructionHook
 from baft.errors import BaftError
 from baft.executor import BubbleExecutor, SyncCopy, ThreadCopy
@@ -32,8 +32,9 @@ def warn(engine, message: str) -> None:
     print(f"baft: rank {engine.global_rank}: {message}", file=sys.stderr, flush=True)
 
 
-def shm_root(cfg: BaftConfig) -> str:
-    return str(Path(cfg.shm_root) / cfg.run_id / f"node{cfg.node_id}")
+def shm_root(cfg: BaftConfig, rank: int) -> str:
+    """The shared-memory root of the node that keeps ``rank``'s snapshots."""
+    return str(Path(cfg.shm_root) / cfg.run_id / f"node{node_of(cfg, rank)}")
 
 
 IN_MEMORY = ("baft", "sync-copy", "thread-copy")
@@ -44,11 +45,12 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
     period = cfg.period if isinstance(cfg.period, int) else None
     common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
     if cfg.policy == "baft":
-        return PlannedExecutor(cfg, shm_root(cfg), period=period or 1, fixed_period=period, **common)
+        root = shm_root(cfg, engine.global_rank)
+        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period, **common)
     if cfg.policy in ("sync-copy", "thread-copy"):
         cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
-        return cls(shm_root(cfg), period=period or 1, **common)
-    save_dir = cfg.save_dir or str(Path(shm_root(cfg)) / "disk")
+        return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
+    save_dir = cfg.save_dir or str(Path(shm_root(cfg, engine.global_rank)) / "disk")
     return DiskCheckpoint(cfg.policy, save_dir, period or 1, data_iterator)
 
 

@@ -39,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", default=None)
     p.add_argument("--run-id", default="default")
     p.add_argument("--shm-root", default="/dev/shm/baft")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate nodes of this many ranks")
+    p.add_argument("--parity-group", default=None, help="ID@host:port,... of the nodes' managers")
+    p.add_argument("--parity-k", type=int, default=None)
+    p.add_argument("--persist-every", type=int, default=None)
+    p.add_argument("--persist-dir", default=None)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--layers", type=int, default=8)
@@ -59,6 +64,12 @@ def ds_config(args, dp: int) -> dict:
         section["bubble_map"] = args.bubble_map
     if args.plan:
         section["plan"] = args.plan
+    if args.ranks_per_node:
+        section["ranks_per_node"] = args.ranks_per_node
+    if args.parity_group:
+        section["parity"] = {"group": args.parity_group.split(","), "k": args.parity_k}
+    if args.persist_every:
+        section["persist"] = {"every": args.persist_every, "dir": args.persist_dir}
     if args.run_dir:
         section["save_dir"] = str(Path(args.run_dir) / "checkpoints")
         section["run_dir"] = args.run_dir

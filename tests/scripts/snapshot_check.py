@@ -31,7 +31,7 @@ mine, rest = extra.parse_known_args()
 args = parse_args(rest)
 engine, data = build(args)
 rank = engine.global_rank
-root = shm_root(engine.baft_config)
+root = shm_root(engine.baft_config, rank)
 
 if rank == mine.kill_rank and mine.kill_step >= 0:
     original_copy = snapshotter.Snapshot.copy
