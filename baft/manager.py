@@ -226,7 +226,7 @@ class Share:
     size: int
     checksum: str
     ranks: list[int]
-    data: bytes
+    data: erasure.Buffer
 
 
 @dataclass
@@ -276,7 +276,7 @@ class Manager:
         self._stopping = threading.Event()
         self._unlink = False
         self._persist_cv = threading.Condition()
-        self._persist_job: Optional[tuple[int, bytes]] = None
+        self._persist_job: Optional[tuple[int, memoryview]] = None
         self._servers: list[socketserver.BaseServer] = []
         self._threads: list[threading.Thread] = []
 
@@ -606,7 +606,7 @@ class Manager:
         if encode is not None and bundles[encode] is not None:
             self._distribute(encode, bundles[encode])
 
-    def _pack(self, step: int) -> Optional[bytes]:
+    def _pack(self, step: int) -> Optional[memoryview]:
         """This node's bundle of ``step``, copied out of shared memory and verified on the copy."""
         maps, snapshots = [], []
         try:
@@ -632,7 +632,7 @@ class Manager:
             return None
         return bundle
 
-    def _distribute(self, step: int, bundle: bytes) -> None:
+    def _distribute(self, step: int, bundle: memoryview) -> None:
         cfg = self.config
         began = time.perf_counter()
         shares = erasure.encode(bundle, cfg.k, cfg.n)
@@ -643,7 +643,8 @@ class Manager:
         for index, member in enumerate(cfg.group):
             data, shares[index] = shares[index], None
             if member.node_id == cfg.node_id:
-                self.store_share(cfg.node_id, step, Share(index, meta["size"], meta["checksum"], meta["ranks"], data))
+                kept = memoryview(np.frombuffer(data, dtype=np.uint8).copy())  # data shares are views of the bundle
+                self.store_share(cfg.node_id, step, Share(index, meta["size"], meta["checksum"], meta["ranks"], kept))
                 acked.append(member.node_id)
                 continue
             try:
@@ -701,7 +702,7 @@ class Manager:
                 self._persist_job = None
             self._write(step, bundle)
 
-    def _write(self, step: int, bundle: bytes) -> None:
+    def _write(self, step: int, bundle: memoryview) -> None:
         with self._lock:
             self.persisted.writing = step
         began = time.perf_counter()
@@ -799,7 +800,7 @@ class Manager:
         reply, _ = self._peer_request(member, "share_list", node=node, timeout=5.0)
         return {int(s): r for s, r in reply["steps"].items()}
 
-    def rebuild(self, node: int, step: Optional[int] = None) -> tuple[int, bytes]:
+    def rebuild(self, node: int, step: Optional[int] = None) -> tuple[int, memoryview]:
         """``node``'s bundle of ``step`` (newest rebuildable by default) from k members' shares, checked end to end."""
         cfg = self.config
         if not cfg.group:
@@ -809,7 +810,7 @@ class Manager:
         steps = sorted((s for s in available if step is None or s == step), reverse=True)
         problems = []
         for s in steps:
-            shares: dict[int, bytes] = {}
+            shares: dict[int, erasure.Buffer] = {}
             meta = None
             for holder in available[s][0]:
                 try:
@@ -928,7 +929,7 @@ class Manager:
 
     # ---- dispatch ----------------------------------------------------------------------------
 
-    def handle(self, msg: dict, payload: Optional[bytes], local: bool) -> tuple[dict, Optional[bytes]]:
+    def handle(self, msg: dict, payload: Optional[memoryview], local: bool) -> tuple[dict, Optional[erasure.Buffer]]:
         """Answer one request; a BaftError becomes a one-line refusal."""
         problem = check_version(msg)
         if problem:

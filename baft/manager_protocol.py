@@ -39,6 +39,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
+
 from baft.errors import BaftError
 
 PROTOCOL_VERSION = 1
@@ -63,7 +65,7 @@ def check_socket_path(path: Path) -> None:
                         f"{_UNIX_PATH_MAX}; use a shorter --shm-root")
 
 
-def read_message(rfile) -> Optional[tuple[dict, Optional[bytes]]]:
+def read_message(rfile) -> Optional[tuple[dict, Optional[memoryview]]]:
     """The next message and its payload from a binary file-like object, or None at end of stream."""
     line = rfile.readline(MAX_LINE + 1)
     if not line:
@@ -81,9 +83,13 @@ def read_message(rfile) -> Optional[tuple[dict, Optional[bytes]]]:
     if size is not None:
         if not isinstance(size, int) or size < 0:
             raise BaftError(f"manager protocol: bad payload size {size!r}")
-        payload = rfile.read(size)
-        if len(payload) != size:
-            raise BaftError(f"manager protocol: payload cut short ({len(payload)} of {size} bytes)")
+        payload = memoryview(np.empty(size, dtype=np.uint8))  # huge pages: filled faster than fresh bytes
+        got = 0
+        while got < size:
+            n = rfile.readinto(payload[got:])
+            if not n:
+                raise BaftError(f"manager protocol: payload cut short ({got} of {size} bytes)")
+            got += n
     return msg, payload
 
 
@@ -174,7 +180,7 @@ class ManagerClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def request(self, op: str, payload=None, **fields) -> tuple[dict, Optional[bytes]]:
+    def request(self, op: str, payload=None, **fields) -> tuple[dict, Optional[memoryview]]:
         """Send one request; return the reply and its payload, raising on a refusal."""
         if self._sock is None:
             self._open()
@@ -218,7 +224,7 @@ class ManagerClient:
         """
         return self.request("restore", rank=rank, step=step)[0]
 
-    def rebuild(self, node: int, step: Optional[int] = None) -> tuple[dict, bytes]:
+    def rebuild(self, node: int, step: Optional[int] = None) -> tuple[dict, memoryview]:
         """The bundle of ``node`` at ``step`` (the newest available by default), rebuilt from its group's shares."""
         return self.request("rebuild", node=node, step=step)
 

@@ -1,11 +1,18 @@
-"""Encode and rebuild throughput of baft's erasure coding (zfec Reed–Solomon) on this machine.
+"""Encode and rebuild throughput of baft's erasure coding across nodes, on this machine.
 
     python experiments/erasure_throughput.py [--sizes 64,128,256] [--codes 1/2,2/3,3/4,4/6] [--runs 5]
 
-For each snapshot bundle size and code k/n: encode = ``baft.erasure.encode`` of the bundle into
-n shares; rebuild = ``baft.erasure.decode`` from the worst surviving set (the n-k lost shares
-are data shares, so the most parity must be inverted) plus the bundle checksum that proves it.
-Throughput is bundle bytes per second of wall time, median of ``--runs`` runs, one thread.
+A node snapshot of SIZE MB (two ranks, 1 MB chunks with xxh3 checksums, as the manager sees
+them in shared memory) is coded with each k/n:
+
+* encode   ``baft.erasure.encode`` of the bundle into n shares;
+* rebuild  ``baft.erasure.decode`` from the worst surviving set: the n-k lost shares are data
+           shares, so the most parity must be inverted;
+* node→shares     what the manager does per commit: pack the ranks into a bundle, encode;
+* shares→verified what a rebuild does: decode, then check every chunk's checksum.
+
+Throughput is snapshot bytes per second of wall time, median of ``--runs`` runs, one thread.
+k=1 is replication (the shares are the bundle), n=k+1 XOR parity (numpy), else Reed–Solomon (zfec).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 import zfec
 
 from baft import erasure
+from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
 
 
 def cpu_model() -> str:
@@ -35,29 +43,45 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def measure(size: int, k: int, n: int, runs: int) -> tuple[float, float]:
-    data = np.random.default_rng(size + k * 1000 + n).bytes(size)
-    want = erasure.bundle_checksum(data)
-    encode_times, rebuild_times = [], []
+def node_snapshot(size: int) -> list[tuple[CommitRecord, np.ndarray]]:
+    out = []
+    for rank in (0, 1):
+        nbytes = size // 2
+        layout = plan_layout([TensorEntry("w", "float32", (nbytes // 4,), nbytes // 4 * 4, "parameters")])
+        buffer = np.frombuffer(np.random.default_rng(rank).bytes(layout.nbytes), dtype=np.uint8)
+        sums = [checksum(buffer[c.offset:c.offset + c.nbytes]) for c in layout.chunks]
+        out.append((CommitRecord(1, rank, rank, layout, sums), buffer))
+    return out
+
+
+def timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def measure(snapshots, k: int, n: int, runs: int) -> tuple[float, float, float, float]:
+    size = sum(r.layout.nbytes for r, _ in snapshots)
+    bundle = erasure.pack_bundle(0, 1, snapshots)
+    lost = range(n - k)
+    times = {"encode": [], "rebuild": [], "pack+encode": [], "decode+verify": []}
     for _ in range(runs):
-        began = time.perf_counter()
-        shares = erasure.encode(data, k, n)
-        encode_times.append(time.perf_counter() - began)
-        survivors = {i: shares[i] for i in range(n - k, n)}
-        del shares
-        began = time.perf_counter()
-        rebuilt = erasure.decode(survivors, k, n, size)
-        ok = erasure.bundle_checksum(rebuilt) == want
-        rebuild_times.append(time.perf_counter() - began)
-        if not ok:
-            raise SystemExit(f"rebuild of {size} bytes with k={k}, n={n} is not bit for bit")
-        del survivors, rebuilt
-    return size / statistics.median(encode_times) / 1e9, size / statistics.median(rebuild_times) / 1e9
+        times["encode"].append(timed(lambda: erasure.encode(bundle, k, n)))
+        shares = erasure.encode(bundle, k, n)
+        survivors = {i: s for i, s in enumerate(shares) if i not in lost}
+        times["rebuild"].append(timed(lambda: erasure.decode(survivors, k, n, len(bundle))))
+        times["pack+encode"].append(timed(lambda: erasure.encode(erasure.pack_bundle(0, 1, snapshots), k, n)))
+        times["decode+verify"].append(timed(lambda: erasure.unpack_bundle(erasure.decode(survivors, k, n, len(bundle)))))
+        rebuilt = erasure.decode(survivors, k, n, len(bundle))
+        if erasure.bundle_checksum(rebuilt) != erasure.bundle_checksum(bundle):
+            raise SystemExit(f"rebuild with k={k}, n={n} is not bit for bit")
+        del shares, survivors, rebuilt
+    return tuple(size / statistics.median(t) / 1e9 for t in times.values())
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64,128,256", help="bundle sizes in MB")
+    parser.add_argument("--sizes", default="64,128,256", help="node snapshot sizes in MB")
     parser.add_argument("--codes", default="1/2,2/3,3/4,4/6", help="k/n pairs")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
@@ -67,18 +91,24 @@ def main(argv=None) -> int:
     print(f"# baft erasure throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}")
     print(f"# command: python {' '.join(sys.argv)}")
     print(f"# machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-          f"python {platform.python_version()}, zfec {zfec.__version__}, "
+          f"python {platform.python_version()}, zfec {zfec.__version__}, numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} at start")
-    print(f"# median of {args.runs} runs, single thread; rebuild from the n-k parity-heaviest survivors + checksum; "
-          f"k=1 is replication (copies, no Reed-Solomon)")
+    print(f"# GB/s of snapshot bytes, median of {args.runs} runs, one thread; rebuild from the parity-heaviest "
+          f"survivors; k=1 replication, n=k+1 XOR, else Reed-Solomon")
     print()
-    print(f"| {'k/n':>5} | {'lost':>4} | {'memory x':>8} | {'bundle':>7} | {'encode GB/s':>11} | {'rebuild GB/s':>12} |")
-    print(f"|{'-' * 7}|{'-' * 6}|{'-' * 10}|{'-' * 9}|{'-' * 13}|{'-' * 14}|")
-    for k, n in codes:
-        for size in sizes:
-            enc, reb = measure(size, k, n, args.runs)
-            print(f"| {f'{k}/{n}':>5} | {n - k:>4} | {n / k:>8.2f} | {size >> 20:>4} MB | {enc:>11.2f} | {reb:>12.2f} |",
-                  flush=True)
+    head = ("k/n", "lost", "mem x", "snapshot", "encode", "rebuild", "node→shares", "shares→verified")
+    widths = (5, 4, 5, 8, 7, 7, 11, 15)
+    print("| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for size in sizes:
+        snapshots = node_snapshot(size)
+        for k, n in codes:
+            rates = measure(snapshots, k, n, args.runs)
+            shown = [f"{r:.2f}" for r in rates]
+            if k == 1:  # the shares are the bundle itself: nothing to compute
+                shown[:2] = ["no-op", "no-op"]
+            cells = (f"{k}/{n}", str(n - k), f"{n / k:.2f}", f"{size >> 20} MB", *shown)
+            print("| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |", flush=True)
     return 0
 
 
