@@ -58,13 +58,17 @@ def _rank_ids(root) -> list[int]:
     return sorted(int(p.name[4:]) for p in Path(root).glob("rank*") if p.name[4:].isdigit())
 
 
-def _local_offers(root: str, stage: int, fingerprint: str, held: dict) -> dict[int, dict]:
+def _local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dict) -> dict[int, dict]:
     """step -> {"shards": {shard: (old_rank, source)}, "num_shards": n} reachable from this node."""
     offers: dict[int, dict] = {}
 
     for old_rank in _rank_ids(root):
         for info in store.committed(root, old_rank):
             rec = info.record
+            if rec.topology.get("pipe", stages) != stages:
+                raise BaftError(f"{store.rank_dir(root, old_rank)}: snapshots were taken with {rec.topology['pipe']} "
+                                f"pipeline stages, this run has {stages}; restart with {rec.topology['pipe']} stages "
+                                f"(any number of data-parallel replicas works), or start fresh in a new run directory")
             if rec.stage == stage and rec.model == fingerprint:
                 entry = offers.setdefault(rec.step, {"shards": {}, "num_shards": rec.layout.num_shards})
                 entry["shards"].setdefault(rec.layout.shard, (old_rank, "memory"))
@@ -92,7 +96,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
     refused: list[str] = []
     tried: set[int] = set()
     while True:
-        offers = _local_offers(root, stage, fingerprint, held)
+        offers = _local_offers(root, stage, engine.num_stages, fingerprint, held)
         mine = {step: {"stage": stage, "shards": sorted(k for k in o["shards"] if k is not None),
                        "num_shards": o["num_shards"], "pending": bool(o.get("pending"))}
                 for step, o in offers.items() if step not in tried}

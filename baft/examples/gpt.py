@@ -126,7 +126,8 @@ class MicroBatches:
         return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        """Samples consumed by all replicas together, so a restart with fewer replicas resumes the stream."""
+        return {"samples": self.position * self.shards * self.micro_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        self.position = int(state["samples"]) // (self.shards * self.micro_batch)

@@ -82,5 +82,7 @@ for _ in range(args.iters):
     engine.train_batch(data_iter=data)
 Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
     "checked": ref.checked, "mismatches": ref.mismatches, "root": root,
-    "commits": [r.step for r in engine.baft_hooks[0].commits]}))
+    "commits": [r.step for r in engine.baft_hooks[0].commits], "stage": engine.stage_id,
+    "chunks": [c.index for c in engine.baft_hooks[0].source.layout.chunks],
+    "total_chunks": engine.baft_hooks[0].source.layout.total_chunks}))
 sys.exit(0)
