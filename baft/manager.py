@@ -47,7 +47,6 @@ from baft.jsonfile import read_json, write_json_atomic
 from baft.manager_protocol import (ManagerClient, ManagerUnavailable, check_socket_path, check_version,
                                    read_message, socket_path, write_message)
 from baft.persist import Identity
-from baft.snapshot import CommitRecord
 
 __all__ = ["ManagerConfig", "Member", "Manager", "ManagerClient", "ManagerUnavailable", "memory_needed",
            "parse_args", "main", "spawn", "start", "stop", "status", "format_status", "wait_ready"]

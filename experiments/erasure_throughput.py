@@ -75,7 +75,6 @@ def measure(snapshots, k: int, n: int, runs: int) -> tuple[float, float, float, 
         rebuilt = erasure.decode(survivors, k, n, len(bundle))
         if erasure.bundle_checksum(rebuilt) != erasure.bundle_checksum(bundle):
             raise SystemExit(f"rebuild with k={k}, n={n} is not bit for bit")
-        del shares, survivors, rebuilt
     return tuple(size / statistics.median(t) / 1e9 for t in times.values())
 
 

@@ -1,8 +1,6 @@
 """The snapshot manager as real processes: it outlives trainers, rebuilds lost nodes, persists safely."""
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from baft import erasure, manager, persist, store
 from baft.errors import BaftError
@@ -163,6 +160,8 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
     shutil.rmtree(configs[2].shm_root)
 
     with ManagerClient.connect(configs[0].shm_root) as c:
+        with pytest.raises(BaftError, match=r"^unknown node id 9: this manager's group has members 0, 1, 2$"):
+            c.rebuild(9)
         reply, bundle = c.rebuild(2)
     assert reply["step"] == 2 and reply["checksum"] == erasure.bundle_checksum(bundle)
     rebuilt = erasure.unpack_bundle(bundle)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import resource
-import signal
 import subprocess
 import sys
 import textwrap
