@@ -398,7 +398,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
                        poll=0.001)
     proc.kill()
     proc.wait()
-    assert not (ckpt / "step-00000002").exists(), "the write finished before the kill; make the snapshot larger"
+    assert not (ckpt / "step-00000002").exists(), "step 2 visible after a kill mid-write: not atomic (or the write beat the kill)"
     assert partial[0].exists()
     assert [s.step for s in persist.list_steps(ckpt)] == [1]
     loaded = persist.load_latest(ckpt)
