@@ -97,7 +97,7 @@ def _connect_manager(engine, cfg, root):
             warn(engine, f"no manager answers for node {node}; starting one at {root}")
             start(manager_config(cfg, node, root))
         dist.barrier()
-    return ManagerClient.try_connect(root, warn=lambda m: warn(engine, m))
+    return ManagerClient.try_connect(root, warn=lambda m: warn(engine, m.removeprefix("baft: ")))
 
 
 def manager_config(cfg, node: int, root):

@@ -92,7 +92,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
         try:
             held = client.held()
         except BaftError as err:
-            log(f"baft: rank {rank}: manager did not say what it holds ({err})")
+            log(f"manager did not say what it holds ({err})")
     refused: list[str] = []
     tried: set[int] = set()
     while True:
@@ -109,13 +109,15 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
         flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
         dist.all_reduce(flags)
         if flags.item() == 0:
+            for line in refused:
+                log(line)
             state.restore_items(engine, shards_items(shards, rank), data_iterator)
             mark("restore_end")
             return Restored(step, source, len(shards), refused)
         tried.add(step)
         held = {}  # what the manager could not materialize, it will not on a second ask
     for line in refused:
-        log(f"baft: rank {rank}: {line}")
+        log(line)
     mark("restore_end")
     if not fresh_start:
         raise BaftError("no snapshot that every rank can restore, and fresh_start is false")

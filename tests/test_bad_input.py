@@ -1,0 +1,97 @@
+"""User mistakes get one line naming the file or key and the problem; nothing committed is lost."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from baft import store
+from baft.planner import Plan, RankPlan
+from conftest import TINY, run_worker
+
+
+def baft_cli(*args):
+    return subprocess.run([sys.executable, "-m", "baft.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def one_line_error(proc, *fragments):
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("baft: error:")]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture
+def bubble_map(tmp_path):
+    from baft.timeline import Costs, analytic_bubble_map
+
+    path = tmp_path / "map.json"
+    analytic_bubble_map("1f1b", 2, 8, Costs()).save(path)
+    return path
+
+
+def test_missing_file(tmp_path):
+    one_line_error(baft_cli("show", tmp_path / "nope.json"), "nope.json", "no such file")
+
+
+def test_malformed_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"schema": "baft.bubblemap", ')
+    one_line_error(baft_cli("show", path), "bad.json", "not valid JSON")
+
+
+def test_newer_schema_version(tmp_path, bubble_map):
+    doc = json.loads(bubble_map.read_text())
+    doc["version"] = 99
+    bubble_map.write_text(json.dumps(doc))
+    one_line_error(baft_cli("show", bubble_map), "map.json", "version 99 is newer")
+
+
+def test_schema_violation_names_the_field(tmp_path, bubble_map):
+    doc = json.loads(bubble_map.read_text())
+    doc["bubbles"][0]["kind"] = "lunch"
+    bubble_map.write_text(json.dumps(doc))
+    one_line_error(baft_cli("show", bubble_map), "map.json", "bubbles/0/kind")
+
+
+def test_map_for_another_stage_count(bubble_map):
+    one_line_error(baft_cli("show", bubble_map, "--stages", "3"), "map.json", "2 pipeline stages")
+
+
+def test_unknown_config_key_names_the_key(tmp_path):
+    from baft.config import parse_config
+    from baft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"baft\.persist\.evry: unknown key"):
+        parse_config({"baft": {"persist": {"evry": 3}}})
+
+
+def test_plan_for_another_model_is_refused_and_training_plans_from_the_analytic_model(tmp_path, shm_root):
+    plan = Plan("1f1b", 2, 4, 1, 0.01, [RankPlan(r, r, "0123456789abcdef", 1, 1, 1e9, 1.0) for r in range(2)])
+    plan.save(tmp_path / "foreign.plan.json")
+    proc = run_worker(2, [*TINY, "--iters", "4", "--policy", "baft", "--plan", str(tmp_path / "foreign.plan.json"),
+                          "--shm-root", str(shm_root)])
+    assert "was made for state layout 0123456789abcdef" in proc.stderr
+    assert "planning from the analytic model instead" in proc.stderr
+    root = shm_root / "default" / "node0"
+    assert store.committed(root, 0), "training ran unprotected after refusing the plan"
+
+
+def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_path, shm_root):
+    common = [*TINY, "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)]
+    run_worker(2, [*common, "--iters", "6"])
+    root = shm_root / "default" / "node0"
+    newest = store.committed(root, 1)[0]
+    assert newest.record.step == 5
+    chunk = newest.record.layout.chunks[2]
+    with open(store.rank_dir(root, 1) / f"slot{newest.slot}.bin", "r+b") as f:
+        f.seek(chunk.offset + 7)
+        byte = f.read(1)
+        f.seek(chunk.offset + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    proc = run_worker(2, [*common, "--iters", "7"])
+    assert f"chunk {chunk.index} ({chunk.tensor}" in proc.stderr and "fails its checksum" in proc.stderr
+    assert "resumed from step 4" in proc.stdout
