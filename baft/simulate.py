@@ -67,12 +67,17 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from baft.bubblemap import BubbleMap
 from baft.errors import BaftError, ConfigError
-from baft.planner import DEFAULT_BUDGET, DEFAULT_MARGIN, RankPlan, choose_period, plan_rank
+from baft.planner import (
+    DEFAULT_BUDGET,
+    DEFAULT_MARGIN,
+    RankPlan,
+    choose_period,
+    plan_rank,
+)
 from baft.timeline import Costs, analytic_bubble_map
 
 DAY = 86400.0
@@ -96,12 +101,12 @@ class Scenario:
     description: str = ""
     # model
     params: float = 0.0
-    layers: Optional[int] = None
-    hidden: Optional[int] = None
+    layers: int | None = None
+    hidden: int | None = None
     seq_len: int = 2048
     micro_batch_size: int = 1
     bytes_per_param: float = 16.0
-    state_bytes_per_rank: Optional[float] = None
+    state_bytes_per_rank: float | None = None
     # parallel layout and schedule
     p: int = 1
     m: int = 1
@@ -111,8 +116,8 @@ class Scenario:
     tp: int = 1
     accelerators_per_node: int = 8
     # compute
-    peak_flops: Optional[float] = None
-    utilization: Optional[float] = None
+    peak_flops: float | None = None
+    utilization: float | None = None
     forward_s: Any = None  # float or one per stage
     backward_s: Any = None
     backward_factor: float = 2.0
@@ -120,14 +125,14 @@ class Scenario:
     p2p_s: float = 0.0
     # copies, network, disk
     host_bw: float = 0.0
-    net_bw: Optional[float] = None
-    parity: Optional[tuple] = None  # (k, n)
+    net_bw: float | None = None
+    parity: tuple | None = None  # (k, n)
     disk_write_bw: float = 0.0
     disk_read_bw: float = 0.0
-    disk_period_s: Optional[float] = None
+    disk_period_s: float | None = None
     # failures and restart
-    failures_per_day: Optional[float] = None
-    mtbf_node_hours: Optional[float] = None
+    failures_per_day: float | None = None
+    mtbf_node_hours: float | None = None
     node_failure_fraction: float = 0.78
     restart_s: float = 0.0
     nccl_init_s: float = 0.0
@@ -195,7 +200,7 @@ class Scenario:
     # -- construction --
 
     @classmethod
-    def from_dict(cls, doc: dict, where: str = "scenario") -> "Scenario":
+    def from_dict(cls, doc: dict, where: str = "scenario") -> Scenario:
         """Validate ``doc`` (plain values, or ``{"value": ..., "source": ...}`` per key)."""
         if not isinstance(doc, dict):
             raise ConfigError(f"{where}: expected a JSON object of scenario keys, got {type(doc).__name__}")
@@ -213,7 +218,7 @@ class Scenario:
         scenario._check(where)
         return scenario
 
-    def with_overrides(self, overrides: Optional[dict], where: str = "--set") -> "Scenario":
+    def with_overrides(self, overrides: dict | None, where: str = "--set") -> Scenario:
         """A copy with ``overrides`` applied; string values are parsed as JSON where they can be."""
         if not overrides:
             return self
@@ -275,7 +280,7 @@ class Scenario:
             if getattr(self, key) <= 0:
                 bad(key, "give the disk bandwidth of the whole job in bytes/s")
         if self.parity is not None:
-            k, n = self.parity
+            _, n = self.parity
             if self.net_bw is None:
                 bad("net_bw", "parity needs the network bandwidth per node in bytes/s")
             if n > self.nodes:
@@ -410,7 +415,7 @@ def _from_document(doc: dict, where: str) -> Scenario:
         return Scenario.from_dict(doc, where)
     extra = set(doc) - {"name", "description", "source", "scenario"}
     if extra:
-        raise ConfigError(f"{where}: unknown top-level key {sorted(extra)[0]!r} (known: name, description, source, scenario)")
+        raise ConfigError(f"{where}: unknown top-level key {min(extra)!r} (known: name, description, source, scenario)")
     body = dict(doc["scenario"]) if isinstance(doc["scenario"], dict) else doc["scenario"]
     if isinstance(body, dict):
         body.setdefault("name", doc.get("name", "custom"))
@@ -496,7 +501,7 @@ class Result:
 
 
 def _chunks(nbytes: float, chunk_bytes: int) -> list[int]:
-    total = int(round(nbytes))
+    total = round(nbytes)
     size = max(chunk_bytes, -(-total // MAX_CHUNKS))
     full, rest = divmod(total, size)
     return [size] * full + ([rest] if rest else [])
@@ -508,7 +513,7 @@ def _memory_t0(period: float, t: float, bubble_aware: bool) -> float:
 
 
 def _in_memory(name: str, s: Scenario, t: float, period: int, stall: float, flush: float,
-               bubble_aware: bool, rate: float, restart: float) -> PolicyResult:
+               bubble_aware: bool, rate: float, restart: float, explore: bool = True) -> PolicyResult:
     overhead = stall / (period * t) if t > 0 else 0.0
     sw_t0 = _memory_t0(period, t, bubble_aware)
     mem_load = s.state_per_rank / s.host_bw
@@ -532,6 +537,12 @@ def _in_memory(name: str, s: Scenario, t: float, period: int, stall: float, flus
     t0 = (1 - phi) * sw_t0 + phi * node_t0
     t3 = (1 - phi) * mem_load + phi * node_t3
     lost = t0 + restart + t3
+    if rate > 0 and stall > 0 and t > 0:
+        # Rare failures: a longer period than the budget's loses less (Young with δ = stall).
+        longer = round(math.sqrt(2 * stall * DAY / rate) / t)
+        if longer > period and explore:
+            alt = _in_memory(name, s, t, longer, stall, flush, bubble_aware, rate, restart, explore=False)
+            detail["young"] = {"period": longer, "overhead": alt.overhead, "lost_per_day": alt.lost_per_day}
     rule = f"planner, stall <= {s.budget:.0%}" if bubble_aware else f"full copy <= {s.budget:.0%}"
     return PolicyResult(name, period, period * t, rule, stall, overhead, t0, s.restart_s, s.nccl_init_s, t3,
                         s.warmup_s, lost, rate * lost + overhead * DAY, detail)
@@ -564,12 +575,12 @@ def simulate_scenario(s: Scenario) -> Result:
 
     rate = s.failure_rate
     restart = s.restart_s + s.nccl_init_s + s.warmup_s
-    copy = s.state_per_rank / s.host_bw
+    copy = sum(chunks) / s.host_bw  # the bytes the planner packs (whole bytes)
     flush = s.checkpoint_bytes / s.disk_write_bw
 
     baft_period = choose_period(plans, s.budget)
     baft_stall = max(p.stall for p in plans)
-    sync_period = max(1, math.ceil(copy / (s.budget * t) - 1e-9)) if t > 0 and copy > 0 else 1
+    sync_period = max(1, math.ceil((copy / t) / s.budget - 1e-9)) if copy > 0 else 1  # as choose_period
     policies = [
         _in_memory("baft", s, t, baft_period, baft_stall, flush, True, rate, restart),
         _in_memory("sync-copy", s, t, sync_period, copy, flush, False, rate, restart),
@@ -592,6 +603,13 @@ def simulate_scenario(s: Scenario) -> Result:
                      f"of their length; {_duration(worst.stall)} stall per snapshot")
     if baft_period > 1:
         notes.append(f"baft snapshots every {baft_period} iterations to stay within {s.budget:.0%}")
+    for policy in policies:
+        young = policy.detail.get("young")
+        if young and young["lost_per_day"] < 0.8 * policy.lost_per_day:
+            notes.append(f"{policy.policy}: failures are rare enough that snapshotting every {young['period']} "
+                         f"iterations (Young's period for its {_duration(policy.stall_per_snapshot)} stall) "
+                         f"would lose {_duration(young['lost_per_day'])} a day instead of "
+                         f"{_duration(policy.lost_per_day)}")
     if s.parity is None and s.node_failure_fraction > 0:
         notes.append("no parity group: node failures restore the in-memory policies from their background disk copy")
     fwd, bwd = s.stage_forward()[0], s.stage_backward()[0]
@@ -610,7 +628,7 @@ def parse_overrides(items) -> dict:
     return values
 
 
-def run(preset: Optional[str] = None, scenario_file=None, overrides: Optional[dict] = None) -> Result:
+def run(preset: str | None = None, scenario_file=None, overrides: dict | None = None) -> Result:
     """Load a preset or scenario file (exactly one), apply overrides, simulate.
 
     ``overrides`` values may be strings as typed on the command line (``"16"``, ``"[3, 4]"``,
@@ -625,7 +643,7 @@ def run(preset: Optional[str] = None, scenario_file=None, overrides: Optional[di
 # --- rendering ------------------------------------------------------------------------------
 
 def _duration(seconds: float) -> str:
-    if seconds != seconds or seconds == math.inf:
+    if math.isnan(seconds) or math.isinf(seconds):
         return "-"
     if seconds < 1:
         return f"{seconds * 1e3:.0f} ms"
@@ -650,7 +668,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _rate(bw: Optional[float]) -> str:
+def _rate(bw: float | None) -> str:
     return "-" if bw is None else f"{bw / 1e9:.1f} GB/s"
 
 
@@ -768,7 +786,7 @@ def _measured_inputs(bmap: BubbleMap):
     return costs, profiles
 
 
-def compare_to_measured(bmap: BubbleMap, measured_overhead: Optional[float] = None,
+def compare_to_measured(bmap: BubbleMap, measured_overhead: float | None = None,
                         budget: float = DEFAULT_BUDGET, margin: float = DEFAULT_MARGIN) -> Comparison:
     """Feed a measured bubble map's per-op costs through the simulator's model, side by side.
 

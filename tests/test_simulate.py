@@ -95,8 +95,8 @@ def test_bigger_model_never_copies_faster(layout, params, factor):
 @given(layouts, st.floats(0.01, 50.0), st.floats(1.0, 10.0), st.floats(0.0, 1.0), st.floats(1e7, 5e9))
 def test_lost_time_per_day_grows_with_failure_rate(layout, rate, factor, node_fraction, params):
     schedule, p, m = layout
-    common = dict(schedule=schedule, p=p, m=m, node_failure_fraction=node_fraction, params=params,
-                  restart_s=30.0, nccl_init_s=5.0, warmup_s=5.0)
+    common = {"schedule": schedule, "p": p, "m": m, "node_failure_fraction": node_fraction, "params": params,
+              "restart_s": 30.0, "nccl_init_s": 5.0, "warmup_s": 5.0}
     low = simulate_scenario(scenario(failures_per_day=rate, **common))
     high = simulate_scenario(scenario(failures_per_day=rate * factor, **common))
     for policy in low.policies:
@@ -244,8 +244,9 @@ def test_main(capsys):
 
 # --- against a measured bubble map ----------------------------------------------------------
 
-def fake_measured(schedule="1f1b", stages=2, micro_batches=4, costs=Costs(1.0, 2.0), stretch=1.0):
+def fake_measured(schedule="1f1b", stages=2, micro_batches=4, costs=None, stretch=1.0):
     """A bubble map shaped like the profiler's, from an analytic timeline (times × stretch)."""
+    costs = costs or Costs(1.0, 2.0)
     timeline = simulate(schedule, stages, micro_batches, costs)
     ranks, bubbles = [], []
     for stage in range(stages):
