@@ -121,7 +121,7 @@ class Scenario:
     forward_s: Any = None  # float or one per stage
     backward_s: Any = None
     backward_factor: float = 2.0
-    optimizer_s: float = 0.0
+    optimizer_s: Any = 0.0  # float or one per stage
     p2p_s: float = 0.0
     # copies, network, disk
     host_bw: float = 0.0
@@ -195,7 +195,7 @@ class Scenario:
         """Per-op costs for the timeline: one chunk of one stage, one micro-batch."""
         return Costs(forward=[f / self.v for f in self.stage_forward()],
                      backward=[b / self.v for b in self.stage_backward()],
-                     p2p=self.p2p_s, optimizer=self.optimizer_s)
+                     p2p=self.p2p_s, optimizer=_per_stage(self.optimizer_s, self.p, "optimizer_s"))
 
     # -- construction --
 
@@ -258,6 +258,9 @@ class Scenario:
             _per_stage(self.forward_s, self.p, "forward_s", where)
         if self.backward_s is not None:
             _per_stage(self.backward_s, self.p, "backward_s", where)
+        if self.optimizer_s is None:
+            bad("optimizer_s", "give the optimizer-step time in seconds (0 to ignore it)")
+        _per_stage(self.optimizer_s, self.p, "optimizer_s", where)
         if self.schedule == "interleaved":
             if self.v < 2:
                 bad("v", f"the interleaved schedule needs at least 2 chunks per stage, got {self.v}")
@@ -372,7 +375,7 @@ _VALIDATORS = {
     "p": _INT_POS, "m": _INT_POS, "v": _INT_POS, "schedule": _schedule, "dp": _INT_POS, "tp": _INT_POS,
     "accelerators_per_node": _INT_POS,
     "peak_flops": _POS_OPT, "utilization": _number(positive=True, maximum=1, optional=True),
-    "forward_s": _times, "backward_s": _times, "backward_factor": _POS, "optimizer_s": _NONNEG, "p2p_s": _NONNEG,
+    "forward_s": _times, "backward_s": _times, "backward_factor": _POS, "optimizer_s": _times, "p2p_s": _NONNEG,
     "host_bw": _POS, "net_bw": _POS_OPT, "parity": _parity,
     "disk_write_bw": _POS, "disk_read_bw": _POS, "disk_period_s": _POS_OPT,
     "failures_per_day": _number(minimum=0, optional=True), "mtbf_node_hours": _POS_OPT,
@@ -757,9 +760,9 @@ class Comparison:
                           _duration(r["bubble_measured"]), _duration(r["bubble_predicted"]),
                           f"{r['fraction_measured']:.1%}", f"{r['fraction_predicted']:.1%}")
         o = self.overhead
-        measured = "-" if o["measured"] is None else f"{o['measured']:.2%}"
-        table.add_row("overhead", "", "", "", "", measured,
-                      f"{o['predicted']:.2%} (period {o['period']}; sync copy {o['sync_copy']:.1%})")
+        measured = "not given" if o["measured"] is None else f"{o['measured']:.2%}"
+        table.caption = (f"baft overhead: measured {measured}, predicted {o['predicted']:.2%} "
+                         f"(period {o['period']}); a synchronous copy would cost {o['sync_copy']:.1%}")
         return table
 
     def __rich__(self):
@@ -828,7 +831,7 @@ def scenario_from_measured(bmap: BubbleMap, base: Scenario) -> Scenario:
         "dp": max(1, bmap.data_parallel), "tp": 1,
         "forward_s": [f * v for f in costs.per_stage("forward", bmap.stages)],
         "backward_s": [b * v for b in costs.per_stage("backward", bmap.stages)],
-        "optimizer_s": statistics.median(costs.per_stage("optimizer", bmap.stages)), "p2p_s": costs.p2p,
+        "optimizer_s": costs.per_stage("optimizer", bmap.stages), "p2p_s": costs.p2p,
         "state_bytes_per_rank": max(math.ceil((p.state_bytes.parameters + p.state_bytes.optimizer)
                                               / max(1, bmap.data_parallel)) for p in profiles.values()),
         "host_bw": statistics.median(p.copy_bandwidth for p in profiles.values()),

@@ -278,11 +278,13 @@ def test_compare_to_measured_agrees_with_its_own_costs():
 
 
 def test_scenario_from_measured_uses_measured_costs():
-    bmap = fake_measured(costs=Costs([1.0, 1.5], [2.0, 3.0]))
+    bmap = fake_measured(costs=Costs([1.0, 1.5], [2.0, 3.0], optimizer=[0.5, 0.25]))
     s = scenario_from_measured(bmap, load_preset("this-machine"))
-    assert s.forward_s == (1.0, 1.5) and s.backward_s == (2.0, 3.0) and s.state_per_rank == 3_000_000
+    assert s.forward_s == (1.0, 1.5) and s.backward_s == (2.0, 3.0) and s.optimizer_s == (0.5, 0.25)
+    assert s.state_per_rank == 3_000_000 and s.host_bw == 1e6
     result = simulate_scenario(s)
     assert result.iteration_time == pytest.approx(bmap.makespan)
+    assert result.iteration_time == pytest.approx(compare_to_measured(bmap).rows[0]["iteration_predicted"])
 
 
 def test_compare_needs_a_measured_map():
