@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -203,7 +204,7 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
         chaos.parse_fault(fault)
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
-    run_id = run.name
+    run_id = f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"  # one shm root per run dir
     shm = "/dev/shm/baft"
     procs = nprocs or model["stages"] * dp
     if procs % nodes:

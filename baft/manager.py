@@ -446,9 +446,12 @@ class Manager:
         parity = self._parity_steps(self.config.node_id) if self.config.group else {}
         disk = persist.list_steps(self.config.dir) if self.config.dir is not None else []
         out = {}
+        # a replaced node's ranks have not said hello yet: what parity or disk holds of them counts too
+        known = set(self.ranks) | {r for _, ranks in parity.values() for r in ranks} | {r for p in disk for r in p.ranks}
         with self._lock:
-            for rank, state in sorted(self.ranks.items()):
-                memory = sorted({s for (_, s), bad in state.results.items() if bad is None}, reverse=True)
+            for rank in sorted(known):
+                state = self.ranks.get(rank)
+                memory = sorted({s for (_, s), bad in state.results.items() if bad is None}, reverse=True) if state else []
                 out[str(rank)] = {
                     "memory": memory[:MEMORY_HELD],
                     "parity": sorted((s for s, (_, ranks) in parity.items() if rank in ranks), reverse=True),

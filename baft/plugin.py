@@ -97,7 +97,8 @@ def _connect_manager(engine, cfg, root):
             warn(engine, f"no manager answers for node {node}; starting one at {root}")
             start(manager_config(cfg, node, root))
         dist.barrier()
-    return ManagerClient.try_connect(root, warn=lambda m: warn(engine, m.removeprefix("baft: ")))
+    # a restore may rebuild from parity or read from disk: allow it time
+    return ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: warn(engine, m.removeprefix("baft: ")))
 
 
 def manager_config(cfg, node: int, root):

@@ -17,6 +17,7 @@ rank 0 once the first resumed iteration completes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -52,6 +53,11 @@ class Restored:
 
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _slower(a: str, b: str) -> str:
+    """Of two restore sources, the slower one: it is where the job's restore time went."""
+    return max(a, b, key=SOURCES.index)
 
 
 def _rank_ids(root) -> list[int]:
@@ -111,9 +117,12 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
         if flags.item() == 0:
             for line in refused:
                 log(line)
+            _apply(engine, shards)
             state.restore_items(engine, shards_items(shards, rank), data_iterator)
+            sources = [None] * dist.get_world_size()
+            dist.all_gather_object(sources, source)
             mark("restore_end")
-            return Restored(step, source, len(shards), refused)
+            return Restored(step, functools.reduce(_slower, sources), len(shards), refused)
         tried.add(step)
         held = {}  # what the manager could not materialize, it will not on a second ask
     for line in refused:
@@ -144,12 +153,15 @@ def _newest_common(everyone: list[dict], stages: int) -> Optional[int]:
 
 
 def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[bool, str, dict]:
-    """Load every reachable shard of this stage at ``step`` and exchange missing ones with replicas."""
+    """Load and check every reachable shard of this stage at ``step``, changing nothing in the engine.
+
+    Only when every rank succeeds are the shards applied (:func:`_apply`), so a failed attempt
+    leaves no rank with a half-restored state.
+    """
     source = "memory"
     for old_rank, pending_source in offer.get("pending", []):
         try:
-            client.restore(old_rank, step)
-            source = pending_source
+            source = _slower(source, client.restore(old_rank, step)["source"])
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
     shards: dict[int, tuple[CommitRecord, bytes]] = {}
@@ -157,15 +169,13 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
         found = store.load_verified(root, old_rank, step=step, log=refused.append)
         if found and found[0].stage == engine.stage_id and found[0].model == fingerprint:
             shards.setdefault(found[0].layout.shard, found)
-    if shards:
+    problem = _coverage_problem(engine, shards)
+    if problem is None and shards:
         state.create_optimizer_state(engine, next(iter(shards.values()))[0].layout.tensors)
-    try:
-        _apply(engine, shards)
-        _exchange_shards(engine, shards)
-    except BaftError as err:
-        refused.append(str(err))
-        return False, source, shards
-    return True, source, shards
+        problem = _fit_problem(engine, shards)
+    if problem is not None:
+        refused.append(problem)
+    return problem is None, source, shards
 
 
 def shards_items(shards: dict, rank: int) -> dict:
@@ -176,41 +186,58 @@ def shards_items(shards: dict, rank: int) -> dict:
     return next(iter(shards.values()))[0].items
 
 
-def _apply(engine, shards: dict) -> None:
-    views = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
-    for record, data in shards.values():
-        for chunk, payload in chunk_bytes_of(record, data):
+def _views(engine) -> dict[str, torch.Tensor]:
+    return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
+
+
+def _fit_problem(engine, shards: dict) -> Optional[str]:
+    views = _views(engine)
+    for record, _ in shards.values():
+        for chunk in record.layout.chunks:
             target = views.get(chunk.tensor)
             if target is None or chunk.start + chunk.nbytes > target.numel():
-                raise BaftError(f"snapshot of step {record.step} (rank {record.rank}) has tensor {chunk.tensor} "
-                                f"that this model does not match")
-            target[chunk.start:chunk.start + chunk.nbytes].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                return (f"snapshot of step {record.step} (rank {record.rank}) has tensor {chunk.tensor}, "
+                        f"which this model does not have in that size")
+    return None
 
 
-def _exchange_shards(engine, shards: dict) -> None:
-    """Replicas of a stage broadcast the shards some of them lack (multi-node restores)."""
-    group = engine.grid.get_data_parallel_group()
-    dp = engine.grid.get_data_parallel_world_size()
+def _coverage_problem(engine, shards: dict) -> Optional[str]:
+    """None when this stage's replicas together hold every shard (a collective over the replicas)."""
     num_shards = next(iter(shards.values()))[0].layout.num_shards if shards else 0
+    have = [sorted(shards)]
+    if engine.grid.get_data_parallel_world_size() > 1:
+        have = [None] * engine.grid.get_data_parallel_world_size()
+        dist.all_gather_object(have, (sorted(shards), num_shards), group=engine.grid.get_data_parallel_group())
+        num_shards = max(n for _, n in have)
+        have = [h for h, _ in have]
+    covered = set().union(*map(set, have))
+    if not covered or covered != set(range(num_shards)):
+        return (f"stage {engine.stage_id}: shards {sorted(covered)} of {num_shards} are reachable; the rest were "
+                f"on other nodes and no replica of this stage holds them")
+    return None
+
+
+def _apply(engine, shards: dict) -> None:
+    """Copy the shards into the engine's tensors; replicas broadcast the shards others lack."""
+    views = _views(engine)
+    for record, data in shards.values():
+        for chunk, payload in chunk_bytes_of(record, data):
+            views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].copy_(
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dp = engine.grid.get_data_parallel_world_size()
     if dp == 1:
-        if not shards or set(shards) != set(range(num_shards)):
-            raise BaftError(f"stage {engine.stage_id}: shards {sorted(shards)} of {num_shards} are reachable "
-                            f"on this node; the rest are on other nodes and no replica can send them")
         return
+    group = engine.grid.get_data_parallel_group()
     have = [None] * dp
     dist.all_gather_object(have, sorted(shards), group=group)
     ranks = dist.get_process_group_ranks(group)
-    views = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
+    num_shards = max(max(h) + 1 for h in have if h)
     entries = state.tensor_entries(engine)
-    num_shards = max(num_shards, max((max(h) + 1 for h in have if h), default=0))
     for shard in range(num_shards):
         holders = [i for i, h in enumerate(have) if shard in h]
-        if not holders:
-            raise BaftError(f"stage {engine.stage_id}: no replica holds shard {shard} of the snapshot")
         if len(holders) == dp:
             continue
-        layout = plan_layout(entries, shard=shard, num_shards=num_shards)
-        for chunk in layout.chunks:
+        for chunk in plan_layout(entries, shard=shard, num_shards=num_shards).chunks:
             dist.broadcast(views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes], src=ranks[holders[0]],
                            group=group)
 

@@ -39,3 +39,25 @@ def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, uninterrupted, fa
     assert len(recovery) == 1 and recovery[0]["source"] == "memory"
     assert recovery[0]["restored_step"] == resumed[0]["step"] - 1
     assert all(recovery[0][t] >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
+
+
+def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, uninterrupted):
+    """Two simulated nodes (a manager and a rank each, one parity group); node 1 loses its
+    manager, its shared memory and its rank. The replaced node's restore rebuilds from parity."""
+    import subprocess
+    import sys
+
+    from baft.launch import launch_env
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
+                           "--policy", "baft", "--period", "1", "--nodes", "2", "--fault", "node=1,step=7",
+                           "--max-restarts", "1", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, env=launch_env(), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    assert recovery[0]["source"] == "parity" and recovery[0]["restored_step"] == 5
+    resumed = [r for r in losses(run_dir) if r["restart"] == 1]
+    assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
+    for r in resumed:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
