@@ -67,7 +67,7 @@ def test_forward_time_from_flops():
 # --- monotonic properties -------------------------------------------------------------------
 
 layouts = st.tuples(st.sampled_from(["1f1b", "gpipe"]), st.integers(2, 4), st.integers(1, 8))
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
