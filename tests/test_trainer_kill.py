@@ -1,0 +1,29 @@
+"""SIGKILL a DeepSpeed trainer at chosen moments: its node's manager still holds the newest committed snapshot."""
+
+import pytest
+
+from baft import store
+from baft.manager import ManagerConfig, start, stop
+from baft.manager_protocol import ManagerClient
+from conftest import TINY, run_worker
+
+
+@pytest.mark.parametrize("phase,newest", [("copy", 4), ("commit", 5), ("optimizer", 5)])
+def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_root, phase, newest, monkeypatch):
+    node_root = shm_root / "default" / "node0"
+    start(ManagerConfig(node_id=0, shm_root=node_root).validate())
+    try:
+        monkeypatch.setenv("BAFT_CHAOS", f"rank=1,step=6,phase={phase}")
+        proc = run_worker(2, [*TINY, "--iters", "8", "--policy", "baft", "--period", "1",
+                              "--shm-root", str(shm_root)], check=False)
+        assert proc.returncode != 0, "the fault did not fire"
+        with ManagerClient.connect(node_root, timeout=30) as client:
+            held = client.held()
+        # during iteration 6 the snapshot of step 5 is copied: killed mid-copy, step 4 is the newest;
+        # killed after its commit (or in the optimizer step that follows), step 5 is
+        assert held["1"]["memory"][0] == newest
+        record, data = store.load_verified(node_root, 1, step=newest)
+        assert record.verify(data) is None
+        assert newest - 1 in held["1"]["memory"], "the previous committed snapshot is kept too"
+    finally:
+        stop(node_root)
