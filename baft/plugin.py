@@ -58,6 +58,7 @@ def _protect(engine, cfg, data_iterator) -> None:
 
     root = shm_root(cfg, engine.global_rank)
     client = None
+    engine.baft_restored = None
     if cfg.policy in IN_MEMORY:
         client = _connect_manager(engine, cfg, root)
         if client is None and cfg.require_manager:
@@ -69,9 +70,15 @@ def _protect(engine, cfg, data_iterator) -> None:
             print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
         engine.baft_restored = restored
     policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))
+    if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
+        recovery.mark("restore_start")
+        step = policy.restore(engine)
+        recovery.mark("restore_end")
+        engine.baft_restored = recovery.Restored(step, "disk", 1) if step else None
+        if step and engine.global_rank == 0:
+            print(f"baft: resumed from step {step} (disk, {cfg.policy})", flush=True)
     engine.baft_hooks.append(policy)
-    if cfg.policy in IN_MEMORY:
-        engine.baft_hooks.append(recovery.RecoveryReport(engine.baft_restored, cfg.run_dir))
+    engine.baft_hooks.append(recovery.RecoveryReport(engine.baft_restored, cfg.run_dir))
     faults = chaos.faults_from_env()
     if faults:
         from baft.config import node_of

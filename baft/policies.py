@@ -187,7 +187,34 @@ class DiskCheckpoint(InstructionHook):
         self.saved.append(step)
         self.stall += time.perf_counter() - start
 
+    def restore(self, engine) -> Optional[int]:
+        """Load the newest checkpoint every rank has (the usual restart); its step, or None."""
+        if self.kind == "deepspeed":
+            path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
+            if path is None:
+                return None
+            state.restore_items(engine, client["baft_items"], self.data_iterator)
+            return engine.global_steps
+        if self.kind == "torch-save":
+            mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
+            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64)
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+            step = int(newest.item())
+            if step == 0:
+                return None
+            saved = torch.load(self.save_dir / f"step{step}-rank{engine.global_rank}.pt", weights_only=False)
+            state.create_optimizer_state(engine, [e for e in _entries_of(saved["tensors"])])
+            live = state.state_tensors(engine)
+            for name, tensor in saved["tensors"].items():
+                live[name].copy_(tensor)
+            state.restore_items(engine, saved["items"], self.data_iterator)
+            return step
+        return None  # dcp-async checkpoints are written for the overhead comparison only
 
-def stall_of(hook) -> float:
-    return getattr(hook, "stall", 0.0)
+
+def _entries_of(tensors: dict):
+    from baft.snapshot import TensorEntry
+
+    return [TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size(),
+                        "optimizer" if name.startswith("optim/") else "parameters") for name, t in tensors.items()]
 
