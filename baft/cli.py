@@ -209,7 +209,8 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
     procs = nprocs or model["stages"] * dp
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
-    env = launch_env({chaos.ENV: ";".join(faults)} if faults else {})
+    env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
+                      **({chaos.ENV: ";".join(faults)} if faults else {})})
     configs = []
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "run_dir": str(run),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def initialize(model, config, data_iterator=None, **kwargs):
 
     recovery.mark("init_start")
     ds_config = load_ds_config(config)
-    cfg = parse_config(ds_config)
+    cfg = _with_launcher_defaults(parse_config(ds_config), ds_config)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=ds_config, **kwargs)
     recovery.mark("init_end")
@@ -147,6 +148,16 @@ class ManagerLink:
         except ManagerUnavailable as err:
             warn(self.engine, f"{err}; snapshots stay in shared memory only")
             self.client = None
+
+
+LAUNCHER_ENV = {"run_id": "BAFT_RUN_ID", "shm_root": "BAFT_SHM_ROOT", "run_dir": "BAFT_RUN_DIR"}
+
+
+def _with_launcher_defaults(cfg, ds_config: dict):
+    """``baft train -- script`` tells the script's ranks its run id, shm root and run dir, unless the config does."""
+    section = ds_config.get("baft") or {}
+    given = {key: os.environ[env] for key, env in LAUNCHER_ENV.items() if env in os.environ and key not in section}
+    return dataclasses.replace(cfg, **given) if given else cfg
 
 
 def _start_profiler(engine, directory: str, iterations: int, model) -> None:
