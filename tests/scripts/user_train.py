@@ -1,0 +1,51 @@
+"""A user's own training script: an MLP pipeline, its own data, ``baft.initialize`` instead of ``deepspeed.initialize``."""
+
+import argparse
+import hashlib
+
+import deepspeed
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+import baft
+
+
+class Samples:
+    """Deterministic regression batches with a restorable position."""
+
+    def __init__(self, batch=8, width=32):
+        self.batch, self.width, self.position = batch, width, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        gen = torch.Generator().manual_seed(self.position)
+        self.position += 1
+        x = torch.randn(self.batch, self.width, generator=gen)
+        return x, x.sin().sum(dim=1, keepdim=True)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config", required=True)
+parser.add_argument("--steps", type=int, default=8)
+args = parser.parse_args()
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+layers = [LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout, 0.1), LayerSpec(nn.Linear, 64, 64),
+          LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 64, 1)]
+model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
+data = Samples()
+engine, *_ = baft.initialize(model=model, config=args.config, data_iterator=data)
+while engine.global_steps < args.steps:
+    loss = engine.train_batch(data_iter=data)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
+print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest}", flush=True)

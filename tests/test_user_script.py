@@ -1,0 +1,49 @@
+"""The documented path for a user's own script: profile it, show it, train it, kill it, resume."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from baft.launch import launch_env, torchrun
+
+SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
+
+
+def config(tmp_path, **baft):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+                                "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                                "steps_per_print": 10 ** 9, "baft": baft}))
+    return path
+
+
+def finals(output: str) -> dict[int, str]:
+    return {int(m[0]): m[1] for m in re.findall(r"rank (\d) final step 8 loss \S+ params (\w+)", output)}
+
+
+def test_profile_show_train_kill_resume_a_user_script(tmp_path):
+    cfg = config(tmp_path, period=1)
+    bmap = tmp_path / "mine.json"
+    cli = [sys.executable, "-m", "baft.cli"]
+    prof = subprocess.run([*cli, "profile", "--iters", "3", "--out", str(bmap), "--",
+                           *torchrun(2, [str(SCRIPT), "--config", str(cfg)], module=False)],
+                          capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert prof.returncode == 0, prof.stderr[-3000:]
+    assert (tmp_path / "mine.plan.json").exists()
+    show = subprocess.run([*cli, "show", str(bmap)], capture_output=True, text=True)
+    assert show.returncode == 0 and "stage" in show.stdout.lower()
+
+    clean = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, policy="none"))], module=False),
+                           capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    cfg = config(tmp_path, bubble_map=str(bmap))
+    faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
+                             "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT), "--config", str(cfg)],
+                            capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
+    assert finals(faulty.stdout) == finals(clean.stdout) and len(finals(clean.stdout)) == 2
