@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,8 @@ def user_errors(fn):
 @click.version_option(package_name="baft")
 def main():
     """Bubble-aware fault tolerance for pipeline-parallel DeepSpeed training."""
+    if not os.path.exists("/dev/nvidiactl"):  # no GPU: spare every command DeepSpeed's detection warning
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _run(cmd: list[str], env: dict) -> int:
@@ -319,10 +322,19 @@ def report(run_dir, png):
 @click.option("--preset", help="A bundled scenario (gpt3-175b-1024, gpt3-3b-8, gpt3-15b-8, this-machine).")
 @click.option("--scenario", type=click.Path(dir_okay=False), help="A scenario JSON file.")
 @click.option("--set", "overrides", multiple=True, help="Override a scenario key: key=value.")
+@click.option("--measured", type=click.Path(dir_okay=False),
+              help="Instead: check the model against a measured bubble map, side by side.")
+@click.option("--measured-overhead", type=float, help="With --measured: the overhead measured for baft (fraction).")
 @user_errors
-def simulate(preset, scenario, overrides):
+def simulate(preset, scenario, overrides, measured, measured_overhead):
     """Bubbles, snapshot period, overhead and time lost per day at cluster scale."""
-    from baft.simulate import render, run
+    from baft.simulate import compare_to_measured, render, run
+
+    if measured:
+        from baft.bubblemap import BubbleMap
+
+        click.echo(compare_to_measured(BubbleMap.load(measured), measured_overhead).render())
+        return
 
     values = {}
     for item in overrides:

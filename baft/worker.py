@@ -132,9 +132,14 @@ def main(argv=None) -> int:
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-    if engine.global_rank == 0:
-        print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations",
-              flush=True)
+    if lead and times:
+        policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
+        snapshots = ""
+        if policy is not None:
+            taken = len(getattr(policy, "commits", getattr(policy, "saved", [])))
+            snapshots = f"; {taken} snapshots committed by rank 0 ({args.policy}, period {policy.period})"
+        print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"
+              f"{snapshots}", flush=True)
     return 0
 
 
