@@ -27,3 +27,16 @@ def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_ro
         assert newest - 1 in held["1"]["memory"], "the previous committed snapshot is kept too"
     finally:
         stop(node_root)
+
+
+def test_trainers_outlive_a_killed_manager_and_keep_their_snapshots(shm_root, monkeypatch):
+    node_root = shm_root / "default" / "node0"
+    start(ManagerConfig(node_id=0, shm_root=node_root).validate())
+    monkeypatch.setenv("BAFT_CHAOS", "manager=0,step=4")
+    proc = run_worker(2, [*TINY, "--iters", "8", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
+    assert "step     8" in proc.stdout, "training did not go on without its manager"
+    warnings = [line for line in proc.stderr.splitlines() if "snapshots stay in shared memory only" in line]
+    assert len(warnings) == 2, proc.stderr  # once per rank, not once per commit
+    for rank in (0, 1):
+        record, data = store.load_verified(node_root, rank)
+        assert record.step == 7 and record.verify(data) is None
