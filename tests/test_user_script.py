@@ -11,11 +11,12 @@ from baft.launch import launch_env, torchrun
 SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
 
 
-def config(tmp_path, **baft):
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
-                                "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-                                "steps_per_print": 10 ** 9, "baft": baft}))
+def config(tmp_path, name="ds_config.json", **baft):
+    """A DeepSpeed config; with no keyword arguments it has no "baft" section at all."""
+    path = tmp_path / name
+    doc = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10 ** 9}
+    path.write_text(json.dumps({**doc, "baft": baft} if baft else doc))
     return path
 
 
@@ -24,7 +25,7 @@ def finals(output: str) -> dict[int, str]:
 
 
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
-    cfg = config(tmp_path, period=1)
+    cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]
     prof = subprocess.run([*cli, "profile", "--iters", "3", "--out", str(bmap), "--",
@@ -35,11 +36,13 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     show = subprocess.run([*cli, "show", str(bmap)], capture_output=True, text=True)
     assert show.returncode == 0 and "stage" in show.stdout.lower()
 
-    clean = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, policy="none"))], module=False),
+    # no "baft" section: exactly DeepSpeed (its own engine class, nothing attached)
+    clean = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
                            capture_output=True, text=True, env=launch_env(), timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
+    assert clean.stdout.count("engine PipelineEngine") == 2
     run_dir = tmp_path / "run"
-    cfg = config(tmp_path, bubble_map=str(bmap))
+    cfg = config(tmp_path, "protected.json", bubble_map=str(bmap))
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT), "--config", str(cfg)],
                             capture_output=True, text=True, env=launch_env(), timeout=300)

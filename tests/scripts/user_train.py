@@ -48,4 +48,5 @@ engine, *_ = baft.initialize(model=model, config=args.config, data_iterator=data
 while engine.global_steps < args.steps:
     loss = engine.train_batch(data_iter=data)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
-print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest}", flush=True)
+print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
+      f"engine {type(engine).__name__}", flush=True)
