@@ -298,9 +298,13 @@ def manager_status(shm_root):
 @user_errors
 def inspect_cmd(path, no_verify):
     """Print a persisted or in-memory snapshot's manifest and verify its checksums."""
-    from baft.inspect import inspect
+    from baft.inspect import SnapshotCorrupt, inspect
 
-    click.echo(inspect(path, verify=not no_verify))
+    try:
+        click.echo(inspect(path, verify=not no_verify))
+    except SnapshotCorrupt as err:
+        click.echo(err.report)  # the manifest and every chunk's verdict; the error line follows
+        raise
 
 
 @main.command()

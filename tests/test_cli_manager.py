@@ -1,0 +1,47 @@
+"""``baft manager start|status|stop`` and ``baft inspect`` from the command line, on real processes."""
+
+import subprocess
+import sys
+
+from baft import store
+from conftest import TINY, run_worker
+
+
+def baft_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "baft.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_manager_commands_and_inspect(shm_root, tmp_path):
+    root = shm_root / "default" / "node0"
+    started = baft_cli("manager", "start", "--shm-root", root, "--dir", tmp_path / "persisted",
+                       "--persist-every", "2")
+    assert started.returncode == 0, started.stderr
+    try:
+        run_worker(2, [*TINY, "--iters", "6", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
+        status = baft_cli("manager", "status", "--shm-root", root)
+        assert status.returncode == 0 and "rank 1" in status.stdout, status.stdout
+        shown = baft_cli("inspect", store.rank_dir(root, 1))
+        assert shown.returncode == 0 and "step 5" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        stopped = baft_cli("manager", "stop", "--shm-root", root)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not (root / "rank0").exists(), "stop frees the shared memory"
+    persisted = sorted((tmp_path / "persisted").glob("step-*"))
+    assert persisted, "the manager persisted nothing"
+    verified = baft_cli("inspect", persisted[-1])
+    assert verified.returncode == 0, verified.stderr
+    tensor_file = next(persisted[-1].glob("rank1.safetensors"))
+    data = bytearray(tensor_file.read_bytes())
+    data[-5] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+    corrupt = baft_cli("inspect", persisted[-1])
+    assert corrupt.returncode == 2 and "Traceback" not in corrupt.stderr
+    assert "rank1.safetensors" in corrupt.stderr
+
+
+def test_manager_start_refuses_bad_flags_in_one_line(tmp_path):
+    bad = baft_cli("manager", "start", "--shm-root", tmp_path / "r", "--group", "127.0.0.1:1,127.0.0.1:2",
+                   "--node-id", "7")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--node-id 7: not a member of --group" in bad.stderr
