@@ -64,27 +64,37 @@ def _rank_ids(root) -> list[int]:
     return sorted(int(p.name[4:]) for p in Path(root).glob("rank*") if p.name[4:].isdigit())
 
 
-def _local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dict) -> dict[int, dict]:
-    """step -> {"shards": {shard: (old_rank, source)}, "num_shards": n} reachable from this node."""
-    offers: dict[int, dict] = {}
+def _local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dict) -> tuple[dict[int, dict], list]:
+    """What this node can reach: step -> {"shards", "num_shards", "pending"}, and why others were passed over.
 
+    ``pending`` lists (old rank, source) the node's manager can rebuild from parity or read
+    from disk on request. The notes are (kind, text): "stages" for snapshots of another
+    pipeline depth (fatal: the job cannot be resumed as launched), "model" for snapshots of
+    another model (ignored).
+    """
+    offers: dict[int, dict] = {}
+    notes = set()
     for old_rank in _rank_ids(root):
         for info in store.committed(root, old_rank):
             rec = info.record
             if rec.topology.get("pipe", stages) != stages:
-                raise BaftError(f"{store.rank_dir(root, old_rank)}: snapshots were taken with {rec.topology['pipe']} "
-                                f"pipeline stages, this run has {stages}; restart with {rec.topology['pipe']} stages "
-                                f"(any number of data-parallel replicas works), or start fresh in a new run directory")
-            if rec.stage == stage and rec.model == fingerprint:
-                entry = offers.setdefault(rec.step, {"shards": {}, "num_shards": rec.layout.num_shards})
-                entry["shards"].setdefault(rec.layout.shard, (old_rank, "memory"))
+                notes.add(("stages", f"{store.rank_dir(root, old_rank)}: snapshots were taken with "
+                                     f"{rec.topology['pipe']} pipeline stages, this run has {stages}; restart with "
+                                     f"{rec.topology['pipe']} stages (any number of data-parallel replicas works), "
+                                     f"or start fresh in a new run directory"))
+            elif rec.stage == stage and rec.model != fingerprint:
+                notes.add(("model", f"{store.rank_dir(root, old_rank)}: ignoring snapshots of another model "
+                                    f"(stage {stage} signature {rec.model}, this model's is {fingerprint})"))
+            elif rec.stage == stage:
+                entry = offers.setdefault(rec.step, {"shards": set(), "num_shards": rec.layout.num_shards})
+                entry["shards"].add(rec.layout.shard)
     for old_rank, sources in held.items():
         for source in ("parity", "disk"):
             for step in sources.get(source, []):
                 if step not in offers:
-                    offers.setdefault(step, {"shards": {}, "num_shards": None, "pending": []})
+                    offers.setdefault(step, {"shards": set(), "num_shards": None})
                 offers[step].setdefault("pending", []).append((int(old_rank), source))
-    return offers
+    return offers, sorted(notes)
 
 
 def restore(engine, root: str, client=None, data_iterator=None, fresh_start: bool = True,
@@ -102,13 +112,19 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
     refused: list[str] = []
     tried: set[int] = set()
     while True:
-        offers = _local_offers(root, stage, engine.num_stages, fingerprint, held)
-        mine = {step: {"stage": stage, "shards": sorted(k for k in o["shards"] if k is not None),
-                       "num_shards": o["num_shards"], "pending": bool(o.get("pending"))}
+        offers, notes = _local_offers(root, stage, engine.num_stages, fingerprint, held)
+        mine = {step: {"stage": stage, "shards": sorted(o["shards"]), "num_shards": o["num_shards"],
+                       "pending": bool(o.get("pending"))}
                 for step, o in offers.items() if step not in tried}
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        step = _newest_common(everyone, engine.num_stages)
+        dist.all_gather_object(everyone, (mine, notes))
+        fatal = next((text for _, rank_notes in everyone for kind, text in rank_notes if kind == "stages"), None)
+        if fatal:
+            raise BaftError(fatal)  # on every rank alike: they all saw it in the gather
+        if not tried:
+            for kind, text in notes:
+                log(text)
+        step = _newest_common([offer for offer, _ in everyone], engine.num_stages)
         if step is None:
             break
         ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
@@ -292,7 +308,7 @@ def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
     since = progress.get(step, failed_at)
     t = {
         "T0": max(0.0, failed_at - since),
-        "T1": clock["process_start"] - failed_at + (clock.get("init_start", clock["process_start"]) - clock["process_start"]),
+        "T1": clock.get("init_start", clock["process_start"]) - failed_at,  # restart, interpreter, imports
         "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
         "T3": clock["restore_end"] - clock["restore_start"],
         "T4": clock["first_iteration_end"] - clock["restore_end"],

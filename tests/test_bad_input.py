@@ -95,3 +95,11 @@ def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_
     proc = run_worker(2, [*common, "--iters", "7"])
     assert f"chunk {chunk.index} ({chunk.tensor}" in proc.stderr and "fails its checksum" in proc.stderr
     assert "resumed from step 4" in proc.stdout
+
+
+def test_snapshot_of_another_model_is_ignored_with_a_message(shm_root):
+    common = ["--policy", "baft", "--period", "1", "--shm-root", str(shm_root)]
+    run_worker(2, [*TINY, "--iters", "3", *common])
+    proc = run_worker(2, [*TINY, "--d-model", "32", "--iters", "2", *common])
+    assert "ignoring snapshots of another model" in proc.stderr
+    assert "resumed from" not in proc.stdout and "step     1" in proc.stdout
