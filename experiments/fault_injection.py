@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from baft import chaos
@@ -78,7 +78,7 @@ def machine() -> str:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def command_line() -> str:
@@ -106,7 +106,7 @@ def train(run_dir: Path, args: list[str], log_name: str = "train.log", timeout: 
         log.write(shlex.join(cmd) + "\n")
         log.flush()
         try:
-            code = subprocess.run(cmd, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
+            code = subprocess.run(cmd, check=False, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = -1
@@ -253,18 +253,18 @@ def main(argv=None) -> int:
         f"- machine: {meta['machine']}",
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']} ({meta['wall_s']:.0f} s wall)",
-        f"- model: `{args.model}` (`{' '.join(MODELS[args.model])}`), 2 pipeline stages, {args.iters} steps, "
-        f"`--policy baft --period 1 --max-restarts 1`; faults drawn from seed {args.seed}",
-        "- reference: one uninterrupted run with `--policy none`; *matched* = every loss of the faulted run "
+        (f"- model: `{args.model}` (`{' '.join(MODELS[args.model])}`), 2 pipeline stages, {args.iters} steps, "
+        f"`--policy baft --period 1 --max-restarts 1`; faults drawn from seed {args.seed}"),
+        ("- reference: one uninterrupted run with `--policy none`; *matched* = every loss of the faulted run "
         "(before the fault and after the restart) equals the reference's at that step, compared as `repr(float)`, "
-        "and the restarted job logs every step from restored step + 1 to the last",
-        "- restored step, source and T0..T4 from `RUN_DIR/recovery.jsonl` (T0 rollback, T1 process restart, "
+        "and the restarted job logs every step from restored step + 1 to the last"),
+        ("- restored step, source and T0..T4 from `RUN_DIR/recovery.jsonl` (T0 rollback, T1 process restart, "
         "T2 process-group init, T3 state load, T4 first resumed iteration); lost steps = completed steps "
-        "after the restored one",
-        "- a rank fault at step S kills the rank while it computes step S; the snapshot of step S-1 is copied "
+        "after the restored one"),
+        ("- a rank fault at step S kills the rank while it computes step S; the snapshot of step S-1 is copied "
         "during that iteration and committed just before its optimizer step, so faults before the commit "
         "restore S-2 and faults at or after it restore S-1. A node fault kills the node's manager, shared memory "
-        "and rank at the start of the iteration; the replaced node rebuilds its snapshot from parity.",
+        "and rank at the start of the iteration; the replaced node rebuilds its snapshot from parity."),
         "",
         text,
         "",
