@@ -107,6 +107,7 @@ class BubbleMap:
     makespan: float = 0.0
     model: dict = field(default_factory=dict)
     analytic_bubble_fraction: dict = field(default_factory=dict)  # stage -> fraction
+    optimizer_sync: bool = False  # do the stages' optimizer steps wait for each other
     notes: list[str] = field(default_factory=list)
 
     def stage_bubbles(self, stage: int) -> list[Bubble]:

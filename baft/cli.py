@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -347,6 +349,80 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
             raise BaftError(f"--set {item!r}: expected key=value")
         values[key] = value
     click.echo(render(run(preset=preset, scenario_file=scenario, overrides=values)))
+
+
+@main.command()
+@click.option("--example", type=click.Choice(["gpt"]), default="gpt", show_default=True)
+@example_options
+@click.option("--policies", default="none,sync-copy,baft", show_default=True,
+              help="Comma-separated: none, sync-copy, thread-copy, baft, torch-save, deepspeed.")
+@click.option("--rounds", default=3, show_default=True, help="Rounds of A B C ... blocks.")
+@click.option("--block", default=3, show_default=True, help="Iterations per policy per round (first dropped).")
+@click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map for baft's planner.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the per-iteration figures here (JSON).")
+@user_errors
+def compare(example, policies, rounds, block, bubble_map, out, dp, **model):
+    """Compare snapshot policies on one run, interleaved, and print the overhead table."""
+    click.echo(_compare(model, dp, policies, rounds, block, bubble_map, out))
+
+
+def _compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out) -> str:
+    from baft.compare import POLICIES, render, summarize
+    from baft.launch import example_args, launch_env, torchrun
+
+    unknown = sorted(set(policies.split(",")) - set(POLICIES))
+    if unknown:
+        raise BaftError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as tmp:
+        result = Path(out) if out else Path(tmp) / "compare.json"
+        args = example_args({**model, "bubble_map": bubble_map})[1:]
+        cmd = torchrun(model["stages"] * dp, ["baft.compare", "--policies", policies, "--rounds", str(rounds),
+                                              "--block", str(block), "--out", str(result), "--scratch", tmp, *args])
+        code = _run(cmd, launch_env())
+        if code != 0 or not result.exists():
+            raise BaftError(f"the comparison run failed (exit code {code})")
+        return render(summarize(json.loads(result.read_text())))
+
+
+DEMO_MODEL = {"stages": 2, "micro_batches": 8, "micro_batch_size": 4, "schedule": "1f1b", "seq": 128,
+              "d_model": 256, "layers": 6, "heads": 4, "vocab": 4096}
+
+
+@main.command()
+@click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
+@user_errors
+def demo(out_dir):
+    """Profile the example GPT, plan, compare policies, train under baft, kill a rank, restart, report."""
+    from baft.bubblemap import BubbleMap
+    from baft.launch import launch_env
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model_flags = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_MODEL.items()]
+    me = [sys.executable, "-m", "baft.cli"]
+    bmap_path, run_dir = out / "bubbles.json", out / "run"
+
+    def step(n, title, cmd=None):
+        click.secho(f"\n[{n}/5] {title}", bold=True)
+        if cmd is not None and _run(cmd, launch_env()) != 0:
+            raise BaftError(f"demo step {n} ({title}) failed; its output is above")
+
+    step(1, "profile the example GPT (2 stages, 8 micro-batches of 512 tokens) and plan",
+         [*me, "profile", "--example", "gpt", *model_flags, "--iters", "5", "--out", str(bmap_path)])
+    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(out / "timeline.png")])
+    step(3, "overhead of a snapshot every iteration: no snapshots, synchronous copy, baft (interleaved)")
+    click.echo(_compare(DEMO_MODEL, 1, "none,sync-copy,baft", 3, 3, str(bmap_path), str(out / "compare.json")))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    step(4, "train under baft; rank 1 is killed in step 10 and torchrun restarts the job",
+         [*me, "train", "--example", "gpt", *model_flags, "--iters", "14", "--bubble-map", str(bmap_path),
+          "--run-dir", str(run_dir), "--fault", "rank=1,step=10,phase=backward", "--max-restarts", "1"])
+    step(5, "where the recovery time went", [*me, "report", str(run_dir), "--png", str(out / "recovery.png")])
+    bmap = BubbleMap.load(bmap_path)
+    click.echo(f"\nbubble map and plan: {bmap_path}, {bmap_path.with_name('bubbles.plan.json')} "
+               f"({bmap.schedule}, {bmap.stages} stages)")
+    click.echo(f"pictures: {out / 'timeline.png'}, {out / 'recovery.png'}")
+    click.echo(f"losses (with the restart): {run_dir / 'losses.jsonl'}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from baft.engine import InstructionHook
 from baft.errors import BaftError
 from baft.executor import BubbleExecutor, SyncCopy, ThreadCopy
 from baft.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
-from baft.profiler import InstructionTimer, _median_profile, measured_costs
+from baft.profiler import InstructionTimer, _median_profile, measured_costs, optimizer_syncs
 from baft.timeline import analytic_bubble_map
 
 
@@ -132,7 +132,7 @@ class PlannedExecutor(BubbleExecutor):
         own = _median_profile(trace, skip=0)
         profiles = [None] * dist.get_world_size()
         dist.all_gather_object(profiles, own)
-        costs = measured_costs(profiles, engine.num_stages)
+        costs = measured_costs(profiles, engine.num_stages, optimizer_syncs(engine))
         bmap = analytic_bubble_map(engine.baft_schedule, engine.num_stages, engine.micro_batches, costs)
         bandwidth = _copy_bandwidth(self.source)
         return plan_rank(bmap.stage_bubbles(engine.stage_id), [c.nbytes for c in layout.chunks], bandwidth,

@@ -131,8 +131,13 @@ def write_trace(path, engine, timer: InstructionTimer, bandwidth: float, model: 
         "stages": engine.num_stages, "data_parallel": grid.get_data_parallel_world_size(),
         "micro_batches": engine.micro_batches, "schedule": engine.baft_schedule, "model": model,
         "state_bytes": dataclasses.asdict(state_bytes(engine)),
-        "copy_bandwidth": bandwidth, "iterations": timer.iterations,
+        "copy_bandwidth": bandwidth, "iterations": timer.iterations, "optimizer_sync": optimizer_syncs(engine),
     })
+
+
+def optimizer_syncs(engine) -> bool:
+    """Whether the stages' optimizer steps wait for each other (a global gradient norm or overflow check)."""
+    return engine.gradient_clipping() > 0 or engine.fp16_enabled()
 
 
 def _median_profile(trace: dict, skip: int) -> RankProfile:
@@ -188,7 +193,7 @@ _BACKWARD_SIDE = ("BackwardPass", "SendGrad")
 _OPTIMIZER_SIDE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 
 
-def measured_costs(profiles: list[RankProfile], stages: int) -> Costs:
+def measured_costs(profiles: list[RankProfile], stages: int, optimizer_sync: bool = False) -> Costs:
     """Per-stage costs for the analytic model: everything a stage does per micro-batch, minus waits.
 
     A forward costs its micro-batch's load, forward pass and (blocking) send; a backward,
@@ -207,7 +212,8 @@ def measured_costs(profiles: list[RankProfile], stages: int) -> Costs:
                 sum(spent[n] for n in _OPTIMIZER_SIDE))
 
     forward, backward, optimizer = zip(*(stage_costs(s) for s in range(stages)))
-    return Costs(forward=list(forward), backward=list(backward), optimizer=list(optimizer), p2p=0.0)
+    return Costs(forward=list(forward), backward=list(backward), optimizer=list(optimizer), p2p=0.0,
+                 optimizer_sync=optimizer_sync)
 
 
 def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
@@ -219,11 +225,12 @@ def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
     profiles = sorted((_median_profile(t, skip) for t in traces), key=lambda p: p.rank)
     stages = head["stages"]
     analytic = analytic_bubble_map(head["schedule"], stages, head["micro_batches"],
-                                   measured_costs(profiles, stages))
+                                   measured_costs(profiles, stages, head.get("optimizer_sync", False)))
     return BubbleMap(
         schedule=head["schedule"], stages=stages, micro_batches=head["micro_batches"], source="measured",
         bubbles=[b for p in profiles if p.dp_rank == 0 for b in measured_bubbles(p)], ranks=profiles,
         data_parallel=head["data_parallel"], iterations=len(head["iterations"][skip:]),
+        optimizer_sync=head.get("optimizer_sync", False),
         makespan=max(p.iteration_time for p in profiles),
         model={**head["model"], **{key: {k: v for t in traces for k, v in t["model"][key].items()}
                                    for key in ("layout", "chunk_sizes")}},

@@ -784,7 +784,7 @@ def _measured_inputs(bmap: BubbleMap):
 
     if not bmap.ranks:
         raise ConfigError("compare_to_measured: the bubble map has no per-rank profiles; give one `baft profile` wrote")
-    costs = measured_costs(bmap.ranks, bmap.stages)
+    costs = measured_costs(bmap.ranks, bmap.stages, bmap.optimizer_sync)
     profiles = {s: bmap.rank_profile(s) or next(r for r in bmap.ranks if r.stage == s) for s in range(bmap.stages)}
     return costs, profiles
 
