@@ -14,7 +14,7 @@ import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -95,21 +95,21 @@ class StageRow:
     """The figures of one stage that :func:`summarize` shows."""
 
     stage: int
-    rank: Optional[int]
+    rank: int | None
     measured: bool
     iteration_time: float
     iteration_spread: float
     bubble_time: float
-    analytic_fraction: Optional[float]
-    profile: Optional[RankProfile]
-    copy_time: Optional[float]
+    analytic_fraction: float | None
+    profile: RankProfile | None
+    copy_time: float | None
 
     @property
     def bubble_fraction(self) -> float:
         return self.bubble_time / self.iteration_time if self.iteration_time > 0 else 0.0
 
     @property
-    def difference(self) -> Optional[float]:
+    def difference(self) -> float | None:
         """Measured minus analytic bubble fraction, in percentage points (None unless both exist)."""
         if not self.measured or self.analytic_fraction is None:
             return None
@@ -186,9 +186,9 @@ def _stage_cells(row: StageRow) -> list[str]:
 
 def summarize_plan(plan: Plan) -> Table:
     """The plan as a table, one row per rank, with the period, predicted overhead and notes below it."""
-    caption = [f"snapshot every {plan.period} iteration{'s' if plan.period != 1 else ''}; predicted overhead "
-               f"{plan.predicted_overhead:.2%} of iteration time (budget {plan.budget:.1%})"]
-    caption += [f"note: {n}" for n in plan.notes]
+    every = f"snapshot every {plan.period} iteration{'s' if plan.period != 1 else ''}"
+    overhead = f"predicted overhead {plan.predicted_overhead:.2%} of iteration time (budget {plan.budget:.1%})"
+    caption = [f"{every}; {overhead}"] + [f"note: {n}" for n in plan.notes]
     title = f"plan: {plan.schedule}, {plan.stages} stages x {plan.micro_batches} micro-batches"
     table = Table(title=title + (f" (from {plan.source})" if plan.source else ""),
                   caption="\n".join(caption), caption_justify="left")
@@ -232,7 +232,7 @@ class Lane:
 
     label: str
     stage: int
-    rank: Optional[int]
+    rank: int | None
     bars: list[tuple[float, float, str, str]] = field(default_factory=list)  # start, duration, kind, text
     bubbles: list[Bubble] = field(default_factory=list)
 
@@ -242,7 +242,7 @@ def instruction_kind(name: str) -> str:
     return next((kind for prefix, kind in _KIND_PREFIXES if name.startswith(prefix)), "other")
 
 
-def timeline_lanes(bmap: BubbleMap, timeline: Optional[Timeline] = None) -> list[Lane]:
+def timeline_lanes(bmap: BubbleMap, timeline: Timeline | None = None) -> list[Lane]:
     """The lanes of :func:`draw_timeline`: one per profiled rank, else one per stage."""
     if bmap.ranks:
         return [_profile_lane(bmap, p) for p in sorted(bmap.ranks, key=lambda p: (p.stage, p.dp_rank))]
@@ -264,7 +264,7 @@ def _profile_lane(bmap: BubbleMap, profile: RankProfile) -> Lane:
     return Lane(label, profile.stage, profile.rank, bars, bubbles)
 
 
-def _analytic_lane(bmap: BubbleMap, stage: int, timeline: Optional[Timeline]) -> Lane:
+def _analytic_lane(bmap: BubbleMap, stage: int, timeline: Timeline | None) -> Lane:
     bubbles = bmap.stage_bubbles(stage)
     if timeline is not None:
         bars = [(i.start, i.end - i.start, _op_kind(i.label), i.label) for i in timeline.busy(stage)]
@@ -281,8 +281,8 @@ def _op_kind(label: str) -> str:
     return {"F": "forward", "B": "backward"}.get(label[:1], "optimizer")
 
 
-def draw_timeline(bmap: BubbleMap, path, title: Optional[str] = None,
-                  timeline: Optional[Timeline] = None) -> Path:
+def draw_timeline(bmap: BubbleMap, path, title: str | None = None,
+                  timeline: Timeline | None = None) -> Path:
     """Draw one lane per rank (measured) or stage (analytic): instructions as bars, bubbles shaded.
 
     For an analytic map, pass the :class:`~baft.timeline.Timeline` it was simulated from to
@@ -293,8 +293,8 @@ def draw_timeline(bmap: BubbleMap, path, title: Optional[str] = None,
     return _save(_figure(bmap, lanes, title, copies={}), path)
 
 
-def draw_plan(plan: Plan, bmap: BubbleMap, path, title: Optional[str] = None,
-              timeline: Optional[Timeline] = None) -> Path:
+def draw_plan(plan: Plan, bmap: BubbleMap, path, title: str | None = None,
+              timeline: Timeline | None = None) -> Path:
     """:func:`draw_timeline` with the plan's copies drawn inside the bubbles they are planned into."""
     lanes = timeline_lanes(bmap, timeline)
     copies = {}
@@ -312,7 +312,7 @@ def draw_plan(plan: Plan, bmap: BubbleMap, path, title: Optional[str] = None,
     return _save(_figure(bmap, lanes, title, copies), path)
 
 
-def _plan_for_lane(plan: Plan, lane: Lane) -> Optional[RankPlan]:
+def _plan_for_lane(plan: Plan, lane: Lane) -> RankPlan | None:
     if lane.rank is not None:
         return plan.for_rank(lane.rank)
     return next((r for r in plan.ranks if r.stage == lane.stage), None)
@@ -322,7 +322,7 @@ def _figure_title(bmap: BubbleMap) -> str:
     return f"{bmap.schedule}: {bmap.stages} stages x {bmap.micro_batches} micro-batches ({bmap.source})"
 
 
-def _figure(bmap: BubbleMap, lanes: list[Lane], title: Optional[str],
+def _figure(bmap: BubbleMap, lanes: list[Lane], title: str | None,
             copies: dict[int, list[tuple[float, float]]]) -> Figure:
     fig = Figure(figsize=(13, 1.1 * len(lanes) + 1.9), layout="constrained")
     ax = fig.add_subplot()
