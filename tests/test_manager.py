@@ -173,7 +173,8 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
     # a replacement node 2 (new manager, empty shared memory) restores its ranks from the survivors
     fresh = ManagerConfig(node_id=2, shm_root=tmp_path / "n2-new", group=group, parity_k=2)
     managers(fresh)
-    assert held(fresh.shm_root) == {}
+    # before any of its ranks says hello, it already lists what the group's parity can rebuild for them
+    assert held(fresh.shm_root) == {str(r): {"memory": [], "parity": [2, 1], "disk": []} for r in (4, 5)}
     replacement = Trainer(fresh.shm_root, 4, nbytes + 4 * 4096)
     with ManagerClient.connect(fresh.shm_root) as c:
         assert c.held()["4"]["parity"] == [2, 1]
