@@ -47,6 +47,7 @@ _KIND_PREFIXES = (
 BUBBLE_STYLE = {"facecolor": (0.85, 0.1, 0.1, 0.22), "edgecolor": (0.75, 0.0, 0.0, 0.8), "hatch": "///",
                 "linewidth": 0.6}
 COPY_COLOUR = "#f2c12e"
+_ROUNDING = 1e-9  # bubble lengths are differences of floats: 120 ms / 40 ms must be 3 iterations
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -82,12 +83,15 @@ def fit_verdict(copy_time: float, bubble_time: float) -> str:
     """Whether one snapshot's copy fits in one iteration's bubbles, in words."""
     if math.isinf(copy_time):
         return "unknown (no copy bandwidth)"
-    if copy_time <= bubble_time:
-        return f"yes: uses {copy_time / bubble_time:.0%} of the bubble time" if bubble_time > 0 else "yes"
+    if copy_time <= 0:
+        return "yes (nothing to copy)"
     if bubble_time <= 0:
         return "no (no bubbles)"
-    iterations = math.ceil(copy_time / bubble_time)
-    return f"no: bubbles hold {bubble_time / copy_time:.0%}, needs {iterations} iterations of bubbles"
+    ratio = copy_time / bubble_time
+    if ratio <= 1 + _ROUNDING:
+        return f"yes: uses {ratio:.0%} of the bubble time"
+    iterations = math.ceil(ratio - _ROUNDING)
+    return f"no: bubbles hold {1 / ratio:.0%}, needs {iterations} iterations of bubbles"
 
 
 @dataclass(frozen=True)
