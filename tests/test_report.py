@@ -1,0 +1,97 @@
+"""baft report: reading recovery.jsonl, one-line refusals naming file and line, table and PNG."""
+
+import json
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from baft.errors import BaftError
+from baft.report import FILENAME, draw_recovery, load_recoveries, render_recovery_text
+
+# Records written by the restart hook in real runs on this machine (17M-parameter GPT, 2 stages):
+# a kill restored from the manager's memory, a node loss rebuilt from parity, a kill restored from
+# disk; collected from three runs into one file, restarts renumbered.
+SAMPLE = Path(__file__).parent / "data" / "run-recovery"
+
+RECORD = {"restart": 1, "fault": "kill rank 1 at step 7 (backward)", "killed_at": None, "restored_step": 6,
+          "source": "memory", "lost_steps": 1, "T0": 0.5, "T1": 4.0, "T2": 1.5, "T3": 0.25, "T4": 0.75,
+          "total": 7.0}
+
+
+def write_run(tmp_path, *lines) -> Path:
+    (tmp_path / FILENAME).write_text("".join(f"{line}\n" for line in lines))
+    return tmp_path
+
+
+def refusal(run_dir) -> str:
+    with pytest.raises(BaftError) as err:
+        load_recoveries(run_dir)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_sample_run_table_and_median():
+    recs = load_recoveries(SAMPLE)
+    assert [(r.restart, r.source, r.restored_step, r.lost_steps) for r in recs] == [
+        (1, "memory", 8, 1), (2, "parity", 4, 1), (3, "disk", 6, 3)]
+    text = render_recovery_text(recs)
+    row = next(line for line in text.splitlines() if "parity" in line)
+    assert [c.strip() for c in row.strip("│").split("│")] == [
+        "2", "kill node 1 at step 6", "4 (lost 1)", "parity", "0.11", "6.18", "5.70", "2.48", "0.11", "14.58"]
+    median = next(line for line in text.splitlines() if "median" in line)
+    assert median.split("│")[5:11] == [" 3.62 ", " 6.18 ", " 5.70 ", " 0.62 ", " 3.94 ", " 19.62 "]
+
+
+def test_single_recovery_has_no_median_row(tmp_path):
+    text = render_recovery_text(load_recoveries(write_run(tmp_path, json.dumps(RECORD))))
+    assert "median" not in text
+    assert "6 (lost 1)" in text and "7.00" in text
+
+
+def test_unknown_keys_ignored_blank_lines_skipped_total_defaults_to_sum(tmp_path):
+    partial = {k: v for k, v in RECORD.items() if k not in ("total", "restart")}
+    run = write_run(tmp_path, "", json.dumps({**RECORD, "ranks": [0, 1]}), "   ", json.dumps(partial))
+    first, second = load_recoveries(run)
+    assert first.total == 7.0
+    assert second.total == pytest.approx(7.0) and second.restart == 2
+    assert second.phases == (0.5, 4.0, 1.5, 0.25, 0.75)
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    (json.dumps({k: v for k, v in RECORD.items() if k != "T3"}), "missing 'T3' (T3 state load, seconds)"),
+    (json.dumps({**RECORD, "T2": "1.5s"}), "'T2' must be a number of seconds, got '1.5s'"),
+    (json.dumps({**RECORD, "T1": None}), "'T1' must be a number of seconds, got None"),
+    (json.dumps({**RECORD, "T4": True}), "'T4' must be a number of seconds, got True"),
+    (json.dumps({**RECORD, "T0": -1.0}), "'T0' is -1.0 s; a phase cannot take negative time"),
+    (json.dumps({**RECORD, "total": "7"}), "'total' must be a number of seconds, got '7'"),
+    (json.dumps({**RECORD, "source": "tape"}), "'source' is 'tape', expected one of memory, parity, disk, fresh"),
+    (json.dumps({**RECORD, "restored_step": 6.5}), "'restored_step' must be a non-negative integer, got 6.5"),
+    (json.dumps({**RECORD, "killed_at": "noon"}), "'killed_at' must be a unix time or null, got 'noon'"),
+])
+def test_malformed_line_is_named(tmp_path, line, problem):
+    run = write_run(tmp_path, json.dumps(RECORD), "", line)
+    assert refusal(run) == f"{tmp_path / FILENAME}:3: {problem}"
+
+
+def test_missing_or_empty_run(tmp_path):
+    assert refusal(tmp_path / "nope") == f"{tmp_path / 'nope'}: no such run directory"
+    assert refusal(tmp_path) == f"{tmp_path / FILENAME}: no such file (the run recorded no restart)"
+    (tmp_path / "file").write_text("")
+    assert "not a directory" in refusal(tmp_path / "file")
+    assert refusal(write_run(tmp_path, "")) == f"{tmp_path / FILENAME}: empty (the run recorded no restart)"
+
+
+def test_draw_recovery_png(tmp_path):
+    path = draw_recovery(load_recoveries(SAMPLE), tmp_path / "out" / "recovery.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, channels = imread(path).shape
+    assert height >= 250 and width >= 1000 and channels == 4
+
+
+def test_draw_nothing_is_refused(tmp_path):
+    with pytest.raises(BaftError, match="no recoveries to draw"):
+        draw_recovery([], tmp_path / "empty.png")
