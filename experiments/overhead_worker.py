@@ -50,34 +50,37 @@ POLICIES = [
 
 # per-iteration figures every rank contributes (one float64 each)
 FIELDS = ("wall", "stall", "fired", "bubble_bytes", "flushed_bytes", "recv_wait", "t_start", "t_instr", "t_end",
-          "run_delay", "cpu")
+          "run_delay", "cpu", "cpu_hook")
 NEVER = 1 << 40  # a period no step reaches: the hook stays idle this iteration
 
 
 class Meter(InstructionHook):
     """Wraps the policy's hook: times the receives (the bubbles, plus any copy run inside them) and
-    the policy's own callbacks on the trainer's thread (iteration start, around instructions, end).
+    the policy's own callbacks on the trainer's thread (iteration start, around instructions, end),
+    in wall-clock seconds and in the thread's CPU seconds (which a busy machine does not inflate).
 
     The same wrapper (around no hook) runs under ``none``, so its own cost is in the baseline too.
     """
 
     def __init__(self, inner=None):
         self.inner = inner
-        self.recv_wait = self.t_start = self.t_instr = self.t_end = 0.0
+        self.recv_wait = self.t_start = self.t_instr = self.t_end = self.cpu_hook = 0.0
         self._recv_start = 0.0
 
+    def _call(self, fn, *args) -> float:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        fn(*args)
+        self.cpu_hook += time.thread_time() - cpu
+        return time.perf_counter() - wall
+
     def iteration_start(self, engine):
-        self.recv_wait = self.t_start = self.t_instr = self.t_end = 0.0
+        self.recv_wait = self.t_start = self.t_instr = self.t_end = self.cpu_hook = 0.0
         if self.inner is not None:
-            start = time.perf_counter()
-            self.inner.iteration_start(engine)
-            self.t_start = time.perf_counter() - start
+            self.t_start = self._call(self.inner.iteration_start, engine)
 
     def before(self, engine, index, cmd):
         if self.inner is not None:
-            start = time.perf_counter()
-            self.inner.before(engine, index, cmd)
-            self.t_instr += time.perf_counter() - start
+            self.t_instr += self._call(self.inner.before, engine, index, cmd)
         if isinstance(cmd, (RecvActivation, RecvGrad)):
             self._recv_start = time.perf_counter()
 
@@ -88,15 +91,11 @@ class Meter(InstructionHook):
         if isinstance(cmd, (RecvActivation, RecvGrad)):
             self.recv_wait += time.perf_counter() - self._recv_start
         if self.inner is not None:
-            start = time.perf_counter()
-            self.inner.after(engine, index, cmd)
-            self.t_instr += time.perf_counter() - start
+            self.t_instr += self._call(self.inner.after, engine, index, cmd)
 
     def iteration_end(self, engine):
         if self.inner is not None:
-            start = time.perf_counter()
-            self.inner.iteration_end(engine)
-            self.t_end = time.perf_counter() - start
+            self.t_end = self._call(self.inner.iteration_end, engine)
 
 
 class DcpAsyncOwnGroup(DiskCheckpoint):
@@ -437,7 +436,7 @@ def main(argv=None) -> int:
                                      float(sum(getattr(hook, "bubble_bytes", {}).values())) if hook else 0.0,
                                      float(getattr(hook, "flushed_bytes", 0)) if hook else 0.0,
                                      meter.recv_wait, meter.t_start, meter.t_instr, meter.t_end,
-                                     sched["run_delay"], sched["cpu"]], dtype=torch.float64)
+                                     sched["run_delay"], sched["cpu"], meter.cpu_hook], dtype=torch.float64)
                 gathered = [torch.zeros_like(mine) for _ in range(world)]
                 dist.all_gather(gathered, mine)
                 if isinstance(hook, DiskCheckpoint) and lead:
