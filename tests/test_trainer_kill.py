@@ -35,8 +35,8 @@ def test_trainers_outlive_a_killed_manager_and_keep_their_snapshots(shm_root, mo
     monkeypatch.setenv("BAFT_CHAOS", "manager=0,step=4")
     proc = run_worker(2, [*TINY, "--iters", "8", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
     assert "step     8" in proc.stdout, "training did not go on without its manager"
-    warnings = [line for line in proc.stderr.splitlines() if "snapshots stay in shared memory only" in line]
-    assert len(warnings) == 2, proc.stderr  # once per rank, not once per commit
+    # once per rank, not once per commit (two ranks' lines may interleave on the shared stderr: count phrases)
+    assert proc.stderr.count("snapshots stay in shared memory only") == 2, proc.stderr
     for rank in (0, 1):
         record, data = store.load_verified(node_root, rank)
         assert record.step == 7 and record.verify(data) is None
