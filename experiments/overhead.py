@@ -443,6 +443,12 @@ def findings(doc: dict, result: dict) -> list[str]:
             f"{fmt_bytes(b.get('commit_file_bytes', 0))} (items {fmt_bytes(b.get('items_json_bytes', 0))}) | "
             f"{b.get('copy_GBps', 0):.2f} GB/s | {b.get('checksum_GBps', 0):.2f} GB/s | "
             f"{inter.get('alone', 0) * 1e3:.0f} → {inter.get('beside_copy', 0) * 1e3:.0f} ms ({slow:+.1%}) |")
+    cycles = [(k, b["snapshot_cycle"]) for k, b in enumerate(bench) if b and b.get("snapshot_cycle")]
+    if cycles:
+        lines += ["", "baft's per-snapshot work on the trainer's thread outside the bubbles, replayed after the run "
+                  "(thread CPU time, median of 7): " + "; ".join(
+                      f"rank {k}: " + ", ".join(f"{name} {v * 1e3:.2f} ms" for name, v in c.items())
+                      + f" = {sum(c.values()) * 1e3:.1f} ms" for k, c in cycles)]
     return lines
 
 

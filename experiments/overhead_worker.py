@@ -34,6 +34,7 @@ from baft.engine import InstructionHook
 from baft.executor import SnapshotPolicy, SyncCopy, ThreadCopy
 from baft.policies import DiskCheckpoint, PlannedExecutor
 from baft.snapshot import checksum
+from baft.snapshotter import Snapshot
 from baft.store import read_slots
 
 # name, kind, period ("auto": the planner's)
@@ -277,6 +278,7 @@ def microbench(engine, data, hook) -> dict:
             out["commit_file_bytes"] = path.stat().st_size
             out["commit_to_json_s"] = _median_time(record.to_json)
             out["items_json_bytes"] = len(json.dumps(record.items))
+        out["snapshot_cycle"] = snapshot_cycle(engine, data, hook)
         source, buf = hook.source, hook.writer.buffers[0]
         chunks = source.layout.chunks
 
@@ -295,6 +297,29 @@ def microbench(engine, data, hook) -> dict:
         out["copy_GBps"] = nbytes / out["copy_s"] / 1e9
         out["checksum_GBps"] = nbytes / out["checksum_s"] / 1e9
     return out
+
+
+def snapshot_cycle(engine, data, hook, repeats: int = 7) -> dict:
+    """Thread CPU seconds of each piece of one snapshot that runs on the trainer's thread outside the bubbles,
+    replaying the executor's own calls: due(), capture_items, Snapshot() (SnapshotWriter.begin), and finish()
+    (CommitRecord + SnapshotWriter.commit) once every chunk is in; the bubble copy itself is left out."""
+    parts = {"due": [], "capture_items": [], "Snapshot() incl. begin": [], "finish (commit)": []}
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        hook.due(engine)
+        c1 = time.thread_time()
+        items = state.capture_items(engine, data)
+        c2 = time.thread_time()
+        snap = Snapshot(hook.source, hook.writer, engine.global_steps, items, None)
+        c3 = time.thread_time()
+        snap.copy_while(lambda: True)
+        hook.snapshot = snap
+        c4 = time.thread_time()
+        hook.finish()
+        c5 = time.thread_time()
+        for key, dt in zip(parts, (c1 - c0, c2 - c1, c3 - c2, c5 - c4)):
+            parts[key].append(dt)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def interference(engine, hook, d: int) -> dict:
