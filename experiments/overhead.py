@@ -529,8 +529,54 @@ def render(doc: dict, result: dict, when: str, command: str, mach: dict) -> str:
                f"median iteration with its wait for a CPU taken out ({result['base_uncontended_s'] * 1e3:.0f} ms): "
                "robust to a busy machine, but blind to copies that overrun a bubble, to memory-bandwidth "
                "interference with the other rank and to a background thread stealing the core."), ""]
+    lines += ["## Findings", ""] + summary(doc, result) + [""]
     lines += ["## Where the time goes (measured after the run, per rank)", ""] + findings(doc, result) + [""]
     return "\n".join(lines)
+
+
+def summary(doc: dict, result: dict) -> list[str]:
+    """The run's story in a few measured sentences."""
+    rows = {r["policy"]: r for r in result["rows"] if "error" not in r}
+    out = []
+    none, baft, sync = rows.get("none"), rows.get("baft"), rows.get("sync-copy")
+    free = result["base_uncontended_s"]
+    if none:
+        out.append(f"- Noise: the trainer threads waited for a CPU {none['cpu_wait']:.0%} of a median iteration "
+                   f"(other jobs on the 2 cores); none's iterations spread by {none['spread']:.1%} (interquartile, "
+                   f"normalized by their round), so a wall-clock difference of 1% is "
+                   f"{'within' if none['spread'] > BUDGET else 'above'} the noise of {none['iterations']} iterations.")
+    if baft and sync:
+        out.append(f"- Outside the bubbles, baft costs the trainer's thread {baft['in_hook_cpu_s'] * 1e3:.1f} ms of CPU "
+                   f"per snapshot ({baft['in_hook_cpu_s'] / free:.2%} of an uncontended iteration of "
+                   f"{free * 1e3:.0f} ms); the synchronous copy {sync['in_hook_cpu_s'] * 1e3:.1f} ms "
+                   f"({sync['in_hook_cpu_s'] / free:.2%}): {sync['in_hook_cpu_s'] / max(baft['in_hook_cpu_s'], 1e-9):.1f}x.")
+    bench = [b for b in doc.get("microbench") or [] if b and b.get("snapshot_cycle")]
+    if bench:
+        begin = statistics.median(b["snapshot_cycle"]["Snapshot() incl. begin"] for b in bench)
+        total = statistics.median(sum(b["snapshot_cycle"].values()) for b in bench)
+        cached = statistics.median(b.get("begin_cached_s", 0.0) for b in bench)
+        out.append(f"- Of that work, `Snapshot()` — i.e. `SnapshotWriter.begin`, which re-reads and parses every slot's "
+                   f"commit record (about {fmt_bytes(bench[0].get('commit_file_bytes', 0))} of JSON each, most of it "
+                   f"the layout) to choose a slot — takes {begin * 1e3:.1f} ms of {total * 1e3:.1f} ms replayed. "
+                   f"Remembering each slot's step in the writer (it is the only one that changes them) makes it "
+                   f"{cached * 1e3:.3f} ms, which would leave about {(total - begin + cached) * 1e3:.1f} ms per snapshot.")
+        if sync:
+            after = (total - begin + cached)
+            out.append(f"  With that, sync copy / baft outside the bubbles would be about "
+                       f"{sync['in_hook_cpu_s'] / max(after, 1e-9):.0f}x (target 3 asks for 5x).")
+    inter = [b.get("interference") for b in doc.get("microbench") or [] if b and b.get("interference")]
+    if inter:
+        slow = [i["beside_copy"] / i["alone"] - 1 for i in inter if i.get("alone")]
+        out.append(f"- A state copy on one rank changes the other rank's matmul time by "
+                   f"{' and '.join(f'{x:+.0%} (rank {k})' for k, x in enumerate(slow))}, alternated 3 times with "
+                   f"the copy off: the two cores share memory bandwidth and cache, so a bubble copy is not free "
+                   f"for the stage computing meanwhile (noisy on a busy machine).")
+    for st in result["stages"]:
+        out.append(f"- Stage {st['stage']}: baft copied {st['copied_in_bubbles_bytes'] / st['state_bytes']:.0%} of its "
+                   f"{fmt_bytes(st['state_bytes'])} inside receive waits, using {st['bubble_used']:.0%} of the "
+                   f"profiled bubble time; {fmt_bytes(st['flushed_bytes'])} was left for the flush before the "
+                   f"optimizer step (stall {st['stall_s'] * 1e3:.1f} ms: that flush and the commit).")
+    return out
 
 
 def draw(results: list[tuple[str, dict]], path: Path, title: str) -> None:
