@@ -694,7 +694,17 @@ def main(argv=None) -> int:
                    help="comma-separated subset, in the order they take turns")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each configuration, wait up to SECONDS for the 1-minute load average to drop below 1")
+    p.add_argument("--rerender", metavar="RESULT.json",
+                   help="re-analyse a run's overhead-<size>-<schedule>.json and rewrite its .md/.png (no training)")
     args = p.parse_args(argv)
+    if args.rerender:
+        saved = json.loads(Path(args.rerender).read_text())
+        doc, out = saved["raw"], Path(args.rerender).parent
+        result = analyse(doc)
+        stem = write_outputs(doc, result, out, saved["date"], saved["command"], saved["machine"])
+        print(render(doc, result, saved["date"], saved["command"], saved["machine"]))
+        print(f"wrote {stem}.md, .json, .png")
+        return 0
     if args.iters < 2:
         p.error("--iters must be at least 2 (to tell whether the first iteration of a block runs slower)")
     if args.rounds is None:
