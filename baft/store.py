@@ -93,12 +93,13 @@ class SnapshotWriter:
                             f"({err.strerror})") from None
         self.buffers = [pin_if_cuda(torch.frombuffer(m, dtype=torch.uint8)) for m in self._maps]
         self.slot: Optional[int] = None
+        # this writer is its rank's only writer: read the slots' steps once, then keep them here
+        self._steps = {info.slot: info.record.step if info.record else None for info in read_slots(self.directory)}
 
     def begin(self, step: int) -> torch.Tensor:
         """Choose the slot for ``step``'s snapshot, drop its old commit record, return its buffer."""
-        committed = read_slots(self.directory)
-        order = sorted(committed, key=lambda s: (s.record is not None, s.record.step if s.record else -1))
-        self.slot = order[0].slot  # empty or oldest committed: never the two newest
+        self.slot = min(self._steps, key=lambda s: -1 if self._steps[s] is None else self._steps[s])
+        self._steps[self.slot] = None  # empty or oldest committed: never the two newest
         _commit_path(self.directory, self.slot).unlink(missing_ok=True)
         return self.buffers[self.slot]
 
@@ -107,6 +108,7 @@ class SnapshotWriter:
         if self.slot is None:
             raise RuntimeError("commit() without begin()")
         path = write_json_atomic(_commit_path(self.directory, self.slot), record.to_json(), indent=None)
+        self._steps[self.slot] = record.step
         self.slot = None
         return path
 
