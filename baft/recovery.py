@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from baft import state, store
 from baft.engine import InstructionHook
 from baft.errors import BaftError
-from baft.snapshot import CommitRecord, chunk_bytes_of, model_signature, plan_layout
+from baft.snapshot import CommitRecord, model_signature, plan_layout
 
 clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
 SOURCES = ("memory", "parity", "disk")
@@ -135,10 +136,13 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
                 log(line)
             _apply(engine, shards)
             state.restore_items(engine, shards_items(shards, rank), data_iterator)
+            count = len(shards)
+            _close(shards)
             sources = [None] * dist.get_world_size()
             dist.all_gather_object(sources, source)
             mark("restore_end")
-            return Restored(step, functools.reduce(_slower, sources), len(shards), refused)
+            return Restored(step, functools.reduce(_slower, sources), count, refused)
+        _close(shards)
         tried.add(step)
         held = {}  # what the manager could not materialize, it will not on a second ask
     for line in refused:
@@ -180,11 +184,14 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
             source = _slower(source, client.restore(old_rank, step)["source"])
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
-    shards: dict[int, tuple[CommitRecord, bytes]] = {}
+    shards: dict[int, tuple[CommitRecord, mmap.mmap]] = {}  # verified in place, copied once by _apply
+    mine = lambda record: record.stage == engine.stage_id and record.model == fingerprint  # noqa: E731
     for old_rank in _rank_ids(root):
-        found = store.load_verified(root, old_rank, step=step, log=refused.append)
-        if found and found[0].stage == engine.stage_id and found[0].model == fingerprint:
-            shards.setdefault(found[0].layout.shard, found)
+        found = store.map_verified(root, old_rank, step=step, log=refused.append, accept=mine)
+        if found is not None and found[0].layout.shard not in shards:
+            shards[found[0].layout.shard] = found
+        elif found is not None:
+            found[1].close()
     problem = _coverage_problem(engine, shards)
     if problem is None and shards:
         state.create_optimizer_state(engine, next(iter(shards.values()))[0].layout.tensors)
@@ -200,6 +207,12 @@ def shards_items(shards: dict, rank: int) -> dict:
         if record.rank == rank:
             return record.items
     return next(iter(shards.values()))[0].items
+
+
+def _close(shards: dict) -> None:
+    for _, m in shards.values():
+        m.close()
+    shards.clear()
 
 
 def _views(engine) -> dict[str, torch.Tensor]:
@@ -237,9 +250,11 @@ def _apply(engine, shards: dict) -> None:
     """Copy the shards into the engine's tensors; replicas broadcast the shards others lack."""
     views = _views(engine)
     for record, data in shards.values():
-        for chunk, payload in chunk_bytes_of(record, data):
+        source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
+        for chunk in record.layout.chunks:
             views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].copy_(
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                source[chunk.offset:chunk.offset + chunk.nbytes])
+        del source  # the map can only close once no tensor views it
     dp = engine.grid.get_data_parallel_world_size()
     if dp == 1:
         return

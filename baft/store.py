@@ -147,20 +147,32 @@ def open_slot(root, rank: int, slot: int) -> mmap.mmap:
     return map_file(_slot_path(rank_dir(root, rank), slot), 0, create=False)
 
 
-def load_verified(root, rank: int, step: Optional[int] = None, log=None) -> Optional[tuple[CommitRecord, bytes]]:
-    """The newest committed snapshot of ``rank`` (or exactly ``step``) whose checksums all pass.
+def map_verified(root, rank: int, step: Optional[int] = None, log=None,
+                 accept=lambda record: True) -> Optional[tuple[CommitRecord, mmap.mmap]]:
+    """The newest committed snapshot of ``rank`` (or exactly ``step``) that ``accept`` takes and whose
+    checksums all pass, verified in place in shared memory; the caller closes the map.
 
     A snapshot that fails a checksum is reported through ``log`` with the chunk it failed on,
     and the next older one is tried.
     """
     for info in committed(root, rank):
-        if step is not None and info.record.step != step:
+        if step is not None and info.record.step != step or not accept(info.record):
             continue
-        with open_slot(root, rank, info.slot) as m:
-            data = bytes(m[:info.record.layout.nbytes])
-        problem = info.record.verify(data)
+        m = open_slot(root, rank, info.slot)
+        problem = info.record.verify(m)
         if problem is None:
-            return info.record, data
+            return info.record, m
+        m.close()
         if log:
             log(f"{rank_dir(root, rank)}/slot{info.slot}: snapshot of step {info.record.step} refused: {problem}")
     return None
+
+
+def load_verified(root, rank: int, step: Optional[int] = None, log=None) -> Optional[tuple[CommitRecord, bytes]]:
+    """Like :func:`map_verified`, copied out of shared memory (safe to keep after the slot is reused)."""
+    found = map_verified(root, rank, step, log)
+    if found is None:
+        return None
+    record, m = found
+    with m:
+        return record, bytes(m[:record.layout.nbytes])
