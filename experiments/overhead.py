@@ -145,7 +145,9 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
                "--iters", str(args.profile_iters), "--out", str(bmap)]
         code = run_logged(cmd, work / "profile.log", env, show=lambda line: "│" in line or "stage" in line[:8])
         if code != 0:
-            raise SystemExit(f"baft profile failed (exit {code}):\n{tail(work / 'profile.log')}")
+            keep = out / f"{name}-profile-failed.log"
+            shutil.copy(work / "profile.log", keep)
+            raise SystemExit(f"baft profile failed (exit {code}); its whole log is in {keep}:\n{tail(work / 'profile.log')}")
         profile_s = time.time() - t0
         print(f"== {name}: {len(args.policies.split(','))} policies x {args.rounds} rounds x {args.iters} iterations",
               flush=True)
@@ -157,7 +159,9 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
         t1 = time.time()
         code = run_logged(cmd, work / "run.log", env)
         if code != 0 or not raw.exists():
-            raise SystemExit(f"the overhead run failed (exit {code}):\n{tail(work / 'run.log')}")
+            keep = out / f"{name}-failed.log"
+            shutil.copy(work / "run.log", keep)
+            raise SystemExit(f"the overhead run failed (exit {code}); its whole log is in {keep}:\n{tail(work / 'run.log')}")
         doc = json.loads(raw.read_text())
         doc.update(config={"size": size, "schedule": schedule, **opts}, bubble_map=str(bmap),
                    profile_seconds=profile_s, run_seconds=time.time() - t1,
@@ -429,8 +433,7 @@ def stage_table(result: dict) -> list[str]:
 def findings(doc: dict, result: dict) -> list[str]:
     """Where baft's time goes: measured costs behind a snapshot (per rank, untimed, after the run)."""
     bench = doc.get("microbench") or []
-    lines = [("| rank | capture_items | SnapshotWriter.begin (of it read_slots; with slot steps cached) | "
-              "SnapshotWriter.commit | "
+    lines = [("| rank | capture_items | SnapshotWriter.begin (read_slots alone) | SnapshotWriter.commit | "
               "commit record | copy | xxh3 checksum | matmul alone → beside the other rank's copy |"),
              "|---|---|---|---|---|---|---|---|"]
     for k, b in enumerate(bench):
@@ -440,8 +443,7 @@ def findings(doc: dict, result: dict) -> list[str]:
         slow = inter.get("beside_copy", 0) / inter["alone"] - 1 if inter.get("alone") else float("nan")
         lines.append(
             f"| {k} | {b.get('capture_items_s', 0) * 1e3:.2f} ms | {b.get('begin_s', 0) * 1e3:.2f} ms "
-            f"({b.get('read_slots_s', 0) * 1e3:.2f} ms; {b.get('begin_cached_s', 0) * 1e3:.3f} ms) | "
-            f"{b.get('commit_s', 0) * 1e3:.2f} ms | "
+            f"({b.get('read_slots_s', 0) * 1e3:.2f} ms) | {b.get('commit_s', 0) * 1e3:.2f} ms | "
             f"{fmt_bytes(b.get('commit_file_bytes', 0))} (items {fmt_bytes(b.get('items_json_bytes', 0))}) | "
             f"{b.get('copy_GBps', 0):.2f} GB/s | {b.get('checksum_GBps', 0):.2f} GB/s | "
             f"{inter.get('alone', 0) * 1e3:.0f} → {inter.get('beside_copy', 0) * 1e3:.0f} ms ({slow:+.1%}) |")
@@ -553,18 +555,15 @@ def summary(doc: dict, result: dict) -> list[str]:
                    f"({sync['in_hook_cpu_s'] / free:.2%}): {sync['in_hook_cpu_s'] / max(baft['in_hook_cpu_s'], 1e-9):.1f}x.")
     bench = [b for b in doc.get("microbench") or [] if b and b.get("snapshot_cycle")]
     if bench:
-        begin = statistics.median(b["snapshot_cycle"]["Snapshot() incl. begin"] for b in bench)
-        total = statistics.median(sum(b["snapshot_cycle"].values()) for b in bench)
-        cached = statistics.median(b.get("begin_cached_s", 0.0) for b in bench)
-        out.append(f"- Of that work, `Snapshot()` — i.e. `SnapshotWriter.begin`, which re-reads and parses every slot's "
-                   f"commit record (about {fmt_bytes(bench[0].get('commit_file_bytes', 0))} of JSON each, most of it "
-                   f"the layout) to choose a slot — takes {begin * 1e3:.1f} ms of {total * 1e3:.1f} ms replayed. "
-                   f"Remembering each slot's step in the writer (it is the only one that changes them) makes it "
-                   f"{cached * 1e3:.3f} ms, which would leave about {(total - begin + cached) * 1e3:.1f} ms per snapshot.")
-        if sync:
-            after = (total - begin + cached)
-            out.append(f"  With that, sync copy / baft outside the bubbles would be about "
-                       f"{sync['in_hook_cpu_s'] / max(after, 1e-9):.0f}x (target 3 asks for 5x).")
+        parts = {k: statistics.median(b["snapshot_cycle"][k] for b in bench) for k in bench[0]["snapshot_cycle"]}
+        total = sum(parts.values())
+        big = max(parts, key=parts.get)
+        out.append("- Replayed piece by piece (median of the ranks, thread CPU): "
+                   + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in parts.items())
+                   + f" = {total * 1e3:.1f} ms per snapshot; the largest is {big} ({parts[big] / total:.0%}). "
+                   f"The copy itself ({fmt_bytes(bench[0].get('state_bytes', 0))} per rank at "
+                   f"{statistics.median(b.get('copy_GBps', 0) for b in bench):.1f} GB/s, xxh3 at "
+                   f"{statistics.median(b.get('checksum_GBps', 0) for b in bench):.1f} GB/s) runs inside the bubbles.")
     inter = [b.get("interference") for b in doc.get("microbench") or [] if b and b.get("interference")]
     if inter:
         slow = [i["beside_copy"] / i["alone"] - 1 for i in inter if i.get("alone")]

@@ -275,15 +275,6 @@ def microbench(engine, data, hook) -> dict:
                 commits.append(time.perf_counter() - t1)
                 begins.append(t1 - t0)
             out["begin_s"], out["commit_s"] = statistics.median(begins), statistics.median(commits)
-            # the proposed fix: the writer remembers which step each slot holds instead of re-reading and
-            # parsing every commit record (it is the only one that changes them); same choice, same unlink
-            steps = {s.slot: (s.record.step if s.record else None) for s in read_slots(writer.directory)}
-
-            def cached_begin():
-                slot = min(steps, key=lambda k: (steps[k] is not None, steps[k] if steps[k] is not None else -1))
-                (writer.directory / f"slot{slot}.commit.json").unlink(missing_ok=True)
-                steps[slot] = record.step
-            out["begin_cached_s"] = _median_time(cached_begin)
             out["commit_file_bytes"] = path.stat().st_size
             out["commit_to_json_s"] = _median_time(record.to_json)
             out["items_json_bytes"] = len(json.dumps(record.items))
