@@ -29,18 +29,8 @@ import numpy as np
 import zfec
 
 from baft import erasure
+from baft.machine import cpu_model
 from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def node_snapshot(size: int) -> list[tuple[CommitRecord, np.ndarray]]:

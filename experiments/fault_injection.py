@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shlex
 import shutil
@@ -34,11 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from baft import chaos
 from baft.launch import launch_env
+from baft.machine import command_line, describe, now
 
 MODELS = {
     # ~0.1 M parameters: ~60 ms iterations, a faulted run with its restart takes ~30 s here
@@ -54,35 +52,10 @@ SHM_ROOT = Path("/dev/shm/baft")
 
 # ----------------------------------------------------------------------------- shared helpers
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def machine() -> str:
-    """One line: CPU, cores, memory, Python, torch and DeepSpeed versions."""
-    import deepspeed
-    import psutil
-    import torch
-
-    mem = psutil.virtual_memory().total / 2 ** 30
-    return (f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, DeepSpeed {deepspeed.__version__} "
-            f"(CPU accelerator, gloo)")
-
-
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def command_line() -> str:
-    return "python " + shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    return describe() + " (CPU accelerator, gloo)"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -25,8 +25,6 @@ Writes ``lost_time.md`` (the table, with machine, command and date) and ``lost_t
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shlex
 import sys
 from datetime import UTC, datetime
@@ -34,6 +32,7 @@ from pathlib import Path
 
 from baft.bubblemap import BubbleMap
 from baft.errors import BaftError
+from baft.machine import describe
 from baft.simulate import (
     _bytes,
     _duration,
@@ -55,19 +54,10 @@ def default_presets() -> str:
 COLOURS = {"disk": "#8c564b", "disk-fixed": "#c49c94", "sync-copy": "#ff7f0e", "baft": "#1f77b4"}
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def machine() -> str:
-    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+    return describe()
 
 
 def scenarios(names, failures_per_day, overrides, measured):
