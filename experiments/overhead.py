@@ -219,8 +219,31 @@ def first_of_block(recs: list[dict]) -> float:
     return med(ratios)
 
 
+def baseline_of(none_recs: list[dict]):
+    """For a record, the iteration time of none around it: the mean of the medians of the none blocks just
+    before and just after its block (runs of none A none B ...); for a none block, its neighbouring none
+    blocks. Records without a block index (older runs) fall back to the median of none in their round."""
+    blocks, rounds = {}, {}
+    for r in none_recs:
+        if "block" in r:
+            blocks.setdefault(r["block"], []).append(r["ranks"][0]["wall"])
+        rounds.setdefault(r["round"], []).append(r["ranks"][0]["wall"])
+    blocks = {k: med(v) for k, v in blocks.items()}
+    rounds = {k: med(v) for k, v in rounds.items()}
+    order = sorted(blocks)
+
+    def baseline(rec) -> float:
+        if "block" not in rec:
+            return rounds.get(rec["round"], 0.0)
+        b = rec["block"]
+        near = [max((k for k in order if k < b), default=None), min((k for k in order if k > b), default=None)]
+        vals = [blocks[k] for k in near if k is not None]
+        return sum(vals) / len(vals) if vals else 0.0
+    return baseline
+
+
 def analyse(doc: dict) -> dict:
-    """Per policy: overhead vs none from times normalized by the same round's none (drift cancels)."""
+    """Per policy: overhead vs none from times normalized by the none measured around them (drift cancels)."""
     recs = doc["records"]
     first = first_of_block(recs)
     discard = not (first <= 0.01)  # discard the first iteration of each block if it is slower (or unknown)
@@ -228,10 +251,7 @@ def analyse(doc: dict) -> dict:
     by = {}
     for r in measured:
         by.setdefault(r["policy"], []).append(r)
-    none_round = {}
-    for r in by.get("none", []):
-        none_round.setdefault(r["round"], []).append(r["ranks"][0]["wall"])
-    none_round = {k: med(v) for k, v in none_round.items()}
+    baseline = baseline_of(by.get("none", []))
     base = med([r["ranks"][0]["wall"] for r in by.get("none", [])])
     # none's iteration with the time the trainer threads waited for a CPU taken out (a busy machine's share)
     base_free = med([r["ranks"][0]["wall"] - max(x.get("run_delay", 0.0) for x in r["ranks"])
@@ -240,7 +260,7 @@ def analyse(doc: dict) -> dict:
     rows = []
     for pol in doc["policies"]:
         name, period = pol["name"], pol["period"]
-        rs = [r for r in by.get(name, []) if r["round"] in none_round]
+        rs = [r for r in by.get(name, []) if baseline(r)]
         if name in doc["errors"] or not rs:
             rows.append({"policy": name, "kind": pol["kind"], "period": period, "error": doc["errors"].get(name, "no data")})
             continue
@@ -248,7 +268,7 @@ def analyse(doc: dict) -> dict:
             period = 1
         times = [r["ranks"][0]["wall"] for r in rs]
         fired = [bool(r["ranks"][0]["fired"]) for r in rs]
-        xs = [r["ranks"][0]["wall"] / none_round[r["round"]] for r in rs]
+        xs = [r["ranks"][0]["wall"] / baseline(r) for r in rs]
         samples = {}
         for r, x, f in zip(rs, xs, fired):
             samples.setdefault(r["round"], []).append((x, f))
@@ -474,12 +494,14 @@ def method(doc: dict) -> list[str]:
         (f"Method: one launch of 2 ranks (gloo, 1 intra-op thread each); the engine is built once and every "
          f"policy's hook constructed up front (shared-memory slots pre-faulted); each policy then runs once, untimed "
          f"(baft: until its planner has run); then {doc['rounds']} rounds in which the policies take turns "
-         f"({', '.join(p['name'] for p in doc['policies'])}), {doc['block']} iterations each. "
-         "Iteration time is rank 0's wall clock around `train_batch`. Each iteration is divided by the median "
-         "iteration of none *in the same round*, so drift of the machine between rounds cancels; overhead is the "
-         "median of these ratios - 1 (for a period P > 1, amortized: ((snapshot - 1) + (P - 1)(plain - 1)) / P from "
-         "the medians of snapshot and plain iterations; a periodic policy fires on every P-th of its own "
-         "iterations). The 95% interval resamples whole rounds (bootstrap). Stall is the hook's own `.stall` (max "
+         f"with none between every two ({', '.join(p['name'] for p in doc['policies'] if p['name'] != 'none')}: "
+         f"none A none B ...), {doc['block']} iterations per block. "
+         "Iteration time is rank 0's wall clock around `train_batch`. Each iteration is divided by the iteration "
+         "time of none around it (mean of the medians of the none blocks just before and just after), so drift of "
+         "the machine cancels; overhead is the median of these ratios - 1. A policy with a period P > 1 snapshots "
+         "in the last iteration of each of its blocks, and its overhead is amortized over P: "
+         "((snapshot - 1) + (P - 1)(plain - 1)) / P from the medians of snapshot and plain "
+         "iterations. The 95% interval resamples whole rounds (bootstrap). Stall is the hook's own `.stall` (max "
          "over ranks); in-hook time is all time spent in the policy's callbacks on the trainer's thread (max over "
          "ranks; for baft it adds `capture_items`, `SnapshotWriter.begin` and the commit to the stall). Waiting for "
          "a CPU is the share of the iteration a rank's trainer thread was runnable but not running (kernel "
@@ -546,7 +568,7 @@ def summary(doc: dict, result: dict) -> list[str]:
     if none:
         out.append(f"- Noise: the trainer threads waited for a CPU {none['cpu_wait']:.0%} of a median iteration "
                    f"(other jobs on the 2 cores); none's iterations spread by {none['spread']:.1%} (interquartile, "
-                   f"normalized by their round), so a wall-clock difference of 1% is "
+                   f"normalized by the none around them), so a wall-clock difference of 1% is "
                    f"{'within' if none['spread'] > BUDGET else 'above'} the noise of {none['iterations']} iterations.")
     if baft and sync:
         out.append(f"- Outside the bubbles, baft costs the trainer's thread {baft['in_hook_cpu_s'] * 1e3:.1f} ms of CPU "
@@ -682,7 +704,7 @@ def wait_quiet(limit: float, threshold: float = 1.0) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="overhead", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=None, help="rounds of A B C ... (default 5; 3 with --all)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of none A none B ... (default 4; 2 with --all)")
     p.add_argument("--iters", type=int, default=2,
                    help="iterations per policy per round (the first of each is discarded if it runs slower)")
     p.add_argument("--model-size", choices=sorted(SIZES), default="small")
@@ -708,7 +730,7 @@ def main(argv=None) -> int:
     if args.iters < 2:
         p.error("--iters must be at least 2 (to tell whether the first iteration of a block runs slower)")
     if args.rounds is None:
-        args.rounds = 3 if args.all else 5
+        args.rounds = 2 if args.all else 4
     if "none" not in args.policies.split(","):
         p.error("--policies must include none (the baseline)")
     out = Path(args.out)

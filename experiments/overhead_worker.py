@@ -433,29 +433,32 @@ def main(argv=None) -> int:
     dist.barrier()
 
     records = []  # one per iteration: policy, round, index in block, step, and FIELDS for every rank
-    counters = {name: 0 for name in names}  # measured iterations run, per policy (decides when a periodic one fires)
-    total = ours.rounds * len(names) * ours.block
+    total = ours.rounds * (2 * len(names) - 2 if "none" in names else len(names)) * ours.block
     done = 0
     t_start = time.time()
+    # none runs between every two policies (none A none B ...): each block gets a baseline measured
+    # just before and just after it, so drift within a round cancels too
+    order = [n for name in names if name != "none" for n in ("none", name)] if "none" in names else names
+    block_index = 0
     for rnd in range(ours.rounds):
         say(f"round {rnd + 1}/{ours.rounds}  load average {os.getloadavg()[0]:.2f}")
-        for name in names:
+        for name in order:
             if name in errors:
                 continue
+            block_index += 1
             hook = hooks[name]
             meter = meters[name]
             engine.baft_hooks = [meter]
             for j in range(ours.block):
                 period = chosen.get(name, periods[name])
                 if isinstance(period, int) and period > 1 and hook is not None:
-                    # fire on every period-th *measured* iteration of this policy (its own count, not the global step)
-                    hook.period = 1 if (j > 0 and counters[name] % period == 0) else NEVER
+                    # a periodic policy snapshots in the last iteration of each of its blocks: enough snapshot and
+                    # plain iterations to measure both; the analysis amortizes them over its real period
+                    hook.period = 1 if j == ours.block - 1 else NEVER
                 before = fired_count(hook)
                 wall = run_one(name)
                 if wall is None:
                     break
-                if j > 0:
-                    counters[name] += 1
                 stall = float(getattr(hook, "stall", 0.0)) if hook is not None else 0.0
                 mine = torch.tensor([wall, stall, float(fired_count(hook) > before),
                                      float(sum(getattr(hook, "bubble_bytes", {}).values())) if hook else 0.0,
@@ -468,7 +471,7 @@ def main(argv=None) -> int:
                     rotate(hook.save_dir)
                 done += 1
                 if lead:
-                    rec = {"policy": name, "round": rnd, "j": j, "step": int(engine.global_steps),
+                    rec = {"policy": name, "round": rnd, "block": block_index, "j": j, "step": int(engine.global_steps),
                            "ranks": [dict(zip(FIELDS, g.tolist())) for g in gathered]}
                     records.append(rec)
                     r0 = rec["ranks"][0]
