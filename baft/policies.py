@@ -161,6 +161,9 @@ class DiskCheckpoint(InstructionHook):
         self.stall = 0.0
         self.pending = None  # dcp-async: the previous save, still being written
         self.saved: list[int] = []
+        # async_save plans its save with collectives from a background thread: on the default gloo
+        # group they would race the pipeline's p2p and abort, so they get a group of their own
+        self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
 
     def iteration_start(self, engine):
         self.stall = 0.0
@@ -183,7 +186,7 @@ class DiskCheckpoint(InstructionHook):
             if self.pending is not None:
                 self.pending.result()
             tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
-            self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"))
+            self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"), process_group=self.group)
         self.saved.append(step)
         self.stall += time.perf_counter() - start
 

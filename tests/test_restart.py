@@ -61,3 +61,25 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
+
+
+def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninterrupted, monkeypatch):
+    """The disk baseline the benchmarks compare against restarts the usual way: load_checkpoint."""
+    monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=8,phase=backward")
+    run_dir = tmp_path / "run"
+    run_worker(2, [*TINY, "--iters", "10", "--policy", "deepspeed", "--period", "3", "--run-dir", str(run_dir)],
+               max_restarts=1)
+    resumed = [r for r in losses(run_dir) if r["restart"] == 1]
+    assert [r["step"] for r in resumed] == [7, 8, 9, 10]  # checkpoints at 3 and 6: resumes after 6
+    for r in resumed:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
+    recovery = json.loads((run_dir / "recovery.jsonl").read_text().splitlines()[0])
+    assert recovery["source"] == "disk" and recovery["restored_step"] == 6
+
+
+def test_dcp_async_baseline_writes_a_checkpoint_every_period(tmp_path):
+    run_dir = tmp_path / "run"
+    run_worker(2, [*TINY, "--iters", "4", "--policy", "dcp-async", "--period", "2", "--run-dir", str(run_dir)])
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step2", "step4"]
+    assert all((run_dir / "checkpoints" / s / ".metadata").exists() for s in saved)
