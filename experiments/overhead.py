@@ -132,7 +132,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 def run_config(size: str, schedule: str, args, out: Path) -> dict:
     """Profile, then run every policy interleaved; return the raw document of the run."""
-    name = f"overhead-{size}-{schedule}"
+    name = f"overhead-{size}-{schedule}" + (f"-{args.tag}" if args.tag else "")
     opts = model_opts(size, schedule)
     env = launch_env()
     bmap = out / f"{name}-bubblemap.json"
@@ -163,7 +163,7 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
             shutil.copy(work / "run.log", keep)
             raise SystemExit(f"the overhead run failed (exit {code}); its whole log is in {keep}:\n{tail(work / 'run.log')}")
         doc = json.loads(raw.read_text())
-        doc.update(config={"size": size, "schedule": schedule, **opts}, bubble_map=str(bmap),
+        doc.update(config={"size": size, "schedule": schedule, "tag": args.tag, **opts}, bubble_map=str(bmap),
                    profile_seconds=profile_s, run_seconds=time.time() - t1,
                    load_average={"before": load_before, "after": os.getloadavg()})
         return doc
@@ -656,7 +656,7 @@ def draw(results: list[tuple[str, dict]], path: Path, title: str) -> None:
 
 def write_outputs(doc, result, out: Path, when, command, mach) -> Path:
     c = doc["config"]
-    stem = out / f"overhead-{c['size']}-{c['schedule']}"
+    stem = out / (f"overhead-{c['size']}-{c['schedule']}" + (f"-{c['tag']}" if c.get("tag") else ""))
     text = render(doc, result, when, command, mach)
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(
@@ -716,6 +716,7 @@ def main(argv=None) -> int:
                    help="comma-separated subset, in the order they take turns")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each configuration, wait up to SECONDS for the 1-minute load average to drop below 1")
+    p.add_argument("--tag", default="", help="suffix for the output names (overhead-<size>-<schedule>-<tag>.*)")
     p.add_argument("--rerender", metavar="RESULT.json",
                    help="re-analyse a run's overhead-<size>-<schedule>.json and rewrite its .md/.png (no training)")
     args = p.parse_args(argv)
