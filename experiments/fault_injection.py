@@ -2,6 +2,7 @@
 
     python experiments/fault_injection.py [--runs N] [--seed S] [--model tiny|small] [--iters K]
                                           [--node-every J] [--out experiments/results] [--keep DIR]
+                                          [--render faults.json]
 
 Run ``i`` of ``N`` draws its fault from ``(seed, i)`` alone, so a seed reproduces the same
 faults: a rank (0 or 1), a step (2..K) and a phase (forward, backward, copy, commit,
@@ -160,6 +161,52 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_outputs(data: dict, out: Path) -> int:
+    """Print the table and summary; write faults.md and faults.json under ``out``. The number matched."""
+    rows = data["runs"]
+    matched = sum(r["matched"] for r in rows)
+    resumed = sum(r["resumed"] for r in rows)
+    summary = f"{matched} of {len(rows)} runs resumed bit-identical"
+    data.update(summary=summary, resumed=resumed, matched=matched)
+    text = table(rows)
+    print("\n" + text + "\n\n" + summary + f" ({resumed} of {len(rows)} resumed)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.json").write_text(json.dumps(data, indent=2) + "\n")
+    sources = sorted({r["source"] for r in rows if r["source"]})
+    node = [r for r in rows if "node=" in r["fault"]]
+    older = [r for r in node if r["lost_steps"] is not None and r["lost_steps"] > 1]
+    md = [
+        "# Fault injection: resume from the newest snapshot, bit for bit",
+        "",
+        f"- machine: {data['machine']}",
+        f"- command: `{data['command']}`",
+        f"- date: {data['date']} ({data['wall_s']:.0f} s wall)",
+        (f"- model: `{data['model']}` (`{' '.join(data['model_args'])}`), 2 pipeline stages, {data['iters']} steps, "
+         f"`--policy baft --period 1 --max-restarts 1`; faults drawn from seed {data['seed']}"),
+        ("- reference: one uninterrupted run with `--policy none`; *matched* = every loss of the faulted run "
+         "(before the fault and after the restart) equals the reference's at that step, compared as `repr(float)`, "
+         "and the restarted job logs every step from restored step + 1 to the last"),
+        ("- restored step, source and T0..T4 from `RUN_DIR/recovery.jsonl` (T0 rollback, T1 process restart, "
+         "T2 process-group init, T3 state load, T4 first resumed iteration); lost steps = completed steps "
+         "after the restored one"),
+        ("- a rank fault at step S kills the rank while it computes step S; the snapshot of step S-1 is copied "
+         "during that iteration and committed just before its optimizer step, so faults before the commit "
+         "restore S-2 and faults at or after it restore S-1. A node fault kills the node's manager, shared memory "
+         "and rank at the start of iteration S (restoring S-2); the replaced node rebuilds its snapshot from the "
+         "parity the managers encode in the background after each commit, so a node that dies before the "
+         "newest snapshot's parity is out restores one step older"
+         + (f" ({', '.join('run ' + str(r['index']) for r in older)} here)." if older else ".")),
+        "",
+        text,
+        "",
+        f"**{summary}** ({resumed} of {len(rows)} resumed to the last step; sources: {', '.join(sources) or '-'}).",
+        "",
+    ]
+    (out / "faults.md").write_text("\n".join(md))
+    print(f"wrote {out / 'faults.md'} and {out / 'faults.json'}")
+    return matched
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="faulted runs")
@@ -169,7 +216,11 @@ def main(argv=None) -> int:
     p.add_argument("--node-every", type=int, default=4, help="every J-th run kills a simulated node (0: never)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory, removed)")
+    p.add_argument("--render", metavar="JSON", help="only rewrite faults.md (and the JSON) from a faults.json")
     args = p.parse_args(argv)
+    if args.render:
+        write_outputs(json.loads(Path(args.render).read_text()), Path(args.out))
+        return 0
     if args.iters < 3:
         p.error("--iters must be at least 3")
 
@@ -205,47 +256,10 @@ def main(argv=None) -> int:
               f"{'matched' if row['matched'] else 'NOT matched'}  [{secs:.0f} s]", flush=True)
     clean_shm(ref_dir)
 
-    matched = sum(r["matched"] for r in rows)
-    resumed = sum(r["resumed"] for r in rows)
-    summary = f"{matched} of {len(rows)} runs resumed bit-identical"
-    text = table(rows)
-    print("\n" + text + "\n\n" + summary + f" ({resumed} of {len(rows)} resumed)")
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "command": command_line(), "date": now(), "model": args.model,
+    data = {"machine": machine(), "command": command_line(), "date": now(), "model": args.model,
             "model_args": MODELS[args.model], "iters": args.iters, "seed": args.seed,
-            "wall_s": round(time.time() - started, 1)}
-    (out / "faults.json").write_text(json.dumps({**meta, "reference_losses": ref, "runs": rows,
-                                                 "summary": summary, "resumed": resumed, "matched": matched},
-                                                indent=2) + "\n")
-    sources = sorted({r["source"] for r in rows if r["source"]})
-    md = [
-        "# Fault injection: resume from the newest snapshot, bit for bit",
-        "",
-        f"- machine: {meta['machine']}",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']} ({meta['wall_s']:.0f} s wall)",
-        (f"- model: `{args.model}` (`{' '.join(MODELS[args.model])}`), 2 pipeline stages, {args.iters} steps, "
-        f"`--policy baft --period 1 --max-restarts 1`; faults drawn from seed {args.seed}"),
-        ("- reference: one uninterrupted run with `--policy none`; *matched* = every loss of the faulted run "
-        "(before the fault and after the restart) equals the reference's at that step, compared as `repr(float)`, "
-        "and the restarted job logs every step from restored step + 1 to the last"),
-        ("- restored step, source and T0..T4 from `RUN_DIR/recovery.jsonl` (T0 rollback, T1 process restart, "
-        "T2 process-group init, T3 state load, T4 first resumed iteration); lost steps = completed steps "
-        "after the restored one"),
-        ("- a rank fault at step S kills the rank while it computes step S; the snapshot of step S-1 is copied "
-        "during that iteration and committed just before its optimizer step, so faults before the commit "
-        "restore S-2 and faults at or after it restore S-1. A node fault kills the node's manager, shared memory "
-        "and rank at the start of the iteration; the replaced node rebuilds its snapshot from parity."),
-        "",
-        text,
-        "",
-        f"**{summary}** ({resumed} of {len(rows)} resumed to the last step; sources: {', '.join(sources) or '-'}).",
-        "",
-    ]
-    (out / "faults.md").write_text("\n".join(md))
-    print(f"wrote {out / 'faults.md'} and {out / 'faults.json'}")
+            "wall_s": round(time.time() - started, 1), "reference_losses": ref, "runs": rows}
+    matched = write_outputs(data, Path(args.out))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if matched == len(rows) else 3
