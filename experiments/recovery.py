@@ -1,7 +1,7 @@
 """Recovery time, T0..T4, for baft (restore from the manager's memory) against DeepSpeed's disk checkpoint.
 
     python experiments/recovery.py [--sizes 17M,92M] [--iters 12] [--period 6] [--fault-step S]
-                                   [--no-cold] [--out experiments/results] [--keep DIR] [--render JSON]
+                                   [--no-cold] [--repeats 3] [--out experiments/results] [--keep DIR] [--render JSON]
 
 For every model size, the same fault — rank 1 SIGKILLed in the backward pass of step
 ``--fault-step`` — is injected into three runs of the example GPT (2 pipeline stages, 1F1B):
@@ -310,16 +310,50 @@ def label(r: dict) -> str:
     return r["policy"] + (" (cold cache)" if r.get("cold") else "")
 
 
+NUMERIC = ("iter_s", "stall_per_save_s", "T0", "T1", "T2", "T3", "T4", "total", "restart_s", "T0_iters",
+           "load_avg_5min")
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (size, policy, cache): the median of every time over the repeats, T3's range, and
+    the restored step and lost steps as a range when the repeats differ (the worst case is kept for checks)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["size"], r["policy"], bool(r.get("cold"))), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r.get("T3") is not None] or group
+        row = {**ok[0], "n": len(group), "recovered": sum(r.get("T3") is not None for r in group)}
+        for key in NUMERIC:
+            values = [r[key] for r in ok if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        t3 = [r["T3"] for r in ok if r.get("T3") is not None]
+        row["T3_range"] = (min(t3), max(t3)) if t3 else None
+        for key in ("restored_step", "lost_steps"):
+            values = sorted({r[key] for r in ok if r.get(key) is not None})
+            row[f"{key}_text"] = "-" if not values else (str(values[0]) if len(values) == 1
+                                                        else f"{values[0]}-{values[-1]}")
+        lost = [r["lost_steps"] for r in ok if r.get("lost_steps") is not None]
+        row["lost_steps"] = max(lost) if lost else None
+        out.append(row)
+    return out
+
+
 def render_table(rows: list[dict]) -> str:
-    head = ("| model | policy | period | iteration s | stall per save s | fault | restored step (source) | lost steps "
-            "| T0 s (iters) | T1 s | T2 s | T3 s | T4 s | restart T1..T4 s | total s |")
+    head = ("| model | policy | period | runs | iteration s | stall per save s | restored step (source) | lost steps "
+            "| T0 s (iters) | T1 s | T2 s | T3 s (range) | T4 s | restart T1..T4 s | total s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        t3 = fmt(r["T3"], 3)
+        if r.get("n", 1) > 1 and r.get("T3_range"):
+            t3 += f" ({r['T3_range'][0]:.3f}-{r['T3_range'][1]:.3f})"
         lines.append(
-            f"| {r['size']} ({r['params'] / 1e6:.0f} M params) | {label(r)} | {r['period']} | {fmt(r['iter_s'])} "
-            f"| {fmt(r['stall_per_save_s'], 3)} | {r['fault'] or 'did not fire'} "
-            f"| {fmt(r['restored_step'])} ({r['source'] or '-'}) | {fmt(r['lost_steps'])} "
-            f"| {fmt(r['T0'])} ({fmt(r.get('T0_iters'), 1)}) | {fmt(r['T1'])} | {fmt(r['T2'])} | {fmt(r['T3'], 3)} "
+            f"| {r['size']} ({r['params'] / 1e6:.0f} M params) | {label(r)} | {r['period']} "
+            f"| {r.get('recovered', 1)}/{r.get('n', 1)} | {fmt(r['iter_s'])} "
+            f"| {fmt(r['stall_per_save_s'], 3)} "
+            f"| {r.get('restored_step_text', fmt(r['restored_step']))} ({r['source'] or '-'}) "
+            f"| {r.get('lost_steps_text', fmt(r['lost_steps']))} "
+            f"| {fmt(r['T0'])} ({fmt(r.get('T0_iters'), 1)}) | {fmt(r['T1'])} | {fmt(r['T2'])} | {t3} "
             f"| {fmt(r['T4'])} | {fmt(r.get('restart_s'))} | {fmt(r['total'])} |")
     return "\n".join(lines)
 
@@ -443,7 +477,7 @@ def _second_reason(rows: list[dict], mem_rows: list) -> str:
 
 def write_outputs(data: dict, out: Path) -> None:
     """Print the table and targets; write recovery.md, .json and .png under ``out``."""
-    rows, floors, period = data["runs"], data.get("load_floor", {}), data["period"]
+    rows, floors, period = aggregate(data["runs"]), data.get("load_floor", {}), data["period"]
     checks = targets(rows, period, floors)
     data["targets"] = checks
     text = render_table(rows)
@@ -456,13 +490,16 @@ def write_outputs(data: dict, out: Path) -> None:
     draw(rows, out / "recovery.png", f"baft vs DeepSpeed checkpoint: rank 1 killed in the backward pass of step "
                                      f"{data['fault_step']}; {date}; {mach.split(',')[0]}, {os.cpu_count()} cores")
     cold_notes = []
-    for r in rows:
-        if r.get("page_cache"):
+    seen = set()
+    for r in data["runs"]:
+        if r.get("page_cache") and r["size"] not in seen:
+            seen.add(r["size"])
             pc = r["page_cache"]
             cold_notes.append(f"  - {r['size']}: {pc['files']} files, {gb(pc['bytes'])}; resident in the page cache "
                               f"before {gb(pc['resident_before'])}, after {gb(pc['resident_after'])} "
                               f"(dropped {pc['after_fault_s']:.2f} s after the kill, in {pc['seconds']:.2f} s)")
-    loads = ", ".join(f"{r['size']} {label(r)} {r['load_avg_5min']:.1f}" for r in rows if "load_avg_5min" in r)
+    loads = ", ".join(f"{r['size']} {label(r)} {r['load_avg_5min']:.1f}" for r in rows if r.get("load_avg_5min"))
+    repeats = max(r.get("n", 1) for r in rows)
     mem_rows = [(s, f["memory"], f) for s, f in floors.items() if f and f.get("memory")]
     md = [
         "# Recovery time: baft's in-memory snapshot against DeepSpeed's disk checkpoint",
@@ -476,7 +513,10 @@ def write_outputs(data: dict, out: Path) -> None:
                      f"{12 * v['params'] / 1e9:.2f} GB of fp32 weights and Adam moments)"
                      for s, v in data["sizes"].items())),
         (f"- fault, the same for every run: `--fault {data['fault']}` (rank 1 SIGKILLed in the backward pass of step "
-         f"{data['fault_step']}), `--max-restarts 1`, {data['iters']} steps"),
+         f"{data['fault_step']}), `--max-restarts 1`, {data['iters']} steps"
+         + (f"; every run repeated {repeats} times, interleaved (baft, DeepSpeed, DeepSpeed cold, baft, ...), "
+            "and the table shows the median of each time over the repeats (runs = repeats that recovered)"
+            if repeats > 1 else "")),
         (f"- baft: `--policy baft --period 1` (snapshot every step, in the bubbles; restore from the node manager's "
          f"shared memory). DeepSpeed: `--policy deepspeed --period {period}` (`engine.save_checkpoint` every "
          f"{period} steps; the restart calls `engine.load_checkpoint`), the fault mid-period. Cold cache: the same "
@@ -488,7 +528,8 @@ def write_outputs(data: dict, out: Path) -> None:
          "T2 process-group init, T3 state load with its source, T4 the first resumed iteration); "
          "restart = T1+T2+T3+T4."),
         ("- the machine was shared with other work while this ran"
-         + (f" (5-minute load average at the end of each run: {loads}, on {os.cpu_count()} cores)" if loads else "")
+         + (f" (5-minute load average at the end of the runs, median: {loads}, on {os.cpu_count()} cores)"
+            if loads else "")
          + ", so iteration times, T0 and T4 carry a lot of noise; compare T3 and ratios, not absolute seconds."),
         "",
         text,
@@ -582,6 +623,7 @@ def main(argv=None) -> int:
     p.add_argument("--fault-step", type=int, help="step whose backward pass rank 1 dies in "
                                                   "(default: period + period/2 + 1, mid-period for the disk baseline)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache DeepSpeed run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every (size, policy), interleaved; medians reported")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory, removed)")
     p.add_argument("--render", metavar="JSON", help="only rewrite the table, md and PNG from a recovery.json")
@@ -606,40 +648,39 @@ def main(argv=None) -> int:
     if not args.no_cold:
         variants.append(("deepspeed", args.period, True))
     rows, floors = [], {}
-    for size in sizes:
-        for policy, period, cold in variants:
-            run_dir = work / f"{size}-{policy}{'-cold' if cold else ''}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            dropper = CacheDropper(run_dir) if cold else None
-            if dropper:
-                dropper.start()
-            code, secs = train(run_dir, model_args(size) + ["--iters", str(args.iters), "--policy", policy,
-                                                             "--period", str(period), "--fault", fault,
-                                                             "--max-restarts", "1"])
-            if dropper:
-                dropper.stop.set()
-                dropper.join()
-            clean_shm(run_dir)
-            row = {**measure(run_dir, policy, period, size, args.iters), "cold": cold, "exit_code": code,
-                   "wall_s": secs, "load_avg_5min": os.getloadavg()[1], "page_cache": dropper.result if dropper else None}
-            rows.append(row)
-            print(f"{size:>4} {label(row):<24} restored {row['restored_step']} ({row['source']})  "
-                  f"lost {row['lost_steps']}  " + "  ".join(f"{k} {fmt(row[k], 3)}" for k in PHASES)
-                  + f"  total {fmt(row['total'])} s  stall/save {fmt(row['stall_per_save_s'], 3)} s  [{secs:.0f} s]",
-                  flush=True)
-            if dropper and dropper.result:
-                print(f"     page cache: {dropper.result}", flush=True)
-            if policy == "deepspeed" and not cold:
-                floors[size] = load_floor(run_dir / "checkpoints")
-                if floors[size]:
-                    floors[size]["memory"] = memory_restore(floors[size]["bytes"] // 2)
-                f = floors[size]
-                if f:
-                    print(f"     load floor, {gb(f['bytes'])}: torch.load warm {f['torch_load_warm_s']:.3f} s, cold "
-                          f"{f['torch_load_cold_s']:.3f} s; shm checksum+copy {f['shm_verify_copy_s']:.3f} s; "
-                          f"baft memory restore of one stage {f['memory']}", flush=True)
-            if not args.keep and policy != "baft":
-                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    for size, rep, (policy, period, cold) in ((s, r, v) for s in sizes for r in range(args.repeats) for v in variants):
+        run_dir = work / f"{size}-{policy}{'-cold' if cold else ''}-{rep}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        dropper = CacheDropper(run_dir) if cold else None
+        if dropper:
+            dropper.start()
+        code, secs = train(run_dir, model_args(size) + ["--iters", str(args.iters), "--policy", policy,
+                                                         "--period", str(period), "--fault", fault,
+                                                         "--max-restarts", "1"])
+        if dropper:
+            dropper.stop.set()
+            dropper.join()
+        clean_shm(run_dir)
+        row = {**measure(run_dir, policy, period, size, args.iters), "cold": cold, "repeat": rep, "exit_code": code,
+               "wall_s": secs, "load_avg_5min": os.getloadavg()[1], "page_cache": dropper.result if dropper else None}
+        rows.append(row)
+        print(f"{size:>4} #{rep} {label(row):<24} restored {row['restored_step']} ({row['source']})  "
+              f"lost {row['lost_steps']}  " + "  ".join(f"{k} {fmt(row[k], 3)}" for k in PHASES)
+              + f"  total {fmt(row['total'])} s  stall/save {fmt(row['stall_per_save_s'], 3)} s  [{secs:.0f} s]",
+              flush=True)
+        if dropper and dropper.result:
+            print(f"     page cache: {dropper.result}", flush=True)
+        if policy == "deepspeed" and not cold and size not in floors:
+            floors[size] = load_floor(run_dir / "checkpoints")
+            if floors[size]:
+                floors[size]["memory"] = memory_restore(floors[size]["bytes"] // 2)
+            f = floors[size]
+            if f:
+                print(f"     load floor, {gb(f['bytes'])}: torch.load warm {f['torch_load_warm_s']:.3f} s, cold "
+                      f"{f['torch_load_cold_s']:.3f} s; shm checksum+copy {f['shm_verify_copy_s']:.3f} s; "
+                      f"baft memory restore of one stage {f['memory']}", flush=True)
+        if not args.keep and policy != "baft":
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
     data = {"machine": mach, "command": cmdline, "date": now(), "wall_s": round(time.time() - started, 1),
             "baft_commit": commit if baft_commit() == commit else f"{commit} at the start, {baft_commit()} at the end",
