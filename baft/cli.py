@@ -264,7 +264,8 @@ def manager():
 @user_errors
 def manager_start(node_id, shm_root, directory, group, parity_k, persist_every, persist_seconds, keep, memory_limit):
     """Start the manager in the background; it outlives the trainers."""
-    from baft.manager import ManagerConfig, parse_bytes, parse_group, start
+    from baft.manager_config import ManagerConfig, parse_bytes, parse_group
+    from baft.manager_control import start
 
     pid = start(ManagerConfig(node_id=node_id, shm_root=Path(shm_root), dir=directory,
                               group=parse_group(group) if group else (), parity_k=parity_k,
@@ -278,7 +279,7 @@ def manager_start(node_id, shm_root, directory, group, parity_k, persist_every, 
 @user_errors
 def manager_stop(shm_root):
     """Persist what is due, stop the manager and free its shared memory."""
-    from baft.manager import stop
+    from baft.manager_control import stop
 
     stop(shm_root)
     click.echo("manager stopped")
@@ -289,7 +290,7 @@ def manager_stop(shm_root):
 @user_errors
 def manager_status(shm_root):
     """Steps held, sizes, checksums verified, parity status, last persisted step."""
-    from baft.manager import format_status, status
+    from baft.manager_control import format_status, status
 
     click.echo(format_status(status(shm_root)))
 

@@ -20,203 +20,42 @@ One manager runs per node, started before the trainers and outliving them::
 * ``restore`` answers where a rank's snapshot is in shared memory, after re-verifying it,
   rebuilding it there from the group's shares or from disk when memory does not hold it.
 
-``start``, ``stop`` and ``status`` are the API behind ``baft manager start|stop|status``.
+Its configuration is :mod:`baft.manager_config`; starting, stopping and asking it,
+:mod:`baft.manager_control`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
 import signal
 import socketserver
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 
 from baft import erasure, persist, store
 from baft.errors import BaftError
-from baft.jsonfile import read_json, write_json_atomic
-from baft.manager_protocol import (ManagerClient, ManagerUnavailable, check_socket_path, check_version,
-                                   read_message, socket_path, write_message)
+from baft.jsonfile import write_json_atomic
+from baft.manager_config import SHARE_STEPS_KEPT, ManagerConfig, Member, human, memory_needed, parse_args
+from baft.manager_control import INFO_NAME
+from baft.manager_protocol import (ManagerClient, ManagerUnavailable, check_version, read_message, socket_path,
+                                   write_message)
 from baft.persist import Identity
 
-__all__ = ["ManagerConfig", "Member", "Manager", "ManagerClient", "ManagerUnavailable", "memory_needed",
-           "parse_args", "main", "spawn", "start", "stop", "status", "format_status", "wait_ready"]
+__all__ = ["Manager", "main"]
 
 log = logging.getLogger("baft.manager")
 
-INFO_NAME = "manager.json"
-LOG_NAME = "manager.log"
-SHARE_STEPS_KEPT = 2  # an origin may die mid-distribution: the step before stays rebuildable
 POLL_SECONDS = 0.5
 PEER_TIMEOUT = 30.0
 MEMORY_HELD = 2  # newest committed snapshot of each rank and the one before
-
-
-@dataclass(frozen=True)
-class Member:
-    """One manager of a parity group, reachable at ``host:port``."""
-
-    node_id: int
-    host: str
-    port: int
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    def __str__(self) -> str:
-        return f"{self.node_id}@{self.host}:{self.port}"
-
-
-def parse_group(text: str) -> tuple[Member, ...]:
-    """``host:port,...`` (node ids 0, 1, ... in order) or ``ID@host:port,...``."""
-    members = []
-    for i, item in enumerate(p.strip() for p in text.split(",")):
-        node, _, address = item.rpartition("@")
-        host, _, port = address.rpartition(":")
-        try:
-            node_id = int(node) if node else i
-            port_no = int(port)
-        except ValueError:
-            raise BaftError(f"--group: {item!r} is not host:port or ID@host:port") from None
-        if not host or not 0 < port_no < 65536:
-            raise BaftError(f"--group: {item!r} is not host:port or ID@host:port")
-        members.append(Member(node_id, host, port_no))
-    ids = [m.node_id for m in members]
-    if len(set(ids)) != len(ids):
-        raise BaftError(f"--group: node id {next(i for i in ids if ids.count(i) > 1)} is listed twice")
-    return tuple(members)
-
-
-def parse_bytes(text: str) -> int:
-    """``123``, ``512M``, ``8G``, ``1.5T`` (powers of 1024) as bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise BaftError(f"--memory-limit: {text!r} is not a byte count (like 512M or 8G)") from None
-
-
-def human(nbytes: Optional[float]) -> str:
-    if nbytes is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TB"
-
-
-@dataclass
-class ManagerConfig:
-    """Everything ``python -m baft.manager`` takes on its command line."""
-
-    node_id: int
-    shm_root: Path
-    dir: Optional[Path] = None
-    group: tuple[Member, ...] = ()
-    parity_k: Optional[int] = None
-    persist_every: Optional[int] = None
-    persist_seconds: Optional[float] = None
-    keep: int = 3
-    memory_limit: Optional[int] = None
-
-    @property
-    def n(self) -> int:
-        return len(self.group)
-
-    @property
-    def k(self) -> Optional[int]:
-        return self.parity_k if self.group else None
-
-    @property
-    def me(self) -> Optional[Member]:
-        return next((m for m in self.group if m.node_id == self.node_id), None)
-
-    @property
-    def persists(self) -> bool:
-        return self.dir is not None and (self.persist_every is not None or self.persist_seconds is not None)
-
-    def validate(self) -> "ManagerConfig":
-        """Check the configuration; a one-line BaftError naming the flag otherwise."""
-        self.shm_root = Path(self.shm_root)
-        self.dir = Path(self.dir) if self.dir is not None else None
-        if not isinstance(self.node_id, int) or self.node_id < 0:
-            raise BaftError(f"--node-id {self.node_id!r}: must be a non-negative integer")
-        if self.group:
-            ids = [m.node_id for m in self.group]
-            if self.node_id not in ids:
-                raise BaftError(f"--node-id {self.node_id}: not a member of --group (members {', '.join(map(str, ids))})")
-            if len(self.group) < 2:
-                raise BaftError(f"--group: {len(self.group)} member; a parity group needs at least 2")
-            if self.parity_k is None:
-                self.parity_k = self.n - 1
-            if not 1 <= self.parity_k < self.n or self.n > erasure.MAX_SHARES:
-                raise BaftError(f"--parity-k {self.parity_k}: must be at least 1 and below the group size {self.n} "
-                                f"(and the group at most {erasure.MAX_SHARES})")
-        elif self.parity_k is not None:
-            raise BaftError(f"--parity-k {self.parity_k}: needs --group (the managers that hold the parity)")
-        if self.persist_every is not None and self.persist_every < 1:
-            raise BaftError(f"--persist-every {self.persist_every}: must be at least 1")
-        if self.persist_seconds is not None and self.persist_seconds <= 0:
-            raise BaftError(f"--persist-seconds {self.persist_seconds}: must be positive")
-        if (self.persist_every is not None or self.persist_seconds is not None) and self.dir is None:
-            raise BaftError("--persist-every/--persist-seconds: need --dir (where to persist)")
-        if self.keep < 1:
-            raise BaftError(f"--keep {self.keep}: must keep at least 1 persisted snapshot")
-        if self.memory_limit is not None and self.memory_limit <= 0:
-            raise BaftError(f"--memory-limit {self.memory_limit}: must be positive")
-        check_socket_path(socket_path(self.shm_root))
-        return self
-
-    def argv(self) -> list[str]:
-        """The command-line arguments that give this configuration back."""
-        out = ["--node-id", str(self.node_id), "--shm-root", str(self.shm_root)]
-        if self.dir is not None:
-            out += ["--dir", str(self.dir)]
-        if self.group:
-            out += ["--group", ",".join(str(m) for m in self.group)]
-        if self.parity_k is not None:
-            out += ["--parity-k", str(self.parity_k)]
-        if self.persist_every is not None:
-            out += ["--persist-every", str(self.persist_every)]
-        if self.persist_seconds is not None:
-            out += ["--persist-seconds", str(self.persist_seconds)]
-        out += ["--keep", str(self.keep)]
-        if self.memory_limit is not None:
-            out += ["--memory-limit", str(self.memory_limit)]
-        return out
-
-    def signature(self) -> dict:
-        """What every member of a group must agree on."""
-        return {"k": self.k, "n": self.n, "members": [str(m) for m in self.group]}
-
-
-def memory_needed(rank_bytes: Iterable[int], k: Optional[int] = None, n: int = 0) -> int:
-    """Host memory a manager needs for ranks of these snapshot sizes.
-
-    ``SLOTS`` slot files per rank; with parity, the shares it keeps of every member's bundle
-    for ``SHARE_STEPS_KEPT`` steps (members' bundles taken to be as large as its own), plus
-    one encode in flight (the bundle and its ``n`` shares).
-    """
-    local = sum(rank_bytes)
-    total = store.SLOTS * local
-    if k:
-        share = erasure.share_size(local, k)
-        total += SHARE_STEPS_KEPT * n * share + local + n * share
-    return total
 
 
 @dataclass
@@ -1028,39 +867,7 @@ class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().__init__(address, _Handler)
 
 
-# ---- command line and process control ---------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise BaftError(f"baft manager: {message}")
-
-
-def parse_args(argv: Optional[list[str]] = None) -> ManagerConfig:
-    """The configuration of ``python -m baft.manager ARGS``, validated (one-line BaftError otherwise)."""
-    parser = _Parser(prog="python -m baft.manager", description="baft per-node snapshot manager")
-    parser.add_argument("--node-id", type=int, required=True)
-    parser.add_argument("--shm-root", type=Path, help="shared-memory directory of this node's snapshots")
-    parser.add_argument("--dir", type=Path, help="where to persist snapshots")
-    parser.add_argument("--group", help="parity group members: host:port,... or ID@host:port,...")
-    parser.add_argument("--parity-k", type=int, help="data shares of the group's code (default n-1)")
-    parser.add_argument("--persist-every", type=int, metavar="N")
-    parser.add_argument("--persist-seconds", type=float, metavar="T")
-    parser.add_argument("--keep", type=int, default=3, metavar="R")
-    parser.add_argument("--memory-limit", metavar="BYTES")
-    args = parser.parse_args(argv)
-    config = ManagerConfig(
-        node_id=args.node_id,
-        shm_root=args.shm_root or Path(store.DEFAULT_ROOT) / f"node{args.node_id}",
-        dir=args.dir,
-        group=parse_group(args.group) if args.group else (),
-        parity_k=args.parity_k,
-        persist_every=args.persist_every,
-        persist_seconds=args.persist_seconds,
-        keep=args.keep,
-        memory_limit=parse_bytes(args.memory_limit) if args.memory_limit is not None else None,
-    )
-    return config.validate()
+# ---- command line ------------------------------------------------------------------------------
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1079,105 +886,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: manager.request_stop(unlink=False))
     manager.serve()
     return 0
-
-
-def spawn(config: ManagerConfig) -> subprocess.Popen:
-    """Start ``python -m baft.manager`` detached, logging to ``<shm root>/manager.log``."""
-    config.validate()
-    try:
-        config.shm_root.mkdir(parents=True, exist_ok=True)
-        logfile = open(config.shm_root / LOG_NAME, "ab")
-    except OSError as err:
-        raise BaftError(f"--shm-root {config.shm_root}: cannot create ({err.strerror})") from None
-    with logfile:
-        return subprocess.Popen([sys.executable, "-m", "baft.manager", *config.argv()], stdin=subprocess.DEVNULL,
-                                stdout=logfile, stderr=logfile, start_new_session=True)
-
-
-def wait_ready(shm_root, timeout: float = 60.0, proc: Optional[subprocess.Popen] = None) -> dict:
-    """Wait until the manager of ``shm_root`` answers; its status. A manager that exits instead raises its error."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise BaftError(_last_error(Path(shm_root) / LOG_NAME) or f"manager exited with status {proc.returncode}")
-        try:
-            with ManagerClient.connect(shm_root, timeout=2.0) as client:
-                return client.status()
-        except ManagerUnavailable:
-            if time.monotonic() > deadline:
-                raise BaftError(f"{shm_root}: manager did not answer within {timeout:g} s") from None
-            time.sleep(0.05)
-
-
-def _last_error(logfile: Path) -> Optional[str]:
-    try:
-        lines = [line for line in logfile.read_text(errors="replace").splitlines() if line.startswith("error: ")]
-    except OSError:
-        return None
-    return lines[-1].removeprefix("error: ") if lines else None
-
-
-def start(config: ManagerConfig, timeout: float = 60.0) -> int:
-    """Start a manager for ``config`` in the background, wait until it answers; its pid."""
-    proc = spawn(config)
-    wait_ready(config.shm_root, timeout, proc)
-    return proc.pid
-
-
-def _alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def stop(shm_root, timeout: float = 120.0) -> None:
-    """Stop the manager of ``shm_root``: it persists what is due, then unlinks its shared memory."""
-    info_path = Path(shm_root) / INFO_NAME
-    pid = read_json(info_path)["pid"] if info_path.exists() else None
-    try:
-        with ManagerClient.connect(shm_root, timeout=5.0) as client:
-            client.shutdown()
-    except ManagerUnavailable:
-        raise BaftError(f"{shm_root}: no manager running (nothing answers at {socket_path(shm_root)})") from None
-    deadline = time.monotonic() + timeout
-    while pid is not None and _alive(pid):
-        if time.monotonic() > deadline:
-            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after shutdown")
-        time.sleep(0.05)
-
-
-def status(shm_root, timeout: float = 5.0) -> dict:
-    """The status of the manager of ``shm_root`` (see :func:`format_status`)."""
-    with ManagerClient.connect(shm_root, timeout=timeout) as client:
-        return client.status()
-
-
-def format_status(st: dict) -> str:
-    """``baft manager status`` as text: steps held, sizes, checksums, parity, persistence, memory."""
-    mem = st["memory"]
-    lines = [f"node {st['node_id']} (pid {st['pid']}, up {st['uptime']:.0f} s) shm {st['root']}"
-             + (f", listening {st['address']}" if st["address"] else "")]
-    for rank, r in st["ranks"].items():
-        held = ", ".join(f"step {s['step']} ({s['verified']})" for s in r["slots"]) or "nothing committed"
-        lines.append(f"  rank {rank}: {human(r['nbytes'])} per snapshot; {held}")
-    if not st["ranks"]:
-        lines.append("  no ranks yet")
-    lines.append(f"  memory: {human(mem['total'])} held (slots {human(mem['slots'])}, shares {human(mem['shares'])}), "
-                 f"{human(mem['reserved'])} reserved, limit {human(mem['limit']) if mem['limit'] else 'none'}")
-    lines.append(f"  parity: {st['parity']['line'] if st['parity'] else 'off'}")
-    lines.append(f"  persist: {st['persist']['line'] if st['persist'] else 'off'}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from baft.manager import ManagerConfig, Member, start, stop
+from baft.manager_config import ManagerConfig, Member
+from baft.manager_control import start, stop
 
 
 def node_root(shm_root, run_id: str, node: int) -> Path:

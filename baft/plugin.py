@@ -94,7 +94,7 @@ def _connect_manager(engine, cfg, root):
     import torch.distributed as dist
 
     from baft.config import node_of
-    from baft.manager import start
+    from baft.manager_control import start
     from baft.manager_protocol import ManagerClient
     from baft.policies import warn
 
@@ -111,7 +111,7 @@ def _connect_manager(engine, cfg, root):
 
 def manager_config(cfg, node: int, root):
     """The manager a config asks for on ``node``."""
-    from baft.manager import ManagerConfig, parse_group
+    from baft.manager_config import ManagerConfig, parse_group
 
     persist_dir = Path(cfg.persist.dir) / f"node{node}" if cfg.persist.dir else None
     return ManagerConfig(node_id=node, shm_root=Path(root), dir=persist_dir,

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from baft.launch import launch_env, torchrun
+from baft.machine import cpu_model
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "overhead_worker.py"
@@ -65,16 +66,6 @@ LABELS = {
 
 # ---------------------------------------------------------------------------------------------
 # machine
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def revision() -> str:
@@ -154,7 +145,8 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
         raw = work / "raw.json"
         cmd = torchrun(2, [str(WORKER), "--rounds", str(args.rounds), "--block", str(args.iters),
                            "--bubble-map", str(bmap), "--raw-out", str(raw), "--tmp-dir", str(work / "disk"),
-                           "--shm-dir", str(shm), "--policies", args.policies, *flags(opts)], module=False)
+                           "--shm-dir", str(shm), "--policies", args.policies, *flags(opts)]
+                      + (["--bind-cores"] if args.bind_cores else []), module=False)
         load_before = os.getloadavg()
         t1 = time.time()
         code = run_logged(cmd, work / "run.log", env)
@@ -164,7 +156,7 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
             raise SystemExit(f"the overhead run failed (exit {code}); its whole log is in {keep}:\n{tail(work / 'run.log')}")
         doc = json.loads(raw.read_text())
         doc.update(config={"size": size, "schedule": schedule, "tag": args.tag, **opts}, bubble_map=str(bmap),
-                   profile_seconds=profile_s, run_seconds=time.time() - t1,
+                   bind_cores=args.bind_cores, profile_seconds=profile_s, run_seconds=time.time() - t1,
                    load_average={"before": load_before, "after": os.getloadavg()})
         return doc
     finally:
@@ -491,7 +483,8 @@ def describe(doc: dict) -> str:
 
 def method(doc: dict) -> list[str]:
     return [
-        (f"Method: one launch of 2 ranks (gloo, 1 intra-op thread each); the engine is built once and every "
+        (f"Method: one launch of 2 ranks (gloo, 1 intra-op thread each"
+         f"{', each rank pinned to its own core' if doc.get('bind_cores') else ''}); the engine is built once and every "
          f"policy's hook constructed up front (shared-memory slots pre-faulted); each policy then runs once, untimed "
          f"(baft: until its planner has run); then {doc['rounds']} rounds in which the policies take turns "
          f"with none between every two ({', '.join(p['name'] for p in doc['policies'] if p['name'] != 'none')}: "
@@ -537,11 +530,9 @@ def render(doc: dict, result: dict, when: str, command: str, mach: dict) -> str:
     if doc["errors"]:
         lines += [f"- {k}: did not run here: {v}" for k, v in doc["errors"].items()] + [""]
     if "dcp-async" in doc["drain_seconds"]:
-        lines += ["`dcp-async` is `DiskCheckpoint(\"dcp-async\")`'s code path with one change: `async_save` gets a "
-                  "process group of its own (`DcpAsyncOwnGroup` in overhead_worker.py). As shipped, its background "
-                  "thread runs DCP's plan collectives on the default gloo group, concurrently with the pipeline's p2p and "
-                  "the main thread's collectives, and gloo aborts the process (\"Received data size doesn't match "
-                  "expected size\"). Waiting for the last pending save and `sync` after each of its blocks (untimed): "
+        lines += ["`dcp-async` gives `async_save` a gloo process group of its own: on the default group its "
+                  "background thread's planning collectives race the pipeline's p2p and gloo aborts the process "
+                  "(\"Received data size doesn't match expected size\"). Waiting for the last pending save and `sync` after each of its blocks (untimed): "
                   + ", ".join(f"{statistics.median(v):.2f} s" for k, v in doc["drain_seconds"].items() if k == "dcp-async")
                   + ".", ""]
     lines += ["## baft per stage", ""] + stage_table(result) + [""]
@@ -716,6 +707,8 @@ def main(argv=None) -> int:
                    help="comma-separated subset, in the order they take turns")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each configuration, wait up to SECONDS for the 1-minute load average to drop below 1")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="pin each rank to its own core (fewer migrations; less noise on a quiet machine)")
     p.add_argument("--tag", default="", help="suffix for the output names (overhead-<size>-<schedule>-<tag>.*)")
     p.add_argument("--rerender", metavar="RESULT.json",
                    help="re-analyse a run's overhead-<size>-<schedule>.json and rewrite its .md/.png (no training)")

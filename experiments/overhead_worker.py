@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad
-from torch.distributed.checkpoint import async_save
 
 from baft import state, worker
 from baft.config import BaftConfig
@@ -99,33 +98,6 @@ class Meter(InstructionHook):
             self.t_end = self._call(self.inner.iteration_end, engine)
 
 
-class DcpAsyncOwnGroup(DiskCheckpoint):
-    """``DiskCheckpoint("dcp-async")`` with a process group of its own for DCP's planning collectives.
-
-    ``async_save`` runs ``save`` (and its gather/scatter of save plans) in a background thread; on
-    the default group those collectives race the pipeline's p2p and any other collective of the
-    main thread, and gloo aborts the process ("Received data size doesn't match expected size").
-    A dedicated gloo group keeps them apart. Everything else is DiskCheckpoint's code path.
-    """
-
-    def __init__(self, save_dir: str, period: int, data_iterator=None):
-        super().__init__("dcp-async", save_dir, period, data_iterator)
-        self.group = dist.new_group(backend="gloo")  # collective: every rank constructs hooks in the same order
-
-    def iteration_end(self, engine):
-        step = engine.global_steps
-        if step % self.period:
-            return
-        start = time.perf_counter()
-        state.capture_items(engine, self.data_iterator)  # as DiskCheckpoint does (it does not save them for dcp)
-        if self.pending is not None:
-            self.pending.result()
-        tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
-        self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"), process_group=self.group)
-        self.saved.append(step)
-        self.stall += time.perf_counter() - start
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="overhead_worker")
     p.add_argument("--rounds", type=int, default=5)
@@ -135,9 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--raw-out", required=True)
     p.add_argument("--tmp-dir", required=True, help="disk directory for the disk-checkpoint baselines")
     p.add_argument("--shm-dir", required=True, help="shared-memory directory for the in-memory policies")
-    p.add_argument("--dcp-default-group", action="store_true",
-                   help="run baft.policies.DiskCheckpoint('dcp-async') as shipped (aborts on gloo; see DcpAsyncOwnGroup)")
     p.add_argument("--policies", default=",".join(name for name, _, _ in POLICIES))
+    p.add_argument("--bind-cores", action="store_true",
+                   help="pin each rank to core LOCAL_RANK (as DeepSpeed's launcher does with --bind_cores_to_rank)")
     ours, model_argv = p.parse_known_args(argv)
     return ours, worker.parse_args(model_argv)
 
@@ -161,8 +133,6 @@ def make_hooks(names, engine, data, ours, model_args):
             hook = SyncCopy(shm, period=1, data_iterator=data)
         elif kind == "thread-copy":
             hook = ThreadCopy(shm, period=1, data_iterator=data)
-        elif kind == "dcp-async" and not ours.dcp_default_group:
-            hook = DcpAsyncOwnGroup(disk, period, data)
         else:
             hook = DiskCheckpoint(kind, disk, period if isinstance(period, int) else 1, data)
         hooks[name], periods[name] = hook, period
@@ -365,6 +335,8 @@ budget_of: dict = {}
 
 def main(argv=None) -> int:
     ours, model_args = parse_args(argv)
+    if ours.bind_cores:  # before any thread starts: gloo's and baft's threads inherit the mask
+        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", 0)) % os.cpu_count()})
     engine, data = worker.build(model_args)
     rank, world = engine.global_rank, dist.get_world_size()
     lead = rank == 0

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from baft import erasure, manager, persist, store
+from baft import erasure, manager, manager_control, persist, store
 from baft.errors import BaftError
-from baft.manager import ManagerConfig, parse_args, parse_group
+from baft.manager_config import ManagerConfig, parse_args, parse_group
 from baft.manager_protocol import ManagerClient
 from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
 
@@ -89,10 +89,10 @@ def managers():
     procs = []
 
     def run(*configs):
-        started = [manager.spawn(c) for c in configs]
+        started = [manager_control.spawn(c) for c in configs]
         procs.extend(started)
         for config, proc in zip(configs, started):
-            manager.wait_ready(config.shm_root, 60, proc)
+            manager_control.wait_ready(config.shm_root, 60, proc)
         return started
 
     yield run
@@ -146,11 +146,11 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
             sent[(r, step)] = t.step(step)
 
     def encoded(i):
-        st = manager.status(configs[i].shm_root)
+        st = manager_control.status(configs[i].shm_root)
         return st["parity"]["encoded_step"] == 2 and len(st["parity"]["acked"].get("2", [])) == 3
     for i in range(3):
         wait_for(lambda: encoded(i), what=f"node {i} parity of step 2")
-    assert "survives this node's loss" in manager.status(configs[2].shm_root)["parity"]["line"]
+    assert "survives this node's loss" in manager_control.status(configs[2].shm_root)["parity"]["line"]
 
     # node 2 is lost: its manager and its trainers' shared memory
     procs[2].kill()
@@ -201,7 +201,7 @@ def test_mismatched_group_is_refused_in_one_line(tmp_path, managers):
     managers(ManagerConfig(node_id=0, shm_root=tmp_path / "a", group=three, parity_k=2))
     two = parse_group(",".join(f"127.0.0.1:{p}" for p in ports[:2]))
     with pytest.raises(BaftError, match=r"--group mismatch: node 1 has n=2, k=1.*node 0 has n=3, k=2") as err:
-        manager.start(ManagerConfig(node_id=1, shm_root=tmp_path / "b", group=two, parity_k=1))
+        manager_control.start(ManagerConfig(node_id=1, shm_root=tmp_path / "b", group=two, parity_k=1))
     assert "\n" not in str(err.value)
 
 
@@ -274,7 +274,7 @@ def test_trainers_sigkilled_at_any_moment_lose_nothing_committed(tmp_path, manag
         assert (reply["source"], reply["step"]) == ("memory", 2)
         want = data_for(r, 2, layout.nbytes)
         assert same_snapshot(store.load_verified(root, r), record_for(r, 2, layout, want), want)
-    st = manager.status(root)
+    st = manager_control.status(root)
     assert all(s["verified"] == "ok" and s["step"] in (1, 2) for r in st["ranks"].values() for s in r["slots"])
 
 
@@ -287,8 +287,8 @@ def test_corrupt_shared_memory_chunk_is_refused_and_older_used(tmp_path, manager
     wait_for(lambda: held(root)["0"]["memory"] == [2, 1], what="steps 1 and 2 verified")
     t.step(3, corrupt_chunk=2)  # the trainer's copy went wrong before commit: background check refuses it
     wait_for(lambda: any(s["step"] == 3 and s["verified"] != "pending"
-                         for s in manager.status(root)["ranks"]["0"]["slots"]), what="step 3 checked")
-    verdict = next(s["verified"] for s in manager.status(root)["ranks"]["0"]["slots"] if s["step"] == 3)
+                         for s in manager_control.status(root)["ranks"]["0"]["slots"]), what="step 3 checked")
+    verdict = next(s["verified"] for s in manager_control.status(root)["ranks"]["0"]["slots"] if s["step"] == 3)
     assert verdict == "chunk 2 (m bytes 0..262144) fails its checksum"
     assert held(root)["0"]["memory"] == [2, 1]
     # a bit flips in step 2's committed slot after it was verified: restore re-verifies
@@ -326,10 +326,10 @@ def test_sigterm_keeps_shared_memory_for_the_next_manager_and_stop_unlinks(tmp_p
         assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
         assert c.restore(0)["step"] == 1
     assert same_snapshot(store.load_verified(root, 0), *sent)
-    manager.stop(root)
+    manager_control.stop(root)
     assert not (root / "rank0").exists() and not (root / "manager.sock").exists()
     with pytest.raises(BaftError, match="no manager running"):
-        manager.stop(root)
+        manager_control.stop(root)
 
 
 def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
@@ -392,7 +392,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
     nbytes = 32 << 20
     trainers = [Trainer(root, r, nbytes) for r in (0, 1)]
     first = [t.step(1) for t in trainers]
-    wait_for(lambda: manager.status(root)["persist"]["last_step"] == 1, what="step 1 persisted")
+    wait_for(lambda: manager_control.status(root)["persist"]["last_step"] == 1, what="step 1 persisted")
     for t in trainers:
         t.step(2)
     partial = wait_for(lambda: list(ckpt.glob(".tmp-step-00000002-*")), timeout=60, what="the write of step 2",
@@ -408,7 +408,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
         assert same_snapshot(got, *want)
     # the next manager adopts the shared memory, writes step 2 whole, and clears the leftover
     managers(config)
-    wait_for(lambda: manager.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
+    wait_for(lambda: manager_control.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
     assert not partial[0].exists()
     assert [r.step for r, _ in persist.load_latest(ckpt)] == [2, 2]
     for t in trainers:
@@ -428,9 +428,9 @@ def test_full_disk_is_reported_and_memory_snapshots_kept(tmp_path, managers):
         managers(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=1))
         t = Trainer(root, 0, 1 << 20)
         sent = t.step(1)
-        error = wait_for(lambda: manager.status(root)["persist"]["error"], what="the failed write")
+        error = wait_for(lambda: manager_control.status(root)["persist"]["error"], what="the failed write")
         assert "cannot persist step 1 (No space left on device)" in error and "\n" not in error
-        assert "FAILED" in manager.format_status(manager.status(root))
+        assert "FAILED" in manager_control.format_status(manager_control.status(root))
         with ManagerClient.connect(root) as c:
             assert c.restore(0)["source"] == "memory"
         assert same_snapshot(store.load_verified(root, 0), *sent)

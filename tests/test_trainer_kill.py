@@ -3,7 +3,8 @@
 import pytest
 
 from baft import store
-from baft.manager import ManagerConfig, start, stop
+from baft.manager_config import ManagerConfig
+from baft.manager_control import start, stop
 from baft.manager_protocol import ManagerClient
 from conftest import TINY, run_worker
 
