@@ -486,7 +486,7 @@ def write_outputs(data: dict, out: Path) -> None:
         print(c["line"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps(data, indent=2) + "\n")
-    mach, date, _sizes = data["machine"], data["date"], list(data["sizes"])
+    mach, date = data["machine"], data["date"]
     draw(rows, out / "recovery.png", f"baft vs DeepSpeed checkpoint: rank 1 killed in the backward pass of step "
                                      f"{data['fault_step']}; {date}; {mach.split(',')[0]}, {os.cpu_count()} cores")
     cold_notes = []
