@@ -579,11 +579,20 @@ def summary(doc: dict, result: dict) -> list[str]:
                    f"{statistics.median(b.get('checksum_GBps', 0) for b in bench):.1f} GB/s) runs inside the bubbles.")
     inter = [b.get("interference") for b in doc.get("microbench") or [] if b and b.get("interference")]
     if inter:
-        slow = [i["beside_copy"] / i["alone"] - 1 for i in inter if i.get("alone")]
-        out.append(f"- A state copy on one rank changes the other rank's matmul time by "
-                   f"{' and '.join(f'{x:+.0%} (rank {k})' for k, x in enumerate(slow))}, alternated 3 times with "
-                   f"the copy off: the two cores share memory bandwidth and cache, so a bubble copy is not free "
-                   f"for the stage computing meanwhile (noisy on a busy machine).")
+        slow = [i.get("paired", i["beside_copy"] / i["alone"] - 1) for i in inter if i.get("alone")]
+        line = (f"- A state copy on one rank changes the other rank's matmul time by "
+                f"{' and '.join(f'{x:+.0%} (rank {k})' for k, x in enumerate(slow))} (median of "
+                f"{inter[0].get('rounds', 3)} pairs, alternated with the copy off; the two cores share memory "
+                f"bandwidth and cache).")
+        spread = [i["alone_spread"] for i in inter if "alone_spread" in i]
+        if spread:
+            line += (f" The same matmul alone, on an otherwise idle rank, spreads by "
+                     f"{' and '.join(format(x, '.0%') for x in spread)} (10th to 90th percentile over the median) "
+                     "from one timing to the next: the machine's own speed varies by that much, so "
+                     + ("the copy's effect on the other rank stands out of that noise."
+                        if min(slow) > max(spread) / 2 else "the copy's effect on the other rank is within that noise.")
+                     )
+        out.append(line)
     for st in result["stages"]:
         out.append(f"- Stage {st['stage']}: baft copied {st['copied_in_bubbles_bytes'] / st['state_bytes']:.0%} of its "
                    f"{fmt_bytes(st['state_bytes'])} inside receive waits, using {st['bubble_used']:.0%} of the "

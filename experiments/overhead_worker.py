@@ -292,13 +292,15 @@ def snapshot_cycle(engine, data, hook, repeats: int = 7) -> dict:
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
-def interference(engine, hook, d: int) -> dict:
+def interference(engine, hook, d: int, rounds: int = 9) -> dict:
     """Does a copy on one rank slow the other rank's compute (shared memory bandwidth, caches)?
 
     Rank ``who`` times a fixed matmul workload shaped like the example's MLP (512 tokens) while
     the other rank either idles in a barrier or copies its state chunk by chunk into a host buffer,
-    for longer than the workload runs; then the roles swap. Returns this rank's seconds per workload
-    alone and beside the other rank's copy.
+    for longer than the workload runs; then the roles swap, ``rounds`` times. Returns this rank's
+    median seconds per workload alone and beside the other rank's copy, the median of the paired
+    ratios, and how much the workload alone spreads from one timing to the next (the machine's own
+    noise: 10th to 90th percentile over the median).
     """
     rank = engine.global_rank
     x, w1, w2 = torch.randn(512, d), torch.randn(d, 4 * d), torch.randn(4 * d, d)
@@ -309,7 +311,7 @@ def interference(engine, hook, d: int) -> dict:
 
     work()
     samples, budget = {"alone": [], "beside_copy": []}, torch.zeros(1)
-    for _ in range(3):  # alternate, so drift of a shared machine hits both alike
+    for _ in range(rounds):  # alternate, so drift of the machine hits both alike
         for mode in ("alone", "beside_copy"):
             for who in range(dist.get_world_size()):
                 dist.barrier()
@@ -327,7 +329,11 @@ def interference(engine, hook, d: int) -> dict:
                     dist.broadcast(budget, src=who)
                     budget_of[who] = float(budget.item())
                 dist.barrier()
-    return {mode: statistics.median(v) for mode, v in samples.items()}
+    alone = sorted(samples["alone"])
+    return {**{mode: statistics.median(v) for mode, v in samples.items()},
+            "paired": statistics.median(b / a - 1 for a, b in zip(samples["alone"], samples["beside_copy"])),
+            "alone_spread": (alone[int(0.9 * (len(alone) - 1))] - alone[int(0.1 * (len(alone) - 1))])
+            / statistics.median(alone), "rounds": rounds}
 
 
 budget_of: dict = {}
