@@ -51,6 +51,7 @@ SIZES = {
     "small": {"d_model": 384, "layers": 8, "heads": 6},
     "medium": {"d_model": 512, "layers": 8, "heads": 8},
 }
+MIN_ROUNDS = 10  # a bootstrap over fewer rounds has too few distinct resamples
 BUDGET = 0.01  # the 1% target
 LABELS = {
     "none": "none",
@@ -277,10 +278,11 @@ def analyse(doc: dict) -> dict:
         else:
             nbytes = sum(s[name]["state"] + s[name]["items"] for s in sizes if name in s)
         oh = estimate(xs, fired, period) if name != "none" else 0.0
-        lo, hi = cluster_bootstrap(samples, period) if name != "none" else (0.0, 0.0)
+        # a bootstrap over a handful of rounds has too few distinct resamples to be an interval
+        ci = list(cluster_bootstrap(samples, period)) if name != "none" and doc["rounds"] >= MIN_ROUNDS else None
         rows.append({
             "policy": name, "kind": pol["kind"], "period": period, "iterations": len(times),
-            "snapshots": sum(fired), "median_s": med(times), "overhead": oh, "ci95": [lo, hi],
+            "snapshots": sum(fired), "median_s": med(times), "overhead": oh, "ci95": ci,
             "ratio_of_medians": med(times) / base - 1, "spread": _iqr(xs),
             "stall_s": stall if name != "none" else 0.0, "in_hook_s": in_hook if name != "none" else 0.0,
             "in_hook_cpu_s": cpu_hook if name != "none" else 0.0,
@@ -340,14 +342,17 @@ def targets(result: dict, doc: dict) -> dict:
     hold = bool(plans) and all(q["leftover_bytes"] == 0 for q in plans)
     free = result["base_uncontended_s"]
     out = {"wall": evaluate("wall clock", baft["period"], hold, baft["overhead"], baft["ci95"],
-                            sync["overhead"], sync["ci95"]),
+                            sync["overhead"], sync["ci95"], few_rounds=doc["rounds"] < MIN_ROUNDS),
            "accounting": evaluate("accounting", baft["period"], hold, baft["in_hook_cpu_s"] / free, None,
                                   sync["in_hook_cpu_s"] / free, None)}
     return out
 
 
-def evaluate(how: str, p: int, hold: bool, b: float, b_ci, c: float, c_ci) -> dict:
-    """Targets 1-3 for baft's overhead ``b`` at its period ``p`` and sync copy's per-snapshot cost ``c``."""
+def evaluate(how: str, p: int, hold: bool, b: float, b_ci, c: float, c_ci, few_rounds: bool = False) -> dict:
+    """Targets 1-3 for baft's overhead ``b`` at its period ``p`` and sync copy's per-snapshot cost ``c``.
+
+    A target is UNRESOLVED when the 95% intervals allow either verdict, or when there are too few
+    rounds (``few_rounds``) for the bootstrap over rounds to mean anything."""
     def ci(x):
         return f" (95% CI {x[0]:+.2%} .. {x[1]:+.2%})" if x else ""
 
@@ -358,22 +363,25 @@ def evaluate(how: str, p: int, hold: bool, b: float, b_ci, c: float, c_ci) -> di
         return ("PASS" if ok else "FAIL") if resolved else f"UNRESOLVED (estimate {'passes' if ok else 'fails'})"
 
     out = {}
-    open_t1 = straddles(b_ci, BUDGET)
-    note = "; the interval straddles 1%: this run does not resolve it" if open_t1 else ""
+    few = f"; fewer than {MIN_ROUNDS} rounds give no usable interval: this run does not resolve it" if few_rounds else ""
+    open_t1 = few_rounds or straddles(b_ci, BUDGET)
+    note = few or ("; the interval straddles 1%: this run does not resolve it" if open_t1 else "")
     out["t1"] = {"pass": b <= BUDGET, "resolved": not open_t1, "baft": b, "ci95": b_ci, "period": p,
                  "line": f"{verdict(b <= BUDGET, not open_t1)} target 1 [{how}]: baft overhead {b:+.2%}{ci(b_ci)} "
                          f"at its planner's period {p}; target <= 1%{note}"}
     needed = max(1, math.ceil(c / BUDGET - 1e-9))
     ok_a = p == 1 if hold else True
     ok_b = 3 * p <= needed
-    out["t2"] = {"pass": ok_a and ok_b, "bubbles_hold_state": hold, "period": p, "sync_cost_per_snapshot": c,
+    open_t2 = ok_a and (few_rounds or straddles(c_ci, (3 * p - 1) * BUDGET))  # sync copy's period need could fall either side of 3p
+    out["t2"] = {"pass": ok_a and ok_b, "resolved": not open_t2, "bubbles_hold_state": hold, "period": p, "sync_cost_per_snapshot": c,
                  "sync_period_needed": needed,
-                 "line": f"{verdict(ok_a and ok_b)} target 2 [{how}]: every stage's measured bubbles "
+                 "line": f"{verdict(ok_a and ok_b, not open_t2)} target 2 [{how}]: every stage's measured bubbles "
                          f"{'hold' if hold else 'do NOT hold'} its state, baft period {p}"
                          f"{' (must be 1: ' + ('yes' if ok_a else 'NO') + ')' if hold else ''}; sync copy costs "
                          f"{c:+.2%}{ci(c_ci)} per snapshot, so needs period {needed} for 1%; "
                          f"{p} {'<=' if ok_b else '>'} {needed}/3"
-                         + (" (no period >= 1 can be, while sync copy fits 1% at period <= 2)" if needed < 3 else "")}
+                         + (" (no period >= 1 can be, while sync copy fits 1% at period <= 2)" if needed < 3 else "")
+                         + few}
     sync_at_p = c / p
     if sync_at_p <= 0:
         ratio, how_much = float("nan"), "sync copy's own cost is <= 0 (noise), so there is no ratio"
@@ -383,11 +391,11 @@ def evaluate(how: str, p: int, hold: bool, b: float, b_ci, c: float, c_ci) -> di
         ratio = sync_at_p / b
         how_much = f"{ratio:.1f}x lower"
     ok = ratio >= 5  # False for nan
-    open_t3 = bool(b_ci and c_ci and (b_ci[1] - b_ci[0] > BUDGET or c_ci[1] - c_ci[0] > abs(c)))
+    open_t3 = few_rounds or bool(b_ci and c_ci and (b_ci[1] - b_ci[0] > BUDGET or c_ci[1] - c_ci[0] > abs(c)))
     out["t3"] = {"pass": ok, "resolved": not open_t3, "sync_at_period": sync_at_p, "baft": b, "ratio": ratio,
                  "line": f"{verdict(ok, not open_t3)} target 3 [{how}]: at period {p} sync copy costs "
                          f"{sync_at_p:+.2%}, baft {b:+.2%}: {how_much}; target >= 5x"
-                         + ("; both intervals are wide: this run does not resolve it" if open_t3 else "")}
+                         + (few or ("; both intervals are wide: this run does not resolve it" if open_t3 else ""))}
     return out
 
 
@@ -420,7 +428,8 @@ def policy_table(result: dict, config: str = "") -> list[str]:
         if "error" in r:
             lines.append(f"{pre}| {label} | {r['period']} | did not run: {r['error']} | | | | | | | |")
             continue
-        oh = "—" if r["policy"] == "none" else f"{r['overhead']:+.2%} ({r['ci95'][0]:+.1%} .. {r['ci95'][1]:+.1%})"
+        oh = ("—" if r["policy"] == "none" else f"{r['overhead']:+.2%} "
+              + (f"({r['ci95'][0]:+.1%} .. {r['ci95'][1]:+.1%})" if r["ci95"] else "(too few rounds for an interval)"))
         lines.append(
             f"{pre}| {label} | {r['period']} | {r['median_s'] * 1e3:.0f} ms | {oh} | {r['stall_s'] * 1e3:.1f} ms | "
             f"{r['in_hook_s'] * 1e3:.1f} ms, {r['in_hook_cpu_s'] * 1e3:.1f} ms "
@@ -498,7 +507,8 @@ def method(doc: dict) -> list[str]:
          "the machine cancels; overhead is the median of these ratios - 1. A policy with a period P > 1 snapshots "
          "in the last iteration of each of its blocks, and its overhead is amortized over P: "
          "((snapshot - 1) + (P - 1)(plain - 1)) / P from the medians of snapshot and plain "
-         "iterations. The 95% interval resamples whole rounds (bootstrap). Stall is the hook's own `.stall` (max "
+         f"iterations. The 95% interval resamples whole rounds (bootstrap; given from {MIN_ROUNDS} rounds up). "
+         "Stall is the hook's own `.stall` (max "
          "over ranks); in-hook time is all time spent in the policy's callbacks on the trainer's thread (max over "
          "ranks; for baft it adds `capture_items`, `SnapshotWriter.begin` and the commit to the stall). Waiting for "
          "a CPU is the share of the iteration a rank's trainer thread was runnable but not running (kernel "
@@ -628,8 +638,9 @@ def draw(results: list[tuple[str, dict]], path: Path, title: str) -> None:
                 continue
             ys.append(j + i * height)
             xs.append(r["overhead"] * 100)
-            lo.append(max(0.0, (r["overhead"] - r["ci95"][0]) * 100))
-            hi.append(max(0.0, (r["ci95"][1] - r["overhead"]) * 100))
+            ci = r["ci95"] or [r["overhead"]] * 2
+            lo.append(max(0.0, (r["overhead"] - ci[0]) * 100))
+            hi.append(max(0.0, (ci[1] - r["overhead"]) * 100))
             acc.append(r["in_hook_cpu_s"] / res["base_uncontended_s"] / r["period"] * 100)
         colour = colours[i % len(colours)]
         ax.barh(ys, xs, height=height, xerr=[lo, hi], color=colour, label=label, capsize=2, ecolor="#555")
@@ -723,16 +734,22 @@ def main(argv=None) -> int:
     p.add_argument("--bind-cores", action="store_true",
                    help="pin each rank to its own core (fewer migrations; less noise on a quiet machine)")
     p.add_argument("--tag", default="", help="suffix for the output names (overhead-<size>-<schedule>-<tag>.*)")
-    p.add_argument("--rerender", metavar="RESULT.json",
-                   help="re-analyse a run's overhead-<size>-<schedule>.json and rewrite its .md/.png (no training)")
+    p.add_argument("--rerender", metavar="RESULT.json", nargs="+",
+                   help="re-analyse runs' overhead-<size>-<schedule>.json and rewrite their .md/.png (no training); "
+                        "given the runs of an --all grid, rewrite overhead-grid.* too")
     args = p.parse_args(argv)
     if args.rerender:
-        saved = json.loads(Path(args.rerender).read_text())
-        doc, out = saved["raw"], Path(args.rerender).parent
-        result = analyse(doc)
-        stem = write_outputs(doc, result, out, saved["date"], saved["command"], saved["machine"])
-        print(render(doc, result, saved["date"], saved["command"], saved["machine"]))
-        print(f"wrote {stem}.md, .json, .png")
+        runs = []
+        for path in map(Path, args.rerender):
+            saved = json.loads(path.read_text())
+            doc, result = saved["raw"], analyse(saved["raw"])
+            stem = write_outputs(doc, result, path.parent, saved["date"], saved["command"], saved["machine"])
+            print(render(doc, result, saved["date"], saved["command"], saved["machine"]))
+            print(f"wrote {stem}.md, .json, .png")
+            runs.append((doc, result))
+        if len(runs) > 1:
+            write_grid(runs, path.parent, saved["date"], saved["command"], saved["machine"])
+            print(f"wrote {path.parent / 'overhead-grid.md'}, .json, .png")
         return 0
     if args.iters < 2:
         p.error("--iters must be at least 2 (to tell whether the first iteration of a block runs slower)")
