@@ -23,13 +23,12 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 
 import numpy as np
 import zfec
 
 from baft import erasure
-from baft.machine import cpu_model
+from baft.machine import cpu_model, now
 from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
 
 
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
     sizes = [int(s) << 20 for s in args.sizes.split(",")]
     codes = [tuple(int(x) for x in c.split("/")) for c in args.codes.split(",")]
 
-    print(f"# baft erasure throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}")
+    print(f"# baft erasure throughput, {now()}")
     print(f"# command: python {' '.join(sys.argv)}")
     print(f"# machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
           f"python {platform.python_version()}, zfec {zfec.__version__}, numpy {np.__version__}, "

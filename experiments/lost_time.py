@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
 from baft.bubblemap import BubbleMap
 from baft.errors import BaftError
-from baft.machine import describe
+from baft.machine import describe, now
 from baft.simulate import (
     _bytes,
     _duration,
@@ -51,13 +50,9 @@ ORDER = ("gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine")
 def default_presets() -> str:
     names = preset_names()
     return ",".join([n for n in ORDER if n in names] + [n for n in names if n not in ORDER])
+
+
 COLOURS = {"disk": "#8c564b", "disk-fixed": "#c49c94", "sync-copy": "#ff7f0e", "baft": "#1f77b4"}
-
-
-
-
-def machine() -> str:
-    return describe()
 
 
 def scenarios(names, failures_per_day, overrides, measured):
@@ -167,10 +162,10 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     command = "python experiments/lost_time.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = now()
     rate = "each preset's own" if args.failures_per_day is None else f"{args.failures_per_day:g} per day"
     header = ["# Expected time lost per fault and per day (simulator)", "",
-              f"- machine: {machine()}", f"- command: `{command.strip()}`", f"- date: {date}",
+              f"- machine: {describe()}", f"- command: `{command.strip()}`", f"- date: {date}",
               f"- failure rate: {rate}"
               + (f"; this-machine costs measured in {args.measured}" if args.measured else "")]
     text = markdown(results, header, comparison)

@@ -31,11 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from baft.launch import launch_env, torchrun
-from baft.machine import cpu_model
+from baft.machine import cpu_model, now
 from overhead_analysis import analyse, target_lines
 from overhead_report import config_name, render, write_grid, write_outputs
 
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     command = "python experiments/overhead.py" + (" " + shlex.join(given) if given else "")
     mach = machine()
-    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    when = now()
     grid = [(s, sch) for s in ("small", "medium") for sch in ("1f1b", "gpipe")] if args.all \
         else [(args.model_size, args.schedule)]
     runs = []
