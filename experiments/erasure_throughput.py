@@ -73,8 +73,14 @@ def main(argv=None) -> int:
     parser.add_argument("--codes", default="1/2,2/3,3/4,4/6", help="k/n pairs")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
-    sizes = [int(s) << 20 for s in args.sizes.split(",")]
-    codes = [tuple(int(x) for x in c.split("/")) for c in args.codes.split(",")]
+    try:
+        sizes = [int(s) << 20 for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes {args.sizes!r}: expected whole megabytes, like 64,128")
+    try:
+        codes = [(int(k), int(n)) for k, n in (c.split("/") for c in args.codes.split(","))]
+    except ValueError:
+        parser.error(f"--codes {args.codes!r}: expected k/n pairs, like 2/3,4/6")
 
     print(f"# baft erasure throughput, {now()}")
     print(f"# command: python {' '.join(sys.argv)}")
