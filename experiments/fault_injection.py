@@ -53,8 +53,6 @@ SHM_ROOT = Path("/dev/shm/baft")
 
 # ----------------------------------------------------------------------------- shared helpers
 
-
-
 def machine() -> str:
     return describe() + " (CPU accelerator, gloo)"
 
