@@ -131,8 +131,7 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
         raw = work / "raw.json"
         cmd = torchrun(2, [str(WORKER), "--rounds", str(args.rounds), "--block", str(args.iters),
                            "--bubble-map", str(bmap), "--raw-out", str(raw), "--tmp-dir", str(work / "disk"),
-                           "--shm-dir", str(shm), "--policies", args.policies, *flags(opts)]
-                      + (["--bind-cores"] if args.bind_cores else []), module=False)
+                           "--shm-dir", str(shm), "--policies", args.policies, *flags(opts)], module=False)
         load_before = os.getloadavg()
         t1 = time.time()
         code = run_logged(cmd, work / "run.log", env)
@@ -142,7 +141,7 @@ def run_config(size: str, schedule: str, args, out: Path) -> dict:
             raise SystemExit(f"the overhead run failed (exit {code}); its whole log is in {keep}:\n{tail(work / 'run.log')}")
         doc = json.loads(raw.read_text())
         doc.update(config={"size": size, "schedule": schedule, "tag": args.tag, **opts}, bubble_map=str(bmap),
-                   bind_cores=args.bind_cores, profile_seconds=profile_s, run_seconds=time.time() - t1,
+                   profile_seconds=profile_s, run_seconds=time.time() - t1,
                    load_average={"before": load_before, "after": os.getloadavg()})
         return doc
     finally:
@@ -173,8 +172,6 @@ def main(argv=None) -> int:
                    help="comma-separated subset, in the order they take turns")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each configuration, wait up to SECONDS for the 1-minute load average to drop below 1")
-    p.add_argument("--bind-cores", action="store_true",
-                   help="pin each rank to its own core (fewer migrations; less noise on a quiet machine)")
     p.add_argument("--tag", default="", help="suffix for the output names (overhead-<size>-<schedule>-<tag>.*)")
     p.add_argument("--rerender", metavar="RESULT.json", nargs="+",
                    help="re-analyse runs' overhead-<size>-<schedule>.json and rewrite their .md/.png (no training); "

@@ -94,8 +94,7 @@ def describe(doc: dict) -> str:
 
 def method(doc: dict) -> list[str]:
     return [
-        (f"Method: one launch of 2 ranks (gloo, 1 intra-op thread each"
-         f"{', each rank pinned to its own core' if doc.get('bind_cores') else ''}); the engine is built once and every "
+        (f"Method: one launch of 2 ranks (gloo, 1 intra-op thread each); the engine is built once and every "
          f"policy's hook constructed up front (shared-memory slots pre-faulted); each policy then runs once, untimed "
          f"(baft: until its planner has run); then {doc['rounds']} rounds in which the policies take turns "
          f"with none between every two ({', '.join(p['name'] for p in doc['policies'] if p['name'] != 'none')}: "

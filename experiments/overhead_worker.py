@@ -108,8 +108,6 @@ def parse_args(argv=None):
     p.add_argument("--tmp-dir", required=True, help="disk directory for the disk-checkpoint baselines")
     p.add_argument("--shm-dir", required=True, help="shared-memory directory for the in-memory policies")
     p.add_argument("--policies", default=",".join(name for name, _, _ in POLICIES))
-    p.add_argument("--bind-cores", action="store_true",
-                   help="pin each rank to core LOCAL_RANK (as DeepSpeed's launcher does with --bind_cores_to_rank)")
     ours, model_argv = p.parse_known_args(argv)
     return ours, worker.parse_args(model_argv)
 
@@ -341,8 +339,6 @@ budget_of: dict = {}
 
 def main(argv=None) -> int:
     ours, model_args = parse_args(argv)
-    if ours.bind_cores:  # before any thread starts: gloo's and baft's threads inherit the mask
-        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", 0)) % os.cpu_count()})
     engine, data = worker.build(model_args)
     rank, world = engine.global_rank, dist.get_world_size()
     lead = rank == 0
