@@ -31,6 +31,9 @@ class InstructionHook:
 
     def iteration_end(self, engine) -> None: ...
 
+    def close(self) -> None:
+        """Stop any work still running and release resources (at process exit)."""
+
     def bubble(self, engine, index: int, cmd) -> Optional[Callable[[threading.Event], None]]:
         """Work to run while this receive waits: called with an event set when the data has landed."""
         return None

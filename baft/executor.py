@@ -74,6 +74,12 @@ class SnapshotPolicy(InstructionHook):
             self.finish()
             self.stall += time.perf_counter() - start
 
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.link is not None:
+            self.link.close()
+
     def finish(self) -> None:
         slot = self.snapshot.slot
         record = self.snapshot.finish()
@@ -138,3 +144,8 @@ class ThreadCopy(SnapshotPolicy):
     def finish(self):
         self.thread.join()
         super().finish()
+
+    def close(self):
+        if self.snapshot is not None:  # a copy still in flight (the script stopped mid-iteration)
+            self.thread.join()
+        super().close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from baft.config import parse_config
 from baft.errors import BaftError
 from baft.engine import attach
 from baft.jsonfile import read_json
+from baft.teardown import teardown
 
 PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
 PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
@@ -42,6 +44,7 @@ def initialize(model, config, data_iterator=None, **kwargs):
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
     attach(engine, cfg.schedule)
+    atexit.register(teardown, engine)
     engine.baft_config = cfg
     engine.baft_run_id = cfg.run_id
     if profile_dir:
@@ -136,6 +139,10 @@ class ManagerLink:
         engine = self.engine
         self.client.hello(engine.global_rank, layout.nbytes, engine.baft_run_id, model_signature(layout.tensors),
                           {"pipe": engine.num_stages, "data": engine.grid.get_data_parallel_world_size()})
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
     def commit(self, record, slot: int) -> None:
         if self.client is None:

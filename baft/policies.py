@@ -190,6 +190,11 @@ class DiskCheckpoint(InstructionHook):
         self.saved.append(step)
         self.stall += time.perf_counter() - start
 
+    def close(self):
+        if self.pending is not None:  # the last async save must land before its process group goes
+            self.pending.result()
+            self.pending = None
+
     def restore(self, engine) -> Optional[int]:
         """Load the newest checkpoint every rank has (the usual restart); its step, or None."""
         if self.kind == "deepspeed":

@@ -37,9 +37,10 @@ from baft.errors import ConfigError
 class GPipeSchedule(PipeSchedule):
     """GPipe: every forward pass, then every backward pass, then one optimizer step.
 
-    Forwards run in micro-batch order; backwards run in *reverse* micro-batch order, as in
-    the GPipe paper (the last micro-batch's activations are the freshest on the last stage).
-    One step per micro-batch: ``RecvActivation → LoadMicroBatch (first/last stage) →
+    Forwards and backwards both run in micro-batch order (as PyTorch's ``ScheduleGPipe``
+    does), so each parameter's gradient accumulates micro-batches in the same order as
+    DeepSpeed's 1F1B and one GPipe step equals one 1F1B step bit for bit. One step per
+    micro-batch: ``RecvActivation → LoadMicroBatch (first/last stage) →
     ForwardPass → SendActivation``, then ``RecvGrad → BackwardPass → SendGrad``.
 
     All activations flow downstream before any gradient flows upstream, and every stage
@@ -61,7 +62,7 @@ class GPipeSchedule(PipeSchedule):
             if not self.is_last_stage:
                 cmds.append(SendActivation(mb))
             yield cmds
-        for mb in reversed(range(self.micro_batches)):
+        for mb in range(self.micro_batches):
             cmds = []
             if not self.is_last_stage:
                 cmds.append(RecvGrad(mb))

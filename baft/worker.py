@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
@@ -73,7 +75,7 @@ def ds_config(args, dp: int) -> dict:
     if args.run_dir:
         section["save_dir"] = str(Path(args.run_dir) / "checkpoints")
         section["run_dir"] = args.run_dir
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.micro_batches,
         "train_batch_size": args.micro_batch_size * args.micro_batches * dp,
@@ -81,6 +83,11 @@ def ds_config(args, dp: int) -> dict:
         "steps_per_print": 10 ** 9,
         "baft": section,
     }
+    if args.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if args.zero_stage:
+        config["zero_optimization"] = {"stage": args.zero_stage}
+    return config
 
 
 def build(args: argparse.Namespace):

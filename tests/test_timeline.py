@@ -55,9 +55,9 @@ def test_gpipe_bubbles_two_stages():
     bmap = analytic_bubble_map("gpipe", 2, 2, UNIFORM)
     assert bmap.source == "analytic" and bmap.makespan == 6.0
     assert bmap.bubbles == [
-        Bubble(0, 2.0, 4.0, 6, "ForwardPass(buffer_id=1)", "BackwardPass(buffer_id=1)", "steady"),
+        Bubble(0, 2.0, 4.0, 6, "ForwardPass(buffer_id=1)", "BackwardPass(buffer_id=0)", "steady"),
         Bubble(1, 0.0, 1.0, 0, "iteration start", "ForwardPass(buffer_id=0)", "warm-up"),
-        Bubble(1, 5.0, 6.0, 10, "BackwardPass(buffer_id=0)", "ReduceTiedGrads()", "cool-down"),
+        Bubble(1, 5.0, 6.0, 10, "BackwardPass(buffer_id=1)", "ReduceTiedGrads()", "cool-down"),
     ]
     assert bmap.analytic_bubble_fraction == {0: pytest.approx(1 / 3), 1: pytest.approx(1 / 3)}
 
