@@ -54,7 +54,7 @@ class SnapshotPolicy(InstructionHook):
         if self.source is None:
             self.source = StateSource(engine, self.chunk_bytes)
             if self.link is not None:
-                self.link.hello(self.source.layout)  # the manager sizes the slots, or refuses
+                self.link.hello(self.source)  # the manager sizes the slots, or refuses
             self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout)
 
     def iteration_start(self, engine):

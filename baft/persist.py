@@ -110,13 +110,16 @@ class Identity:
         return cls(record.run_id, record.model, dict(record.topology))
 
     def mismatch(self, manifest: dict) -> Optional[str]:
-        """Why a manifest belongs to another run, model or topology, or None."""
+        """Why a manifest belongs to another run, model or pipeline depth, or None."""
         if self.run_id and manifest["run_id"] != self.run_id:
             return f"from run {manifest['run_id']!r}, this run is {self.run_id!r}"
         if self.model and manifest["model"] != self.model:
             return f"from model {manifest['model']!r}, this model is {self.model!r}"
-        if self.topology and manifest["topology"] != self.topology:
-            return f"for topology {manifest['topology']}, this run has {self.topology}"
+        # only the pipeline depth must match: a restart may have more or fewer data-parallel replicas
+        stages = self.topology.get("pipe")
+        if stages and manifest["topology"].get("pipe") != stages:
+            return (f"taken with {manifest['topology'].get('pipe')} pipeline stages, this run has {stages}; "
+                    f"restart with that many stages")
         return None
 
 

@@ -131,14 +131,15 @@ class ManagerLink:
     def __init__(self, engine, client):
         self.engine, self.client = engine, client
 
-    def hello(self, layout) -> None:
+    def hello(self, source) -> None:
+        """Announce this rank's snapshot size and identity (the topology its commit records carry)."""
         if self.client is None:
             return
         from baft.snapshot import model_signature
 
-        engine = self.engine
-        self.client.hello(engine.global_rank, layout.nbytes, engine.baft_run_id, model_signature(layout.tensors),
-                          {"pipe": engine.num_stages, "data": engine.grid.get_data_parallel_world_size()})
+        layout = source.layout
+        self.client.hello(self.engine.global_rank, layout.nbytes, self.engine.baft_run_id,
+                          model_signature(layout.tensors), source.topology())
 
     def close(self) -> None:
         if self.client is not None:

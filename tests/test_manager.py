@@ -457,6 +457,21 @@ def test_persist_every_n_writes_multiples_of_n_and_the_newest_on_stop(tmp_path, 
     assert same_snapshot(persist.load_latest(ckpt)[0], record_for(0, 8, t.layout, want), want)
 
 
+def test_restarted_rank_is_accepted_after_persistence_with_any_replica_count(tmp_path, in_process):
+    """A restart says hello again to a manager that has persisted this run: same pipeline depth, any
+    number of data-parallel replicas and world size, is the same run; another depth is refused."""
+    root, ckpt = tmp_path / "shm", tmp_path / "ckpt"
+    in_process(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=1))
+    t = Trainer(root, 0, 1 << 18)
+    t.step(1)
+    wait_for(lambda: persist.list_steps(ckpt), what="step 1 persisted")
+    for topology in ({"pipe": TOPO["pipe"], "data": 1}, {**TOPO, "data": 2, "world": 2 * TOPO["pipe"]}):
+        t.client.hello(0, t.layout.nbytes, run_id=RUN, model="model-0", topology=topology)
+    with pytest.raises(BaftError, match=f"taken with {TOPO['pipe']} pipeline stages, this run has 8"):
+        t.client.hello(0, t.layout.nbytes, run_id=RUN, model="model-0", topology={**TOPO, "pipe": 8})
+    t.close()
+
+
 def test_persist_seconds_writes_the_newest_when_due(tmp_path, in_process):
     root, ckpt = tmp_path / "shm", tmp_path / "ckpt"
     m = in_process(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_seconds=0.5))
