@@ -46,7 +46,9 @@ class BaftConfig:
     memory_limit: Optional[int] = None  # bytes of host memory snapshots may hold on this node
     persist: PersistConfig = field(default_factory=PersistConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
-    fresh_start: bool = True  # may a restart with no snapshot anywhere start from scratch?
+    # may a start that finds no snapshot of this run begin at step 0? "always": even when it finds
+    # snapshots but can restore none of them (their progress is then dropped, loudly)
+    fresh_start: Union[bool, str] = True
     run_dir: Optional[str] = None  # where restarts append recovery.jsonl
     save_dir: Optional[str] = None  # checkpoint directory of the disk baselines (deepspeed, torch-save, dcp-async)
 
@@ -103,6 +105,10 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
         elif key == "period":
             if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ConfigError(f"baft.period: expected \"auto\" or an integer >= 1, got {value!r}")
+            values[key] = value
+        elif key == "fresh_start":
+            if value not in (True, False, "always"):
+                raise ConfigError(f"baft.fresh_start: expected true, false or \"always\", got {value!r}")
             values[key] = value
         elif key == "memory_limit":
             if value is not None:

@@ -98,9 +98,13 @@ def _local_offers(root: str, stage: int, stages: int, fingerprint: str, held: di
     return offers, sorted(notes)
 
 
-def restore(engine, root: str, client=None, data_iterator=None, fresh_start: bool = True,
+def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True,
             log=print) -> Optional[Restored]:
-    """Load the newest snapshot every rank can restore into ``engine``; None for a fresh start."""
+    """Load the newest snapshot every rank can restore into ``engine``; None for a fresh start.
+
+    A fresh start needs that no rank saw any snapshot of this run, or ``fresh_start="always"``:
+    snapshots that exist but cannot be restored stop the job with the reason for each.
+    """
     mark("restore_start")
     stage, rank = engine.stage_id, engine.global_rank
     fingerprint = model_signature(state.tensor_entries(engine))
@@ -112,20 +116,23 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
             log(f"manager did not say what it holds ({err})")
     refused: list[str] = []
     tried: set[int] = set()
+    found_any = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
     while True:
         offers, notes = _local_offers(root, stage, engine.num_stages, fingerprint, held)
         mine = {step: {"stage": stage, "shards": sorted(o["shards"]), "num_shards": o["num_shards"],
                        "pending": bool(o.get("pending"))}
                 for step, o in offers.items() if step not in tried}
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, notes))
-        fatal = next((text for _, rank_notes in everyone for kind, text in rank_notes if kind == "stages"), None)
+        seen = bool(offers or notes or refused or any(steps for sources in held.values() for steps in sources.values()))
+        dist.all_gather_object(everyone, (mine, notes, seen))
+        found_any = found_any or any(seen for _, _, seen in everyone)
+        fatal = next((text for _, rank_notes, _ in everyone for kind, text in rank_notes if kind == "stages"), None)
         if fatal:
             raise BaftError(fatal)  # on every rank alike: they all saw it in the gather
         if not tried:
             for kind, text in notes:
                 log(text)
-        step = _newest_common([offer for offer, _ in everyone], engine.num_stages)
+        step = _newest_common([offer for offer, _, _ in everyone], engine.num_stages)
         if step is None:
             break
         ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
@@ -148,8 +155,14 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start: boo
     for line in refused:
         log(line)
     mark("restore_end")
-    if not fresh_start:
-        raise BaftError("no snapshot that every rank can restore, and fresh_start is false")
+    if found_any and fresh_start != "always":
+        reasons = "; ".join(refused) or "no step was complete for every pipeline stage"
+        raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "
+                        f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh")
+    if found_any:
+        log("fresh_start is \"always\": snapshots of this run exist but none can be restored; starting from step 0")
+    elif not fresh_start:
+        raise BaftError("no snapshot of this run anywhere, and fresh_start is false")
     return None
 
 

@@ -67,6 +67,9 @@ def test_unknown_config_key_names_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match=r"baft\.persist\.evry: unknown key"):
         parse_config({"baft": {"persist": {"evry": 3}}})
+    with pytest.raises(ConfigError, match=r"baft\.fresh_start: expected true, false or \"always\", got 'yes'"):
+        parse_config({"baft": {"fresh_start": "yes"}})
+    assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
 def test_plan_for_another_model_is_refused_and_training_plans_from_the_analytic_model(tmp_path, shm_root):
