@@ -17,7 +17,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
 parser.add_argument("--zero-stage", type=int, default=0)
 parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--run-id", default="finish")
 parser.add_argument("--unwaited", action="store_true", help="reduce the last metric without waiting for it")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -28,7 +27,7 @@ model = PipelineModule(layers=[LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU),
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8 * dp,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10 ** 9,
           "bf16": {"enabled": args.precision == "bf16"}, "zero_optimization": {"stage": args.zero_stage},
-          "baft": {"policy": "baft", "period": 1, "run_id": args.run_id}}
+          "baft": {"policy": "baft", "period": 1}}  # baft train gives each run its own run id
 engine, *_ = baft.initialize(model=model, config=config)
 dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32  # DeepSpeed does not cast inputs to bf16
 batches = iter(lambda: (torch.randn(4, 32, dtype=dtype), torch.randn(4, 1, dtype=dtype)), None)
