@@ -172,7 +172,7 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
 
     # a replacement node 2 (new manager, empty shared memory) restores its ranks from the survivors
     fresh = ManagerConfig(node_id=2, shm_root=tmp_path / "n2-new", group=group, parity_k=2)
-    managers(fresh)
+    replacement_manager, = managers(fresh)
     # before any of its ranks says hello, it already lists what the group's parity can rebuild for them
     assert held(fresh.shm_root) == {str(r): {"memory": [], "parity": [2, 1], "disk": []} for r in (4, 5)}
     replacement = Trainer(fresh.shm_root, 4, nbytes + 4 * 4096)
@@ -185,9 +185,11 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
         assert same_snapshot(store.load_verified(fresh.shm_root, r, 2), *sent[(r, 2)])
     replacement.close()
 
-    # with node 1 gone too, one share of node 2's bundle is left: k=2 cannot be met, said in one line
-    procs[1].kill()
-    procs[1].wait()
+    # with node 1 and the replacement node 2 gone too (the replacement may already have re-encoded its
+    # restored snapshot), only node 0's share of node 2's bundle is left: k=2 cannot be met, said in one line
+    for proc in (procs[1], replacement_manager):
+        proc.kill()
+        proc.wait()
     with ManagerClient.connect(configs[0].shm_root) as c, pytest.raises(BaftError, match="fewer than k=2") as err:
         c.rebuild(2)
     assert "\n" not in str(err.value)
