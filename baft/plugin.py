@@ -57,9 +57,10 @@ def initialize(model, config, data_iterator=None, **kwargs):
 
 def _protect(engine, cfg, data_iterator) -> None:
     """Restore the newest snapshot every rank holds, then snapshot as the policy says."""
-    from baft import chaos, recovery
+    from baft import chaos, recovery, state
     from baft.policies import IN_MEMORY, make_policy, shm_root, warn
 
+    state.optimizer_adapter(engine)  # an optimizer baft cannot snapshot is refused now, in one line
     root = shm_root(cfg, engine.global_rank)
     client = None
     engine.baft_restored = None

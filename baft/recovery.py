@@ -233,10 +233,27 @@ def _views(engine) -> dict[str, torch.Tensor]:
 
 
 def _fit_problem(engine, shards: dict) -> Optional[str]:
+    """Why the shards do not fit this rank's tensors, or None.
+
+    Partitioned optimizer state (fp32 masters and moments under ZeRO-1 or bf16) is owned by one
+    replica: it can only be restored with the same number of replicas, each from its own shard.
+    """
     views = _views(engine)
+    dp, me = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     for record, _ in shards.values():
+        owners = {t.name: t.owner for t in record.layout.tensors}
+        if any(o is not None for o in owners.values()):
+            if record.layout.num_shards != dp:
+                return (f"snapshot of step {record.step} holds optimizer state partitioned over "
+                        f"{record.layout.num_shards} data-parallel replicas (ZeRO-1 or bf16 master weights); "
+                        f"this run has {dp}: restart with {record.layout.num_shards} replicas per stage")
+            if me not in shards:
+                return (f"snapshot of step {record.step}: shard {me}, this replica's optimizer partition, "
+                        f"is not reachable from this node")
         for chunk in record.layout.chunks:
             target = views.get(chunk.tensor)
+            if target is None and owners.get(chunk.tensor) not in (None, me):
+                continue  # another replica's partition
             if target is None or chunk.start + chunk.nbytes > target.numel():
                 return (f"snapshot of step {record.step} (rank {record.rank}) has tensor {chunk.tensor}, "
                         f"which this model does not have in that size")
@@ -265,8 +282,9 @@ def _apply(engine, shards: dict) -> None:
     for record, data in shards.values():
         source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
         for chunk in record.layout.chunks:
-            views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].copy_(
-                source[chunk.offset:chunk.offset + chunk.nbytes])
+            if chunk.tensor in views:  # else another replica's partition (checked by _fit_problem)
+                views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].copy_(
+                    source[chunk.offset:chunk.offset + chunk.nbytes])
         del source  # the map can only close once no tensor views it
     dp = engine.grid.get_data_parallel_world_size()
     if dp == 1:
@@ -277,11 +295,14 @@ def _apply(engine, shards: dict) -> None:
     ranks = dist.get_process_group_ranks(group)
     num_shards = max(max(h) + 1 for h in have if h)
     entries = state.tensor_entries(engine)
+    owned = {e.name for e in entries if e.owner is not None}  # each replica restored its own partitions
     for shard in range(num_shards):
         holders = [i for i, h in enumerate(have) if shard in h]
         if len(holders) == dp:
             continue
         for chunk in plan_layout(entries, shard=shard, num_shards=num_shards).chunks:
+            if chunk.tensor in owned:
+                continue
             dist.broadcast(views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes], src=ranks[holders[0]],
                            group=group)
 

@@ -31,13 +31,19 @@ def checksum(data) -> str:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of the state. ``kind`` is "parameters", "optimizer" or "other"."""
+    """One tensor of the state. ``kind`` is "parameters", "optimizer" or "other".
+
+    ``owner`` is the data-parallel rank that alone holds the tensor (a partition of fp32 master
+    weights or optimizer state under ZeRO or DeepSpeed's bf16 optimizer); None when every
+    replica of the stage holds it.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     kind: str
+    owner: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -110,23 +116,30 @@ def plan_layout(tensors: Iterable[TensorEntry], chunk_bytes: int = DEFAULT_CHUNK
                 shard: int = 0, num_shards: int = 1) -> Layout:
     """Cut tensors into chunks of at most ``chunk_bytes`` and keep shard ``shard`` of ``num_shards``.
 
-    Shards are contiguous runs of chunks with about equal bytes, so replicas share the copy work evenly.
+    A tensor with an ``owner`` goes whole to that shard (only that replica holds it). The
+    replicated tensors are split into contiguous runs of chunks with about equal bytes, so
+    replicas share their copy work evenly.
     """
     tensors = tuple(tensors)
     for t in tensors:
         if t.dtype not in _DTYPES:
             raise ValueError(f"tensor {t.name}: unsupported dtype {t.dtype}")
+        if t.owner is not None and not 0 <= t.owner < num_shards:
+            raise ValueError(f"tensor {t.name}: owned by replica {t.owner}, but there are {num_shards} shards")
     pieces = []
     for t in tensors:
         for start in range(0, max(t.nbytes, 1), chunk_bytes):
             if t.nbytes:
-                pieces.append((t.name, start, min(chunk_bytes, t.nbytes - start)))
-    total = sum(p[2] for p in pieces)
+                pieces.append((t.name, start, min(chunk_bytes, t.nbytes - start), t.owner))
+    total = sum(p[2] for p in pieces if p[3] is None)
     chunks, offset, before = [], 0, 0
-    for index, (name, start, nbytes) in enumerate(pieces):
-        # a chunk belongs to the shard its first byte falls in, by cumulative bytes
-        owner = min(num_shards - 1, before * num_shards // total) if total else 0
-        before += nbytes
+    for index, (name, start, nbytes, owned_by) in enumerate(pieces):
+        if owned_by is None:
+            # a replicated chunk belongs to the shard its first byte falls in, by cumulative bytes
+            owner = min(num_shards - 1, before * num_shards // total) if total else 0
+            before += nbytes
+        else:
+            owner = owned_by
         if owner == shard:
             chunks.append(Chunk(index, name, start, nbytes, offset))
             offset += nbytes

@@ -16,44 +16,39 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from baft.optimizers import adapter_for, base_optimizer, entry
 from baft.snapshot import TensorEntry
 
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def optimizer_adapter(engine):
+    """The engine's optimizer adapter (made once per engine): where its state lives and what it is called."""
+    adapter = getattr(engine, "baft_optimizer_adapter", None)
+    if adapter is None:
+        adapter = engine.baft_optimizer_adapter = adapter_for(engine)
+    return adapter
 
 
 def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(name, kind, tensor) for every tensor of the rank's state, in a stable order."""
+    """(name, kind, tensor) for every tensor this rank holds of its state, in a stable order."""
     module = engine.module
     for name, p in module.named_parameters():
         yield f"param/{name}", "parameters", p.data
     for name, b in module.named_buffers():
         yield f"buffer/{name}", "other", b
-    names = {id(p): n for n, p in module.named_parameters()}
-    optimizer = _torch_optimizer(engine.optimizer)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(value):
-                    yield f"optim/{names.get(id(p), id(p))}/{key}", "optimizer", value
-
-
-def _torch_optimizer(optimizer):
-    """The torch optimizer inside DeepSpeed's wrappers (fp16/bf16 wrappers hold it as .optimizer)."""
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+    for name, t in optimizer_adapter(engine).tensors(engine):
+        yield name, "optimizer", t
 
 
 def tensor_entries(engine) -> list[TensorEntry]:
-    return [TensorEntry(name, _dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), kind)
-            for name, kind, t in named_state_tensors(engine)]
+    """Every tensor of the stage's state, the partitions other replicas own included."""
+    module_state = [entry(name, t, kind) for name, kind, t in named_state_tensors(engine) if kind != "optimizer"]
+    return module_state + optimizer_adapter(engine).entries(engine)
 
 
 def state_tensors(engine) -> dict[str, torch.Tensor]:
+    """This rank's own state tensors by name."""
     return {name: t for name, _, t in named_state_tensors(engine)}
 
 
@@ -87,7 +82,7 @@ def capture_items(engine, data_iterator=None) -> dict:
         },
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                         for g in _torch_optimizer(engine.optimizer).param_groups],
+                         for g in base_optimizer(engine.optimizer).param_groups],
     }
     if torch.cuda.is_available():
         items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
@@ -126,7 +121,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> None:
                                       for s in rng["cuda"]])
     for k, v in items["counters"].items():
         setattr(engine, k, v)
-    for group, saved in zip(_torch_optimizer(engine.optimizer).param_groups, items["param_groups"]):
+    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, items["param_groups"]):
         for k, v in saved.items():
             if k in group and not isinstance(group[k], (list, tuple)):
                 group[k] = type(group[k])(v) if group[k] is not None else v
@@ -143,7 +138,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> None:
 
 def ensure_optimizer_state(engine) -> Optional[str]:
     """None when every trainable parameter has optimizer state, else why not (before the first step)."""
-    optimizer = _torch_optimizer(engine.optimizer)
+    optimizer = base_optimizer(engine.optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and not optimizer.state.get(p):
@@ -157,15 +152,4 @@ def create_optimizer_state(engine, entries) -> None:
     Before the first optimizer step a torch optimizer has no state; a snapshot of step
     k >= 1 has it, and every value is overwritten by the restore.
     """
-    optimizer = _torch_optimizer(engine.optimizer)
-    params = dict(engine.module.named_parameters())
-    for entry in entries:
-        if entry.kind != "optimizer":
-            continue
-        pname, key = entry.name[len("optim/"):].rsplit("/", 1)
-        p = params.get(pname)
-        if p is None:
-            continue
-        slot = optimizer.state[p]
-        if key not in slot:
-            slot[key] = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype), device=p.device)
+    optimizer_adapter(engine).create_state(engine, entries)

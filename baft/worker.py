@@ -8,6 +8,7 @@ record to ``RUN_DIR/losses.jsonl``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import statistics
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--digest", action="store_true",
+                   help="every rank prints a SHA-256 of its whole state (weights, masters, moments) at the end")
     return p.parse_args(argv)
 
 
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+    if args.digest:
+        print(f"digest rank {engine.global_rank} step {engine.global_steps} {state_digest(engine)}", flush=True)
     if lead and times:
         policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
         snapshots = ""
@@ -152,6 +157,17 @@ def main(argv=None) -> int:
         print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"
               f"{snapshots}", flush=True)
     return 0
+
+
+def state_digest(engine) -> str:
+    """SHA-256 over every state tensor of this rank, by name: equal digests mean bit-identical states."""
+    from baft import state
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.state_tensors(engine).items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _open_log(run_dir):

@@ -1,0 +1,46 @@
+"""Partitioned optimizer state in the snapshot layout, and the optimizer registry's refusal."""
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, strategies as st
+
+from baft.errors import BaftError
+from baft.optimizers import adapter_for
+from baft.snapshot import TensorEntry, plan_layout
+
+
+def entries(replicated_bytes, partition_bytes, replicas):
+    out = [TensorEntry("param/w", "float32", (replicated_bytes // 4,), replicated_bytes, "parameters")]
+    for d in range(replicas):
+        out.append(TensorEntry(f"master/group0/dp{d}", "float32", (partition_bytes // 4,), partition_bytes,
+                               "optimizer", owner=d))
+    return out
+
+
+@given(st.integers(1, 64).map(lambda k: k * 4096), st.integers(1, 32).map(lambda k: k * 4096), st.integers(1, 4))
+def test_each_replica_keeps_its_own_partition_and_a_share_of_the_replicated_state(replicated, partition, replicas):
+    tensors = entries(replicated, partition, replicas)
+    shards = [plan_layout(tensors, chunk_bytes=8192, shard=d, num_shards=replicas) for d in range(replicas)]
+    for d, layout in enumerate(shards):
+        owned = {c.tensor for c in layout.chunks if c.tensor.startswith("master/")}
+        assert owned == {f"master/group0/dp{d}"}, "a replica copies only the partition it holds"
+        assert sum(c.nbytes for c in layout.chunks if c.tensor == f"master/group0/dp{d}") == partition
+    indices = sorted(c.index for layout in shards for c in layout.chunks)
+    assert indices == list(range(shards[0].total_chunks)), "together the shards cover every chunk once"
+    assert len({layout.fingerprint for layout in shards}) == 1, "every replica names the stage's state alike"
+
+
+def test_an_owner_outside_the_replicas_is_refused():
+    with pytest.raises(ValueError, match="owned by replica 2, but there are 2 shards"):
+        plan_layout(entries(4096, 4096, 3), shard=0, num_shards=2)
+
+
+def test_an_optimizer_without_adapter_is_refused_in_one_line():
+    """The registry lookup alone (a real engine with an unsupported wrapper needs fp16, which CPUs refuse)."""
+    class FP16_Optimizer:
+        pass
+
+    with pytest.raises(BaftError, match=r"optimizer .*FP16_Optimizer: baft cannot snapshot its state") as err:
+        adapter_for(SimpleNamespace(optimizer=FP16_Optimizer()))
+    assert "\n" not in str(err.value)
