@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import os
 from pathlib import Path
 
@@ -26,20 +27,24 @@ def load_ds_config(config) -> dict:
     return dict(config or {})
 
 
-def initialize(model, config, data_iterator=None, **kwargs):
+def initialize(*args, data_iterator=None, **kwargs):
     """Drop-in for ``deepspeed.initialize``: same arguments and return values, with baft attached.
 
-    Without a ``"baft"`` section (or with ``"enabled": false``) this is exactly
+    Takes every calling form of ``deepspeed.initialize`` (``args`` carrying
+    ``--deepspeed_config``, ``config=``, ``config_params=``, ``model_parameters=``,
+    ``training_data=``, ``lr_scheduler=``, ...) and passes them on unchanged. Without a
+    ``"baft"`` section in the config (or with ``"enabled": false``) this is exactly
     ``deepspeed.initialize``. ``data_iterator`` is the training iterator whose position is
     saved and restored (any object with ``state_dict``/``load_state_dict``).
     """
     from baft import recovery
 
     recovery.mark("init_start")
-    ds_config = load_ds_config(config)
+    given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
+    ds_config = load_ds_config(_config_source(given))
     cfg = _with_launcher_defaults(parse_config(ds_config), ds_config)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
-    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=ds_config, **kwargs)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
     recovery.mark("init_end")
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
@@ -48,11 +53,26 @@ def initialize(model, config, data_iterator=None, **kwargs):
     engine.baft_config = cfg
     engine.baft_run_id = cfg.run_id
     if profile_dir:
-        _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), model)
+        _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), given.get("model"))
         return engine, optimizer, loader, scheduler
     if cfg.policy != "none":
+        if not hasattr(data_iterator, "state_dict") and engine.global_rank == 0:
+            from baft.policies import warn
+
+            warn(engine, "the data position will not be restored after a restart (a resumed run would read its "
+                         "data from the start): pass data_iterator= an iterator with state_dict() and "
+                         "load_state_dict(), such as torchdata's StatefulDataLoader, and train on it")
         _protect(engine, cfg, data_iterator)
     return engine, optimizer, loader, scheduler
+
+
+def _config_source(given: dict):
+    """Where ``deepspeed.initialize`` finds its config: ``config``, ``config_params``, or the ``args`` namespace."""
+    for key in ("config", "config_params"):
+        if given.get(key) is not None:
+            return given[key]
+    args = given.get("args")
+    return getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
 
 
 def _protect(engine, cfg, data_iterator) -> None:

@@ -1,0 +1,35 @@
+"""DeepSpeedExamples' ``training/pipeline_parallelism/train.py`` (its ``train_pipe`` path) in shape:
+a small CNN as a ``PipelineModule`` on synthetic CIFAR-sized data, the config through
+``--deepspeed_config``, the engine's own loader (``training_data=``), and ``deepspeed.initialize``
+replaced by ``baft.initialize`` with the example's own call.
+"""
+
+import argparse
+
+import deepspeed
+import torch
+import torch.nn as nn
+from deepspeed.pipe import PipelineModule
+
+import baft
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+parser.add_argument("--steps", type=int, default=4)
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+data = torch.Generator().manual_seed(0)
+trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=data),
+                                          torch.randint(0, 10, (256,), generator=data))
+layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)]
+net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
+engine, _, _, _ = baft.initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+                                  training_data=trainset)
+for _ in range(args.steps):
+    loss = engine.train_batch()
+    if engine.global_rank == 0:
+        print(f"step {engine.global_steps} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
