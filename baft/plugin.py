@@ -33,8 +33,8 @@ def initialize(*args, data_iterator=None, **kwargs):
     Takes every calling form of ``deepspeed.initialize`` (``args`` carrying
     ``--deepspeed_config``, ``config=``, ``config_params=``, ``model_parameters=``,
     ``training_data=``, ``lr_scheduler=``, ...) and passes them on unchanged. Without a
-    ``"baft"`` section in the config (or with ``"enabled": false``) this is exactly
-    ``deepspeed.initialize``. ``data_iterator`` is the training iterator whose position is
+    ``"baft"`` section in the config (or with ``"enabled": false``) this is
+    ``deepspeed.initialize`` with only the clean exit of :mod:`baft.teardown`. ``data_iterator`` is the training iterator whose position is
     saved and restored (any object with ``state_dict``/``load_state_dict``).
     """
     from baft import recovery
@@ -46,16 +46,20 @@ def initialize(*args, data_iterator=None, **kwargs):
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
     recovery.mark("init_end")
+    atexit.register(teardown, engine)  # a clean exit, with or without baft attached
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
     attach(engine, cfg.schedule)
-    atexit.register(teardown, engine)
     engine.baft_config = cfg
     engine.baft_run_id = cfg.run_id
     if profile_dir:
         _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), given.get("model"))
         return engine, optimizer, loader, scheduler
     if cfg.policy != "none":
+        if data_iterator is None and given.get("training_data") is not None:  # train_batch() reads the engine's loader
+            from baft.state import EngineLoaderPosition
+
+            data_iterator = EngineLoaderPosition(engine)
         if not hasattr(data_iterator, "state_dict") and engine.global_rank == 0:
             from baft.policies import warn
 

@@ -108,6 +108,33 @@ def _jsonable(obj):
     return _torch_blob(obj)
 
 
+class EngineLoaderPosition:
+    """The data position of the engine's own loader (``training_data=`` given to ``initialize``).
+
+    DeepSpeed reads that dataset through a ``DistributedSampler`` without shuffling, repeated
+    (``RepeatingLoader``), on the first and last stages; each optimizer step takes
+    ``micro_batches`` of it. The position after step k is k x micro_batches, and a restore
+    starts the loader again and skips that far into its epoch (reading the skipped batches).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
+
+    def load_state_dict(self, saved: dict) -> None:
+        from deepspeed.runtime.dataloader import RepeatingLoader
+
+        repeating = getattr(self.engine, "training_dataloader", None)
+        if repeating is None:  # a middle stage reads no data
+            return
+        loader = RepeatingLoader(repeating.loader)
+        for _ in range(saved["micro_batches"] % len(repeating.loader)):
+            next(loader)
+        self.engine.training_dataloader = self.engine.data_iterator = loader
+
+
 def restore_items(engine, items: dict, data_iterator=None) -> None:
     """Put the small state back: RNG, counters, hyper-parameters, scheduler, scaler, data position."""
     rng = items["rng"]

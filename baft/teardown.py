@@ -22,7 +22,7 @@ def teardown(engine) -> None:
     """At interpreter exit: stop baft's hooks, destroy the process groups, let gloo's workers go idle."""
     import torch.distributed as dist
 
-    for hook in engine.baft_hooks:
+    for hook in getattr(engine, "baft_hooks", ()):  # none when the config has no "baft" section
         hook.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -36,7 +36,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     show = subprocess.run([*cli, "show", str(bmap)], capture_output=True, text=True)
     assert show.returncode == 0 and "stage" in show.stdout.lower()
 
-    # no "baft" section: exactly DeepSpeed (its own engine class, nothing attached)
+    # no "baft" section: DeepSpeed's own engine class, nothing attached (only the clean exit)
     clean = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
                            capture_output=True, text=True, env=launch_env(), timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]

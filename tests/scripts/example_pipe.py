@@ -16,6 +16,7 @@ import baft
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -27,9 +28,10 @@ trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=
 layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)]
 net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
-engine, _, _, _ = baft.initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                  training_data=trainset)
-for _ in range(args.steps):
+initialize = deepspeed.initialize if args.no_baft else baft.initialize
+engine, _, _, _ = initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+                             training_data=trainset)
+while engine.global_steps < args.steps:  # a restarted run resumes at its restored step
     loss = engine.train_batch()
     if engine.global_rank == 0:
         print(f"step {engine.global_steps} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
