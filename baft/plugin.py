@@ -34,8 +34,10 @@ def initialize(*args, data_iterator=None, **kwargs):
     ``--deepspeed_config``, ``config=``, ``config_params=``, ``model_parameters=``,
     ``training_data=``, ``lr_scheduler=``, ...) and passes them on unchanged. Without a
     ``"baft"`` section in the config (or with ``"enabled": false``) this is
-    ``deepspeed.initialize`` with only the clean exit of :mod:`baft.teardown`. ``data_iterator`` is the training iterator whose position is
-    saved and restored (any object with ``state_dict``/``load_state_dict``).
+    ``deepspeed.initialize`` with only the clean exit of :mod:`baft.teardown`.
+    ``data_iterator`` is the training iterator whose position is saved and restored (any
+    object with ``state_dict``/``load_state_dict``); without it, the position of the
+    engine's own loader (``training_data=``) is.
     """
     from baft import recovery
 
