@@ -54,16 +54,16 @@ class TorchOptimizer:
                                     f"not a parameter of the model; baft cannot name its optimizer state")
                 self.params.append((names[id(p)], p))
 
-    def tensors(self, engine) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.params:
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if torch.is_tensor(value):
                     yield f"optim/{name}/{key}", value
 
-    def entries(self, engine) -> list[TensorEntry]:
-        return [entry(name, t, "optimizer") for name, t in self.tensors(engine)]
+    def entries(self) -> list[TensorEntry]:
+        return [entry(name, t, "optimizer") for name, t in self.tensors()]
 
-    def create_state(self, engine, entries) -> None:
+    def create_state(self, entries) -> None:
         """Allocate the state tensors a snapshot lists (a torch optimizer creates them at its first step)."""
         params = dict(self.params)
         for e in entries:
@@ -93,7 +93,7 @@ class PartitionedMasters:
         self.dp_rank = [dist.get_rank(group=g) for g in groups]
         self.replicas = [len(p) for p in getattr(self.wrapper, self.partitions_attr)]
 
-    def tensors(self, engine) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, master in enumerate(self.masters):
             d = self.dp_rank[i]
             yield f"master/group{i}/dp{d}", master
@@ -101,7 +101,7 @@ class PartitionedMasters:
                 if torch.is_tensor(value):
                     yield f"optim/group{i}/dp{d}/{key}", value
 
-    def entries(self, engine) -> list[TensorEntry]:
+    def entries(self) -> list[TensorEntry]:
         """Every replica's partitions: they are of equal size (DeepSpeed pads the flat buffer)."""
         out = []
         for i, master in enumerate(self.masters):
@@ -111,7 +111,7 @@ class PartitionedMasters:
                 out += [entry(f"optim/group{i}/dp{d}/{key}", value, "optimizer", owner=d) for key, value in state]
         return out
 
-    def create_state(self, engine, entries) -> None:
+    def create_state(self, entries) -> None:
         for e in entries:
             if e.kind != "optimizer" or not e.name.startswith("optim/group"):
                 continue

@@ -221,8 +221,7 @@ class DiskCheckpoint(InstructionHook):
 
 
 def _entries_of(tensors: dict):
-    from baft.snapshot import TensorEntry
+    from baft.optimizers import entry
 
-    return [TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size(),
-                        "optimizer" if name.startswith("optim/") else "parameters") for name, t in tensors.items()]
+    return [entry(name, t, "optimizer" if name.startswith("optim/") else "parameters") for name, t in tensors.items()]
 

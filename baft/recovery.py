@@ -123,9 +123,10 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
                        "pending": bool(o.get("pending"))}
                 for step, o in offers.items() if step not in tried}
         everyone = [None] * dist.get_world_size()
-        seen = bool(offers or notes or refused or any(steps for sources in held.values() for steps in sources.values()))
-        dist.all_gather_object(everyone, (mine, notes, seen))
-        found_any = found_any or any(seen for _, _, seen in everyone)
+        saw_snapshot = bool(offers or notes or refused
+                            or any(steps for sources in held.values() for steps in sources.values()))
+        dist.all_gather_object(everyone, (mine, notes, saw_snapshot))
+        found_any = found_any or any(saw for _, _, saw in everyone)
         fatal = next((text for _, rank_notes, _ in everyone for kind, text in rank_notes if kind == "stages"), None)
         if fatal:
             raise BaftError(fatal)  # on every rank alike: they all saw it in the gather

@@ -30,21 +30,23 @@ def optimizer_adapter(engine):
     return adapter
 
 
+def _module_state(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for name, p in engine.module.named_parameters():
+        yield f"param/{name}", "parameters", p.data
+    for name, b in engine.module.named_buffers():
+        yield f"buffer/{name}", "other", b
+
+
 def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(name, kind, tensor) for every tensor this rank holds of its state, in a stable order."""
-    module = engine.module
-    for name, p in module.named_parameters():
-        yield f"param/{name}", "parameters", p.data
-    for name, b in module.named_buffers():
-        yield f"buffer/{name}", "other", b
-    for name, t in optimizer_adapter(engine).tensors(engine):
+    yield from _module_state(engine)
+    for name, t in optimizer_adapter(engine).tensors():
         yield name, "optimizer", t
 
 
 def tensor_entries(engine) -> list[TensorEntry]:
     """Every tensor of the stage's state, the partitions other replicas own included."""
-    module_state = [entry(name, t, kind) for name, kind, t in named_state_tensors(engine) if kind != "optimizer"]
-    return module_state + optimizer_adapter(engine).entries(engine)
+    return [entry(name, t, kind) for name, kind, t in _module_state(engine)] + optimizer_adapter(engine).entries()
 
 
 def state_tensors(engine) -> dict[str, torch.Tensor]:
@@ -179,4 +181,4 @@ def create_optimizer_state(engine, entries) -> None:
     Before the first optimizer step a torch optimizer has no state; a snapshot of step
     k >= 1 has it, and every value is overwritten by the restore.
     """
-    optimizer_adapter(engine).create_state(engine, entries)
+    optimizer_adapter(engine).create_state(entries)
