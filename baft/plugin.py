@@ -12,8 +12,8 @@ import deepspeed
 
 from baft.config import parse_config
 from baft.errors import BaftError
-from baft.engine import attach
 from baft.jsonfile import read_json
+from baft.pipeline.hooks import attach
 from baft.teardown import teardown
 
 PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
@@ -39,15 +39,14 @@ def initialize(*args, data_iterator=None, **kwargs):
     object with ``state_dict``/``load_state_dict``); without it, the position of the
     engine's own loader (``training_data=``) is.
     """
-    from baft import recovery
-
-    recovery.mark("init_start")
+    from baft.recovery import restore
+    restore.mark("init_start")
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
     ds_config = load_ds_config(_config_source(given))
     cfg = _with_launcher_defaults(parse_config(ds_config), ds_config)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
-    recovery.mark("init_end")
+    restore.mark("init_end")
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
@@ -59,11 +58,11 @@ def initialize(*args, data_iterator=None, **kwargs):
         return engine, optimizer, loader, scheduler
     if cfg.policy != "none":
         if data_iterator is None and given.get("training_data") is not None:  # train_batch() reads the engine's loader
-            from baft.state import EngineLoaderPosition
+            from baft.snapshot.state import EngineLoaderPosition
 
             data_iterator = EngineLoaderPosition(engine)
         if not hasattr(data_iterator, "state_dict") and engine.global_rank == 0:
-            from baft.policies import warn
+            from baft.snapshot.build import warn
 
             warn(engine, "the data position will not be restored after a restart (a resumed run would read its "
                          "data from the start): pass data_iterator= an iterator with state_dict() and "
@@ -83,8 +82,9 @@ def _config_source(given: dict):
 
 def _protect(engine, cfg, data_iterator) -> None:
     """Restore the newest snapshot every rank holds, then snapshot as the policy says."""
-    from baft import chaos, recovery, state
-    from baft.policies import IN_MEMORY, make_policy, shm_root, warn
+    from baft.recovery import chaos, restore
+    from baft.snapshot import state
+    from baft.snapshot.build import IN_MEMORY, make_policy, shm_root, warn
 
     state.optimizer_adapter(engine)  # an optimizer baft cannot snapshot is refused now, in one line
     root = shm_root(cfg, engine.global_rank)
@@ -95,26 +95,26 @@ def _protect(engine, cfg, data_iterator) -> None:
         if client is None and cfg.require_manager:
             raise BaftError(f"baft.require_manager: no snapshot manager answers at {root}; start one with "
                             f"'baft manager start' or set require_manager to false")
-        restored = recovery.restore(engine, root, client, data_iterator, cfg.fresh_start,
+        restored = restore.restore(engine, root, client, data_iterator, cfg.fresh_start,
                                     log=lambda m: warn(engine, m))
         if restored is not None and engine.global_rank == 0:
             print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
         engine.baft_restored = restored
     policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))
     if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
-        recovery.mark("restore_start")
+        restore.mark("restore_start")
         step = policy.restore(engine)
-        recovery.mark("restore_end")
-        engine.baft_restored = recovery.Restored(step, "disk", 1) if step else None
+        restore.mark("restore_end")
+        engine.baft_restored = restore.Restored(step, "disk", 1) if step else None
         if step and engine.global_rank == 0:
             print(f"baft: resumed from step {step} (disk, {cfg.policy})", flush=True)
     engine.baft_hooks.append(policy)
-    engine.baft_hooks.append(recovery.RecoveryReport(engine.baft_restored, cfg.run_dir))
+    engine.baft_hooks.append(restore.RecoveryReport(engine.baft_restored, cfg.run_dir))
     faults = chaos.faults_from_env()
     if faults:
         from baft.config import node_of
 
-        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, recovery.restart_count(), cfg.run_dir,
+        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, restore.restart_count(), cfg.run_dir,
                                                  node=node_of(cfg, engine.global_rank), node_root=root))
 
 
@@ -124,9 +124,9 @@ def _connect_manager(engine, cfg, root):
     import torch.distributed as dist
 
     from baft.config import node_of
-    from baft.manager_control import start
-    from baft.manager_protocol import ManagerClient
-    from baft.policies import warn
+    from baft.manager.control import start
+    from baft.manager.protocol import ManagerClient
+    from baft.snapshot.build import warn
 
     if cfg.parity.group or cfg.persist.dir:
         node = node_of(cfg, engine.global_rank)
@@ -141,7 +141,7 @@ def _connect_manager(engine, cfg, root):
 
 def manager_config(cfg, node: int, root):
     """The manager a config asks for on ``node``."""
-    from baft.manager_config import ManagerConfig, parse_group
+    from baft.manager.config import ManagerConfig, parse_group
 
     persist_dir = Path(cfg.persist.dir) / f"node{node}" if cfg.persist.dir else None
     return ManagerConfig(node_id=node, shm_root=Path(root), dir=persist_dir,
@@ -162,7 +162,7 @@ class ManagerLink:
         """Announce this rank's snapshot size and identity (the topology its commit records carry)."""
         if self.client is None:
             return
-        from baft.snapshot import model_signature
+        from baft.snapshot.layout import model_signature
 
         layout = source.layout
         self.client.hello(self.engine.global_rank, layout.nbytes, self.engine.baft_run_id,
@@ -175,8 +175,8 @@ class ManagerLink:
     def commit(self, record, slot: int) -> None:
         if self.client is None:
             return
-        from baft.manager_protocol import ManagerUnavailable
-        from baft.policies import warn
+        from baft.manager.protocol import ManagerUnavailable
+        from baft.snapshot.build import warn
 
         try:
             self.client.commit(record.rank, record.step, slot)
@@ -196,7 +196,7 @@ def _with_launcher_defaults(cfg, ds_config: dict):
 
 
 def _start_profiler(engine, directory: str, iterations: int, model) -> None:
-    from baft.profiler import ProfileSession
+    from baft.pipeline.profiler import ProfileSession
 
     engine.baft_hooks.append(ProfileSession(directory, iterations, type(model).__name__,
                                             show_progress=engine.global_rank == 0))

@@ -5,8 +5,8 @@
 A node snapshot of SIZE MB (two ranks, 1 MB chunks with xxh3 checksums, as the manager sees
 them in shared memory) is coded with each k/n:
 
-* encode   ``baft.erasure.encode`` of the bundle into n shares;
-* rebuild  ``baft.erasure.decode`` from the worst surviving set: the n-k lost shares are data
+* encode   ``baft.manager.erasure.encode`` of the bundle into n shares;
+* rebuild  ``baft.manager.erasure.decode`` from the worst surviving set: the n-k lost shares are data
            shares, so the most parity must be inverted;
 * node→shares     what the manager does per commit: pack the ranks into a bundle, encode;
 * shares→verified what a rebuild does: decode, then check every chunk's checksum.
@@ -27,9 +27,9 @@ import time
 import numpy as np
 import zfec
 
-from baft import erasure
-from baft.machine import cpu_model, now
-from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
+from baft.cli.machine import cpu_model, now
+from baft.manager import erasure
+from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
 
 
 def node_snapshot(size: int) -> list[tuple[CommitRecord, np.ndarray]]:

@@ -6,7 +6,7 @@
 
 Run ``i`` of ``N`` draws its fault from ``(seed, i)`` alone, so a seed reproduces the same
 faults: a rank (0 or 1), a step (2..K) and a phase (forward, backward, copy, commit,
-optimizer) through :func:`baft.chaos.random_fault`; every ``J``-th run instead kills a whole
+optimizer) through :func:`baft.recovery.chaos.random_fault`; every ``J``-th run instead kills a whole
 simulated node (``--nodes 2 --fault node=N,step=S``: its manager, its shared memory and its
 rank), which forces a rebuild from the other node's parity. Each run is
 
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from baft import chaos
-from baft.launch import launch_env
-from baft.machine import command_line, describe, now
+from baft.cli.launch import launch_env
+from baft.cli.machine import command_line, describe, now
+from baft.recovery import chaos
 
 MODELS = {
     # ~0.1 M parameters: ~60 ms iterations, a faulted run with its restart takes ~30 s here

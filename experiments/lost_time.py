@@ -6,7 +6,7 @@
 
 For every preset (default: all bundled ones) and one failure rate (``--failures-per-day``, by
 default each preset's own: per-node MTBF from the Llama 3 report times its nodes), the
-simulator (``baft.simulate``) predicts, per policy:
+simulator (``baft.simulate.model``) predicts, per policy:
 
 * ``disk``       synchronous checkpoint to shared storage at Young's optimum sqrt(2·δ·MTBF);
 * ``disk-fixed`` the same at the preset's fixed period (the reference's hourly checkpoint);
@@ -29,10 +29,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from baft.bubblemap import BubbleMap
+from baft.cli.machine import describe, now
 from baft.errors import BaftError
-from baft.machine import describe, now
-from baft.simulate import (
+from baft.pipeline.bubblemap import BubbleMap
+from baft.simulate.model import (
     _bytes,
     _duration,
     compare_to_measured,

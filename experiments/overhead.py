@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from baft.launch import launch_env, torchrun
-from baft.machine import cpu_model, now
+from baft.cli.launch import launch_env, torchrun
+from baft.cli.machine import cpu_model, now
 from overhead_analysis import analyse, target_lines
 from overhead_report import config_name, render, write_grid, write_outputs
 

@@ -6,7 +6,7 @@ the policies A B C ... A B C ... in blocks of ``--iters`` iterations per round b
 the ranks exchange their per-iteration figures (outside the timed region); rank 0 writes
 them all to ``--raw-out`` (JSON) for the driver to analyse.
 
-Arguments it does not know are handed to ``baft.worker.parse_args`` (the model options).
+Arguments it does not know are handed to ``baft.examples.worker.parse_args`` (the model options).
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad
 
-from baft import state, worker
 from baft.config import BaftConfig
-from baft.engine import InstructionHook
-from baft.executor import SnapshotPolicy, SyncCopy, ThreadCopy
-from baft.policies import DiskCheckpoint, PlannedExecutor
-from baft.snapshot import checksum
-from baft.snapshotter import Snapshot
-from baft.store import read_slots
+from baft.examples import worker
+from baft.pipeline.hooks import InstructionHook
+from baft.snapshot import state
+from baft.snapshot.build import DiskCheckpoint, PlannedExecutor
+from baft.snapshot.copy import Snapshot
+from baft.snapshot.layout import checksum
+from baft.snapshot.policies import SnapshotPolicy, SyncCopy, ThreadCopy
+from baft.snapshot.slots import read_slots
 
 # name, kind, period ("auto": the planner's)
 POLICIES = [

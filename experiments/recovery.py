@@ -176,25 +176,25 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
     """T3 from memory, piece by piece, on baft's own store (one process, no training running).
 
     Commits one snapshot of ``stage_bytes`` per rank into shared-memory slots with
-    :class:`baft.store.SnapshotWriter`, then times the read the trainer's restore does
-    (``baft.recovery._try_load``): with :func:`baft.store.map_verified` (verify in place, only the
-    own stage's slot) where baft has it, else :func:`baft.store.load_verified` (a copy of the
+    :class:`baft.snapshot.slots.SnapshotWriter`, then times the read the trainer's restore does
+    (``baft.recovery.restore._try_load``): with :func:`baft.snapshot.slots.map_verified` (verify in place, only the
+    own stage's slot) where baft has it, else :func:`baft.snapshot.slots.load_verified` (a copy of the
     slot, for every rank directory of the node); then the chunk-by-chunk copy into the engine's
-    tensors as ``baft.recovery._apply`` does it; and the floor: checksumming the slot in place and
+    tensors as ``baft.recovery.restore._apply`` does it; and the floor: checksumming the slot in place and
     copying it into a tensor in one go.
     """
     import torch
 
-    from baft import store
-    from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
+    from baft.snapshot import slots
+    from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
 
     n = stage_bytes // 4 * 4
     layout = plan_layout([TensorEntry("state", "float32", (n // 4,), n, "parameters")])
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="baft-restore-"))
-    in_place = hasattr(store, "map_verified")
+    in_place = hasattr(slots, "map_verified")
     try:
         for rank in range(ranks_on_node):
-            writer = store.SnapshotWriter(root, rank, layout)
+            writer = slots.SnapshotWriter(root, rank, layout)
             buf = writer.begin(1)
             buf[:n].fill_(rank + 1)  # xxh3 and memcpy run at the same speed whatever the bytes
             view = memoryview(buf.numpy())
@@ -216,13 +216,13 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
         def read_all():
             """What one rank reads: its own stage's slot (map_verified), or every rank's (load_verified)."""
             if in_place:
-                found = [store.map_verified(root, r, step=1, accept=lambda rec: rec.stage == 0)
+                found = [slots.map_verified(root, r, step=1, accept=lambda rec: rec.stage == 0)
                          for r in range(ranks_on_node)]
                 for f in found[1:]:
                     if f is not None:
                         f[1].close()
                 return found[0]
-            return next(store.load_verified(root, r, step=1) for r in range(ranks_on_node))
+            return next(slots.load_verified(root, r, step=1) for r in range(ranks_on_node))
 
         read = best(lambda: _close_found(read_all()))
         record, data = read_all()
@@ -242,10 +242,10 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
         copy = best(copy_in)
         _close_found((record, data))
         record = data = None
-        slot = store.committed(root, 0)[0].slot
+        slot = slots.committed(root, 0)[0].slot
 
         def floor():
-            with store.open_slot(root, 0, slot) as m:
+            with slots.open_slot(root, 0, slot) as m:
                 view = memoryview(m)
                 for c in layout.chunks:
                     checksum(view[c.offset:c.offset + c.nbytes])
@@ -581,10 +581,10 @@ def write_outputs(data: dict, out: Path) -> None:
         md += [
             "## Where baft's T3 from memory goes (one stage, baft's own store, one process)",
             "",
-            ("One snapshot of one stage's bytes per rank committed with `baft.store.SnapshotWriter`, then what one "
-             "rank's restore (`baft.recovery._try_load` and `_apply`) does with them: read and verify the slots "
-             "(`store.map_verified`: its own stage's slot only, checksummed in place; or, in baft before e7ef5f7, "
-             "`store.load_verified` of every rank's slot on the node, each copied into a `bytes` object), then copy "
+            ("One snapshot of one stage's bytes per rank committed with `baft.snapshot.slots.SnapshotWriter`, then what one "
+             "rank's restore (`baft.recovery.restore._try_load` and `_apply`) does with them: read and verify the slots "
+             "(`slots.map_verified`: its own stage's slot only, checksummed in place; or, in baft before e7ef5f7, "
+             "`slots.load_verified` of every rank's slot on the node, each copied into a `bytes` object), then copy "
              "the state into the engine's tensors chunk by chunk (before e7ef5f7 through one more `bytearray` per "
              "chunk). The floor checksums the slot in place and copies it into a tensor once."),
             "",

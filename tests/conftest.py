@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from baft.launch import launch_env, torchrun
+from baft.cli.launch import launch_env, torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -30,8 +30,8 @@ def run_ranks(nprocs: int, script: str, args: list[str], timeout: float = 240, m
 
 def run_worker(nprocs: int, args: list[str], timeout: float = 240, check: bool = True,
                max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Run the example trainer (``baft.worker``) on ``nprocs`` local ranks."""
-    cmd = torchrun(nprocs, ["baft.worker", *args], max_restarts=max_restarts)
+    """Run the example trainer (``baft.examples.worker``) on ``nprocs`` local ranks."""
+    cmd = torchrun(nprocs, ["baft.examples.worker", *args], max_restarts=max_restarts)
     proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"worker failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

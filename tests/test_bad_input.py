@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from baft import store
-from baft.planner import Plan, RankPlan
+from baft.snapshot import slots
+from baft.snapshot.planner import Plan, RankPlan
 from conftest import TINY, run_worker
 
 
@@ -26,7 +26,7 @@ def one_line_error(proc, *fragments):
 
 @pytest.fixture
 def bubble_map(tmp_path):
-    from baft.timeline import Costs, analytic_bubble_map
+    from baft.pipeline.timeline import Costs, analytic_bubble_map
 
     path = tmp_path / "map.json"
     analytic_bubble_map("1f1b", 2, 8, Costs()).save(path)
@@ -80,17 +80,17 @@ def test_plan_for_another_model_is_refused_and_training_plans_from_the_analytic_
     assert "was made for state layout 0123456789abcdef" in proc.stderr
     assert "planning from the analytic model instead" in proc.stderr
     root = shm_root / "default" / "node0"
-    assert store.committed(root, 0), "training ran unprotected after refusing the plan"
+    assert slots.committed(root, 0), "training ran unprotected after refusing the plan"
 
 
 def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_path, shm_root):
     common = [*TINY, "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)]
     run_worker(2, [*common, "--iters", "6"])
     root = shm_root / "default" / "node0"
-    newest = store.committed(root, 1)[0]
+    newest = slots.committed(root, 1)[0]
     assert newest.record.step == 5
     chunk = newest.record.layout.chunks[2]
-    with open(store.rank_dir(root, 1) / f"slot{newest.slot}.bin", "r+b") as f:
+    with open(slots.rank_dir(root, 1) / f"slot{newest.slot}.bin", "r+b") as f:
         f.seek(chunk.offset + 7)
         byte = f.read(1)
         f.seek(chunk.offset + 7)

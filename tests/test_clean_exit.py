@@ -14,7 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from baft.launch import launch_env
+from baft.cli.launch import launch_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
 CONFIGS = [("fp32", 2, 0), ("bf16", 2, 0), ("fp32", 4, 1), ("bf16", 4, 1)]  # precision, ranks, ZeRO stage

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from baft import store
+from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
@@ -21,7 +21,7 @@ def test_manager_commands_and_inspect(shm_root, tmp_path):
         run_worker(2, [*TINY, "--iters", "6", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
         status = baft_cli("manager", "status", "--shm-root", root)
         assert status.returncode == 0 and "rank 1" in status.stdout, status.stdout
-        shown = baft_cli("inspect", store.rank_dir(root, 1))
+        shown = baft_cli("inspect", slots.rank_dir(root, 1))
         assert shown.returncode == 0 and "step 5" in shown.stdout, shown.stdout + shown.stderr
     finally:
         stopped = baft_cli("manager", "stop", "--shm-root", root)

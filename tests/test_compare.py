@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from baft.compare import render, summarize
+from baft.cli.compare import render, summarize
 from conftest import TINY
 
 

@@ -5,9 +5,9 @@ import os
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from baft import erasure
 from baft.errors import BaftError
-from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
+from baft.manager import erasure
+from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
 
 
 @st.composite

@@ -2,7 +2,7 @@
 
 import json
 
-from baft import store
+from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
@@ -10,9 +10,9 @@ def test_unrestorable_snapshots_stop_the_restart_unless_fresh_start_is_always(tm
     run_dir = tmp_path / "run"
     common = [*TINY, "--policy", "baft", "--period", "1", "--shm-root", str(shm_root), "--run-dir", str(run_dir)]
     run_worker(2, [*common, "--iters", "4"])
-    rank1 = store.rank_dir(shm_root / "default" / "node0", 1)
+    rank1 = slots.rank_dir(shm_root / "default" / "node0", 1)
     corrupted = []
-    for info in store.committed(rank1.parent, 1):  # flip one byte of every committed snapshot of rank 1
+    for info in slots.committed(rank1.parent, 1):  # flip one byte of every committed snapshot of rank 1
         path = rank1 / f"slot{info.slot}.bin"
         data = bytearray(path.read_bytes())
         data[info.record.layout.chunks[0].offset] ^= 0xFF

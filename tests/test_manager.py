@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from baft import erasure, manager, manager_control, persist, store
 from baft.errors import BaftError
-from baft.manager_config import ManagerConfig, parse_args, parse_group
-from baft.manager_protocol import ManagerClient
-from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
+from baft.manager import control, erasure, persist, server
+from baft.manager.config import ManagerConfig, parse_args, parse_group
+from baft.manager.protocol import ManagerClient
+from baft.snapshot import slots
+from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
 
 TOPO = {"pipe": 2, "data": 1, "world": 2}
 RUN = "run-a"
@@ -48,7 +49,7 @@ class Trainer:
         self.root, self.rank, self.layout = Path(root), rank, layout_for(nbytes)
         self.client = client or ManagerClient.connect(root)
         self.client.hello(rank, self.layout.nbytes, run_id=RUN, model="model-0", topology=TOPO)
-        self.writer = store.SnapshotWriter(root, rank, self.layout)
+        self.writer = slots.SnapshotWriter(root, rank, self.layout)
 
     def step(self, step, corrupt_chunk=None):
         data = data_for(self.rank, step, self.layout.nbytes)
@@ -89,10 +90,10 @@ def managers():
     procs = []
 
     def run(*configs):
-        started = [manager_control.spawn(c) for c in configs]
+        started = [control.spawn(c) for c in configs]
         procs.extend(started)
         for config, proc in zip(configs, started):
-            manager_control.wait_ready(config.shm_root, 60, proc)
+            control.wait_ready(config.shm_root, 60, proc)
         return started
 
     yield run
@@ -108,7 +109,7 @@ def in_process():
     running = []
 
     def run(config):
-        m = manager.Manager(config)
+        m = server.Manager(config)
         m.open()
         thread = threading.Thread(target=m.serve, daemon=True)
         thread.start()
@@ -146,11 +147,11 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
             sent[(r, step)] = t.step(step)
 
     def encoded(i):
-        st = manager_control.status(configs[i].shm_root)
+        st = control.status(configs[i].shm_root)
         return st["parity"]["encoded_step"] == 2 and len(st["parity"]["acked"].get("2", [])) == 3
     for i in range(3):
         wait_for(lambda: encoded(i), what=f"node {i} parity of step 2")
-    assert "survives this node's loss" in manager_control.status(configs[2].shm_root)["parity"]["line"]
+    assert "survives this node's loss" in control.status(configs[2].shm_root)["parity"]["line"]
 
     # node 2 is lost: its manager and its trainers' shared memory
     procs[2].kill()
@@ -182,7 +183,7 @@ def test_three_node_group_rebuilds_a_killed_node_bit_for_bit(tmp_path, managers)
     assert (first["source"], first["step"]) == ("parity", 2)
     assert (second["source"], second["step"]) == ("memory", 2)
     for r in (4, 5):
-        assert same_snapshot(store.load_verified(fresh.shm_root, r, 2), *sent[(r, 2)])
+        assert same_snapshot(slots.load_verified(fresh.shm_root, r, 2), *sent[(r, 2)])
     replacement.close()
 
     # with node 1 and the replacement node 2 gone too (the replacement may already have re-encoded its
@@ -203,7 +204,7 @@ def test_mismatched_group_is_refused_in_one_line(tmp_path, managers):
     managers(ManagerConfig(node_id=0, shm_root=tmp_path / "a", group=three, parity_k=2))
     two = parse_group(",".join(f"127.0.0.1:{p}" for p in ports[:2]))
     with pytest.raises(BaftError, match=r"--group mismatch: node 1 has n=2, k=1.*node 0 has n=3, k=2") as err:
-        manager_control.start(ManagerConfig(node_id=1, shm_root=tmp_path / "b", group=two, parity_k=1))
+        control.start(ManagerConfig(node_id=1, shm_root=tmp_path / "b", group=two, parity_k=1))
     assert "\n" not in str(err.value)
 
 
@@ -275,8 +276,8 @@ def test_trainers_sigkilled_at_any_moment_lose_nothing_committed(tmp_path, manag
             reply = c.restore(r)
         assert (reply["source"], reply["step"]) == ("memory", 2)
         want = data_for(r, 2, layout.nbytes)
-        assert same_snapshot(store.load_verified(root, r), record_for(r, 2, layout, want), want)
-    st = manager_control.status(root)
+        assert same_snapshot(slots.load_verified(root, r), record_for(r, 2, layout, want), want)
+    st = control.status(root)
     assert all(s["verified"] == "ok" and s["step"] in (1, 2) for r in st["ranks"].values() for s in r["slots"])
 
 
@@ -289,12 +290,12 @@ def test_corrupt_shared_memory_chunk_is_refused_and_older_used(tmp_path, manager
     wait_for(lambda: held(root)["0"]["memory"] == [2, 1], what="steps 1 and 2 verified")
     t.step(3, corrupt_chunk=2)  # the trainer's copy went wrong before commit: background check refuses it
     wait_for(lambda: any(s["step"] == 3 and s["verified"] != "pending"
-                         for s in manager_control.status(root)["ranks"]["0"]["slots"]), what="step 3 checked")
-    verdict = next(s["verified"] for s in manager_control.status(root)["ranks"]["0"]["slots"] if s["step"] == 3)
+                         for s in control.status(root)["ranks"]["0"]["slots"]), what="step 3 checked")
+    verdict = next(s["verified"] for s in control.status(root)["ranks"]["0"]["slots"] if s["step"] == 3)
     assert verdict == "chunk 2 (m bytes 0..262144) fails its checksum"
     assert held(root)["0"]["memory"] == [2, 1]
     # a bit flips in step 2's committed slot after it was verified: restore re-verifies
-    slot2 = next(i.slot for i in store.committed(root, 0) if i.record.step == 2)
+    slot2 = next(i.slot for i in slots.committed(root, 0) if i.record.step == 2)
     chunk = t.layout.chunks[1]
     with open(root / "rank0" / f"slot{slot2}.bin", "r+b") as f:
         f.seek(chunk.offset + 100)
@@ -310,7 +311,7 @@ def test_corrupt_shared_memory_chunk_is_refused_and_older_used(tmp_path, manager
             c.restore(0, step=2)
     assert "\n" not in str(err.value)
     want = data_for(0, 1, t.layout.nbytes)
-    assert same_snapshot(store.load_verified(root, 0, 1), record_for(0, 1, t.layout, want), want)
+    assert same_snapshot(slots.load_verified(root, 0, 1), record_for(0, 1, t.layout, want), want)
     t.close()
 
 
@@ -327,11 +328,11 @@ def test_sigterm_keeps_shared_memory_for_the_next_manager_and_stop_unlinks(tmp_p
     with ManagerClient.connect(root) as c:
         assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
         assert c.restore(0)["step"] == 1
-    assert same_snapshot(store.load_verified(root, 0), *sent)
-    manager_control.stop(root)
+    assert same_snapshot(slots.load_verified(root, 0), *sent)
+    control.stop(root)
     assert not (root / "rank0").exists() and not (root / "manager.sock").exists()
     with pytest.raises(BaftError, match="no manager running"):
-        manager_control.stop(root)
+        control.stop(root)
 
 
 def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
@@ -346,7 +347,7 @@ def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
 
 
 def test_memory_limit_is_refused_at_hello(tmp_path):
-    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", memory_limit=10 << 20))
+    m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", memory_limit=10 << 20))
     m.open()
     try:
         m.hello(0, 3 << 20)  # 3 slots x 3 MB fit
@@ -365,7 +366,7 @@ def test_foreign_snapshot_directory_is_refused_at_hello(tmp_path):
     other = record_for(0, 9, layout, data)
     other.run_id = "run-b"
     persist.write_snapshot(tmp_path / "ckpt", [(other, data)])
-    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "ckpt", persist_every=1))
+    m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "ckpt", persist_every=1))
     m.open()
     try:
         with pytest.raises(BaftError, match=r"step-00000009: snapshot from run 'run-b', this run is 'run-a'") as err:
@@ -378,7 +379,7 @@ def test_foreign_snapshot_directory_is_refused_at_hello(tmp_path):
 
 def test_unwritable_snapshot_directory_is_refused_at_start(tmp_path):
     (tmp_path / "file").write_text("")
-    m = manager.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "file" / "ckpt",
+    m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "file" / "ckpt",
                                       persist_every=1))
     with pytest.raises(BaftError, match=r"--dir .*file/ckpt: not writable \(Not a directory\)"):
         m.open()
@@ -394,7 +395,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
     nbytes = 32 << 20
     trainers = [Trainer(root, r, nbytes) for r in (0, 1)]
     first = [t.step(1) for t in trainers]
-    wait_for(lambda: manager_control.status(root)["persist"]["last_step"] == 1, what="step 1 persisted")
+    wait_for(lambda: control.status(root)["persist"]["last_step"] == 1, what="step 1 persisted")
     for t in trainers:
         t.step(2)
     partial = wait_for(lambda: list(ckpt.glob(".tmp-step-00000002-*")), timeout=60, what="the write of step 2",
@@ -410,7 +411,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
         assert same_snapshot(got, *want)
     # the next manager adopts the shared memory, writes step 2 whole, and clears the leftover
     managers(config)
-    wait_for(lambda: manager_control.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
+    wait_for(lambda: control.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
     assert not partial[0].exists()
     assert [r.step for r, _ in persist.load_latest(ckpt)] == [2, 2]
     for t in trainers:
@@ -430,12 +431,12 @@ def test_full_disk_is_reported_and_memory_snapshots_kept(tmp_path, managers):
         managers(ManagerConfig(node_id=0, shm_root=root, dir=ckpt, persist_every=1))
         t = Trainer(root, 0, 1 << 20)
         sent = t.step(1)
-        error = wait_for(lambda: manager_control.status(root)["persist"]["error"], what="the failed write")
+        error = wait_for(lambda: control.status(root)["persist"]["error"], what="the failed write")
         assert "cannot persist step 1 (No space left on device)" in error and "\n" not in error
-        assert "FAILED" in manager_control.format_status(manager_control.status(root))
+        assert "FAILED" in control.format_status(control.status(root))
         with ManagerClient.connect(root) as c:
             assert c.restore(0)["source"] == "memory"
-        assert same_snapshot(store.load_verified(root, 0), *sent)
+        assert same_snapshot(slots.load_verified(root, 0), *sent)
         assert list(ckpt.iterdir()) == []
         t.close()
     finally:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from baft.errors import BaftError
-from baft.optimizers import adapter_for
-from baft.snapshot import TensorEntry, plan_layout
+from baft.snapshot.layout import TensorEntry, plan_layout
+from baft.snapshot.optimizers import adapter_for
 
 
 def entries(replicated_bytes, partition_bytes, replicas):

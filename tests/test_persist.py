@@ -11,10 +11,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from baft import persist
 from baft.errors import BaftError
-from baft.snapshot import CommitRecord, TensorEntry, checksum, plan_layout
-from baft.store import SnapshotWriter, load_verified
+from baft.manager import persist
+from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
+from baft.snapshot.slots import SnapshotWriter, load_verified
 
 TOPO = {"pipe": 2, "data": 1, "world": 2}
 
@@ -155,8 +155,8 @@ WRITER = textwrap.dedent("""
     import resource, signal, sys
     sys.path.insert(0, {tests!r})
     from test_persist import node
-    from baft import persist
     from baft.errors import BaftError
+    from baft.manager import persist
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (40000, 40000))
     try:
@@ -230,7 +230,7 @@ def test_read_only_directory_is_one_line(tmp_path):
 
 
 def test_inspect_persisted_and_shared_memory_snapshots(tmp_path):
-    from baft.inspect import SnapshotCorrupt, inspect
+    from baft.recovery.inspect import SnapshotCorrupt, inspect
 
     snaps = node(6)
     step = persist.write_snapshot(tmp_path / "ckpt", snaps)

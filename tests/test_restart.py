@@ -47,7 +47,7 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     import subprocess
     import sys
 
-    from baft.launch import launch_env
+    from baft.cli.launch import launch_env
 
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",

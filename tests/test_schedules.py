@@ -18,7 +18,7 @@ from deepspeed.runtime.pipe.schedule import (
 )
 
 from baft.errors import ConfigError
-from baft.schedules import (
+from baft.pipeline.schedules import (
     SCHEDULES,
     GPipeSchedule,
     InterleavedSchedule,

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from baft.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
-from baft.planner import plan
-from baft.show import (
+from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
+from baft.snapshot.planner import plan
+from baft.cli.show import (
     draw_plan,
     draw_timeline,
     fit_verdict,
@@ -18,7 +18,7 @@ from baft.show import (
     stage_rows,
     timeline_lanes,
 )
-from baft.timeline import Costs, analytic_bubble_map, simulate
+from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
 
 DATA = Path(__file__).parent / "data"
 MEASURED = DATA / "bubblemap-1f1b-2x8.json"  # `baft profile`: 2-stage GPT, 2.7M parameters, 2 cores

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baft.bubblemap import BubbleMap, InstructionTiming, RankProfile, StateBytes
 from baft.errors import ConfigError
-from baft.simulate import (
+from baft.pipeline.bubblemap import BubbleMap, InstructionTiming, RankProfile, StateBytes
+from baft.simulate.model import (
     DAY,
     Scenario,
     compare_to_measured,
@@ -23,7 +23,7 @@ from baft.simulate import (
     scenario_from_measured,
     simulate_scenario,
 )
-from baft.timeline import Costs, simulate
+from baft.pipeline.timeline import Costs, simulate
 
 BASE = {
     "params": 1e9, "p": 2, "m": 4, "forward_s": 1.0, "backward_s": 1.0, "host_bw": 1e9,

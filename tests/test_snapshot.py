@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from baft import store
+from baft.snapshot import slots
 from conftest import TINY, run_ranks
 
 
@@ -27,10 +27,10 @@ def test_snapshot_torn_by_a_kill_is_never_committed(tmp_path, shm_root):
                      check=False)
     assert proc.returncode != 0
     root = shm_root / "default" / "node0"
-    held = [s.record.step for s in store.committed(root, 1)]
+    held = [s.record.step for s in slots.committed(root, 1)]
     assert 4 not in held
     assert held[0] == 3
-    record, data = store.load_verified(root, 1)
+    record, data = slots.load_verified(root, 1)
     assert record.step == 3 and record.verify(data) is None
     # the other rank was not killed mid-copy and may hold step 4: the restorable step is the common one
-    assert 3 in [s.record.step for s in store.committed(root, 0)]
+    assert 3 in [s.record.step for s in slots.committed(root, 0)]

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baft.bubblemap import BUBBLE_KINDS, Bubble, BubbleMap
 from baft.errors import ConfigError
-from baft.timeline import Costs, analytic_bubble_map, simulate
+from baft.pipeline.bubblemap import BUBBLE_KINDS, Bubble, BubbleMap
+from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
 
 UNIFORM = Costs(forward=1.0, backward=1.0, p2p=0.0, optimizer=0.0)
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from baft import store
-from baft.manager_config import ManagerConfig
-from baft.manager_control import start, stop
-from baft.manager_protocol import ManagerClient
+from baft.manager.config import ManagerConfig
+from baft.manager.control import start, stop
+from baft.manager.protocol import ManagerClient
+from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
@@ -23,7 +23,7 @@ def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_ro
         # during iteration 6 the snapshot of step 5 is copied: killed mid-copy, step 4 is the newest;
         # killed after its commit (or in the optimizer step that follows), step 5 is
         assert held["1"]["memory"][0] == newest
-        record, data = store.load_verified(node_root, 1, step=newest)
+        record, data = slots.load_verified(node_root, 1, step=newest)
         assert record.verify(data) is None
         assert newest - 1 in held["1"]["memory"], "the previous committed snapshot is kept too"
     finally:
@@ -39,5 +39,5 @@ def test_trainers_outlive_a_killed_manager_and_keep_their_snapshots(shm_root, mo
     # once per rank, not once per commit (two ranks' lines may interleave on the shared stderr: count phrases)
     assert proc.stderr.count("snapshots stay in shared memory only") == 2, proc.stderr
     for rank in (0, 1):
-        record, data = store.load_verified(node_root, rank)
+        record, data = slots.load_verified(node_root, rank)
         assert record.step == 7 and record.verify(data) is None

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from baft.launch import launch_env, torchrun
+from baft.cli.launch import launch_env, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
 

@@ -1,6 +1,6 @@
 """Train two steps, then check that baft's state tensors hold every tensor DeepSpeed itself saves.
 
-Compares this rank's ``baft.state.state_tensors`` (what a snapshot copies) with the module's
+Compares this rank's ``baft.snapshot.state.state_tensors`` (what a snapshot copies) with the module's
 ``state_dict()`` and the optimizer wrapper's own ``state_dict()`` (what ``save_checkpoint``
 writes), byte for byte. Writes ``--out/rank<R>.json``: the wrapper, what was compared, what differs.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from baft import state
-from baft.worker import build, parse_args
+from baft.examples.worker import build, parse_args
+from baft.snapshot import state
 
 extra = argparse.ArgumentParser()
 extra.add_argument("--out", required=True)

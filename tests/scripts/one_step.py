@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from baft.worker import build, parse_args
+from baft.examples.worker import build, parse_args
 
 out = Path(sys.argv.pop(sys.argv.index("--out") + 1))
 sys.argv.remove("--out")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from baft import snapshotter, state, store
-from baft.engine import InstructionHook
-from baft.policies import shm_root
-from baft.snapshot import chunk_bytes_of
-from baft.worker import build, parse_args
+from baft.examples.worker import build, parse_args
+from baft.pipeline.hooks import InstructionHook
+from baft.snapshot import copy, slots, state
+from baft.snapshot.build import shm_root
+from baft.snapshot.layout import chunk_bytes_of
 
 extra = argparse.ArgumentParser()
 extra.add_argument("--out", required=True)
@@ -34,14 +34,14 @@ rank = engine.global_rank
 root = shm_root(engine.baft_config, rank)
 
 if rank == mine.kill_rank and mine.kill_step >= 0:
-    original_copy = snapshotter.Snapshot.copy
+    original_copy = copy.Snapshot.copy
 
     def copy_then_die(self):
         if self.step == mine.kill_step and len(self.source.layout.chunks) - len(self.pending) == mine.kill_chunk:
             os.kill(os.getpid(), signal.SIGKILL)
         return original_copy(self)
 
-    snapshotter.Snapshot.copy = copy_then_die
+    copy.Snapshot.copy = copy_then_die
 
 
 class Reference(InstructionHook):
@@ -62,7 +62,7 @@ class Reference(InstructionHook):
         if step not in self.reference:
             return
         tensors, items = self.reference.pop(step)
-        found = store.load_verified(root, rank, step=step)
+        found = slots.load_verified(root, rank, step=step)
         if found is None:
             return
         record, buf = found

@@ -1,0 +1,5 @@
+"""``python -m baft.cli``."""
+
+from baft.cli.main import main
+
+main()

@@ -1,0 +1,44 @@
+"""Start training processes through torch's elastic launcher (``torchrun``).
+
+baft writes no supervisor of its own: ``torch.distributed.run`` starts one process per
+rank, and with ``--max-restarts`` restarts them all when one dies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built ops are cached between runs (the first build takes ~40 s)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "baft" / "torch_extensions")
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    """The environment for the launched ranks."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    # gloo restarts under torchrun fail to reconnect to a shared rendezvous store on torch 2.13
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module: bool = True) -> list[str]:
+    """The command that runs ``python -m <module_args>`` (or a script) on ``nprocs`` local ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
+    return cmd + (["-m"] if module else []) + module_args
+
+
+def example_args(opts: dict) -> list[str]:
+    """``baft.examples.worker`` arguments from CLI options (None values are left out)."""
+    args = ["baft.examples.worker"]
+    for key, value in opts.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    return args

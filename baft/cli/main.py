@@ -1,0 +1,428 @@
+"""The ``baft`` command: profile, show, plan, train, manager, inspect, report, simulate, demo."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from baft.errors import BaftError
+
+EXAMPLE_OPTIONS = [
+    click.option("--stages", default=2, show_default=True, help="Pipeline stages (processes per replica)."),
+    click.option("--data-parallel", "dp", default=1, show_default=True, help="Data-parallel replicas of every stage."),
+    click.option("--micro-batches", default=8, show_default=True, help="Micro-batches per iteration."),
+    click.option("--micro-batch-size", default=2, show_default=True, help="Sequences per micro-batch."),
+    click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"])),
+    click.option("--seq", default=128, show_default=True, help="Tokens per sequence."),
+    click.option("--d-model", default=384, show_default=True),
+    click.option("--layers", default=8, show_default=True),
+    click.option("--heads", default=6, show_default=True),
+    click.option("--vocab", default=4096, show_default=True),
+    click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
+                 help="bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights and Adam moments)."),
+    click.option("--zero-stage", default=0, show_default=True, type=click.IntRange(0, 1),
+                 help="ZeRO stage 1 partitions the optimizer state over data-parallel replicas."),
+]
+
+
+def example_options(fn):
+    for option in reversed(EXAMPLE_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def user_errors(fn):
+    """Print a BaftError as one line and exit 2, instead of a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaftError as err:
+            click.echo(f"baft: error: {err}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="baft")
+def main():
+    """Bubble-aware fault tolerance for pipeline-parallel DeepSpeed training."""
+    if not os.path.exists("/dev/nvidiactl"):  # no GPU: spare every command DeepSpeed's detection warning
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _run(cmd: list[str], env: dict) -> int:
+    return subprocess.run(cmd, env=env).returncode
+
+
+@main.command()
+@click.option("--example", type=click.Choice(["gpt"]), help="Profile the bundled example instead of a script.")
+@example_options
+@click.option("--iters", default=10, show_default=True, help="Iterations to profile (after one warm-up).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Bubble map to write (JSON).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+def profile(example, out, iters, command, dp, **model):
+    """Measure each stage's bubbles on a real DeepSpeed run and write the bubble map.
+
+    Either ``--example gpt`` or, after ``--``, the launch command of a script that calls
+    ``baft.initialize`` (the script is stopped after the profiled iterations). A plan is
+    written beside the map (``NAME.plan.json``).
+    """
+    from baft.cli.launch import example_args, launch_env, torchrun
+    from baft.pipeline.profiler import merge_traces, trace_paths
+    from baft.plugin import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
+
+    if bool(example) == bool(command):
+        raise BaftError("give either --example gpt or a launch command after --, not both or neither")
+    with tempfile.TemporaryDirectory(prefix="baft-profile-") as traces:
+        env = launch_env({PROFILE_DIR_ENV: traces, PROFILE_ITERS_ENV: str(iters)})
+        cmd = list(command) if command else torchrun(model["stages"] * dp, example_args(
+            {**model, "iters": iters + 1, "policy": "none"}))
+        code = _run(cmd, env)
+        paths = trace_paths(traces)
+        if code != 0 and not paths:
+            raise BaftError(f"the profiled run failed (exit code {code}) before writing its traces")
+        bmap = merge_traces(paths)
+    out = Path(out)
+    bmap.save(out)
+    plan_path = _write_plan(bmap, out)
+    _print_bubble_map(bmap)
+    click.echo(f"wrote {out} and {plan_path}")
+
+
+def _write_plan(bmap, out: Path) -> Path:
+    from baft.snapshot.planner import plan
+
+    path = out.with_name(out.stem + ".plan.json")
+    plan(bmap, source=str(out)).save(path)
+    return path
+
+
+def _print_bubble_map(bmap) -> None:
+    from baft.cli.show import render_text
+
+    click.echo(render_text(bmap))
+
+
+def _load_any(path):
+    """A bubble map or a plan, by its 'schema' field."""
+    from baft.jsonfile import read_json
+    from baft.pipeline.bubblemap import BubbleMap
+    from baft.snapshot.planner import Plan
+
+    kind = read_json(path).get("schema")
+    if kind == "baft.plan":
+        return Plan.load(path)
+    return BubbleMap.load(path)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--png", type=click.Path(dir_okay=False), help="Also draw the per-stage timeline to this PNG.")
+@click.option("--stages", type=int, help="Refuse a map made for another stage count.")
+@user_errors
+def show(file, png, stages):
+    """Print a bubble map's or plan's summary; draw the timeline with --png."""
+    from baft.cli.show import draw_timeline, render_plan_text, render_text
+    from baft.pipeline.bubblemap import BubbleMap
+    from baft.snapshot.planner import Plan
+
+    obj = _load_any(file)
+    if stages is not None and obj.stages != stages:
+        raise BaftError(f"{file}: made for {obj.stages} pipeline stages, not {stages}")
+    if isinstance(obj, Plan):
+        click.echo(render_plan_text(obj))
+        if png:
+            raise BaftError("--png draws bubble maps; give the bubble map the plan was made from")
+        return
+    assert isinstance(obj, BubbleMap)
+    click.echo(render_text(obj))
+    if png:
+        draw_timeline(obj, png, title=f"{Path(file).name}: {obj.schedule}, {obj.stages} stages, "
+                                      f"{obj.micro_batches} micro-batches")
+        click.echo(f"wrote {png}")
+
+
+@main.command(name="plan")
+@click.argument("bubble_map", type=click.Path(dir_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False), help="Plan file (default: beside the map).")
+@click.option("--budget", default=0.01, show_default=True, help="Overhead budget as a fraction of iteration time.")
+@user_errors
+def plan_cmd(bubble_map, out, budget):
+    """Plan which chunks to copy in which bubble, and the snapshot period."""
+    from baft.cli.show import render_plan_text
+    from baft.pipeline.bubblemap import BubbleMap
+    from baft.snapshot.planner import plan
+
+    bmap = BubbleMap.load(bubble_map)
+    result = plan(bmap, budget=budget, source=bubble_map)
+    path = Path(out) if out else Path(bubble_map).with_name(Path(bubble_map).stem + ".plan.json")
+    result.save(path)
+    click.echo(render_plan_text(result))
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.option("--example", type=click.Choice(["gpt"]), help="Train the bundled example instead of a script.")
+@example_options
+@click.option("--iters", default=20, show_default=True, help="Train until this optimizer step.")
+@click.option("--policy", default="baft", show_default=True,
+              type=click.Choice(["none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async"]))
+@click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
+@click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
+@click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
+              help="Where losses.jsonl, recovery.jsonl and checkpoints go.")
+@click.option("--max-restarts", default=3, show_default=True, help="Elastic restarts after a failure.")
+@click.option("--nprocs", type=int, help="Processes for a script (default: stages x data-parallel).")
+@click.option("--manager/--no-manager", default=True, show_default=True,
+              help="Start this node's snapshot manager for the run (stopped at the end).")
+@click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
+@click.option("--nodes", default=1, show_default=True,
+              help="Simulated nodes: one manager each, in one parity group over loopback.")
+@click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
+          persist_every, nodes, faults, command, dp, **model):
+    """Train under a snapshot policy, restarting from the newest snapshot after a failure.
+
+    Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
+    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Prints one
+    line per iteration and appends them to ``RUN_DIR/losses.jsonl``.
+    """
+    from baft.cli.launch import example_args, launch_env, torchrun
+    from baft.manager.nodes import node_configs, start_all, stop_all
+    from baft.recovery import chaos
+
+    if bool(example) == bool(command):
+        raise BaftError("give either --example gpt or a training script after --, not both or neither")
+    for fault in faults:
+        chaos.parse_fault(fault)
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    run_id = f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"  # one shm root per run dir
+    shm = "/dev/shm/baft"
+    procs = nprocs or model["stages"] * dp
+    if procs % nodes:
+        raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
+    env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
+                      **({chaos.ENV: ";".join(faults)} if faults else {})})
+    configs = []
+    if example:
+        args = {**model, "iters": iters, "policy": policy, "period": period, "run_dir": str(run),
+                "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm,
+                "ranks_per_node": procs // nodes}
+        if nodes > 1 or persist_every:
+            configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+            args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
+                        parity_k=configs[0].parity_k, persist_every=persist_every,
+                        persist_dir=str(run / "persisted") if persist_every else None)
+        cmd = torchrun(procs, example_args(args), max_restarts=max_restarts)
+    else:
+        cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False)
+    if not (manager and policy in ("baft", "sync-copy", "thread-copy")):
+        configs = []
+    elif not configs:
+        configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+    start_all(configs)
+    try:
+        code = _run(cmd, env)
+    finally:
+        stop_all(configs)
+    if (run / "recovery.jsonl").exists():
+        from baft.recovery.report import load_recoveries, render_recovery_text
+
+        click.echo(render_recovery_text(load_recoveries(run)))
+    if code != 0:
+        raise BaftError(f"training failed (exit code {code}); see the output above and {run}")
+
+
+@main.group()
+def manager():
+    """Start, stop or query this node's snapshot manager."""
+
+
+@manager.command(name="start")
+@click.option("--node-id", default=0, show_default=True)
+@click.option("--shm-root", required=True, help="This node's shared-memory root, e.g. /dev/shm/baft/RUN/node0.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Where to persist snapshots.")
+@click.option("--group", help="host:port of every manager of the parity group, e.g. 0@127.0.0.1:7100,1@...")
+@click.option("--parity-k", type=int, help="Shares needed to rebuild a node (default: group size - 1).")
+@click.option("--persist-every", type=int)
+@click.option("--persist-seconds", type=float)
+@click.option("--keep", default=3, show_default=True)
+@click.option("--memory-limit", help="Refuse ranks whose snapshots need more host memory, e.g. 8G.")
+@user_errors
+def manager_start(node_id, shm_root, directory, group, parity_k, persist_every, persist_seconds, keep, memory_limit):
+    """Start the manager in the background; it outlives the trainers."""
+    from baft.manager.config import ManagerConfig, parse_bytes, parse_group
+    from baft.manager.control import start
+
+    pid = start(ManagerConfig(node_id=node_id, shm_root=Path(shm_root), dir=directory,
+                              group=parse_group(group) if group else (), parity_k=parity_k,
+                              persist_every=persist_every, persist_seconds=persist_seconds, keep=keep,
+                              memory_limit=parse_bytes(memory_limit) if memory_limit else None).validate())
+    click.echo(f"manager of node {node_id} running (pid {pid}) at {shm_root}")
+
+
+@manager.command(name="stop")
+@click.option("--shm-root", required=True)
+@user_errors
+def manager_stop(shm_root):
+    """Persist what is due, stop the manager and free its shared memory."""
+    from baft.manager.control import stop
+
+    stop(shm_root)
+    click.echo("manager stopped")
+
+
+@manager.command(name="status")
+@click.option("--shm-root", required=True)
+@user_errors
+def manager_status(shm_root):
+    """Steps held, sizes, checksums verified, parity status, last persisted step."""
+    from baft.manager.control import format_status, status
+
+    click.echo(format_status(status(shm_root)))
+
+
+@main.command(name="inspect")
+@click.argument("path", type=click.Path())
+@click.option("--no-verify", is_flag=True, help="Print the manifest without checking checksums.")
+@user_errors
+def inspect_cmd(path, no_verify):
+    """Print a persisted or in-memory snapshot's manifest and verify its checksums."""
+    from baft.recovery.inspect import SnapshotCorrupt, inspect
+
+    try:
+        click.echo(inspect(path, verify=not no_verify))
+    except SnapshotCorrupt as err:
+        click.echo(err.report)  # the manifest and every chunk's verdict; the error line follows
+        raise
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--png", type=click.Path(dir_okay=False), help="Also draw the phases per fault to this PNG.")
+@user_errors
+def report(run_dir, png):
+    """The recovery-time breakdown (T0..T4) of every fault of a run."""
+    from baft.recovery.report import draw_recovery, load_recoveries, render_recovery_text
+
+    recs = load_recoveries(run_dir)
+    click.echo(render_recovery_text(recs))
+    if png:
+        draw_recovery(recs, png)
+        click.echo(f"wrote {png}")
+
+
+@main.command()
+@click.option("--preset", help="A bundled scenario (gpt3-175b-1024, gpt3-3b-8, gpt3-15b-8, this-machine).")
+@click.option("--scenario", type=click.Path(dir_okay=False), help="A scenario JSON file.")
+@click.option("--set", "overrides", multiple=True, help="Override a scenario key: key=value.")
+@click.option("--measured", type=click.Path(dir_okay=False),
+              help="Instead: check the model against a measured bubble map, side by side.")
+@click.option("--measured-overhead", type=float, help="With --measured: the overhead measured for baft (fraction).")
+@user_errors
+def simulate(preset, scenario, overrides, measured, measured_overhead):
+    """Bubbles, snapshot period, overhead and time lost per day at cluster scale."""
+    from baft.simulate.model import compare_to_measured, render, run
+
+    if measured:
+        from baft.pipeline.bubblemap import BubbleMap
+
+        click.echo(compare_to_measured(BubbleMap.load(measured), measured_overhead).render())
+        return
+
+    values = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BaftError(f"--set {item!r}: expected key=value")
+        values[key] = value
+    click.echo(render(run(preset=preset, scenario_file=scenario, overrides=values)))
+
+
+@main.command()
+@click.option("--example", type=click.Choice(["gpt"]), default="gpt", show_default=True)
+@example_options
+@click.option("--policies", default="none,sync-copy,baft", show_default=True,
+              help="Comma-separated: none, sync-copy, thread-copy, baft, torch-save, deepspeed.")
+@click.option("--rounds", default=3, show_default=True, help="Rounds of A B C ... blocks.")
+@click.option("--block", default=3, show_default=True, help="Iterations per policy per round (first dropped).")
+@click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map for baft's planner.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the per-iteration figures here (JSON).")
+@user_errors
+def compare(example, policies, rounds, block, bubble_map, out, dp, **model):
+    """Compare snapshot policies on one run, interleaved, and print the overhead table."""
+    click.echo(_compare(model, dp, policies, rounds, block, bubble_map, out))
+
+
+def _compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out) -> str:
+    from baft.cli.compare import POLICIES, render, summarize
+    from baft.cli.launch import example_args, launch_env, torchrun
+
+    unknown = sorted(set(policies.split(",")) - set(POLICIES))
+    if unknown:
+        raise BaftError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as tmp:
+        result = Path(out) if out else Path(tmp) / "compare.json"
+        args = example_args({**model, "bubble_map": bubble_map})[1:]
+        cmd = torchrun(model["stages"] * dp, ["baft.cli.compare", "--policies", policies, "--rounds", str(rounds),
+                                              "--block", str(block), "--out", str(result), "--scratch", tmp, *args])
+        code = _run(cmd, launch_env())
+        if code != 0 or not result.exists():
+            raise BaftError(f"the comparison run failed (exit code {code})")
+        return render(summarize(json.loads(result.read_text())))
+
+
+DEMO_MODEL = {"stages": 2, "micro_batches": 8, "micro_batch_size": 4, "schedule": "1f1b", "seq": 128,
+              "d_model": 256, "layers": 6, "heads": 4, "vocab": 4096}
+
+
+@main.command()
+@click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
+@user_errors
+def demo(out_dir):
+    """Profile the example GPT, plan, compare policies, train under baft, kill a rank, restart, report."""
+    from baft.cli.launch import launch_env
+    from baft.pipeline.bubblemap import BubbleMap
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model_flags = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_MODEL.items()]
+    me = [sys.executable, "-m", "baft.cli"]
+    bmap_path, run_dir = out / "bubbles.json", out / "run"
+
+    def step(n, title, cmd=None):
+        click.secho(f"\n[{n}/5] {title}", bold=True)
+        if cmd is not None and _run(cmd, launch_env()) != 0:
+            raise BaftError(f"demo step {n} ({title}) failed; its output is above")
+
+    step(1, "profile the example GPT (2 stages, 8 micro-batches of 512 tokens) and plan",
+         [*me, "profile", "--example", "gpt", *model_flags, "--iters", "5", "--out", str(bmap_path)])
+    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(out / "timeline.png")])
+    step(3, "overhead of a snapshot every iteration: no snapshots, synchronous copy, baft (interleaved)")
+    click.echo(_compare(DEMO_MODEL, 1, "none,sync-copy,baft", 3, 3, str(bmap_path), str(out / "compare.json")))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    step(4, "train under baft; rank 1 is killed in step 10 and torchrun restarts the job",
+         [*me, "train", "--example", "gpt", *model_flags, "--iters", "14", "--bubble-map", str(bmap_path),
+          "--run-dir", str(run_dir), "--fault", "rank=1,step=10,phase=backward", "--max-restarts", "1"])
+    step(5, "where the recovery time went", [*me, "report", str(run_dir), "--png", str(out / "recovery.png")])
+    bmap = BubbleMap.load(bmap_path)
+    click.echo(f"\nbubble map and plan: {bmap_path}, {bmap_path.with_name('bubbles.plan.json')} "
+               f"({bmap.schedule}, {bmap.stages} stages)")
+    click.echo(f"pictures: {out / 'timeline.png'}, {out / 'recovery.png'}")
+    click.echo(f"losses (with the restart): {run_dir / 'losses.jsonl'}")

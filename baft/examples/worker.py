@@ -1,0 +1,180 @@
+"""The example GPT training script that ``baft profile`` and ``baft train`` launch on every rank.
+
+Run under a launcher (``torchrun``), one process per rank. Rank 0 prints one line per
+iteration — step, loss (exact float repr), iteration time, stall — and appends the same
+record to ``RUN_DIR/losses.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import baft
+from baft.config import POLICIES
+from baft.errors import BaftError
+from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
+from baft.recovery.restore import mark, restart_count
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="baft-worker")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--policy", default="none", choices=POLICIES)
+    p.add_argument("--period", default="auto")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--bubble-map", default=None)
+    p.add_argument("--plan", default=None)
+    p.add_argument("--run-id", default="default")
+    p.add_argument("--shm-root", default="/dev/shm/baft")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate nodes of this many ranks")
+    p.add_argument("--parity-group", default=None, help="ID@host:port,... of the nodes' managers")
+    p.add_argument("--parity-k", type=int, default=None)
+    p.add_argument("--persist-every", type=int, default=None)
+    p.add_argument("--persist-dir", default=None)
+    p.add_argument("--fresh-start", choices=("true", "false", "always"), default="true",
+                   help="may a start that finds no restorable snapshot begin at step 0 (see baft.fresh_start)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--digest", action="store_true",
+                   help="every rank prints a SHA-256 of its whole state (weights, masters, moments) at the end")
+    return p.parse_args(argv)
+
+
+def ds_config(args, dp: int) -> dict:
+    period = args.period if args.period == "auto" else int(args.period)
+    section = {"policy": args.policy, "schedule": args.schedule, "period": period, "run_id": args.run_id,
+               "shm_root": args.shm_root}
+    if args.bubble_map:
+        section["bubble_map"] = args.bubble_map
+    if args.plan:
+        section["plan"] = args.plan
+    if args.fresh_start != "true":
+        section["fresh_start"] = {"false": False, "always": "always"}[args.fresh_start]
+    if args.ranks_per_node:
+        section["ranks_per_node"] = args.ranks_per_node
+    if args.parity_group:
+        section["parity"] = {"group": args.parity_group.split(","), "k": args.parity_k}
+    if args.persist_every:
+        section["persist"] = {"every": args.persist_every, "dir": args.persist_dir}
+    if args.run_dir:
+        section["save_dir"] = str(Path(args.run_dir) / "checkpoints")
+        section["run_dir"] = args.run_dir
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.micro_batches,
+        "train_batch_size": args.micro_batch_size * args.micro_batches * dp,
+        "optimizer": {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}},
+        "steps_per_print": 10 ** 9,
+        "baft": section,
+    }
+    if args.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if args.zero_stage:
+        config["zero_optimization"] = {"stage": args.zero_stage}
+    return config
+
+
+def build(args: argparse.Namespace):
+    """Initialize the process group, the example GPT pipeline and its data; return (engine, data)."""
+    torch.set_num_threads(args.threads)
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    mark("init_start")
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    if world % args.stages:
+        raise BaftError(f"{world} processes cannot form {args.stages} pipeline stages")
+    if args.d_model % args.heads:
+        raise BaftError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    dp = world // args.stages
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                    dropout=args.dropout)
+    model = gpt_pipeline(cfg, args.stages, seed=args.seed)
+    torch.manual_seed(args.seed + dist.get_rank())
+    data = MicroBatches(SyntheticTokens(cfg, seed=args.seed), args.micro_batch_size,
+                        shard=model._grid.get_data_parallel_rank(), shards=dp)
+    engine, *_ = baft.initialize(model=model, config=ds_config(args, dp), data_iterator=data)
+    return engine, data
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        engine, data = build(args)
+    except BaftError as err:
+        print(f"baft: error: {err}", file=sys.stderr)
+        return 2
+    lead = engine.global_rank == 0
+    log = _open_log(args.run_dir) if lead else None
+    times = []
+    while engine.global_steps < args.iters:  # a restarted run resumes at its restored step
+        start = time.perf_counter()
+        loss = engine.train_batch(data_iter=data)
+        elapsed = time.perf_counter() - start
+        stall = torch.tensor([sum(getattr(h, "stall", 0.0) for h in getattr(engine, "baft_hooks", []))])
+        dist.all_reduce(stall, op=dist.ReduceOp.MAX)
+        times.append(elapsed)
+        if lead:
+            record = {"step": engine.global_steps, "loss": float(loss), "iter_s": elapsed, "stall_s": float(stall),
+                      "restart": restart_count(), "time": time.time()}
+            print(f"step {record['step']:5d}  loss {record['loss']!r}  iter {elapsed * 1e3:8.1f} ms  "
+                  f"stall {record['stall_s'] * 1e3:7.2f} ms", flush=True)
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+    if args.digest:
+        print(f"digest rank {engine.global_rank} step {engine.global_steps} {state_digest(engine)}", flush=True)
+    if lead and times:
+        policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
+        snapshots = ""
+        if policy is not None:
+            taken = len(getattr(policy, "commits", getattr(policy, "saved", [])))
+            snapshots = f"; {taken} snapshots committed by rank 0 ({args.policy}, period {policy.period})"
+        print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"
+              f"{snapshots}", flush=True)
+    return 0
+
+
+def state_digest(engine) -> str:
+    """SHA-256 over every state tensor of this rank, by name: equal digests mean bit-identical states."""
+    from baft.snapshot import state
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.state_tensors(engine).items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _open_log(run_dir):
+    if not run_dir:
+        return None
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return open(Path(run_dir) / "losses.jsonl", "a")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The per-node snapshot manager: the process that keeps snapshots alive when a trainer dies.
+
+- ``server``    the manager process (``python -m baft.manager``)
+- ``protocol``  its messages over a Unix socket, and the client a rank uses
+- ``config``    its validated command line
+- ``control``   start, stop and ask a manager for its status
+- ``nodes``     one manager per node of a run
+- ``erasure``   parity across nodes (Reed-Solomon) so a lost node's shards can be rebuilt
+- ``persist``   committed snapshots on disk, written in the background
+
+May import ``snapshot`` (the slots and commit records it keeps); never ``recovery`` or above.
+"""

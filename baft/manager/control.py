@@ -1,0 +1,117 @@
+"""Starting, stopping and asking a snapshot manager: the API behind ``baft manager start|stop|status``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from baft.errors import BaftError
+from baft.jsonfile import read_json
+from baft.manager.config import ManagerConfig, human
+from baft.manager.protocol import ManagerClient, ManagerUnavailable, socket_path
+
+INFO_NAME = "manager.json"  # in the shm root: the running manager's pid, node and socket
+LOG_NAME = "manager.log"
+
+
+def spawn(config: ManagerConfig) -> subprocess.Popen:
+    """Start ``python -m baft.manager`` detached, logging to ``<shm root>/manager.log``."""
+    config.validate()
+    try:
+        config.shm_root.mkdir(parents=True, exist_ok=True)
+        logfile = open(config.shm_root / LOG_NAME, "ab")
+    except OSError as err:
+        raise BaftError(f"--shm-root {config.shm_root}: cannot create ({err.strerror})") from None
+    with logfile:
+        return subprocess.Popen([sys.executable, "-m", "baft.manager", *config.argv()], stdin=subprocess.DEVNULL,
+                                stdout=logfile, stderr=logfile, start_new_session=True)
+
+
+def wait_ready(shm_root, timeout: float = 60.0, proc: Optional[subprocess.Popen] = None) -> dict:
+    """Wait until the manager of ``shm_root`` answers; its status. A manager that exits instead raises its error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise BaftError(_last_error(Path(shm_root) / LOG_NAME) or f"manager exited with status {proc.returncode}")
+        try:
+            with ManagerClient.connect(shm_root, timeout=2.0) as client:
+                return client.status()
+        except ManagerUnavailable:
+            if time.monotonic() > deadline:
+                raise BaftError(f"{shm_root}: manager did not answer within {timeout:g} s") from None
+            time.sleep(0.05)
+
+
+def _last_error(logfile: Path) -> Optional[str]:
+    try:
+        lines = [line for line in logfile.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+    except OSError:
+        return None
+    return lines[-1].removeprefix("error: ") if lines else None
+
+
+def start(config: ManagerConfig, timeout: float = 60.0) -> int:
+    """Start a manager for ``config`` in the background, wait until it answers; its pid."""
+    proc = spawn(config)
+    wait_ready(config.shm_root, timeout, proc)
+    return proc.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stop(shm_root, timeout: float = 120.0) -> None:
+    """Stop the manager of ``shm_root``: it persists what is due, then unlinks its shared memory."""
+    info_path = Path(shm_root) / INFO_NAME
+    pid = read_json(info_path)["pid"] if info_path.exists() else None
+    try:
+        with ManagerClient.connect(shm_root, timeout=5.0) as client:
+            client.shutdown()
+    except ManagerUnavailable:
+        raise BaftError(f"{shm_root}: no manager running (nothing answers at {socket_path(shm_root)})") from None
+    deadline = time.monotonic() + timeout
+    while pid is not None and _alive(pid):
+        if time.monotonic() > deadline:
+            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after shutdown")
+        time.sleep(0.05)
+
+
+def status(shm_root, timeout: float = 5.0) -> dict:
+    """The status of the manager of ``shm_root`` (see :func:`format_status`)."""
+    with ManagerClient.connect(shm_root, timeout=timeout) as client:
+        return client.status()
+
+
+def format_status(st: dict) -> str:
+    """``baft manager status`` as text: steps held, sizes, checksums, parity, persistence, memory."""
+    mem = st["memory"]
+    lines = [f"node {st['node_id']} (pid {st['pid']}, up {st['uptime']:.0f} s) shm {st['root']}"
+             + (f", listening {st['address']}" if st["address"] else "")]
+    for rank, r in st["ranks"].items():
+        held = ", ".join(f"step {s['step']} ({s['verified']})" for s in r["slots"]) or "nothing committed"
+        lines.append(f"  rank {rank}: {human(r['nbytes'])} per snapshot; {held}")
+    if not st["ranks"]:
+        lines.append("  no ranks yet")
+    lines.append(f"  memory: {human(mem['total'])} held (slots {human(mem['slots'])}, shares {human(mem['shares'])}), "
+                 f"{human(mem['reserved'])} reserved, limit {human(mem['limit']) if mem['limit'] else 'none'}")
+    lines.append(f"  parity: {st['parity']['line'] if st['parity'] else 'off'}")
+    lines.append(f"  persist: {st['persist']['line'] if st['persist'] else 'off'}")
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""The managers of a run: one per node, and on one machine, one per simulated node.
+
+On a cluster each node runs ``baft manager start`` itself. ``baft train --nodes N`` on one
+machine starts N managers with their own node ids, shared-memory roots and loopback ports,
+joined in one parity group, so node failures can be exercised with the same code.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Optional
+
+from baft.manager.config import ManagerConfig, Member
+from baft.manager.control import start, stop
+
+
+def node_root(shm_root, run_id: str, node: int) -> Path:
+    return Path(shm_root) / run_id / f"node{node}"
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def node_configs(shm_root, run_id: str, nodes: int, persist_dir: Optional[Path] = None,
+                 persist_every: Optional[int] = None, parity_k: Optional[int] = None) -> list[ManagerConfig]:
+    """One manager configuration per node; with more than one node, a parity group over loopback."""
+    group = ()
+    if nodes > 1:
+        group = tuple(Member(n, "127.0.0.1", port) for n, port in enumerate(free_ports(nodes)))
+    return [ManagerConfig(node_id=n, shm_root=node_root(shm_root, run_id, n),
+                          dir=(persist_dir / f"node{n}") if persist_dir and persist_every else None,
+                          group=group, parity_k=(parity_k or nodes - 1) if group else None,
+                          persist_every=persist_every).validate()
+            for n in range(nodes)]
+
+
+def start_all(configs: list[ManagerConfig]) -> list[int]:
+    """Start every manager; their pids."""
+    return [start(c) for c in configs]
+
+
+def stop_all(configs: list[ManagerConfig]) -> None:
+    for c in configs:
+        stop(c.shm_root)

@@ -1,0 +1,164 @@
+"""DeepSpeed's ``PipelineEngine`` with a selectable schedule and per-instruction hooks.
+
+``attach(engine)`` turns the engine ``deepspeed.initialize`` returned into a
+:class:`BaftPipelineEngine` in place (same object, subclass), so DeepSpeed is used as
+shipped. Hooks see every instruction of ``train_batch`` with its index in the stage's
+stream (the bubble map's ``slot``); a hook may also take over the wait inside a receive
+(:meth:`InstructionHook.bubble`), which is where baft's copies run on CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch.distributed as torch_dist
+from deepspeed.runtime.pipe import p2p, schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from baft.pipeline.schedules import make_schedule
+
+
+class InstructionHook:
+    """Callbacks around one ``train_batch``. All methods are optional no-ops."""
+
+    def iteration_start(self, engine) -> None: ...
+
+    def before(self, engine, index: int, cmd) -> None: ...
+
+    def after(self, engine, index: int, cmd) -> None: ...
+
+    def iteration_end(self, engine) -> None: ...
+
+    def close(self) -> None:
+        """Stop any work still running and release resources (at process exit)."""
+
+    def bubble(self, engine, index: int, cmd) -> Optional[Callable[[threading.Event], None]]:
+        """Work to run while this receive waits: called with an event set when the data has landed."""
+        return None
+
+
+_RECV = (schedule.RecvActivation, schedule.RecvGrad)
+
+
+class BaftPipelineEngine(PipelineEngine):
+    """A ``PipelineEngine`` that runs ``self.baft_schedule`` and calls ``self.baft_hooks``."""
+
+    baft_schedule = "1f1b"
+
+    def _train_schedule(self):
+        return make_schedule(self.baft_schedule, micro_batches=self.micro_batches, stages=self.num_stages,
+                             stage_id=self.stage_id)
+
+    def train_batch(self, data_iter=None):
+        for hook in self.baft_hooks:
+            hook.iteration_start(self)
+        loss = super().train_batch(data_iter)
+        for hook in self.baft_hooks:
+            hook.iteration_end(self)
+        return loss
+
+    def _exec_schedule(self, pipe_schedule):
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        self._stashed_loss = {}
+        index = 0
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
+                for hook in self.baft_hooks:
+                    hook.before(self, index, cmd)
+                work = self._bubble_work(index, cmd)
+                if work is None:
+                    handler(self, **cmd.kwargs)
+                else:
+                    with _receive_while(work):
+                        handler(self, **cmd.kwargs)
+                for hook in self.baft_hooks:
+                    hook.after(self, index, cmd)
+                index += 1
+
+    def _bubble_work(self, index, cmd):
+        if not isinstance(cmd, _RECV):
+            return None
+        works = [w for w in (h.bubble(self, index, cmd) for h in self.baft_hooks) if w is not None]
+        if not works:
+            return None
+
+        def run_all(landed):
+            for w in works:
+                w(landed)
+        return run_all
+
+    # GPipe runs all forwards before the backwards; the last stage's backward reads
+    # self.loss, which every forward overwrites, so keep each micro-batch's own loss.
+    def _exec_forward_pass(self, buffer_id):
+        PipelineEngine._exec_forward_pass(self, buffer_id)
+        if self.is_last_stage():
+            self._stashed_loss[buffer_id] = self.loss
+
+    def _exec_backward_pass(self, buffer_id):
+        if self.is_last_stage():
+            self.loss = self._stashed_loss.pop(buffer_id)
+        PipelineEngine._exec_backward_pass(self, buffer_id)
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+    }
+
+
+def attach(engine, schedule_name: str = "1f1b") -> BaftPipelineEngine:
+    """Make a DeepSpeed ``PipelineEngine`` a :class:`BaftPipelineEngine`, in place."""
+    if not isinstance(engine, PipelineEngine):
+        raise TypeError(f"baft needs a DeepSpeed PipelineEngine (a PipelineModule model), got {type(engine).__name__}")
+    make_schedule(schedule_name, micro_batches=engine.micro_batches, stages=engine.num_stages,
+                  stage_id=engine.stage_id)  # refuse an unknown name now, not at the first batch
+    engine.__class__ = BaftPipelineEngine
+    engine.baft_schedule = schedule_name
+    engine.baft_hooks = []
+    engine._stashed_loss = {}
+    return engine
+
+
+_blocking_recv = p2p.recv
+
+
+@contextmanager
+def _receive_while(work: Callable[[threading.Event], None]):
+    """Within the block, DeepSpeed's blocking receives run ``work`` while they wait.
+
+    gloo's ``Work.is_completed()`` does not turn true before ``wait()`` is called, so a
+    helper thread waits and sets an event; ``work`` copies until the event is set.
+    """
+
+    def recv(tensor, src_stage, async_op=False):
+        src = p2p._grid.stage_to_global(stage_id=src_stage)
+        pending = torch_dist.irecv(tensor, src)
+        landed = threading.Event()
+        failed = []
+
+        def wait():
+            try:
+                pending.wait()
+            except BaseException as err:  # re-raised in the trainer's thread below
+                failed.append(err)
+            finally:
+                landed.set()
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        work(landed)
+        waiter.join()
+        if failed:
+            raise failed[0]
+
+    p2p.recv = recv
+    try:
+        yield
+    finally:
+        p2p.recv = _blocking_recv

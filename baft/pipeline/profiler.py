@@ -1,0 +1,248 @@
+"""Measure where each rank's bubbles are: time every executed pipeline instruction.
+
+:class:`InstructionTimer` is an engine hook that records the wall-clock start and
+duration of every instruction of every ``train_batch`` on its rank (on CUDA the
+instruction is synchronized first, so host time covers device work). Each rank writes a
+trace; :func:`merge_traces` turns the traces of all ranks into one measured bubble map,
+with the analytic prediction from the same per-op costs beside it.
+
+On CPU a bubble is time a stage spends blocked in a receive, so the measured bubbles are
+the receive instructions' durations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from baft.errors import BaftError
+from baft.jsonfile import read_json, write_json_atomic
+from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
+from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.timeline import Costs, analytic_bubble_map
+from baft.snapshot import state
+from baft.snapshot.layout import plan_layout
+
+_COMPUTE = ("ForwardPass", "BackwardPass")
+_RECEIVE = ("RecvActivation", "RecvGrad")
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class InstructionTimer(InstructionHook):
+    """Records every instruction's (index, repr, start, duration) for each iteration."""
+
+    def __init__(self):
+        self.iterations: list[dict] = []
+        self._t0 = self._start = 0.0
+        self._current: list[tuple] = []
+
+    def iteration_start(self, engine):
+        _sync()
+        self._t0 = time.perf_counter()
+        self._current = []
+
+    def before(self, engine, index, cmd):
+        _sync()
+        self._start = time.perf_counter()
+
+    def after(self, engine, index, cmd):
+        _sync()
+        end = time.perf_counter()
+        self._current.append((index, repr(cmd), type(cmd).__name__, self._start - self._t0, end - self._start))
+
+    def iteration_end(self, engine):
+        self.iterations.append({"time": time.perf_counter() - self._t0, "instructions": self._current})
+
+
+class ProfileSession(InstructionTimer):
+    """Times one warm-up plus ``iterations`` iterations, writes this rank's trace, and ends the run."""
+
+    def __init__(self, directory, iterations: int, model_name: str, show_progress: bool = True):
+        super().__init__()
+        self.directory, self.total, self.model_name = Path(directory), iterations + 1, model_name
+        self.bar = tqdm(total=self.total, desc="profiling", unit="iter", disable=not show_progress, file=sys.stderr)
+
+    def iteration_end(self, engine):
+        super().iteration_end(engine)
+        self.bar.update(1)
+        if len(self.iterations) < self.total:
+            return
+        self.bar.close()
+        grid = engine.grid
+        layout = plan_layout(state.tensor_entries(engine), shard=grid.get_data_parallel_rank(),
+                             num_shards=grid.get_data_parallel_world_size())
+        model = {"name": self.model_name, "parameters": sum(p.numel() for p in engine.module.parameters()),
+                 "layout": {str(engine.stage_id): layout.fingerprint},
+                 "chunk_sizes": {str(engine.global_rank): [c.nbytes for c in layout.chunks]}}
+        write_trace(self.directory / f"trace-rank{engine.global_rank}.json", engine, self,
+                    measure_copy_bandwidth(engine), model)
+        dist.barrier()
+        sys.exit(0)
+
+
+def measure_copy_bandwidth(engine, repeats: int = 3, limit: int = 256 << 20) -> float:
+    """Bytes per second of copying this rank's state tensors into a host buffer."""
+    tensors = [t.detach().reshape(-1).view(torch.uint8) for t in state.state_tensors(engine).values()
+               if t.numel() and t.is_contiguous()]
+    total = min(sum(t.numel() for t in tensors), limit)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    times = []
+    for _ in range(repeats):
+        _sync()
+        start, offset = time.perf_counter(), 0
+        for t in tensors:
+            n = min(t.numel(), total - offset)
+            if n <= 0:
+                break
+            host[offset:offset + n].copy_(t[:n], non_blocking=True)
+            offset += n
+        _sync()
+        times.append(time.perf_counter() - start)
+    return total / statistics.median(times)
+
+
+def state_bytes(engine) -> StateBytes:
+    sizes = {"parameters": 0, "optimizer": 0, "other": 0}
+    for entry in state.tensor_entries(engine):
+        sizes[entry.kind] += entry.nbytes
+    sizes["other"] += len(json.dumps(state.capture_items(engine)))
+    return StateBytes(**sizes)
+
+
+def write_trace(path, engine, timer: InstructionTimer, bandwidth: float, model: dict) -> Path:
+    """One rank's raw trace: every profiled iteration, its state size and copy bandwidth."""
+    grid = engine.grid
+    return write_json_atomic(path, {
+        "rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": grid.get_data_parallel_rank(),
+        "stages": engine.num_stages, "data_parallel": grid.get_data_parallel_world_size(),
+        "micro_batches": engine.micro_batches, "schedule": engine.baft_schedule, "model": model,
+        "state_bytes": dataclasses.asdict(state_bytes(engine)),
+        "copy_bandwidth": bandwidth, "iterations": timer.iterations, "optimizer_sync": optimizer_syncs(engine),
+    })
+
+
+def optimizer_syncs(engine) -> bool:
+    """Whether the stages' optimizer steps wait for each other (a global gradient norm or overflow check)."""
+    return engine.gradient_clipping() > 0 or engine.fp16_enabled()
+
+
+def _median_profile(trace: dict, skip: int) -> RankProfile:
+    iters = trace["iterations"][skip:] or trace["iterations"]
+    lengths = {len(it["instructions"]) for it in iters}
+    if len(lengths) != 1:
+        raise BaftError(f"rank {trace['rank']}: iterations ran different instruction streams")
+    instructions, seen = [], {}
+    for i, first in enumerate(iters[0]["instructions"]):
+        starts = [it["instructions"][i][3] for it in iters]
+        durations = [it["instructions"][i][4] for it in iters]
+        name = first[2]
+        micro_batch = None
+        if name in _COMPUTE:
+            micro_batch = seen.get(name, 0)
+            seen[name] = micro_batch + 1
+        instructions.append(InstructionTiming(
+            index=first[0], name=first[1], start=statistics.median(starts),
+            duration=statistics.median(durations), spread=_spread(durations), micro_batch=micro_batch))
+    times = [it["time"] for it in iters]
+    return RankProfile(rank=trace["rank"], stage=trace["stage"], dp_rank=trace["dp_rank"],
+                       iteration_time=statistics.median(times), iteration_spread=_spread(times),
+                       instructions=tuple(instructions), state_bytes=StateBytes(**trace["state_bytes"]),
+                       copy_bandwidth=trace["copy_bandwidth"])
+
+
+def _spread(values) -> float:
+    """Interquartile range (0 for fewer than 4 values' worth of spread)."""
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return max(0.0, q[2] - q[0])
+
+
+def measured_bubbles(profile: RankProfile) -> list[Bubble]:
+    """The receive waits of one rank, classified by where they fall in its stream."""
+    instrs = profile.instructions
+    compute = [i for i, ins in enumerate(instrs) if ins.name.split("(")[0] in _COMPUTE]
+    first, last = (compute[0], compute[-1]) if compute else (0, len(instrs))
+    bubbles = []
+    for i, ins in enumerate(instrs):
+        if ins.name.split("(")[0] not in _RECEIVE or ins.duration <= 0:
+            continue
+        kind = "warm-up" if i < first else "cool-down" if i > last else "steady"
+        bubbles.append(Bubble(stage=profile.stage, rank=profile.rank, start=ins.start, end=ins.start + ins.duration,
+                              slot=ins.index, after=instrs[i - 1].name if i else "iteration start",
+                              before=instrs[i + 1].name if i + 1 < len(instrs) else "iteration end", kind=kind))
+    return bubbles
+
+
+_FORWARD_SIDE = ("LoadMicroBatch", "ForwardPass", "SendActivation")
+_BACKWARD_SIDE = ("BackwardPass", "SendGrad")
+_OPTIMIZER_SIDE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+
+
+def measured_costs(profiles: list[RankProfile], stages: int, optimizer_sync: bool = False) -> Costs:
+    """Per-stage costs for the analytic model: everything a stage does per micro-batch, minus waits.
+
+    A forward costs its micro-batch's load, forward pass and (blocking) send; a backward,
+    its backward pass and send; the optimizer, the reductions and the step. Transfers
+    between processes on one host are part of the send, so p2p latency is zero.
+    """
+    def stage_costs(stage):
+        rank = next(p for p in profiles if p.stage == stage and p.dp_rank == 0)
+        spent, forwards = defaultdict(float), 0
+        for ins in rank.instructions:
+            name = ins.name.split("(")[0]
+            spent[name] += ins.duration
+            forwards += name == "ForwardPass"
+        m = max(forwards, 1)
+        return (sum(spent[n] for n in _FORWARD_SIDE) / m, sum(spent[n] for n in _BACKWARD_SIDE) / m,
+                sum(spent[n] for n in _OPTIMIZER_SIDE))
+
+    forward, backward, optimizer = zip(*(stage_costs(s) for s in range(stages)))
+    return Costs(forward=list(forward), backward=list(backward), optimizer=list(optimizer), p2p=0.0,
+                 optimizer_sync=optimizer_sync)
+
+
+def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
+    """All ranks' traces as one measured bubble map, with the analytic fractions beside it."""
+    if not paths:
+        raise BaftError("no profiler traces were written; did the run call baft.initialize?")
+    traces = [read_json(p) for p in paths]
+    head = traces[0]
+    profiles = sorted((_median_profile(t, skip) for t in traces), key=lambda p: p.rank)
+    stages = head["stages"]
+    analytic = analytic_bubble_map(head["schedule"], stages, head["micro_batches"],
+                                   measured_costs(profiles, stages, head.get("optimizer_sync", False)))
+    return BubbleMap(
+        schedule=head["schedule"], stages=stages, micro_batches=head["micro_batches"], source="measured",
+        bubbles=[b for p in profiles if p.dp_rank == 0 for b in measured_bubbles(p)], ranks=profiles,
+        data_parallel=head["data_parallel"], iterations=len(head["iterations"][skip:]),
+        optimizer_sync=head.get("optimizer_sync", False),
+        makespan=max(p.iteration_time for p in profiles),
+        model={**head["model"], **{key: {k: v for t in traces for k, v in t["model"][key].items()}
+                                   for key in ("layout", "chunk_sizes")}},
+        analytic_bubble_fraction=dict(analytic.analytic_bubble_fraction))
+
+
+def trace_paths(directory) -> list[Path]:
+    return sorted(Path(directory).glob("trace-rank*.json"))
+
+
+def agreement(bmap: BubbleMap, stage: int) -> Optional[float]:
+    """Measured minus analytic bubble fraction of ``stage`` (None without an analytic figure)."""
+    if stage not in bmap.analytic_bubble_fraction:
+        return None
+    return bmap.bubble_fraction(stage) - bmap.analytic_bubble_fraction[stage]

@@ -1,0 +1,141 @@
+"""Reproducible fault injection: a rank kills itself with SIGKILL at a given step and phase.
+
+A fault is ``rank=R,step=S,phase=P[,restart=N]``: during the iteration that produces
+step S of attempt N (0: the first run), rank R dies in phase P — ``forward`` (first
+forward pass), ``backward`` (first backward pass), ``copy`` (inside a bubble, with a
+snapshot in flight), ``commit`` (right after the snapshot is committed, before the
+optimizer step) or ``optimizer`` (while the optimizer step runs). ``node=N,step=S`` kills
+a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
+(deleted) and all its ranks. ``manager=N,step=S`` kills only node N's manager. Each fault
+is logged to ``RUN_DIR/chaos.jsonl`` before the kill, so recovery reports know when it
+happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep
+
+from baft.errors import ConfigError
+from baft.pipeline.hooks import InstructionHook
+
+PHASES = ("forward", "backward", "copy", "commit", "optimizer")
+ENV = "BAFT_CHAOS"
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: Optional[int]
+    step: int
+    phase: str  # one of PHASES, "node" or "manager"
+    restart: int = 0
+    node: Optional[int] = None
+
+    def __str__(self) -> str:
+        who = f"{self.phase}={self.node}" if self.node is not None else f"rank={self.rank},phase={self.phase}"
+        return f"{who},step={self.step},restart={self.restart}"
+
+
+def parse_fault(text: str) -> Fault:
+    """``rank=1,step=7,phase=backward[,restart=0]``, ``node=1,step=7`` or ``manager=0,step=7`` as a Fault.
+
+    Anything else is a one-line ConfigError.
+    """
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("rank", "node", "manager", "step", "phase", "restart"):
+            raise ConfigError(f"fault {text!r}: expected rank=R,step=S,phase=P[,restart=N], node=N,step=S "
+                              f"or manager=N,step=S")
+        fields[key.strip()] = value.strip()
+    try:
+        for whole in ("node", "manager"):
+            if whole in fields:
+                return Fault(None, int(fields["step"]), whole, int(fields.get("restart", 0)), int(fields[whole]))
+        if fields.get("phase") not in PHASES:
+            raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES)}")
+        return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"], int(fields.get("restart", 0)))
+    except (KeyError, ValueError):
+        raise ConfigError(f"fault {text!r}: rank, node, step and restart must be integers") from None
+
+
+def random_fault(seed: int, ranks: int, first_step: int, last_step: int, restart: int = 0) -> Fault:
+    """A fault drawn from ``seed``: the same seed gives the same fault."""
+    rng = random.Random(seed)
+    return Fault(rng.randrange(ranks), rng.randint(first_step, last_step), rng.choice(PHASES), restart)
+
+
+def faults_from_env() -> list[Fault]:
+    return [parse_fault(f) for f in os.environ.get(ENV, "").split(";") if f.strip()]
+
+
+class ChaosHook(InstructionHook):
+    """Kills this rank when one of its faults comes due. Install it after the snapshot policy."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Optional[str],
+                 node: int = 0, node_root: Optional[str] = None):
+        self.faults = [f for f in faults if f.restart == attempt and (f.rank == rank or f.node == node)]
+        self.run_dir, self.node_root, self.rank = run_dir, node_root, rank
+
+    def _due(self, engine, phase: str) -> Optional[Fault]:
+        step = engine.global_steps + 1  # the step this iteration produces
+        return next((f for f in self.faults if f.step == step and f.phase == phase), None)
+
+    def _log(self, fault: Fault, delay: float = 0.0) -> None:
+        if not self.run_dir:
+            return
+        what = (f"kill {fault.phase} {fault.node} at step {fault.step}" if fault.node is not None
+                else f"kill rank {fault.rank} at step {fault.step} ({fault.phase})")
+        with open(Path(self.run_dir) / "chaos.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time() + delay, "restart": fault.restart, "what": what}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _kill(self, fault: Fault, delay: float = 0.0) -> None:
+        self._log(fault, delay)
+        if delay:
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def iteration_start(self, engine):
+        if fault := self._due(engine, "manager"):
+            self._log(fault)
+            self._kill_manager()
+        elif fault := self._due(engine, "node"):
+            self._kill_manager()
+            shutil.rmtree(self.node_root, ignore_errors=True)  # the node's memory is gone with it
+            self._kill(fault)
+
+    def _kill_manager(self) -> None:
+        try:
+            os.kill(json.loads((Path(self.node_root) / "manager.json").read_text())["pid"], signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass  # no manager on this node, or another rank of the node got it first
+
+    def before(self, engine, index, cmd):
+        if isinstance(cmd, ForwardPass) and (fault := self._due(engine, "forward")):
+            self._kill(fault)
+        elif isinstance(cmd, BackwardPass) and (fault := self._due(engine, "backward")):
+            self._kill(fault)
+        elif isinstance(cmd, OptimizerStep):
+            if fault := self._due(engine, "commit"):
+                self._kill(fault)
+            elif fault := self._due(engine, "optimizer"):
+                self._kill(fault, delay=0.002)
+
+    def bubble(self, engine, index, cmd):
+        fault = self._due(engine, "copy")
+        if fault is None:
+            return None
+        return lambda landed: self._kill(fault)

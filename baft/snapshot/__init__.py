@@ -1,0 +1,13 @@
+"""One snapshot of a rank's state: what it is, where it goes, when it is copied.
+
+- ``state``       what a rank's state is (tensors and small items: RNG, data position)
+- ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
+- ``layout``      the state's byte layout in a host buffer, chunked, and its commit record
+- ``slots``       the shared-memory slots a snapshot is copied into, commit record last
+- ``copy``        copying one snapshot into a slot, chunk by chunk
+- ``planner``     which chunk is copied in which bubble (from a bubble map)
+- ``policies``    when copies run: baft's bubble executor, synchronous copy, thread copy
+- ``build``       the policy a config asks for, and the planned executor it builds
+
+May import ``pipeline``; never ``manager``, ``recovery`` or anything above.
+"""

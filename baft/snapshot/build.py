@@ -1,0 +1,227 @@
+"""Build the snapshot policy a config asks for, and the disk-checkpoint baselines.
+
+``make_policy`` returns an engine hook. For ``baft`` it plans from the configured plan or
+bubble map; a plan or map that does not fit this run is refused with one line and baft
+falls back to planning from the analytic model, fed with the costs measured in this run's
+first iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from baft.config import BaftConfig, node_of
+from baft.errors import BaftError
+from baft.pipeline.bubblemap import BubbleMap
+from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.profiler import InstructionTimer, _median_profile, measured_costs, optimizer_syncs
+from baft.pipeline.timeline import analytic_bubble_map
+from baft.snapshot import state
+from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
+from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
+
+
+def warn(engine, message: str) -> None:
+    print(f"baft: rank {engine.global_rank}: {message}", file=sys.stderr, flush=True)
+
+
+def shm_root(cfg: BaftConfig, rank: int) -> str:
+    """The shared-memory root of the node that keeps ``rank``'s snapshots."""
+    return str(Path(cfg.shm_root) / cfg.run_id / f"node{node_of(cfg, rank)}")
+
+
+IN_MEMORY = ("baft", "sync-copy", "thread-copy")
+
+
+def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> InstructionHook:
+    """The hook that takes snapshots as ``cfg.policy`` says; ``link`` tells the manager of commits."""
+    period = cfg.period if isinstance(cfg.period, int) else None
+    common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
+    if cfg.policy == "baft":
+        root = shm_root(cfg, engine.global_rank)
+        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period, **common)
+    if cfg.policy in ("sync-copy", "thread-copy"):
+        cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
+        return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
+    save_dir = cfg.save_dir or str(Path(shm_root(cfg, engine.global_rank)) / "disk")
+    return DiskCheckpoint(cfg.policy, save_dir, period or 1, data_iterator)
+
+
+class PlannedExecutor(BubbleExecutor):
+    """The bubble-aware executor that plans itself once the state layout is known (after step 1)."""
+
+    def __init__(self, cfg: BaftConfig, root: str, fixed_period: Optional[int] = None, **kwargs):
+        super().__init__(root, **kwargs)
+        self.cfg, self.fixed_period = cfg, fixed_period
+        self.timer = InstructionTimer()  # the first iteration's costs, for the analytic fallback
+        self.planned = False
+        self.plan_source = ""
+
+    def iteration_start(self, engine):
+        if not self.planned and engine.global_steps >= 1 and self.timer.iterations:
+            self.make_plan(engine)
+        if not self.planned:
+            self.timer.iteration_start(engine)
+        super().iteration_start(engine)
+
+    def before(self, engine, index, cmd):
+        if not self.planned:
+            self.timer.before(engine, index, cmd)
+        super().before(engine, index, cmd)
+
+    def after(self, engine, index, cmd):
+        if not self.planned:
+            self.timer.after(engine, index, cmd)
+
+    def iteration_end(self, engine):
+        if not self.planned:
+            self.timer.iteration_end(engine)
+
+    def make_plan(self, engine) -> None:
+        self.prepare(engine)
+        layout = self.source.layout
+        mine = None
+        try:
+            mine = self._plan_from_files(engine, layout)
+        except BaftError as err:
+            warn(engine, f"{err}; planning from the analytic model instead")
+        if mine is None:
+            mine = self._plan_from_first_iteration(engine, layout)
+            self.plan_source = "analytic model of this run's first iteration"
+        self.plan = mine
+        period = self.fixed_period or choose_period([mine], DEFAULT_BUDGET)
+        agreed = torch.tensor([period], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank must snapshot the same steps
+        self.period = int(agreed.item())
+        self.planned = True
+
+    def _plan_from_files(self, engine, layout) -> Optional[RankPlan]:
+        cfg = self.cfg
+        sizes = [c.nbytes for c in layout.chunks]
+        if cfg.plan:
+            plan = Plan.load(cfg.plan)
+            mine = check_plan(plan, engine.global_rank, engine.num_stages, layout.fingerprint, layout.nbytes)
+            self.plan_source = cfg.plan
+            return mine
+        if cfg.bubble_map:
+            bmap = BubbleMap.load(cfg.bubble_map, stages=engine.num_stages)
+            expected = bmap.model.get("layout", {}).get(str(engine.stage_id))
+            if expected and expected != layout.fingerprint:
+                raise BaftError(f"{cfg.bubble_map}: profiled a different model (stage {engine.stage_id} "
+                                f"layout {expected}, this run's is {layout.fingerprint})")
+            if bmap.schedule != engine.baft_schedule or bmap.micro_batches != engine.micro_batches:
+                raise BaftError(f"{cfg.bubble_map}: profiled {bmap.schedule} with {bmap.micro_batches} micro-batches, "
+                                f"this run is {engine.baft_schedule} with {engine.micro_batches}")
+            profile = bmap.rank_profile(engine.stage_id, engine.grid.get_data_parallel_rank()) \
+                or bmap.rank_profile(engine.stage_id)
+            self.plan_source = cfg.bubble_map
+            return plan_rank(bmap.stage_bubbles(engine.stage_id), sizes, profile.copy_bandwidth,
+                             profile.iteration_time, engine.global_rank, engine.stage_id, layout.fingerprint)
+        return None
+
+    def _plan_from_first_iteration(self, engine, layout) -> RankPlan:
+        trace = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": 0,
+                 "iterations": self.timer.iterations, "state_bytes": {}, "copy_bandwidth": 0.0}
+        own = _median_profile(trace, skip=0)
+        profiles = [None] * dist.get_world_size()
+        dist.all_gather_object(profiles, own)
+        costs = measured_costs(profiles, engine.num_stages, optimizer_syncs(engine))
+        bmap = analytic_bubble_map(engine.baft_schedule, engine.num_stages, engine.micro_batches, costs)
+        bandwidth = _copy_bandwidth(self.source)
+        return plan_rank(bmap.stage_bubbles(engine.stage_id), [c.nbytes for c in layout.chunks], bandwidth,
+                         own.iteration_time, engine.global_rank, engine.stage_id, layout.fingerprint)
+
+
+def _copy_bandwidth(source, repeats: int = 3) -> float:
+    """Bytes per second copying the first chunks of the state into a scratch buffer."""
+    chunks = source.layout.chunks[:64]
+    scratch = torch.empty(max(sum(c.nbytes for c in chunks), 1), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start, offset = time.perf_counter(), 0
+        for c in chunks:
+            scratch[offset:offset + c.nbytes].copy_(source.view(c))
+            offset += c.nbytes
+        times.append(time.perf_counter() - start)
+    return scratch.numel() / max(statistics.median(times), 1e-9)
+
+
+class DiskCheckpoint(InstructionHook):
+    """The usual practice: a full checkpoint to disk every ``period`` steps, after the step."""
+
+    def __init__(self, kind: str, save_dir: str, period: int, data_iterator=None):
+        self.kind, self.save_dir, self.period, self.data_iterator = kind, Path(save_dir), period, data_iterator
+        self.stall = 0.0
+        self.pending = None  # dcp-async: the previous save, still being written
+        self.saved: list[int] = []
+        # async_save plans its save with collectives from a background thread: on the default gloo
+        # group they would race the pipeline's p2p and abort, so they get a group of their own
+        self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
+
+    def iteration_start(self, engine):
+        self.stall = 0.0
+
+    def iteration_end(self, engine):
+        step = engine.global_steps
+        if step % self.period:
+            return
+        start = time.perf_counter()
+        items = state.capture_items(engine, self.data_iterator)
+        if self.kind == "deepspeed":
+            engine.save_checkpoint(str(self.save_dir), tag=f"global_step{step}", client_state={"baft_items": items})
+        elif self.kind == "torch-save":
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"tensors": state.state_tensors(engine), "items": items},
+                       self.save_dir / f"step{step}-rank{engine.global_rank}.pt")
+        elif self.kind == "dcp-async":
+            from torch.distributed.checkpoint import async_save
+
+            if self.pending is not None:
+                self.pending.result()
+            tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
+            self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"), process_group=self.group)
+        self.saved.append(step)
+        self.stall += time.perf_counter() - start
+
+    def close(self):
+        if self.pending is not None:  # the last async save must land before its process group goes
+            self.pending.result()
+            self.pending = None
+
+    def restore(self, engine) -> Optional[int]:
+        """Load the newest checkpoint every rank has (the usual restart); its step, or None."""
+        if self.kind == "deepspeed":
+            path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
+            if path is None:
+                return None
+            state.restore_items(engine, client["baft_items"], self.data_iterator)
+            return engine.global_steps
+        if self.kind == "torch-save":
+            mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
+            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64)
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+            step = int(newest.item())
+            if step == 0:
+                return None
+            saved = torch.load(self.save_dir / f"step{step}-rank{engine.global_rank}.pt", weights_only=False)
+            state.create_optimizer_state(engine, [e for e in _entries_of(saved["tensors"])])
+            live = state.state_tensors(engine)
+            for name, tensor in saved["tensors"].items():
+                live[name].copy_(tensor)
+            state.restore_items(engine, saved["items"], self.data_iterator)
+            return step
+        return None  # dcp-async checkpoints are written for the overhead comparison only
+
+
+def _entries_of(tensors: dict):
+    from baft.snapshot.optimizers import entry
+
+    return [entry(name, t, "optimizer" if name.startswith("optim/") else "parameters") for name, t in tensors.items()]
+

@@ -1,0 +1,155 @@
+"""Where each optimizer DeepSpeed's ``PipelineEngine`` runs keeps its state, and stable names for it.
+
+A snapshot must hold everything the optimizer needs to go on bit for bit: for a plain torch
+optimizer its per-parameter state; for DeepSpeed's wrappers also the fp32 master weights
+they keep beside the low-precision module weights, and the moments of those masters. Names
+come from structure (module parameter names, param-group index, data-parallel partition),
+so every process of a job, and every restart, agrees on them; never from object ids.
+
+One adapter per wrapper, found by type (:func:`adapter_for`). A wrapper without an adapter
+is refused when baft attaches, with one line naming its class: a partial snapshot would
+restore a state that silently differs from the one trained.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from baft.errors import BaftError
+from baft.snapshot.layout import TensorEntry
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def entry(name: str, t: torch.Tensor, kind: str, owner: Optional[int] = None) -> TensorEntry:
+    return TensorEntry(name, dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), kind, owner)
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (they hold it as ``.optimizer``)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class TorchOptimizer:
+    """A torch optimizer over the module's own parameters (fp32 without ZeRO): state per parameter.
+
+    Names: ``optim/<module parameter name>/<state key>``.
+    """
+
+    def __init__(self, engine):
+        self.optimizer = base_optimizer(engine.optimizer)
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.params = []  # (name, parameter) in the optimizer's order
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise BaftError(f"{type(engine.optimizer).__name__}: parameter {pi} of param group {gi} is "
+                                    f"not a parameter of the model; baft cannot name its optimizer state")
+                self.params.append((names[id(p)], p))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.params:
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(value):
+                    yield f"optim/{name}/{key}", value
+
+    def entries(self) -> list[TensorEntry]:
+        return [entry(name, t, "optimizer") for name, t in self.tensors()]
+
+    def create_state(self, entries) -> None:
+        """Allocate the state tensors a snapshot lists (a torch optimizer creates them at its first step)."""
+        params = dict(self.params)
+        for e in entries:
+            if e.kind != "optimizer" or not e.name.startswith("optim/"):
+                continue
+            pname, key = e.name[len("optim/"):].rsplit("/", 1)
+            if pname in params:
+                _allocate(self.optimizer.state[params[pname]], key, e, params[pname].device)
+
+
+class PartitionedMasters:
+    """DeepSpeed's ``BF16_Optimizer`` and ``DeepSpeedZeroOptimizer`` (stage 1): the module weights
+    (bf16, fp16 or fp32) are views into one flat buffer per param group, and each data-parallel
+    replica keeps an fp32 master partition of it, which is the base optimizer's parameter.
+
+    Names: ``master/group<i>/dp<d>`` and ``optim/group<i>/dp<d>/<state key>``, owned by replica ``d``.
+    """
+
+    masters_attr = ""  # the wrapper's list of fp32 partitions, one per param group
+    partitions_attr = ""  # the wrapper's list of per-replica partitions of each flat buffer
+
+    def __init__(self, engine):
+        self.wrapper = engine.optimizer
+        self.optimizer = base_optimizer(self.wrapper)
+        self.masters: list[torch.Tensor] = getattr(self.wrapper, self.masters_attr)
+        groups = self.wrapper.real_dp_process_group
+        self.dp_rank = [dist.get_rank(group=g) for g in groups]
+        self.replicas = [len(p) for p in getattr(self.wrapper, self.partitions_attr)]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, master in enumerate(self.masters):
+            d = self.dp_rank[i]
+            yield f"master/group{i}/dp{d}", master
+            for key, value in sorted(self.optimizer.state.get(master, {}).items()):
+                if torch.is_tensor(value):
+                    yield f"optim/group{i}/dp{d}/{key}", value
+
+    def entries(self) -> list[TensorEntry]:
+        """Every replica's partitions: they are of equal size (DeepSpeed pads the flat buffer)."""
+        out = []
+        for i, master in enumerate(self.masters):
+            state = sorted((k, v) for k, v in self.optimizer.state.get(master, {}).items() if torch.is_tensor(v))
+            for d in range(self.replicas[i]):
+                out.append(entry(f"master/group{i}/dp{d}", master, "optimizer", owner=d))
+                out += [entry(f"optim/group{i}/dp{d}/{key}", value, "optimizer", owner=d) for key, value in state]
+        return out
+
+    def create_state(self, entries) -> None:
+        for e in entries:
+            if e.kind != "optimizer" or not e.name.startswith("optim/group"):
+                continue
+            group, dp, key = e.name[len("optim/"):].split("/", 2)
+            i = int(group[len("group"):])
+            if i < len(self.masters) and int(dp[len("dp"):]) == self.dp_rank[i]:
+                _allocate(self.optimizer.state[self.masters[i]], key, e, self.masters[i].device)
+
+
+def _allocate(slot: dict, key: str, e: TensorEntry, device) -> None:
+    if key not in slot:
+        slot[key] = torch.zeros(e.shape, dtype=getattr(torch, e.dtype), device=device)
+
+
+class BF16Masters(PartitionedMasters):
+    masters_attr = "fp32_groups_flat_partition"
+    partitions_attr = "bf16_partitioned_groups"
+
+
+class ZeroMasters(PartitionedMasters):
+    masters_attr = "single_partition_of_fp32_groups"
+    partitions_attr = "parallel_partitioned_bit16_groups"
+
+
+def _registry() -> list[tuple[type, type]]:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return [(BF16_Optimizer, BF16Masters), (DeepSpeedZeroOptimizer, ZeroMasters),
+            (torch.optim.Optimizer, TorchOptimizer)]
+
+
+def adapter_for(engine):
+    """The adapter for ``engine.optimizer``; a ``BaftError`` naming the class when there is none."""
+    optimizer = engine.optimizer
+    for cls, adapter in _registry():
+        if isinstance(optimizer, cls):
+            return adapter(engine)
+    raise BaftError(f"optimizer {type(optimizer).__module__}.{type(optimizer).__name__}: baft cannot snapshot its "
+                    f"state yet (supported: torch optimizers, BF16_Optimizer, DeepSpeedZeroOptimizer stage 1); "
+                    f"train without the \"baft\" section or use a supported configuration")

@@ -1,0 +1,178 @@
+"""Host snapshot buffers in shared memory, with commit records written last.
+
+Each rank owns a directory ``<root>/rank<R>/`` holding ``SLOTS`` buffer files
+(``slot<i>.bin``) and, for each committed one, a commit record (``slot<i>.commit.json``).
+The files live in shared memory (``/dev/shm`` by default), so a trainer killed with
+SIGKILL loses nothing already committed: the node's manager, or the restarted trainer,
+reads them back. A slot being filled never is the newest committed one, nor the one
+before it, so the two newest snapshots survive a crash in the middle of a copy. A slot's
+old commit record is deleted before the slot is overwritten, and a reader that finds no
+commit record, or one whose checksums fail, ignores that slot.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from baft.errors import BaftError
+from baft.jsonfile import read_json, write_json_atomic
+from baft.snapshot.layout import CommitRecord, Layout
+
+if TYPE_CHECKING:
+    import torch
+
+SLOTS = 3
+DEFAULT_ROOT = "/dev/shm/baft"
+
+
+def rank_dir(root, rank: int) -> Path:
+    return Path(root) / f"rank{rank}"
+
+
+def _slot_path(directory: Path, slot: int) -> Path:
+    return directory / f"slot{slot}.bin"
+
+
+def _commit_path(directory: Path, slot: int) -> Path:
+    return directory / f"slot{slot}.commit.json"
+
+
+def map_file(path: Path, nbytes: int, create: bool) -> mmap.mmap:
+    """Map ``path`` (grown to ``nbytes`` when ``create``) read-write into memory."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create and os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
+
+
+def pin_if_cuda(buffer: torch.Tensor) -> torch.Tensor:
+    """Register a host buffer with CUDA so device-to-host copies can run asynchronously."""
+    import torch
+
+    if torch.cuda.is_available() and buffer.numel():
+        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    return buffer
+
+
+@dataclass
+class SlotInfo:
+    slot: int
+    record: Optional[CommitRecord]
+
+
+class SnapshotWriter:
+    """The trainer's side: fill a slot chunk by chunk, then commit it.
+
+    ``begin(step)`` picks the slot to fill and invalidates it; ``buffer`` is a uint8 tensor
+    view of that slot's shared memory; ``commit(record)`` writes the commit record.
+    """
+
+    def __init__(self, root, rank: int, layout: Layout):
+        import torch  # here, not at the top: the manager process reads slots without loading torch
+
+        self.directory = rank_dir(root, rank)
+        self.layout = layout
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise BaftError(f"{self.directory}: cannot create snapshot directory ({err.strerror})") from None
+        nbytes = max(layout.nbytes, 1)
+        try:
+            self._maps = [map_file(_slot_path(self.directory, s), nbytes, create=True) for s in range(SLOTS)]
+        except OSError as err:
+            raise BaftError(f"{self.directory}: cannot allocate {SLOTS} x {nbytes} bytes of shared memory "
+                            f"({err.strerror})") from None
+        self.buffers = [pin_if_cuda(torch.frombuffer(m, dtype=torch.uint8)) for m in self._maps]
+        self.slot: Optional[int] = None
+        # this writer is its rank's only writer: read the slots' steps once, then keep them here
+        self._steps = {info.slot: info.record.step if info.record else None for info in read_slots(self.directory)}
+
+    def begin(self, step: int) -> torch.Tensor:
+        """Choose the slot for ``step``'s snapshot, drop its old commit record, return its buffer."""
+        self.slot = min(self._steps, key=lambda s: -1 if self._steps[s] is None else self._steps[s])
+        self._steps[self.slot] = None  # empty or oldest committed: never the two newest
+        _commit_path(self.directory, self.slot).unlink(missing_ok=True)
+        return self.buffers[self.slot]
+
+    def commit(self, record: CommitRecord) -> Path:
+        """Make the filled slot a committed snapshot. Must be called after every chunk is copied."""
+        if self.slot is None:
+            raise RuntimeError("commit() without begin()")
+        path = write_json_atomic(_commit_path(self.directory, self.slot), record.to_json(), indent=None)
+        self._steps[self.slot] = record.step
+        self.slot = None
+        return path
+
+    def close(self) -> None:
+        self.buffers.clear()
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor view is still alive; the OS unmaps at exit
+                pass
+
+
+def read_slots(directory: Path) -> list[SlotInfo]:
+    """Every slot of one rank with its commit record, or None where it has none or an unreadable one."""
+    out = []
+    for slot in range(SLOTS):
+        record = None
+        path = _commit_path(directory, slot)
+        if path.exists() and _slot_path(directory, slot).exists():
+            try:
+                record = CommitRecord.from_json(read_json(path))
+            except (BaftError, KeyError, TypeError):
+                record = None
+        out.append(SlotInfo(slot, record))
+    return out
+
+
+def committed(root, rank: int) -> list[SlotInfo]:
+    """The committed slots of ``rank``, newest step first (checksums not yet verified)."""
+    slots = [s for s in read_slots(rank_dir(root, rank)) if s.record is not None]
+    return sorted(slots, key=lambda s: -s.record.step)
+
+
+def open_slot(root, rank: int, slot: int) -> mmap.mmap:
+    """Map one slot of ``rank`` for reading."""
+    return map_file(_slot_path(rank_dir(root, rank), slot), 0, create=False)
+
+
+def map_verified(root, rank: int, step: Optional[int] = None, log=None,
+                 accept=lambda record: True) -> Optional[tuple[CommitRecord, mmap.mmap]]:
+    """The newest committed snapshot of ``rank`` (or exactly ``step``) that ``accept`` takes and whose
+    checksums all pass, verified in place in shared memory; the caller closes the map.
+
+    A snapshot that fails a checksum is reported through ``log`` with the chunk it failed on,
+    and the next older one is tried.
+    """
+    for info in committed(root, rank):
+        if step is not None and info.record.step != step or not accept(info.record):
+            continue
+        m = open_slot(root, rank, info.slot)
+        problem = info.record.verify(m)
+        if problem is None:
+            return info.record, m
+        m.close()
+        if log:
+            log(f"{rank_dir(root, rank)}/slot{info.slot}: snapshot of step {info.record.step} refused: {problem}")
+    return None
+
+
+def load_verified(root, rank: int, step: Optional[int] = None, log=None) -> Optional[tuple[CommitRecord, bytes]]:
+    """Like :func:`map_verified`, copied out of shared memory (safe to keep after the slot is reused)."""
+    found = map_verified(root, rank, step, log)
+    if found is None:
+        return None
+    record, m = found
+    with m:
+        return record, bytes(m[:record.layout.nbytes])

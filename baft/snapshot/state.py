@@ -1,0 +1,184 @@
+"""A rank's training state: the tensors to snapshot and the small items beside them.
+
+Tensors (parameters, buffers, optimizer state) are enumerated in a fixed order so two
+processes of the same model agree on the layout. The small items (RNG states, step
+counters, optimizer hyper-parameters, LR scheduler, loss scaler, data position) are
+captured as JSON at the step boundary, right after an optimizer step.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from baft.snapshot.layout import TensorEntry
+from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
+
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def optimizer_adapter(engine):
+    """The engine's optimizer adapter (made once per engine): where its state lives and what it is called."""
+    adapter = getattr(engine, "baft_optimizer_adapter", None)
+    if adapter is None:
+        adapter = engine.baft_optimizer_adapter = adapter_for(engine)
+    return adapter
+
+
+def _module_state(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for name, p in engine.module.named_parameters():
+        yield f"param/{name}", "parameters", p.data
+    for name, b in engine.module.named_buffers():
+        yield f"buffer/{name}", "other", b
+
+
+def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) for every tensor this rank holds of its state, in a stable order."""
+    yield from _module_state(engine)
+    for name, t in optimizer_adapter(engine).tensors():
+        yield name, "optimizer", t
+
+
+def tensor_entries(engine) -> list[TensorEntry]:
+    """Every tensor of the stage's state, the partitions other replicas own included."""
+    return [entry(name, t, kind) for name, kind, t in _module_state(engine)] + optimizer_adapter(engine).entries()
+
+
+def state_tensors(engine) -> dict[str, torch.Tensor]:
+    """This rank's own state tensors by name."""
+    return {name: t for name, _, t in named_state_tensors(engine)}
+
+
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _torch_blob(obj) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return _b64(buf.getvalue())
+
+
+def _torch_unblob(text: str):
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
+def capture_items(engine, data_iterator=None) -> dict:
+    """The small state at the step boundary, as JSON-able values."""
+    np_state = np.random.get_state()
+    items = {
+        "rng": {
+            "python": _python_rng(),
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+        },
+        "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in base_optimizer(engine.optimizer).param_groups],
+    }
+    if torch.cuda.is_available():
+        items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    if getattr(engine, "lr_scheduler", None) is not None:
+        items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and hasattr(scaler, "cur_scale"):
+        items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    if data_iterator is not None and hasattr(data_iterator, "state_dict"):
+        items["data"] = data_iterator.state_dict()
+    return _jsonable(items)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    return _torch_blob(obj)
+
+
+class EngineLoaderPosition:
+    """The data position of the engine's own loader (``training_data=`` given to ``initialize``).
+
+    DeepSpeed reads that dataset through a ``DistributedSampler`` without shuffling, repeated
+    (``RepeatingLoader``), on the first and last stages; each optimizer step takes
+    ``micro_batches`` of it. The position after step k is k x micro_batches, and a restore
+    starts the loader again and skips that far into its epoch (reading the skipped batches).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
+
+    def load_state_dict(self, saved: dict) -> None:
+        from deepspeed.runtime.dataloader import RepeatingLoader
+
+        repeating = getattr(self.engine, "training_dataloader", None)
+        if repeating is None:  # a middle stage reads no data
+            return
+        loader = RepeatingLoader(repeating.loader)
+        for _ in range(saved["micro_batches"] % len(repeating.loader)):
+            next(loader)
+        self.engine.training_dataloader = self.engine.data_iterator = loader
+
+
+def restore_items(engine, items: dict, data_iterator=None) -> None:
+    """Put the small state back: RNG, counters, hyper-parameters, scheduler, scaler, data position."""
+    rng = items["rng"]
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = rng["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in rng["cuda"]])
+    for k, v in items["counters"].items():
+        setattr(engine, k, v)
+    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, items["param_groups"]):
+        for k, v in saved.items():
+            if k in group and not isinstance(group[k], (list, tuple)):
+                group[k] = type(group[k])(v) if group[k] is not None else v
+            elif k in group:
+                group[k] = type(group[k])(v)
+    if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
+        engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for k, v in items.get("loss_scaler", {}).items():
+        setattr(scaler, k, v)
+    if "data" in items and data_iterator is not None:
+        data_iterator.load_state_dict(items["data"])
+
+
+def ensure_optimizer_state(engine) -> Optional[str]:
+    """None when every trainable parameter has optimizer state, else why not (before the first step)."""
+    optimizer = base_optimizer(engine.optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state.get(p):
+                return "optimizer state is created by the first optimizer step"
+    return None
+
+
+def create_optimizer_state(engine, entries) -> None:
+    """Allocate the optimizer-state tensors a snapshot's layout lists, so a restore can fill them.
+
+    Before the first optimizer step a torch optimizer has no state; a snapshot of step
+    k >= 1 has it, and every value is overwritten by the restore.
+    """
+    optimizer_adapter(engine).create_state(entries)
