@@ -39,14 +39,14 @@ def initialize(*args, data_iterator=None, **kwargs):
     object with ``state_dict``/``load_state_dict``); without it, the position of the
     engine's own loader (``training_data=``) is.
     """
-    from baft.recovery import restore
-    restore.mark("init_start")
+    from baft.recovery.record import mark
+    mark("init_start")
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
     ds_config = load_ds_config(_config_source(given))
     cfg = _with_launcher_defaults(parse_config(ds_config), ds_config)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
-    restore.mark("init_end")
+    mark("init_end")
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
@@ -82,7 +82,8 @@ def _config_source(given: dict):
 
 def _protect(engine, cfg, data_iterator) -> None:
     """Restore the newest snapshot every rank holds, then snapshot as the policy says."""
-    from baft.recovery import chaos, restore
+    from baft.recovery import chaos, record
+    from baft.recovery.restore import restore
     from baft.snapshot import state
     from baft.snapshot.build import IN_MEMORY, make_policy, shm_root, warn
 
@@ -95,26 +96,26 @@ def _protect(engine, cfg, data_iterator) -> None:
         if client is None and cfg.require_manager:
             raise BaftError(f"baft.require_manager: no snapshot manager answers at {root}; start one with "
                             f"'baft manager start' or set require_manager to false")
-        restored = restore.restore(engine, root, client, data_iterator, cfg.fresh_start,
-                                    log=lambda m: warn(engine, m))
+        restored = restore(engine, root, client, data_iterator, cfg.fresh_start,
+                           log=lambda m: warn(engine, m))
         if restored is not None and engine.global_rank == 0:
             print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
         engine.baft_restored = restored
     policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))
     if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
-        restore.mark("restore_start")
+        record.mark("restore_start")
         step = policy.restore(engine)
-        restore.mark("restore_end")
-        engine.baft_restored = restore.Restored(step, "disk", 1) if step else None
+        record.mark("restore_end")
+        engine.baft_restored = record.Restored(step, "disk", 1) if step else None
         if step and engine.global_rank == 0:
             print(f"baft: resumed from step {step} (disk, {cfg.policy})", flush=True)
     engine.baft_hooks.append(policy)
-    engine.baft_hooks.append(restore.RecoveryReport(engine.baft_restored, cfg.run_dir))
+    engine.baft_hooks.append(record.RecoveryReport(engine.baft_restored, cfg.run_dir))
     faults = chaos.faults_from_env()
     if faults:
         from baft.config import node_of
 
-        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, restore.restart_count(), cfg.run_dir,
+        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, record.restart_count(), cfg.run_dir,
                                                  node=node_of(cfg, engine.global_rank), node_root=root))
 
 
@@ -197,6 +198,7 @@ def _with_launcher_defaults(cfg, ds_config: dict):
 
 def _start_profiler(engine, directory: str, iterations: int, model) -> None:
     from baft.pipeline.profiler import ProfileSession
+    from baft.snapshot import sizes
 
-    engine.baft_hooks.append(ProfileSession(directory, iterations, type(model).__name__,
+    engine.baft_hooks.append(ProfileSession(directory, iterations, type(model).__name__, sizes.describe,
                                             show_progress=engine.global_rank == 0))

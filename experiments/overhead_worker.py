@@ -31,7 +31,8 @@ from baft.config import BaftConfig
 from baft.examples import worker
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
-from baft.snapshot.build import DiskCheckpoint, PlannedExecutor
+from baft.snapshot.baselines import DiskCheckpoint
+from baft.snapshot.build import PlannedExecutor
 from baft.snapshot.copy import Snapshot
 from baft.snapshot.layout import checksum
 from baft.snapshot.policies import SnapshotPolicy, SyncCopy, ThreadCopy

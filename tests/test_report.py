@@ -7,7 +7,8 @@ import pytest
 from matplotlib.image import imread
 
 from baft.errors import BaftError
-from baft.recovery.report import FILENAME, draw_recovery, load_recoveries, render_recovery_text
+from baft.cli.report import draw_recovery, render_recovery_text
+from baft.recovery.record import FILENAME, load_recoveries
 
 # Records written by the restart hook in real runs on this machine (17M-parameter GPT, 2 stages):
 # a kill restored from the manager's memory, a node loss rebuilt from parity, a kill restored from

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from baft.config import BaftConfig
 from baft.examples import worker
-from baft.snapshot.build import DiskCheckpoint, PlannedExecutor
+from baft.snapshot.baselines import DiskCheckpoint
+from baft.snapshot.build import PlannedExecutor
 from baft.snapshot.policies import SyncCopy, ThreadCopy
 
 POLICIES = ("none", "sync-copy", "thread-copy", "baft", "torch-save", "deepspeed")

@@ -241,7 +241,8 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
     finally:
         stop_all(configs)
     if (run / "recovery.jsonl").exists():
-        from baft.recovery.report import load_recoveries, render_recovery_text
+        from baft.cli.report import render_recovery_text
+        from baft.recovery.record import load_recoveries
 
         click.echo(render_recovery_text(load_recoveries(run)))
     if code != 0:
@@ -318,7 +319,8 @@ def inspect_cmd(path, no_verify):
 @user_errors
 def report(run_dir, png):
     """The recovery-time breakdown (T0..T4) of every fault of a run."""
-    from baft.recovery.report import draw_recovery, load_recoveries, render_recovery_text
+    from baft.cli.report import draw_recovery, render_recovery_text
+    from baft.recovery.record import load_recoveries
 
     recs = load_recoveries(run_dir)
     click.echo(render_recovery_text(recs))

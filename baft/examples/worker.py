@@ -23,7 +23,7 @@ import baft
 from baft.config import POLICIES
 from baft.errors import BaftError
 from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
-from baft.recovery.restore import mark, restart_count
+from baft.recovery.record import mark, restart_count
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,14 +29,13 @@ from baft.jsonfile import read_json, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
 from baft.pipeline.hooks import InstructionHook
 from baft.pipeline.timeline import Costs, analytic_bubble_map
-from baft.snapshot import state
-from baft.snapshot.layout import plan_layout
 
 _COMPUTE = ("ForwardPass", "BackwardPass")
 _RECEIVE = ("RecvActivation", "RecvGrad")
 
 
-def _sync():
+def sync_device():
+    """Wait for the device's queued work, so host time covers it (nothing to wait for on CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -51,16 +49,16 @@ class InstructionTimer(InstructionHook):
         self._current: list[tuple] = []
 
     def iteration_start(self, engine):
-        _sync()
+        sync_device()
         self._t0 = time.perf_counter()
         self._current = []
 
     def before(self, engine, index, cmd):
-        _sync()
+        sync_device()
         self._start = time.perf_counter()
 
     def after(self, engine, index, cmd):
-        _sync()
+        sync_device()
         end = time.perf_counter()
         self._current.append((index, repr(cmd), type(cmd).__name__, self._start - self._t0, end - self._start))
 
@@ -69,11 +67,17 @@ class InstructionTimer(InstructionHook):
 
 
 class ProfileSession(InstructionTimer):
-    """Times one warm-up plus ``iterations`` iterations, writes this rank's trace, and ends the run."""
+    """Times one warm-up plus ``iterations`` iterations, writes this rank's trace, and ends the run.
 
-    def __init__(self, directory, iterations: int, model_name: str, show_progress: bool = True):
+    ``describe_state(engine)`` says how big this rank's snapshot is and how fast it copies
+    (:class:`StateDescription`); the profiler records it beside the bubbles.
+    """
+
+    def __init__(self, directory, iterations: int, model_name: str,
+                 describe_state: Callable[..., StateDescription], show_progress: bool = True):
         super().__init__()
         self.directory, self.total, self.model_name = Path(directory), iterations + 1, model_name
+        self.describe_state = describe_state
         self.bar = tqdm(total=self.total, desc="profiling", unit="iter", disable=not show_progress, file=sys.stderr)
 
     def iteration_end(self, engine):
@@ -82,56 +86,34 @@ class ProfileSession(InstructionTimer):
         if len(self.iterations) < self.total:
             return
         self.bar.close()
-        grid = engine.grid
-        layout = plan_layout(state.tensor_entries(engine), shard=grid.get_data_parallel_rank(),
-                             num_shards=grid.get_data_parallel_world_size())
-        model = {"name": self.model_name, "parameters": sum(p.numel() for p in engine.module.parameters()),
-                 "layout": {str(engine.stage_id): layout.fingerprint},
-                 "chunk_sizes": {str(engine.global_rank): [c.nbytes for c in layout.chunks]}}
-        write_trace(self.directory / f"trace-rank{engine.global_rank}.json", engine, self,
-                    measure_copy_bandwidth(engine), model)
+        write_trace(self.directory / f"trace-rank{engine.global_rank}.json", engine, self, self.describe_state(engine))
         dist.barrier()
         sys.exit(0)
 
 
-def measure_copy_bandwidth(engine, repeats: int = 3, limit: int = 256 << 20) -> float:
-    """Bytes per second of copying this rank's state tensors into a host buffer."""
-    tensors = [t.detach().reshape(-1).view(torch.uint8) for t in state.state_tensors(engine).values()
-               if t.numel() and t.is_contiguous()]
-    total = min(sum(t.numel() for t in tensors), limit)
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start, offset = time.perf_counter(), 0
-        for t in tensors:
-            n = min(t.numel(), total - offset)
-            if n <= 0:
-                break
-            host[offset:offset + n].copy_(t[:n], non_blocking=True)
-            offset += n
-        _sync()
-        times.append(time.perf_counter() - start)
-    return total / statistics.median(times)
+@dataclasses.dataclass(frozen=True)
+class StateDescription:
+    """A rank's snapshot as the bubble map records it: its size, chunks, layout and copy speed."""
+
+    state_bytes: StateBytes
+    copy_bandwidth: float  # bytes per second into host memory
+    layout: str  # the layout fingerprint
+    chunk_sizes: list[int]
 
 
-def state_bytes(engine) -> StateBytes:
-    sizes = {"parameters": 0, "optimizer": 0, "other": 0}
-    for entry in state.tensor_entries(engine):
-        sizes[entry.kind] += entry.nbytes
-    sizes["other"] += len(json.dumps(state.capture_items(engine)))
-    return StateBytes(**sizes)
-
-
-def write_trace(path, engine, timer: InstructionTimer, bandwidth: float, model: dict) -> Path:
+def write_trace(path, engine, timer: InstructionTimer, described: StateDescription) -> Path:
     """One rank's raw trace: every profiled iteration, its state size and copy bandwidth."""
     grid = engine.grid
+    model = {"name": timer.model_name, "parameters": sum(p.numel() for p in engine.module.parameters()),
+             "layout": {str(engine.stage_id): described.layout},
+             "chunk_sizes": {str(engine.global_rank): described.chunk_sizes}}
     return write_json_atomic(path, {
         "rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": grid.get_data_parallel_rank(),
         "stages": engine.num_stages, "data_parallel": grid.get_data_parallel_world_size(),
         "micro_batches": engine.micro_batches, "schedule": engine.baft_schedule, "model": model,
-        "state_bytes": dataclasses.asdict(state_bytes(engine)),
-        "copy_bandwidth": bandwidth, "iterations": timer.iterations, "optimizer_sync": optimizer_syncs(engine),
+        "state_bytes": dataclasses.asdict(described.state_bytes),
+        "copy_bandwidth": described.copy_bandwidth, "iterations": timer.iterations,
+        "optimizer_sync": optimizer_syncs(engine),
     })
 
 

@@ -1,7 +1,8 @@
 """A restart: agree on the newest step every rank holds, restore it, and account for the time.
 
-- ``restore``  agreement on the step, loading it into the engine, the T0..T4 marks
-- ``report``   the recovery record, read back and drawn
+- ``agree``    which step: the newest every pipeline stage can reach, computed alike on every rank
+- ``restore``  loading that step into the engine, all ranks or none; refusing a silent fresh start
+- ``record``   the T0..T4 of every restart, written after the first resumed iteration and read back
 - ``chaos``    fault injection (kill, hang, corrupt) for tests and experiments
 - ``inspect``  describe and verify a snapshot in shared memory or on disk
 

@@ -1,4 +1,4 @@
-"""The restart hook: agree on the newest step every rank can restore, load it, and time the restart.
+"""Restore: load the newest step every rank can restore into the engine, or refuse to start.
 
 On every (re)start ``baft.initialize`` calls :func:`restore`. Each rank lists the steps whose
 snapshots of its pipeline stage it can reach — in this node's shared memory (fastest), or
@@ -10,92 +10,23 @@ the small items (RNG, counters, LR scheduler, data position) are put back. If an
 fails to load the chosen step, all ranks drop it and agree on the next one: the job never
 resumes from a mix of steps.
 
-Restart timings (T1 process restart, T2 process-group init, T3 state load, T4 warm-up,
-T0 rollback) are recorded in :data:`clock` and written to ``RUN_DIR/recovery.jsonl`` by
-rank 0 once the first resumed iteration completes.
+The time it takes is T3 of the recovery record (:mod:`baft.recovery.record`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import mmap
-import os
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from baft.errors import BaftError
-from baft.pipeline.hooks import InstructionHook
+from baft.recovery.agree import local_offers, newest_common, rank_ids, slower
+from baft.recovery.record import Restored, mark
 from baft.snapshot import slots, state
 from baft.snapshot.layout import CommitRecord, model_signature, plan_layout
-
-clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
-SOURCES = ("memory", "parity", "disk")
-
-
-def mark(name: str) -> None:
-    """Record the wall time of a restart phase boundary (first call wins)."""
-    clock.setdefault(name, time.time())
-
-
-@dataclass
-class Restored:
-    step: int
-    source: str
-    shards: int
-    refused: list[str] = field(default_factory=list)
-
-
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _slower(a: str, b: str) -> str:
-    """Of two restore sources, the slower one: it is where the job's restore time went."""
-    return max(a, b, key=SOURCES.index)
-
-
-def _rank_ids(root) -> list[int]:
-    return sorted(int(p.name[4:]) for p in Path(root).glob("rank*") if p.name[4:].isdigit())
-
-
-def _local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dict) -> tuple[dict[int, dict], list]:
-    """What this node can reach: step -> {"shards", "num_shards", "pending"}, and why others were passed over.
-
-    ``pending`` lists (old rank, source) the node's manager can rebuild from parity or read
-    from disk on request. The notes are (kind, text): "stages" for snapshots of another
-    pipeline depth (fatal: the job cannot be resumed as launched), "model" for snapshots of
-    another model (ignored).
-    """
-    offers: dict[int, dict] = {}
-    notes = set()
-    for old_rank in _rank_ids(root):
-        for info in slots.committed(root, old_rank):
-            rec = info.record
-            if rec.topology.get("pipe", stages) != stages:
-                notes.add(("stages", f"{slots.rank_dir(root, old_rank)}: snapshots were taken with "
-                                     f"{rec.topology['pipe']} pipeline stages, this run has {stages}; restart with "
-                                     f"{rec.topology['pipe']} stages (any number of data-parallel replicas works), "
-                                     f"or start fresh in a new run directory"))
-            elif rec.stage == stage and rec.model != fingerprint:
-                notes.add(("model", f"{slots.rank_dir(root, old_rank)}: ignoring snapshots of another model "
-                                    f"(stage {stage} signature {rec.model}, this model's is {fingerprint})"))
-            elif rec.stage == stage:
-                entry = offers.setdefault(rec.step, {"shards": set(), "num_shards": rec.layout.num_shards})
-                entry["shards"].add(rec.layout.shard)
-    for old_rank, sources in held.items():
-        for source in ("parity", "disk"):
-            for step in sources.get(source, []):
-                if step not in offers:
-                    offers.setdefault(step, {"shards": set(), "num_shards": None})
-                offers[step].setdefault("pending", []).append((int(old_rank), source))
-    return offers, sorted(notes)
 
 
 def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True,
@@ -118,7 +49,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     tried: set[int] = set()
     found_any = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
     while True:
-        offers, notes = _local_offers(root, stage, engine.num_stages, fingerprint, held)
+        offers, notes = local_offers(root, stage, engine.num_stages, fingerprint, held)
         mine = {step: {"stage": stage, "shards": sorted(o["shards"]), "num_shards": o["num_shards"],
                        "pending": bool(o.get("pending"))}
                 for step, o in offers.items() if step not in tried}
@@ -133,7 +64,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
         if not tried:
             for kind, text in notes:
                 log(text)
-        step = _newest_common([offer for offer, _, _ in everyone], engine.num_stages)
+        step = newest_common([offer for offer, _, _ in everyone], engine.num_stages)
         if step is None:
             break
         ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
@@ -149,7 +80,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             sources = [None] * dist.get_world_size()
             dist.all_gather_object(sources, source)
             mark("restore_end")
-            return Restored(step, functools.reduce(_slower, sources), count, refused)
+            return Restored(step, functools.reduce(slower, sources), count, refused)
         _close(shards)
         tried.add(step)
         held = {}  # what the manager could not materialize, it will not on a second ask
@@ -167,25 +98,6 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     return None
 
 
-def _newest_common(everyone: list[dict], stages: int) -> Optional[int]:
-    """The newest step at which, for every stage, the ranks of that stage together reach every shard."""
-    steps = set.intersection(*(set(offers) for offers in everyone)) if everyone else set()
-    for step in sorted(steps, reverse=True):
-        complete = True
-        for s in range(stages):
-            entries = [o[step] for o in everyone if o[step]["stage"] == s]
-            if any(e["pending"] for e in entries):
-                continue  # a manager will materialize it from parity or disk; assume whole
-            counts = {e["num_shards"] for e in entries}
-            covered = set().union(*(set(e["shards"]) for e in entries))
-            if len(counts) != 1 or covered != set(range(counts.pop() or 0)) or not covered:
-                complete = False
-                break
-        if complete:
-            return step
-    return None
-
-
 def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[bool, str, dict]:
     """Load and check every reachable shard of this stage at ``step``, changing nothing in the engine.
 
@@ -195,12 +107,12 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
     source = "memory"
     for old_rank, pending_source in offer.get("pending", []):
         try:
-            source = _slower(source, client.restore(old_rank, step)["source"])
+            source = slower(source, client.restore(old_rank, step)["source"])
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
     shards: dict[int, tuple[CommitRecord, mmap.mmap]] = {}  # verified in place, copied once by _apply
     mine = lambda record: record.stage == engine.stage_id and record.model == fingerprint  # noqa: E731
-    for old_rank in _rank_ids(root):
+    for old_rank in rank_ids(root):
         found = slots.map_verified(root, old_rank, step=step, log=refused.append, accept=mine)
         if found is not None and found[0].layout.shard not in shards:
             shards[found[0].layout.shard] = found
@@ -306,63 +218,3 @@ def _apply(engine, shards: dict) -> None:
                 continue
             dist.broadcast(views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes], src=ranks[holders[0]],
                            group=group)
-
-
-class RecoveryReport(InstructionHook):
-    """After the first resumed iteration: T0..T4 of this restart, printed and appended to recovery.jsonl."""
-
-    def __init__(self, restored: Optional[Restored], run_dir: Optional[str]):
-        self.restored, self.run_dir, self.done = restored, run_dir, False
-
-    def iteration_end(self, engine):
-        if self.done:
-            return
-        self.done = True
-        mark("first_iteration_end")
-        if engine.global_rank != 0 or restart_count() == 0 or self.run_dir is None:
-            return
-        record = recovery_record(self.restored, Path(self.run_dir))
-        with open(Path(self.run_dir) / "recovery.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print("baft: recovered " + "  ".join(f"{k} {record[k]:.2f}s" for k in ("T0", "T1", "T2", "T3", "T4", "total"))
-              + f"  from step {record['restored_step']} ({record['source']})", flush=True)
-
-
-def _last_progress(run_dir: Path) -> dict[int, float]:
-    """step -> wall time it completed, from losses.jsonl (every attempt so far)."""
-    done = {}
-    path = run_dir / "losses.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                done[rec["step"]] = rec["time"]
-            except (ValueError, KeyError):
-                continue
-    return done
-
-
-def _fault(run_dir: Path) -> dict:
-    """The newest injected fault (chaos.jsonl), if the run has one for this restart."""
-    path = run_dir / "chaos.jsonl"
-    faults = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    faults = [f for f in faults if f.get("restart") == restart_count() - 1]
-    return faults[-1] if faults else {}
-
-
-def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
-    progress = _last_progress(run_dir)
-    fault = _fault(run_dir)
-    failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
-    step = restored.step if restored else 0
-    since = progress.get(step, failed_at)
-    t = {
-        "T0": max(0.0, failed_at - since),
-        "T1": clock.get("init_start", clock["process_start"]) - failed_at,  # restart, interpreter, imports
-        "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
-        "T3": clock["restore_end"] - clock["restore_start"],
-        "T4": clock["first_iteration_end"] - clock["restore_end"],
-    }
-    return {"restart": restart_count(), "fault": fault.get("what", "process exit"), "killed_at": fault.get("time"),
-            "restored_step": step, "source": restored.source if restored else "fresh",
-            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}

@@ -2,12 +2,14 @@
 
 - ``state``       what a rank's state is (tensors and small items: RNG, data position)
 - ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
+- ``sizes``       how big the snapshot is and how fast it copies (for the profiler)
 - ``layout``      the state's byte layout in a host buffer, chunked, and its commit record
 - ``slots``       the shared-memory slots a snapshot is copied into, commit record last
 - ``copy``        copying one snapshot into a slot, chunk by chunk
 - ``planner``     which chunk is copied in which bubble (from a bubble map)
 - ``policies``    when copies run: baft's bubble executor, synchronous copy, thread copy
 - ``build``       the policy a config asks for, and the planned executor it builds
+- ``baselines``   the disk checkpoints baft is compared with (DeepSpeed, torch.save, DCP)
 
 May import ``pipeline``; never ``manager``, ``recovery`` or anything above.
 """

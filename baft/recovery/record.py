@@ -1,7 +1,7 @@
-"""What ``baft report RUN_DIR`` prints and draws: where the time of every recovery went.
+"""The recovery record: the T0..T4 of every restart, timed by the restart hook and read back.
 
 A run directory holds ``recovery.jsonl``, written by the restart hook
-(:class:`baft.recovery.restore.RecoveryReport`): one JSON object per line, one line per
+(:class:`RecoveryReport`): one JSON object per line, one line per
 fault and restart::
 
     {"restart": 1, "fault": "kill rank 1 at step 7 (backward)", "killed_at": 1763769600.5,
@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import textwrap
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-from matplotlib.figure import Figure
-from rich.table import Table
+import psutil
 
-from baft.cli.show import to_text
 from baft.errors import BaftError
+from baft.pipeline.hooks import InstructionHook
 
+clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
 FILENAME = "recovery.jsonl"
 PHASES = ("T0", "T1", "T2", "T3", "T4")
 PHASE_NAMES = {
@@ -47,8 +48,84 @@ PHASE_NAMES = {
     "T3": "T3 state load",
     "T4": "T4 warm-up",
 }
-PHASE_COLOURS = {"T0": "#c44e52", "T1": "#8172b2", "T2": "#ccb974", "T3": "#4c72b0", "T4": "#55a868"}
 SOURCES = ("memory", "parity", "disk", "fresh")
+
+
+def mark(name: str) -> None:
+    """Record the wall time of a restart phase boundary (first call wins)."""
+    clock.setdefault(name, time.time())
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+@dataclass
+class Restored:
+    step: int
+    source: str
+    shards: int
+    refused: list[str] = field(default_factory=list)
+
+
+class RecoveryReport(InstructionHook):
+    """After the first resumed iteration: T0..T4 of this restart, printed and appended to recovery.jsonl."""
+
+    def __init__(self, restored: Optional[Restored], run_dir: Optional[str]):
+        self.restored, self.run_dir, self.done = restored, run_dir, False
+
+    def iteration_end(self, engine):
+        if self.done:
+            return
+        self.done = True
+        mark("first_iteration_end")
+        if engine.global_rank != 0 or restart_count() == 0 or self.run_dir is None:
+            return
+        record = recovery_record(self.restored, Path(self.run_dir))
+        with open(Path(self.run_dir) / FILENAME, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print("baft: recovered " + "  ".join(f"{k} {record[k]:.2f}s" for k in ("T0", "T1", "T2", "T3", "T4", "total"))
+              + f"  from step {record['restored_step']} ({record['source']})", flush=True)
+
+
+def _last_progress(run_dir: Path) -> dict[int, float]:
+    """step -> wall time it completed, from losses.jsonl (every attempt so far)."""
+    done = {}
+    path = run_dir / "losses.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                done[rec["step"]] = rec["time"]
+            except (ValueError, KeyError):
+                continue
+    return done
+
+
+def _fault(run_dir: Path) -> dict:
+    """The newest injected fault (chaos.jsonl), if the run has one for this restart."""
+    path = run_dir / "chaos.jsonl"
+    faults = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    faults = [f for f in faults if f.get("restart") == restart_count() - 1]
+    return faults[-1] if faults else {}
+
+
+def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
+    progress = _last_progress(run_dir)
+    fault = _fault(run_dir)
+    failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
+    step = restored.step if restored else 0
+    since = progress.get(step, failed_at)
+    t = {
+        "T0": max(0.0, failed_at - since),
+        "T1": clock.get("init_start", clock["process_start"]) - failed_at,  # restart, interpreter, imports
+        "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
+        "T3": clock["restore_end"] - clock["restore_start"],
+        "T4": clock["first_iteration_end"] - clock["restore_end"],
+    }
+    return {"restart": restart_count(), "fault": fault.get("what", "process exit"), "killed_at": fault.get("time"),
+            "restored_step": step, "source": restored.source if restored else "fresh",
+            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}
 
 
 @dataclass(frozen=True)
@@ -136,72 +213,3 @@ def _count(doc: dict, key: str, where: str, default: int | None = None) -> int |
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise BaftError(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
     return value
-
-
-def _s(seconds: float) -> str:
-    return f"{seconds:.2f}"
-
-
-def recovery_table(recs: list[Recovery]) -> Table:
-    """One row per recovery (phases in seconds), and a median row when there is more than one."""
-    table = Table(title=f"recoveries: {len(recs)}", caption="seconds; " + ", ".join(PHASE_NAMES.values()),
-                  caption_justify="left")
-    table.add_column("restart", justify="right")
-    table.add_column("fault")
-    table.add_column("restored step", justify="right")
-    table.add_column("source")
-    for name in (*PHASES, "total"):
-        table.add_column(name, justify="right")
-    for r in recs:
-        table.add_row(str(r.restart), r.fault, _restored(r), r.source or "—", *map(_s, r.phases), _s(r.total))
-    if len(recs) > 1:
-        medians = [statistics.median(getattr(r, p) for r in recs) for p in (*PHASES, "total")]
-        table.add_section()
-        table.add_row("median", "", "", "", *map(_s, medians))
-    return table
-
-
-def _restored(r: Recovery) -> str:
-    if r.restored_step is None:
-        return "—"
-    return f"{r.restored_step}" + (f" (lost {r.lost_steps})" if r.lost_steps else "")
-
-
-def render_recovery_text(recs: list[Recovery]) -> str:
-    """:func:`recovery_table` as plain text."""
-    return to_text(recovery_table(recs))
-
-
-def draw_recovery(recs: list[Recovery], path) -> Path:
-    """Stacked horizontal bars, one per recovery, one colour per phase T0..T4; seconds on the x axis."""
-    if not recs:
-        raise BaftError(f"{path}: no recoveries to draw")
-    fig = Figure(figsize=(11, 0.8 * len(recs) + 1.6), layout="constrained")
-    ax = fig.add_subplot()
-    ys = range(len(recs))
-    left = [0.0] * len(recs)
-    for i, phase in enumerate(PHASES):
-        widths = [r.phases[i] for r in recs]
-        ax.barh(ys, widths, left=left, height=0.6, color=PHASE_COLOURS[phase], label=PHASE_NAMES[phase],
-                edgecolor="white", linewidth=0.5)
-        left = [a + b for a, b in zip(left, widths)]
-    end = max(left) or 1.0
-    for y, r in zip(ys, recs):
-        ax.text(sum(r.phases) + end * 0.01, y, f"{r.total:.1f} s", va="center", fontsize=9)
-    ax.set_yticks(list(ys), [_bar_label(r) for r in recs], fontsize=9)
-    ax.set_ylim(len(recs) - 0.5, -0.5)
-    ax.set_xlim(0, end * 1.1)
-    ax.set_xlabel("seconds")
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_title("where the recovery time went", fontsize=11)
-    fig.legend(loc="outside lower center", ncols=len(PHASES), fontsize=9, frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def _bar_label(r: Recovery, width: int = 34) -> str:
-    fault = textwrap.wrap(f"#{r.restart} {r.fault}", width, max_lines=2, placeholder=" …")
-    source = f"from step {r.restored_step} ({r.source})" if r.restored_step is not None else (r.source or "")
-    return "\n".join(fault + [source]).rstrip()

@@ -1,0 +1,90 @@
+"""The disk checkpoints baft is compared with: DeepSpeed's ``save_checkpoint``, ``torch.save``, DCP ``async_save``.
+
+Each is an engine hook that saves the whole state after the optimizer step every ``period``
+steps, the way jobs checkpoint today; ``deepspeed`` and ``torch-save`` also restore.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from baft.pipeline.hooks import InstructionHook
+from baft.snapshot import state
+from baft.snapshot.optimizers import entry
+
+
+class DiskCheckpoint(InstructionHook):
+    """The usual practice: a full checkpoint to disk every ``period`` steps, after the step."""
+
+    def __init__(self, kind: str, save_dir: str, period: int, data_iterator=None):
+        self.kind, self.save_dir, self.period, self.data_iterator = kind, Path(save_dir), period, data_iterator
+        self.stall = 0.0
+        self.pending = None  # dcp-async: the previous save, still being written
+        self.saved: list[int] = []
+        # async_save plans its save with collectives from a background thread: on the default gloo
+        # group they would race the pipeline's p2p and abort, so they get a group of their own
+        self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
+
+    def iteration_start(self, engine):
+        self.stall = 0.0
+
+    def iteration_end(self, engine):
+        step = engine.global_steps
+        if step % self.period:
+            return
+        start = time.perf_counter()
+        items = state.capture_items(engine, self.data_iterator)
+        if self.kind == "deepspeed":
+            engine.save_checkpoint(str(self.save_dir), tag=f"global_step{step}", client_state={"baft_items": items})
+        elif self.kind == "torch-save":
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"tensors": state.state_tensors(engine), "items": items},
+                       self.save_dir / f"step{step}-rank{engine.global_rank}.pt")
+        elif self.kind == "dcp-async":
+            from torch.distributed.checkpoint import async_save
+
+            if self.pending is not None:
+                self.pending.result()
+            tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
+            self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"), process_group=self.group)
+        self.saved.append(step)
+        self.stall += time.perf_counter() - start
+
+    def close(self):
+        if self.pending is not None:  # the last async save must land before its process group goes
+            self.pending.result()
+            self.pending = None
+
+    def restore(self, engine) -> Optional[int]:
+        """Load the newest checkpoint every rank has (the usual restart); its step, or None."""
+        if self.kind == "deepspeed":
+            path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
+            if path is None:
+                return None
+            state.restore_items(engine, client["baft_items"], self.data_iterator)
+            return engine.global_steps
+        if self.kind == "torch-save":
+            mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
+            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64)
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+            step = int(newest.item())
+            if step == 0:
+                return None
+            saved = torch.load(self.save_dir / f"step{step}-rank{engine.global_rank}.pt", weights_only=False)
+            state.create_optimizer_state(engine, [e for e in _entries_of(saved["tensors"])])
+            live = state.state_tensors(engine)
+            for name, tensor in saved["tensors"].items():
+                live[name].copy_(tensor)
+            state.restore_items(engine, saved["items"], self.data_iterator)
+            return step
+        return None  # dcp-async checkpoints are written for the overhead comparison only
+
+
+def _entries_of(tensors: dict):
+    return [entry(name, t, "optimizer" if name.startswith("optim/") else "parameters") for name, t in tensors.items()]
+

@@ -1,0 +1,53 @@
+"""How big a rank's snapshot is and how fast it copies: what the profiler records beside the bubbles."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from baft.pipeline.bubblemap import StateBytes
+from baft.pipeline.profiler import StateDescription, sync_device
+from baft.snapshot import state
+from baft.snapshot.layout import plan_layout
+
+
+def describe(engine) -> StateDescription:
+    """This rank's snapshot: bytes by kind, chunk sizes and layout fingerprint of its shard, copy bandwidth."""
+    grid = engine.grid
+    layout = plan_layout(state.tensor_entries(engine), shard=grid.get_data_parallel_rank(),
+                         num_shards=grid.get_data_parallel_world_size())
+    return StateDescription(state_bytes=state_bytes(engine), copy_bandwidth=measure_copy_bandwidth(engine),
+                            layout=layout.fingerprint, chunk_sizes=[c.nbytes for c in layout.chunks])
+
+
+def state_bytes(engine) -> StateBytes:
+    """Bytes of parameters, optimizer state and everything else (RNG, data position) on this rank."""
+    sizes = {"parameters": 0, "optimizer": 0, "other": 0}
+    for entry in state.tensor_entries(engine):
+        sizes[entry.kind] += entry.nbytes
+    sizes["other"] += len(json.dumps(state.capture_items(engine)))
+    return StateBytes(**sizes)
+
+
+def measure_copy_bandwidth(engine, repeats: int = 3, limit: int = 256 << 20) -> float:
+    """Bytes per second of copying this rank's state tensors into a host buffer."""
+    tensors = [t.detach().reshape(-1).view(torch.uint8) for t in state.state_tensors(engine).values()
+               if t.numel() and t.is_contiguous()]
+    total = min(sum(t.numel() for t in tensors), limit)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    times = []
+    for _ in range(repeats):
+        sync_device()
+        start, offset = time.perf_counter(), 0
+        for t in tensors:
+            n = min(t.numel(), total - offset)
+            if n <= 0:
+                break
+            host[offset:offset + n].copy_(t[:n], non_blocking=True)
+            offset += n
+        sync_device()
+        times.append(time.perf_counter() - start)
+    return total / statistics.median(times)
