@@ -32,16 +32,11 @@ from pathlib import Path
 from baft.cli.machine import describe, now
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
-from baft.simulate.model import (
-    _bytes,
-    _duration,
-    compare_to_measured,
-    load_preset,
-    parse_overrides,
-    preset_names,
-    scenario_from_measured,
-    simulate_scenario,
-)
+from baft.simulate.measured import compare_to_measured, scenario_from_measured
+from baft.simulate.model import simulate_scenario
+from baft.simulate.scenario import load_preset, parse_overrides, preset_names
+from baft.simulate.units import duration as _duration
+from baft.simulate.units import size as _bytes
 
 POLICIES = ("disk", "disk-fixed", "sync-copy", "baft")
 ORDER = ("gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine")

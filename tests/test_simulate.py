@@ -9,20 +9,11 @@ from hypothesis import strategies as st
 
 from baft.errors import ConfigError
 from baft.pipeline.bubblemap import BubbleMap, InstructionTiming, RankProfile, StateBytes
-from baft.simulate.model import (
-    DAY,
-    Scenario,
-    compare_to_measured,
-    load_preset,
-    main,
-    parse_overrides,
-    preset_document,
-    preset_names,
-    render,
-    run,
-    scenario_from_measured,
-    simulate_scenario,
-)
+from baft.simulate.__main__ import main
+from baft.simulate.measured import compare_to_measured, scenario_from_measured
+from baft.simulate.model import DAY, run, simulate_scenario
+from baft.simulate.scenario import Scenario, load_preset, parse_overrides, preset_document, preset_names
+from baft.simulate.tables import render
 from baft.pipeline.timeline import Costs, simulate
 
 BASE = {

@@ -339,7 +339,9 @@ def report(run_dir, png):
 @user_errors
 def simulate(preset, scenario, overrides, measured, measured_overhead):
     """Bubbles, snapshot period, overhead and time lost per day at cluster scale."""
-    from baft.simulate.model import compare_to_measured, render, run
+    from baft.simulate.measured import compare_to_measured
+    from baft.simulate.model import run
+    from baft.simulate.tables import render
 
     if measured:
         from baft.pipeline.bubblemap import BubbleMap
