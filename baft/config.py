@@ -11,6 +11,9 @@ from typing import Optional, Union
 from baft.errors import ConfigError
 
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
+# how baft copies in a bubble: while the host waits in a receive (CPU), or queued on a copy stream
+# (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU
+EXECUTORS = ("auto", "receive", "stream")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class BaftConfig:
     bubble_map: Optional[str] = None
     plan: Optional[str] = None
     period: Union[int, str] = "auto"
+    executor: str = "auto"
     chunk_bytes: int = 1 << 20
     shm_root: str = "/dev/shm/baft"
     run_id: str = "default"
@@ -122,6 +126,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
     cfg = BaftConfig(**values)
     if cfg.policy not in POLICIES:
         raise ConfigError(f"baft.policy: unknown policy {cfg.policy!r} (one of {', '.join(POLICIES)})")
+    if cfg.executor not in EXECUTORS:
+        raise ConfigError(f"baft.executor: expected one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
     if cfg.chunk_bytes < 4096:
         raise ConfigError(f"baft.chunk_bytes: must be at least 4096, got {cfg.chunk_bytes}")
     if (cfg.persist.every or cfg.persist.seconds) and not cfg.persist.dir:

@@ -9,7 +9,7 @@ from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
-@pytest.mark.parametrize("phase,newest", [("copy", 4), ("commit", 5), ("optimizer", 5)])
+@pytest.mark.parametrize("phase,newest", [("copy", 4), ("seal", 4), ("commit", 5), ("optimizer", 5)])
 def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_root, phase, newest, monkeypatch):
     node_root = shm_root / "default" / "node0"
     start(ManagerConfig(node_id=0, shm_root=node_root).validate())
@@ -20,8 +20,9 @@ def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_ro
         assert proc.returncode != 0, "the fault did not fire"
         with ManagerClient.connect(node_root, timeout=30) as client:
             held = client.held()
-        # during iteration 6 the snapshot of step 5 is copied: killed mid-copy, step 4 is the newest;
-        # killed after its commit (or in the optimizer step that follows), step 5 is
+        # during iteration 6 the snapshot of step 5 is copied: killed mid-copy, or after the copy's fence
+        # while its checksums and commit record are being written, step 4 is the newest; killed after
+        # its commit (or in the optimizer step that follows), step 5 is
         assert held["1"]["memory"][0] == newest
         record, data = slots.load_verified(node_root, 1, step=newest)
         assert record.verify(data) is None

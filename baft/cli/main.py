@@ -179,6 +179,8 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--policy", default="baft", show_default=True,
               type=click.Choice(["none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async"]))
 @click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
+@click.option("--executor", default="auto", show_default=True, type=click.Choice(["auto", "receive", "stream"]),
+              help="How baft copies in a bubble (the example's baft.executor).")
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
 @click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
@@ -193,7 +195,7 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
-def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
+def train(example, iters, policy, period, executor, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
           persist_every, nodes, faults, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
@@ -220,7 +222,7 @@ def train(example, iters, policy, period, bubble_map, plan_file, run_dir, max_re
                       **({chaos.ENV: ";".join(faults)} if faults else {})})
     configs = []
     if example:
-        args = {**model, "iters": iters, "policy": policy, "period": period, "run_dir": str(run),
+        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor, "run_dir": str(run),
                 "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm,
                 "ranks_per_node": procs // nodes}
         if nodes > 1 or persist_every:

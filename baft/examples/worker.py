@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import baft
-from baft.config import POLICIES
+from baft.config import EXECUTORS, POLICIES
 from baft.errors import BaftError
 from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
 from baft.recovery.record import mark, restart_count
@@ -35,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--policy", default="none", choices=POLICIES)
     p.add_argument("--period", default="auto")
+    p.add_argument("--executor", choices=EXECUTORS, default="auto", help="how baft copies in a bubble")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--bubble-map", default=None)
     p.add_argument("--plan", default=None)
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def ds_config(args, dp: int) -> dict:
     period = args.period if args.period == "auto" else int(args.period)
     section = {"policy": args.policy, "schedule": args.schedule, "period": period, "run_id": args.run_id,
-               "shm_root": args.shm_root}
+               "shm_root": args.shm_root, "executor": args.executor}
     if args.bubble_map:
         section["bubble_map"] = args.bubble_map
     if args.plan:
@@ -152,6 +153,8 @@ def main(argv=None) -> int:
         policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
         snapshots = ""
         if policy is not None:
+            if hasattr(policy, "drain"):
+                policy.drain()  # the last snapshot may still be sealing
             taken = len(getattr(policy, "commits", getattr(policy, "saved", [])))
             snapshots = f"; {taken} snapshots committed by rank 0 ({args.policy}, period {policy.period})"
         print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"

@@ -1,13 +1,15 @@
 """Measure where each rank's bubbles are: time every executed pipeline instruction.
 
-:class:`InstructionTimer` is an engine hook that records the wall-clock start and
-duration of every instruction of every ``train_batch`` on its rank (on CUDA the
-instruction is synchronized first, so host time covers device work). Each rank writes a
-trace; :func:`merge_traces` turns the traces of all ranks into one measured bubble map,
-with the analytic prediction from the same per-op costs beside it.
+:class:`InstructionTimer` is an engine hook that records the start and duration of every
+instruction of every ``train_batch`` on its rank. Each rank writes a trace;
+:func:`merge_traces` turns the traces of all ranks into one measured bubble map, with the
+analytic prediction from the same per-op costs beside it.
 
-On CPU a bubble is time a stage spends blocked in a receive, so the measured bubbles are
-the receive instructions' durations.
+A bubble is time a stage's compute waits in a receive. On CPU the host blocks there, so
+the host clock measures it. On a GPU the host does not block (NCCL makes the compute stream
+wait), so every instruction is bracketed by CUDA events on the compute stream instead, and
+a receive's duration is the time the *device* idled in it; the host waits once per
+iteration, at its end, to read the events.
 """
 
 from __future__ import annotations
@@ -40,30 +42,60 @@ def sync_device():
         torch.cuda.synchronize()
 
 
+class HostClock:
+    """Marks are host times; a CPU instruction is done when its call returns."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def wait(self) -> None:
+        pass
+
+
+class CudaClock:
+    """Marks are CUDA events recorded on the current (compute) stream: device time, no host wait."""
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def wait(self) -> None:
+        torch.cuda.synchronize()
+
+
 class InstructionTimer(InstructionHook):
     """Records every instruction's (index, repr, start, duration) for each iteration."""
 
     def __init__(self):
         self.iterations: list[dict] = []
-        self._t0 = self._start = 0.0
+        self.clock = CudaClock() if torch.cuda.is_available() else HostClock()
+        self._t0 = self._start = None
         self._current: list[tuple] = []
 
     def iteration_start(self, engine):
-        sync_device()
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock.mark()
         self._current = []
 
     def before(self, engine, index, cmd):
-        sync_device()
-        self._start = time.perf_counter()
+        self._start = self.clock.mark()
 
     def after(self, engine, index, cmd):
-        sync_device()
-        end = time.perf_counter()
-        self._current.append((index, repr(cmd), type(cmd).__name__, self._start - self._t0, end - self._start))
+        self._current.append((index, repr(cmd), type(cmd).__name__, self._start, self.clock.mark()))
 
     def iteration_end(self, engine):
-        self.iterations.append({"time": time.perf_counter() - self._t0, "instructions": self._current})
+        end = self.clock.mark()
+        self.clock.wait()
+        seconds = self.clock.seconds
+        self.iterations.append({"time": seconds(self._t0, end), "instructions": [
+            (index, text, kind, seconds(self._t0, start), seconds(start, stop))
+            for index, text, kind, start, stop in self._current]})
 
 
 class ProfileSession(InstructionTimer):

@@ -3,8 +3,10 @@
 A fault is ``rank=R,step=S,phase=P[,restart=N]``: during the iteration that produces
 step S of attempt N (0: the first run), rank R dies in phase P — ``forward`` (first
 forward pass), ``backward`` (first backward pass), ``copy`` (inside a bubble, with a
-snapshot in flight), ``commit`` (right after the snapshot is committed, before the
-optimizer step) or ``optimizer`` (while the optimizer step runs). ``node=N,step=S`` kills
+snapshot in flight), ``seal`` (after the snapshot's copy is fenced, before its commit
+record is written: the snapshot is lost, the one before it is not), ``commit`` (right
+after the snapshot is committed, before the optimizer step) or ``optimizer`` (while the
+optimizer step runs, the snapshot committed). ``node=N,step=S`` kills
 a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
 (deleted) and all its ranks. ``manager=N,step=S`` kills only node N's manager. Each fault
 is logged to ``RUN_DIR/chaos.jsonl`` before the kill, so recovery reports know when it
@@ -24,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep, RecvActivation, RecvGrad
 
 from baft.errors import ConfigError
 from baft.pipeline.hooks import InstructionHook
+from baft.snapshot.policies import SnapshotPolicy
 
-PHASES = ("forward", "backward", "copy", "commit", "optimizer")
+PHASES = ("forward", "backward", "copy", "seal", "commit", "optimizer")
 ENV = "BAFT_CHAOS"
 
 
@@ -109,6 +112,9 @@ class ChaosHook(InstructionHook):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def iteration_start(self, engine):
+        if fault := self._due(engine, "seal"):
+            for policy in _snapshot_policies(engine):
+                policy.sealer.before_seal = lambda: self._kill(fault)
         if fault := self._due(engine, "manager"):
             self._log(fault)
             self._kill_manager()
@@ -124,18 +130,26 @@ class ChaosHook(InstructionHook):
             pass  # no manager on this node, or another rank of the node got it first
 
     def before(self, engine, index, cmd):
+        if isinstance(cmd, (RecvActivation, RecvGrad)) and (fault := self._due(engine, "copy")):
+            if any(p.stream is not None and p.snapshot is not None for p in _snapshot_policies(engine)):
+                self._kill(fault)  # the snapshot's copies are queued on a stream, not yet fenced
         if isinstance(cmd, ForwardPass) and (fault := self._due(engine, "forward")):
             self._kill(fault)
         elif isinstance(cmd, BackwardPass) and (fault := self._due(engine, "backward")):
             self._kill(fault)
         elif isinstance(cmd, OptimizerStep):
-            if fault := self._due(engine, "commit"):
-                self._kill(fault)
-            elif fault := self._due(engine, "optimizer"):
-                self._kill(fault, delay=0.002)
+            fault = self._due(engine, "commit") or self._due(engine, "optimizer")
+            if fault is not None:
+                for policy in _snapshot_policies(engine):
+                    policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
+                self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
 
     def bubble(self, engine, index, cmd):
-        fault = self._due(engine, "copy")
+        fault = self._due(engine, "copy")  # the host copies while this receive waits
         if fault is None:
             return None
         return lambda landed: self._kill(fault)
+
+
+def _snapshot_policies(engine) -> list[SnapshotPolicy]:
+    return [hook for hook in engine.baft_hooks if isinstance(hook, SnapshotPolicy)]

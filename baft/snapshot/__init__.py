@@ -5,7 +5,8 @@
 - ``sizes``       how big the snapshot is and how fast it copies (for the profiler)
 - ``layout``      the state's byte layout in a host buffer, chunked, and its commit record
 - ``slots``       the shared-memory slots a snapshot is copied into, commit record last
-- ``copy``        copying one snapshot into a slot, chunk by chunk
+- ``copy``        copying one snapshot into a slot, chunk by chunk; sealing it off the trainer's path
+- ``streams``     copy streams: a CUDA side stream fenced by events, or a thread on CPU
 - ``planner``     which chunk is copied in which bubble (from a bubble map)
 - ``policies``    when copies run: baft's bubble executor, synchronous copy, thread copy
 - ``build``       the policy a config asks for, and the planned executor it builds

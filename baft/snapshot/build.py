@@ -26,6 +26,7 @@ from baft.pipeline.timeline import analytic_bubble_map
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
 from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
+from baft.snapshot.streams import copy_stream_for
 
 
 def warn(engine, message: str) -> None:
@@ -83,6 +84,12 @@ class PlannedExecutor(BubbleExecutor):
     def iteration_end(self, engine):
         if not self.planned:
             self.timer.iteration_end(engine)
+
+    def prepare(self, engine) -> None:
+        super().prepare(engine)
+        executor = self.cfg.executor
+        if self.stream is None and (executor == "stream" or executor == "auto" and self.source.device.type == "cuda"):
+            self.stream = copy_stream_for(self.source.device)
 
     def make_plan(self, engine) -> None:
         self.prepare(engine)

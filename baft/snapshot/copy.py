@@ -1,15 +1,19 @@
 """Copying one snapshot of a rank's state into a shared-memory slot, chunk by chunk.
 
-A :class:`Snapshot` is taken at a step boundary: ``begin`` captures the small items and
-picks a slot; ``copy`` moves one chunk and checksums it; ``commit`` writes the commit
-record once every chunk is in. The policies (bubble-aware executor, synchronous copy,
-background thread) differ only in *when* they call ``copy``.
+A :class:`Snapshot` is taken at a step boundary: it captures the small items and picks a
+slot; ``copy`` moves one chunk (and checksums it, when the trainer has time to spare);
+``fence`` is the deadline: every chunk out of the live tensors before the optimizer step
+changes them; ``seal`` checksums what is left and writes the commit record. Only the fence
+is on the trainer's path: a :class:`Sealer` seals on a thread of its own, and a snapshot
+counts only once its commit record, with every chunk's checksum, exists. The policies
+(bubble-aware executor, synchronous copy, background thread) differ only in *when* they
+call ``copy``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -17,6 +21,7 @@ import torch
 from baft.snapshot import state
 from baft.snapshot.layout import CommitRecord, Layout, checksum, model_signature, plan_layout
 from baft.snapshot.slots import SnapshotWriter
+from baft.snapshot.streams import CopyStream
 
 
 class StateSource:
@@ -30,7 +35,7 @@ class StateSource:
                                           num_shards=grid.get_data_parallel_world_size())
         self.views = {name: t.detach().reshape(-1).view(torch.uint8)
                       for name, t in state.state_tensors(engine).items()}
-        self.on_cuda = any(v.is_cuda for v in self.views.values())
+        self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
 
     def view(self, chunk) -> torch.Tensor:
         return self.views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes]
@@ -42,14 +47,18 @@ class StateSource:
 
 
 class Snapshot:
-    """One snapshot of step ``step`` in flight: pending chunks, copied bytes, checksums."""
+    """One snapshot of step ``step`` in flight: pending chunks, copied bytes, checksums.
+
+    Without a ``stream`` the host copies (:meth:`copy`); with one, chunks are queued on it
+    (:meth:`queue`) and only :meth:`seal` waits for them.
+    """
 
     def __init__(self, source: StateSource, writer: SnapshotWriter, step: int, items: dict,
-                 stream: Optional["torch.cuda.Stream"] = None):
+                 stream: Optional[CopyStream] = None):
         self.source, self.writer, self.step, self.items = source, writer, step, items
         self.buffer = writer.begin(step)
         self.slot = writer.slot
-        self.pending = deque(range(len(source.layout.chunks)))
+        self.pending = dict.fromkeys(range(len(source.layout.chunks)))  # in layout order
         self.checksums: list[Optional[str]] = [None] * len(source.layout.chunks)
         self.stream = stream
         self.copy_seconds = 0.0
@@ -58,20 +67,33 @@ class Snapshot:
     def done(self) -> bool:
         return not self.pending
 
-    def copy(self) -> int:
-        """Copy the next pending chunk; return its bytes."""
-        i = self.pending.popleft()
+    def _slot_view(self, chunk) -> torch.Tensor:
+        return self.buffer[chunk.offset:chunk.offset + chunk.nbytes]
+
+    def copy(self, checksum_now: bool = True) -> int:
+        """Copy the next pending chunk on the host; return its bytes."""
+        i = next(iter(self.pending))
+        del self.pending[i]
         chunk = self.source.layout.chunks[i]
-        dst = self.buffer[chunk.offset:chunk.offset + chunk.nbytes]
+        dst = self._slot_view(chunk)
         start = time.perf_counter()
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                dst.copy_(self.source.view(chunk), non_blocking=True)
-        else:
-            dst.copy_(self.source.view(chunk))
+        dst.copy_(self.source.view(chunk))
+        if checksum_now:
             self.checksums[i] = checksum(dst.numpy())
         self.copy_seconds += time.perf_counter() - start
         return chunk.nbytes
+
+    def queue(self, indices) -> int:
+        """Queue the pending chunks among ``indices`` on the stream, after the compute so far; their bytes."""
+        chosen = [i for i in indices if i in self.pending]
+        if not chosen:
+            return 0
+        self.stream.after_compute()
+        for i in chosen:
+            del self.pending[i]
+            chunk = self.source.layout.chunks[i]
+            self.stream.copy(self._slot_view(chunk), self.source.view(chunk))
+        return sum(self.source.layout.chunks[i].nbytes for i in chosen)
 
     def copy_while(self, keep_going: Callable[[], bool]) -> int:
         copied = 0
@@ -79,13 +101,26 @@ class Snapshot:
             copied += self.copy()
         return copied
 
-    def finish(self) -> CommitRecord:
-        """Copy what is left, checksum, and commit. Returns the commit record."""
-        self.copy_while(lambda: True)
+    def fence(self) -> None:
+        """The deadline: copy what is left out of the live tensors (checksums wait for :meth:`seal`).
+
+        With a CUDA stream the optimizer step, queued after this, waits for the copies on the
+        device; the host does not wait.
+        """
+        if self.stream is None:
+            while self.pending:
+                self.copy(checksum_now=False)
+            return
+        self.queue(list(self.pending))
+        self.stream.fence()
+
+    def seal(self) -> CommitRecord:
+        """After the fence, off the trainer's path: checksum every chunk not yet done, then commit."""
         if self.stream is not None:
             self.stream.synchronize()
-            for i, chunk in enumerate(self.source.layout.chunks):
-                self.checksums[i] = checksum(self.buffer[chunk.offset:chunk.offset + chunk.nbytes].numpy())
+        for i, chunk in enumerate(self.source.layout.chunks):
+            if self.checksums[i] is None:
+                self.checksums[i] = checksum(self._slot_view(chunk).numpy())
         engine = self.source.engine
         record = CommitRecord(step=self.step, rank=engine.global_rank, stage=engine.stage_id,
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,
@@ -96,5 +131,38 @@ class Snapshot:
         return record
 
 
-def side_stream(source: StateSource):
-    return torch.cuda.Stream() if source.on_cuda else None
+class Sealer:
+    """Seals fenced snapshots on a thread of its own, one at a time, and reports each commit.
+
+    ``committed(record, slot)`` runs on that thread once the commit record is written. A
+    snapshot's slot is reused only after its seal: :meth:`wait` before the next ``begin``.
+    An error while sealing is raised by the next :meth:`wait`, in the trainer's thread.
+    """
+
+    def __init__(self, committed: Callable[[CommitRecord, int], None]):
+        self.committed = committed
+        self.before_seal: Optional[Callable[[], None]] = None  # fault injection: runs before the next seal
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, snapshot: Snapshot) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._seal, args=(snapshot,), name="baft-seal", daemon=True)
+        self._thread.start()
+
+    def _seal(self, snapshot: Snapshot) -> None:
+        try:
+            if self.before_seal is not None:
+                self.before_seal()
+            self.committed(snapshot.seal(), snapshot.slot)
+        except BaseException as err:  # re-raised in the trainer's thread by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Until the snapshot being sealed is committed (or its error raised here)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

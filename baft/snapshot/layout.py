@@ -25,8 +25,12 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16
 
 
 def checksum(data) -> str:
-    """xxh3-64 of a bytes-like object, as hex: fast enough to run inside a bubble."""
-    return xxhash.xxh3_64_hexdigest(data)
+    """xxh3-64 of a bytes-like object, as hex: fast enough to run inside a bubble.
+
+    Through the hasher object, whose ``update`` releases the GIL (the one-shot
+    ``xxh3_64_hexdigest`` holds it), so a background checksum does not stall the trainer.
+    """
+    return xxhash.xxh3_64(data).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class RankPlan:
     def overhead_per_snapshot(self) -> float:
         return self.stall / self.iteration_time if self.iteration_time else 0.0
 
+    def placement(self) -> dict[int, range]:
+        """Instruction index -> the chunks copied in the bubble that begins there (the rest: at the fence)."""
+        return {s.slot: range(s.first_chunk, s.first_chunk + s.chunks) for s in self.slots}
+
     @property
     def bubble_used(self) -> float:
         """Fraction of the profiled bubble time the plan fills with copies."""

@@ -3,14 +3,17 @@
 Every in-memory policy takes the snapshot of step k during iteration k+1 and commits it
 before optimizer step k+1; they differ in when the chunks are copied:
 
-* :class:`BubbleExecutor` (``baft``): while the stage waits in a receive, chunk by chunk,
-  until the data lands; whatever is left is flushed before the optimizer step.
+* :class:`BubbleExecutor` (``baft``): inside the bubbles, whatever is left is flushed before
+  the optimizer step. On CPU it copies while the stage waits in a receive, chunk by chunk,
+  until the data lands; with a copy stream (a GPU, where the host does not wait) it queues
+  each bubble's planned chunks on the stream where the bubble begins.
 * :class:`SyncCopy` (``sync-copy``): everything at the start of the iteration (CheckFreq's
   snapshot phase).
 * :class:`ThreadCopy` (``thread-copy``): a background thread, ignoring bubbles.
 
 Each records, per iteration, the *stall*: seconds the trainer spent in the policy outside
-bubbles (flush, synchronous copy, join).
+bubbles (flush, synchronous copy, join). Checksums and the commit record are written after
+the fence, by a :class:`~baft.snapshot.copy.Sealer` thread, off the trainer's path.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
-from baft.snapshot.copy import Snapshot, StateSource, side_stream
+from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
+from baft.snapshot.streams import CopyStream
 
 
 class SnapshotPolicy(InstructionHook):
@@ -43,7 +47,9 @@ class SnapshotPolicy(InstructionHook):
         self.writer: Optional[SnapshotWriter] = None
         self.snapshot: Optional[Snapshot] = None
         self.stall = 0.0  # this iteration's
+        self.stream: Optional[CopyStream] = None  # None: the host copies
         self.commits: list[CommitRecord] = []
+        self.sealer = Sealer(self._committed)
 
     def due(self, engine) -> bool:
         step = engine.global_steps
@@ -60,9 +66,12 @@ class SnapshotPolicy(InstructionHook):
     def iteration_start(self, engine):
         self.stall = 0.0
         if self.due(engine):
+            start = time.perf_counter()
+            self.sealer.wait()  # the previous snapshot's slot may be reused only once it is committed
+            self.stall += time.perf_counter() - start
             self.prepare(engine)
             self.snapshot = Snapshot(self.source, self.writer, engine.global_steps,
-                                     state.capture_items(engine, self.data_iterator), side_stream(self.source))
+                                     state.capture_items(engine, self.data_iterator), self.stream)
             self.started()
 
     def started(self) -> None:
@@ -75,37 +84,59 @@ class SnapshotPolicy(InstructionHook):
             self.stall += time.perf_counter() - start
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.link is not None:
-            self.link.close()
+        try:
+            self.drain()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            if self.link is not None:
+                self.link.close()
 
     def finish(self) -> None:
-        slot = self.snapshot.slot
-        record = self.snapshot.finish()
-        self.snapshot = None
+        """The snapshot's deadline: fence it before the optimizer step, and hand it to the sealer."""
+        snapshot, self.snapshot = self.snapshot, None
+        snapshot.fence()
+        self.sealer.submit(snapshot)
+
+    def drain(self) -> None:
+        """Wait until every fenced snapshot is committed (raises what went wrong sealing one)."""
+        self.sealer.wait()
+
+    def _committed(self, record: CommitRecord, slot: int) -> None:
         self.commits.append(record)
         if self.link is not None:
             self.link.commit(record, slot)
 
 
 class BubbleExecutor(SnapshotPolicy):
-    """baft: copy inside the receive waits, in the order the plan gives; flush the rest."""
+    """baft: copy inside the bubbles; flush the rest before the optimizer step.
+
+    Without ``stream`` the host copies while each receive waits, in layout order, as long as
+    the wait lasts. With one, the chunks ``plan`` places in the bubble that begins at an
+    instruction are queued on the stream there; what the plan leaves is queued at the fence.
+    """
 
     name = "baft"
 
-    def __init__(self, *args, plan: Optional[RankPlan] = None, **kwargs):
+    def __init__(self, *args, plan: Optional[RankPlan] = None, stream: Optional[CopyStream] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.plan = plan
+        self.plan, self.stream = plan, stream
+        self.placement: dict[int, range] = {}
         self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
         self.flushed_bytes = 0
 
     def started(self):
         self.bubble_bytes.clear()
         self.flushed_bytes = 0
+        self.placement = self.plan.placement() if self.plan is not None else {}
+
+    def before(self, engine, index, cmd):
+        if self.stream is not None and self.snapshot is not None and index in self.placement:
+            self.bubble_bytes[index] += self.snapshot.queue(self.placement[index])
+        super().before(engine, index, cmd)
 
     def bubble(self, engine, index, cmd):
-        if self.snapshot is None or self.snapshot.done:
+        if self.stream is not None or self.snapshot is None or self.snapshot.done:
             return None
         snapshot = self.snapshot
 
@@ -116,6 +147,11 @@ class BubbleExecutor(SnapshotPolicy):
     def finish(self):
         self.flushed_bytes = sum(self.source.layout.chunks[i].nbytes for i in self.snapshot.pending)
         super().finish()
+
+    def close(self):
+        super().close()
+        if hasattr(self.stream, "close"):
+            self.stream.close()
 
 
 class SyncCopy(SnapshotPolicy):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -54,13 +55,30 @@ def map_file(path: Path, nbytes: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def pin_if_cuda(buffer: torch.Tensor) -> torch.Tensor:
-    """Register a host buffer with CUDA so device-to-host copies can run asynchronously."""
+_register_failed: list[int] = []  # warn once per process
+
+
+def register_with_cuda(buffer: torch.Tensor) -> bool:
+    """Page-lock a shared-memory buffer for CUDA (``cudaHostRegister``), so device-to-host copies
+    into it are asynchronous DMA at the link's speed. False, with one warning, where that fails:
+    the copies then still land, synchronously and slower. Nothing to do without CUDA."""
     import torch
 
-    if torch.cuda.is_available() and buffer.numel():
-        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    return buffer
+    if not torch.cuda.is_available() or not buffer.numel():
+        return False
+    portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), portable))
+    if error and not _register_failed:
+        _register_failed.append(error)
+        print(f"baft: cudaHostRegister of a {buffer.numel()}-byte snapshot slot failed (cudaError {error}); "
+              f"device-to-host copies into the slots are synchronous", file=sys.stderr, flush=True)
+    return not error
+
+
+def unregister_from_cuda(buffer: torch.Tensor) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 @dataclass
@@ -91,7 +109,8 @@ class SnapshotWriter:
         except OSError as err:
             raise BaftError(f"{self.directory}: cannot allocate {SLOTS} x {nbytes} bytes of shared memory "
                             f"({err.strerror})") from None
-        self.buffers = [pin_if_cuda(torch.frombuffer(m, dtype=torch.uint8)) for m in self._maps]
+        self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._registered = [b for b in self.buffers if register_with_cuda(b)]
         self.slot: Optional[int] = None
         # this writer is its rank's only writer: read the slots' steps once, then keep them here
         self._steps = {info.slot: info.record.step if info.record else None for info in read_slots(self.directory)}
@@ -113,6 +132,9 @@ class SnapshotWriter:
         return path
 
     def close(self) -> None:
+        for buffer in self._registered:
+            unregister_from_cuda(buffer)
+        self._registered.clear()
         self.buffers.clear()
         for m in self._maps:
             try:

@@ -36,10 +36,10 @@ root = shm_root(engine.baft_config, rank)
 if rank == mine.kill_rank and mine.kill_step >= 0:
     original_copy = copy.Snapshot.copy
 
-    def copy_then_die(self):
+    def copy_then_die(self, *args, **kwargs):
         if self.step == mine.kill_step and len(self.source.layout.chunks) - len(self.pending) == mine.kill_chunk:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original_copy(self)
+        return original_copy(self, *args, **kwargs)
 
     copy.Snapshot.copy = copy_then_die
 
@@ -53,6 +53,7 @@ class Reference(InstructionHook):
 
     def iteration_end(self, engine):
         step = engine.global_steps
+        engine.baft_hooks[0].drain()  # the snapshot of step - 1 is sealed off the trainer's path
         self.check(step - 1)
         self.reference[step] = ({k: v.detach().clone().reshape(-1).view(torch.uint8)
                                  for k, v in state.state_tensors(engine).items()},
@@ -80,7 +81,13 @@ ref = Reference()
 engine.baft_hooks.append(ref)
 for _ in range(args.iters):
     engine.train_batch(data_iter=data)
+policy = engine.baft_hooks[0]
+plan = getattr(policy, "plan", None)
 Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
+    "placement": {i: [c.nbytes for c in policy.source.layout.chunks[r.start:r.stop]]
+                  for i, r in plan.placement().items()} if plan else None,
+    "leftover_bytes": plan.leftover_bytes if plan else None,
+    "bubble_bytes": dict(getattr(policy, "bubble_bytes", {})), "flushed_bytes": getattr(policy, "flushed_bytes", None),
     "checked": ref.checked, "mismatches": ref.mismatches, "root": root,
     "commits": [r.step for r in engine.baft_hooks[0].commits], "stage": engine.stage_id,
     "chunks": [c.index for c in engine.baft_hooks[0].source.layout.chunks],

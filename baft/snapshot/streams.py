@@ -1,0 +1,110 @@
+"""Copy streams: where a snapshot's copies are queued when the host does not wait in a receive.
+
+On a GPU a receive does not block the host: NCCL makes the compute stream wait, and the
+bubble is time the *device* idles. The executor therefore does not copy while it waits;
+it queues each bubble's planned chunks on a :class:`CopyStream` at the instruction where
+the bubble begins, and fences the stream before the optimizer step:
+
+- :class:`CudaCopyStream` — a CUDA side stream. ``after_compute`` makes it wait on an event
+  recorded on the compute stream (the copies read the state the last optimizer step wrote),
+  ``copy`` is an asynchronous device-to-host DMA into pinned memory, ``fence`` makes the
+  compute stream wait on the copy stream's last event. The host never waits on the hot path.
+- :class:`ThreadCopyStream` — the same contract played by one thread on CPU: copies run in
+  queue order beside the trainer, and ``fence`` blocks the host until they are done (a CPU
+  has no device queue the optimizer step could wait in). It runs the device executor's
+  logic in the suite, on real DeepSpeed pipelines, without a GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Optional, Protocol
+
+import torch
+
+
+class CopyStream(Protocol):
+    """An ordered queue of copies beside the compute."""
+
+    def after_compute(self) -> None:
+        """Copies queued from now on start only after the compute queued so far."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)``."""
+
+    def fence(self) -> None:
+        """Compute queued from now on runs only after every copy queued so far."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until every copy queued so far is done."""
+
+
+class CudaCopyStream:
+    """A CUDA side stream fenced by events: no host synchronization until :meth:`synchronize`."""
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.stream = torch.cuda.Stream(device=device)
+        self.last: Optional[torch.cuda.Event] = None
+
+    def after_compute(self) -> None:
+        self.stream.wait_event(torch.cuda.current_stream().record_event())
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def fence(self) -> None:
+        self.last = self.stream.record_event()
+        torch.cuda.current_stream().wait_event(self.last)
+
+    def synchronize(self) -> None:
+        if self.last is not None:
+            self.last.synchronize()
+
+
+class ThreadCopyStream:
+    """A copy stream on CPU: one thread runs the queued copies in order."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="baft-copy-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    job()
+            except BaseException as err:  # raised in the caller's thread by synchronize()
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def after_compute(self) -> None:
+        """Nothing to wait for: on CPU the compute queued so far has already run."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._queue.put(lambda: dst.copy_(src))
+
+    def fence(self) -> None:
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+def copy_stream_for(device: torch.device) -> CopyStream:
+    """The copy stream for state on ``device``: a CUDA side stream, or a thread on CPU."""
+    return CudaCopyStream(device) if device.type == "cuda" else ThreadCopyStream()
