@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,9 +26,9 @@ import time
 import numpy as np
 import zfec
 
-from baft.cli.machine import cpu_model, now
 from baft.manager import erasure
 from baft.snapshot.layout import CommitRecord, TensorEntry, checksum, plan_layout
+from common import provenance
 
 
 def node_snapshot(size: int) -> list[tuple[CommitRecord, np.ndarray]]:
@@ -82,10 +81,10 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--codes {args.codes!r}: expected k/n pairs, like 2/3,4/6")
 
-    print(f"# baft erasure throughput, {now()}")
-    print(f"# command: python {' '.join(sys.argv)}")
-    print(f"# machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-          f"python {platform.python_version()}, zfec {zfec.__version__}, numpy {np.__version__}, "
+    prov = provenance()
+    print(f"# baft erasure throughput, {prov['date']}; baft revision {prov['revision']}")
+    print(f"# command: {prov['command']}")
+    print(f"# machine: {prov['machine']}, zfec {zfec.__version__}, numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     print(f"# GB/s of snapshot bytes, median of {args.runs} runs, one thread; rebuild from the parity-heaviest "
           f"survivors; k=1 replication, n=k+1 XOR, else Reed-Solomon")

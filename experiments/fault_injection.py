@@ -27,17 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from baft.cli.launch import launch_env
-from baft.cli.machine import command_line, describe, now
 from baft.recovery import chaos
+from common import RESULTS, clean_shm, first_recovery, header, md_table, provenance, read_jsonl, train
 
 MODELS = {
     # ~0.1 M parameters: ~60 ms iterations, a faulted run with its restart takes ~30 s here
@@ -48,49 +45,7 @@ MODELS = {
               "--micro-batches", "4"],
 }
 RANKS = 2  # the example: 2 pipeline stages, 1 replica each
-SHM_ROOT = Path("/dev/shm/baft")
-
-
-# ----------------------------------------------------------------------------- shared helpers
-
-def machine() -> str:
-    return describe() + " (CPU accelerator, gloo)"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line torn by the kill
-    return out
-
-
-def train(run_dir: Path, args: list[str], log_name: str = "train.log", timeout: float = 900.0) -> tuple[int, float]:
-    """``baft train --example gpt ARGS --run-dir RUN_DIR``; (exit code, wall seconds). Output goes to a log."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *args, "--run-dir", str(run_dir)]
-    start = time.time()
-    with open(run_dir / log_name, "w") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        try:
-            code = subprocess.run(cmd, check=False, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = -1
-    return code, time.time() - start
-
-
-def clean_shm(run_dir: Path) -> None:
-    """Remove what is left of this run's shared-memory root (managers are stopped by ``baft train``)."""
-    import hashlib
-
-    run = run_dir.resolve()
-    shutil.rmtree(SHM_ROOT / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}", ignore_errors=True)
+TIMES = ("T0", "T1", "T2", "T3", "T4", "total")  # seconds, from recovery.jsonl
 
 
 def reference_losses(run_dir: Path) -> dict[int, str]:
@@ -112,11 +67,10 @@ def draw_fault(seed: int, index: int, iters: int, node_every: int) -> tuple[str,
 def check_run(run_dir: Path, ref: dict[int, str], iters: int) -> dict:
     """What a faulted run did: fired, resumed, restored step and source, T0..T4, matched."""
     losses = read_jsonl(run_dir / "losses.jsonl")
-    recs = read_jsonl(run_dir / "recovery.jsonl")
     fired = read_jsonl(run_dir / "chaos.jsonl")
     before = [r for r in losses if r.get("restart", 0) == 0]
     after = [r for r in losses if r.get("restart") == 1]
-    rec = recs[0] if recs else {}
+    rec = first_recovery(run_dir)
     restored = rec.get("restored_step")
     resumed_steps = [r["step"] for r in after]
     resumed = bool(after) and max(resumed_steps) == iters
@@ -132,7 +86,7 @@ def check_run(run_dir: Path, ref: dict[int, str], iters: int) -> dict:
         "restored_step": restored,
         "source": rec.get("source"),
         "lost_steps": rec.get("lost_steps"),
-        **{k: rec.get(k) for k in ("T0", "T1", "T2", "T3", "T4", "total")},
+        **{k: rec.get(k) for k in TIMES},
         "resumed_losses": len(after),
         "matched": resumed and continuous and not mismatches,
         "mismatches": mismatches[:5],
@@ -143,20 +97,17 @@ def fmt_s(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-TABLE_HEAD = ("| # | fault | fired | restored step | source | lost steps | T0 s | T1 s | T2 s | T3 s | T4 s "
-              "| total s | resumed | matched |")
-
-
 def table(rows: list[dict]) -> str:
-    lines = [TABLE_HEAD, "|" + "---|" * (TABLE_HEAD.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['index']} | `{r['fault']}` | {'yes' if r['fired'] else 'NO'} | "
-            f"{'-' if r['restored_step'] is None else r['restored_step']} | {r['source'] or '-'} | "
-            f"{'-' if r['lost_steps'] is None else r['lost_steps']} | "
-            + " | ".join(fmt_s(r[k]) for k in ("T0", "T1", "T2", "T3", "T4", "total"))
-            + f" | {'yes' if r['resumed'] else 'NO'} | {'yes' if r['matched'] else 'NO'} |")
-    return "\n".join(lines)
+    head = ["#", "fault", "fired", "restored step", "source", "lost steps", *(f"{k} s" for k in TIMES), "resumed",
+            "matched"]
+    return "\n".join(md_table(head, [
+        [r["index"], f"`{r['fault']}`", "yes" if r["fired"] else "NO", _or_dash(r["restored_step"]),
+         r["source"] or "-", _or_dash(r["lost_steps"]), *(fmt_s(r[k]) for k in TIMES),
+         "yes" if r["resumed"] else "NO", "yes" if r["matched"] else "NO"] for r in rows]))
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def write_outputs(data: dict, out: Path) -> int:
@@ -176,9 +127,7 @@ def write_outputs(data: dict, out: Path) -> int:
     md = [
         "# Fault injection: resume from the newest snapshot, bit for bit",
         "",
-        f"- machine: {data['machine']}",
-        f"- command: `{data['command']}`",
-        f"- date: {data['date']} ({data['wall_s']:.0f} s wall)",
+        *header(data, data["wall_s"]),
         (f"- model: `{data['model']}` (`{' '.join(data['model_args'])}`), 2 pipeline stages, {data['iters']} steps, "
          f"`--policy baft --period 1 --max-restarts 1`; faults drawn from seed {data['seed']}"),
         ("- reference: one uninterrupted run with `--policy none`; *matched* = every loss of the faulted run "
@@ -212,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--iters", type=int, default=10, help="train until this step")
     p.add_argument("--node-every", type=int, default=4, help="every J-th run kills a simulated node (0: never)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory, removed)")
     p.add_argument("--render", metavar="JSON", help="only rewrite faults.md (and the JSON) from a faults.json")
     args = p.parse_args(argv)
@@ -225,8 +174,8 @@ def main(argv=None) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="baft-faults-"))
     work.mkdir(parents=True, exist_ok=True)
     model = MODELS[args.model] + ["--iters", str(args.iters)]
-    started = time.time()
-    print(f"machine: {machine()}\ncommand: {command_line()}\nrun directories: {work}", flush=True)
+    started, prov = time.time(), provenance()
+    print(f"machine: {prov['machine']}\ncommand: {prov['command']}\nrun directories: {work}", flush=True)
 
     ref_dir = work / "reference"
     shutil.rmtree(ref_dir, ignore_errors=True)
@@ -254,8 +203,7 @@ def main(argv=None) -> int:
               f"{'matched' if row['matched'] else 'NOT matched'}  [{secs:.0f} s]", flush=True)
     clean_shm(ref_dir)
 
-    data = {"machine": machine(), "command": command_line(), "date": now(), "model": args.model,
-            "model_args": MODELS[args.model], "iters": args.iters, "seed": args.seed,
+    data = {**prov, "model": args.model, "model_args": MODELS[args.model], "iters": args.iters, "seed": args.seed,
             "wall_s": round(time.time() - started, 1), "reference_losses": ref, "runs": rows}
     matched = write_outputs(data, Path(args.out))
     if not args.keep:

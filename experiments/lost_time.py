@@ -25,11 +25,9 @@ Writes ``lost_time.md`` (the table, with machine, command and date) and ``lost_t
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
-from baft.cli.machine import describe, now
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.simulate.measured import compare_to_measured, scenario_from_measured
@@ -37,6 +35,7 @@ from baft.simulate.model import simulate_scenario
 from baft.simulate.scenario import load_preset, parse_overrides, preset_names
 from baft.simulate.units import duration as _duration
 from baft.simulate.units import size as _bytes
+from common import RESULTS, header, provenance
 
 POLICIES = ("disk", "disk-fixed", "sync-copy", "baft")
 ORDER = ("gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine")
@@ -142,7 +141,7 @@ def main(argv=None) -> int:
                         help="the overhead a baft run measured, shown beside the prediction")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario key in every preset")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
 
     try:
@@ -156,17 +155,14 @@ def main(argv=None) -> int:
         return 2
 
     out = Path(args.out)
-    command = "python experiments/lost_time.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    date = now()
+    prov = provenance()
     rate = "each preset's own" if args.failures_per_day is None else f"{args.failures_per_day:g} per day"
-    header = ["# Expected time lost per fault and per day (simulator)", "",
-              f"- machine: {describe()}", f"- command: `{command.strip()}`", f"- date: {date}",
-              f"- failure rate: {rate}"
-              + (f"; this-machine costs measured in {args.measured}" if args.measured else "")]
-    text = markdown(results, header, comparison)
+    head = ["# Expected time lost per fault and per day (simulator)", "", *header(prov),
+            f"- failure rate: {rate}" + (f"; this-machine costs measured in {args.measured}" if args.measured else "")]
+    text = markdown(results, head, comparison)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lost_time.md").write_text(text)
-    chart(results, out / "lost_time.png", f"expected time lost per day, failure rate: {rate} ({date})")
+    chart(results, out / "lost_time.png", f"expected time lost per day, failure rate: {rate} ({prov['date']})")
     print(text)
     print(f"wrote {out / 'lost_time.md'} and {out / 'lost_time.png'}")
     return 0

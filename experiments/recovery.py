@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -38,10 +39,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_injection import clean_shm, command_line, machine, now, read_jsonl, train
-
+from baft.cli.launch import flags
+from baft.cli.report import PHASE_COLOURS
 from baft.examples.gpt import GPTConfig
+from baft.recovery.record import PHASE_NAMES, PHASES
+from common import RESULTS, clean_shm, first_recovery, header, md_table, provenance, read_jsonl, train
 
 SIZES = {
     # the default example: ~17 M parameters, ~0.2 GB of state per stage
@@ -50,10 +52,6 @@ SIZES = {
     "92M": {"d_model": 768, "layers": 12, "heads": 12},
 }
 COMMON = {"seq": 128, "vocab": 4096, "micro_batches": 8, "micro_batch_size": 2}
-PHASES = ("T0", "T1", "T2", "T3", "T4")
-PHASE_NAMES = {"T0": "T0 rollback", "T1": "T1 process restart", "T2": "T2 process-group init",
-               "T3": "T3 state load", "T4": "T4 first iteration"}
-COLOURS = {"T0": "#d62728", "T1": "#7f7f7f", "T2": "#bcbd22", "T3": "#1f77b4", "T4": "#2ca02c"}
 # The public resumable-training reference (DESIGN.md, "Reference figures"): GPT-3 on one 8-accelerator server.
 REFERENCE = [
     {"model": "GPT 3B", "flush_s": 30, "restart_s": 70, "load_s": 3, "T0": "~30 min (hourly checkpoint)"},
@@ -61,18 +59,15 @@ REFERENCE = [
 ]
 
 
-def model_args(size: str) -> list[str]:
-    opts = {**COMMON, **SIZES[size]}
-    return [a for k, v in opts.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-
-
 def parameters(size: str) -> int:
+    """Parameters of the example GPT at ``size``."""
     s = SIZES[size]
     return GPTConfig(vocab=COMMON["vocab"], seq=COMMON["seq"], d_model=s["d_model"], layers=s["layers"],
                      heads=s["heads"]).parameters()
 
 
 def du(path: Path) -> int:
+    """Bytes of the files under ``path``."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
@@ -121,6 +116,16 @@ class CacheDropper(threading.Thread):
             time.sleep(0.02)
 
 
+def best(fn, repeats: int = 5) -> float:
+    """The shortest of ``repeats`` timings of ``fn()``, in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def load_floor(checkpoints: Path) -> dict:
     """The same bytes loaded three ways in this process, one thread: the lower bounds of T3.
 
@@ -128,10 +133,7 @@ def load_floor(checkpoints: Path) -> dict:
     it, against reading as many bytes from shared memory (/dev/shm), checksumming them (xxh3, as
     baft's commit records do) and copying them into a tensor.
     """
-    import mmap
-
     import torch
-    import xxhash
 
     latest = checkpoints / "latest"  # the tag load_checkpoint reads
     if latest.exists():
@@ -141,47 +143,49 @@ def load_floor(checkpoints: Path) -> dict:
     if not files:
         return {}
 
-    def load_all() -> float:
-        start = time.perf_counter()
+    def load_all():
         for f in files:
             torch.load(f, map_location="cpu", weights_only=False)
-        return time.perf_counter() - start
 
     load_all()  # warm the cache
-    warm = min(load_all() for _ in range(3))
+    warm = best(load_all, 3)
     drop_from_cache(checkpoints)
-    cold = load_all()
+    cold = best(load_all, 1)
+    return {"bytes": total, "files": len(files), "torch_load_warm_s": warm, "torch_load_cold_s": cold,
+            "shm_verify_copy_s": shm_verify_copy(total)}
+
+
+def shm_verify_copy(nbytes: int) -> float:
+    """Seconds to checksum (xxh3, as baft's commit records) and copy ``nbytes`` out of shared memory."""
     fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="baft-floor-")
     try:
-        os.ftruncate(fd, total)
-        with mmap.mmap(fd, total) as m:
-            src = torch.frombuffer(m, dtype=torch.uint8)
-            src.fill_(7)
-            dst = torch.empty(total, dtype=torch.uint8)
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                xxhash.xxh3_64_hexdigest(m)
-                dst.copy_(src)
-                times.append(time.perf_counter() - start)
-            del src
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as m:
+            return _verify_copy(m)
     finally:
         os.close(fd)
         os.unlink(path)
-    return {"bytes": total, "files": len(files), "torch_load_warm_s": warm, "torch_load_cold_s": cold,
-            "shm_verify_copy_s": min(times)}
+
+
+def _verify_copy(m) -> float:
+    import torch
+    import xxhash
+
+    src = torch.frombuffer(m, dtype=torch.uint8)  # gone when this returns, before the map closes
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    return best(lambda: (xxhash.xxh3_64_hexdigest(m), dst.copy_(src)))
 
 
 def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
     """T3 from memory, piece by piece, on baft's own store (one process, no training running).
 
     Commits one snapshot of ``stage_bytes`` per rank into shared-memory slots with
-    :class:`baft.snapshot.slots.SnapshotWriter`, then times the read the trainer's restore does
-    (``baft.recovery.restore._try_load``): with :func:`baft.snapshot.slots.map_verified` (verify in place, only the
-    own stage's slot) where baft has it, else :func:`baft.snapshot.slots.load_verified` (a copy of the
-    slot, for every rank directory of the node); then the chunk-by-chunk copy into the engine's
-    tensors as ``baft.recovery.restore._apply`` does it; and the floor: checksumming the slot in place and
-    copying it into a tensor in one go.
+    :class:`baft.snapshot.slots.SnapshotWriter`, then times what a rank's restore
+    (``baft.recovery.restore``) does: :func:`baft.snapshot.slots.map_verified` of every rank
+    directory of the node, verifying in place the slot of its own stage only; the chunk-by-chunk
+    copy into the engine's tensors; and the floor: checksumming the slot in place and copying it
+    into a tensor in one go.
     """
     import torch
 
@@ -191,7 +195,6 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
     n = stage_bytes // 4 * 4
     layout = plan_layout([TensorEntry("state", "float32", (n // 4,), n, "parameters")])
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="baft-restore-"))
-    in_place = hasattr(slots, "map_verified")
     try:
         for rank in range(ranks_on_node):
             writer = slots.SnapshotWriter(root, rank, layout)
@@ -205,43 +208,24 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
             del buf
         target = torch.zeros(n, dtype=torch.uint8)
 
-        def best(fn, repeats=5):
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return min(times)
+        def read():
+            found = [slots.map_verified(root, r, step=1, accept=lambda rec: rec.stage == 0)
+                     for r in range(ranks_on_node)]
+            for f in found[1:]:
+                if f is not None:
+                    f[1].close()
+            return found[0]
 
-        def read_all():
-            """What one rank reads: its own stage's slot (map_verified), or every rank's (load_verified)."""
-            if in_place:
-                found = [slots.map_verified(root, r, step=1, accept=lambda rec: rec.stage == 0)
-                         for r in range(ranks_on_node)]
-                for f in found[1:]:
-                    if f is not None:
-                        f[1].close()
-                return found[0]
-            return next(slots.load_verified(root, r, step=1) for r in range(ranks_on_node))
-
-        read = best(lambda: _close_found(read_all()))
-        record, data = read_all()
+        read_s = best(lambda: read()[1].close())
+        record, data = read()
 
         def copy_in():
-            if in_place:
-                source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
-                for c in record.layout.chunks:
-                    target[c.start:c.start + c.nbytes].copy_(source[c.offset:c.offset + c.nbytes])
-                del source
-            else:
-                view = memoryview(data)
-                for c in record.layout.chunks:
-                    target[c.start:c.start + c.nbytes].copy_(
-                        torch.frombuffer(bytearray(view[c.offset:c.offset + c.nbytes]), dtype=torch.uint8))
+            source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
+            for c in record.layout.chunks:
+                target[c.start:c.start + c.nbytes].copy_(source[c.offset:c.offset + c.nbytes])
 
-        copy = best(copy_in)
-        _close_found((record, data))
-        record = data = None
+        copy_s = best(copy_in)
+        data.close()
         slot = slots.committed(root, 0)[0].slot
 
         def floor():
@@ -254,17 +238,11 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
                 del src
                 view.release()
 
-        low = best(floor)
+        floor_s = best(floor)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"stage_bytes": n, "ranks_on_node": ranks_on_node, "path": "map_verified" if in_place else "load_verified",
-            "slots_read": 1 if in_place else ranks_on_node, "read_s": read, "copy_s": copy,
-            "as_restored_s": read + copy, "floor_s": low}
-
-
-def _close_found(found) -> None:
-    if found is not None and hasattr(found[1], "close"):
-        found[1].close()
+    return {"stage_bytes": n, "ranks_on_node": ranks_on_node, "path": "map_verified", "slots_read": 1,
+            "read_s": read_s, "copy_s": copy_s, "as_restored_s": read_s + copy_s, "floor_s": floor_s}
 
 
 def measure(run_dir: Path, policy: str, period: int, size: str, iters: int) -> dict:
@@ -274,7 +252,7 @@ def measure(run_dir: Path, policy: str, period: int, size: str, iters: int) -> d
     resumed = [r for r in losses if r.get("restart") == 1]
     saves = [r for r in first if r["step"] % period == 0 and r["step"] > 1]  # step 1: no optimizer state yet
     plain = [r for r in first if r["step"] % period != 0 and r["step"] > 1] or [r for r in first if r["step"] > 1]
-    rec = (read_jsonl(run_dir / "recovery.jsonl") or [{}])[0]
+    rec = first_recovery(run_dir)
     iter_s = statistics.median(r["iter_s"] - r["stall_s"] for r in first if r["step"] > 1) if len(first) > 1 else None
     out = {
         "size": size, "policy": policy, "period": period, "params": parameters(size),
@@ -340,29 +318,25 @@ def aggregate(runs: list[dict]) -> list[dict]:
 
 
 def render_table(rows: list[dict]) -> str:
-    head = ("| model | policy | period | runs | iteration s | stall per save s | restored step (source) | lost steps "
-            "| T0 s (iters) | T1 s | T2 s | T3 s (range) | T4 s | restart T1..T4 s | total s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        t3 = fmt(r["T3"], 3)
-        if r.get("n", 1) > 1 and r.get("T3_range"):
-            t3 += f" ({r['T3_range'][0]:.3f}-{r['T3_range'][1]:.3f})"
-        lines.append(
-            f"| {r['size']} ({r['params'] / 1e6:.0f} M params) | {label(r)} | {r['period']} "
-            f"| {r.get('recovered', 1)}/{r.get('n', 1)} | {fmt(r['iter_s'])} "
-            f"| {fmt(r['stall_per_save_s'], 3)} "
-            f"| {r.get('restored_step_text', fmt(r['restored_step']))} ({r['source'] or '-'}) "
-            f"| {r.get('lost_steps_text', fmt(r['lost_steps']))} "
-            f"| {fmt(r['T0'])} ({fmt(r.get('T0_iters'), 1)}) | {fmt(r['T1'])} | {fmt(r['T2'])} | {t3} "
-            f"| {fmt(r['T4'])} | {fmt(r.get('restart_s'))} | {fmt(r['total'])} |")
-    return "\n".join(lines)
+    head = ["model", "policy", "period", "runs", "iteration s", "stall per save s", "restored step (source)",
+            "lost steps", "T0 s (iters)", "T1 s", "T2 s", "T3 s (range)", "T4 s", "restart T1..T4 s", "total s"]
+    return "\n".join(md_table(head, [
+        [f"{r['size']} ({r['params'] / 1e6:.0f} M params)", label(r), r["period"], f"{r['recovered']}/{r['n']}",
+         fmt(r["iter_s"]), fmt(r["stall_per_save_s"], 3), f"{r['restored_step_text']} ({r['source'] or '-'})",
+         r["lost_steps_text"], f"{fmt(r['T0'])} ({fmt(r['T0_iters'], 1)})", fmt(r["T1"]), fmt(r["T2"]), t3_text(r),
+         fmt(r["T4"]), fmt(r.get("restart_s")), fmt(r["total"])] for r in rows]))
+
+
+def t3_text(row: dict) -> str:
+    text = fmt(row["T3"], 3)
+    if row["n"] > 1 and row["T3_range"]:
+        text += f" ({row['T3_range'][0]:.3f}-{row['T3_range'][1]:.3f})"
+    return text
 
 
 def reference_table() -> str:
-    lines = ["| model | checkpoint flush | restart | of which load | T0 |", "|---|---|---|---|---|"]
-    for r in REFERENCE:
-        lines.append(f"| {r['model']} | ~{r['flush_s']} s | ~{r['restart_s']} s | ~{r['load_s']} s | {r['T0']} |")
-    return "\n".join(lines)
+    return "\n".join(md_table(["model", "checkpoint flush", "restart", "of which load", "T0"], [
+        [r["model"], f"~{r['flush_s']} s", f"~{r['restart_s']} s", f"~{r['load_s']} s", r["T0"]] for r in REFERENCE]))
 
 
 def targets(rows: list[dict], period: int, floors: dict) -> list[dict]:
@@ -382,9 +356,9 @@ def targets(rows: list[dict], period: int, floors: dict) -> list[dict]:
             ok = ratio >= 10 and b["source"] == "memory"
             bound = ""
             if floor:
-                best = floor["torch_load_cold_s" if disk.get("cold") else "torch_load_warm_s"] / floor["shm_verify_copy_s"]
+                limit = floor["torch_load_cold_s" if disk.get("cold") else "torch_load_warm_s"] / floor["shm_verify_copy_s"]
                 bound = (f"; best possible on this machine (torch.load of the same bytes against a checksummed copy "
-                         f"out of shared memory): {best:.1f}x")
+                         f"out of shared memory): {limit:.1f}x")
             out.append({"size": size, "target": "a", "against": label(disk), "ratio": ratio, "pass": ok,
                         "line": f"(a) {size}: T3 baft from {b['source']} {b['T3']:.3f} s vs DeepSpeed load_checkpoint "
                                 f"({'page cache dropped' if disk.get('cold') else 'page cache warm'}) "
@@ -406,19 +380,6 @@ def targets(rows: list[dict], period: int, floors: dict) -> list[dict]:
     return out
 
 
-def baft_commit() -> str:
-    """The commit baft ran at (and whether its files differed from it)."""
-    repo = Path(__file__).resolve().parent.parent
-
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), *args], check=False, capture_output=True,
-                              text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--", "baft")
-    return (head + (" (baft/ modified in the working tree)" if dirty else "")) if head else "unknown"
-
-
 def draw(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -433,7 +394,7 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
         x = 0.0
         for k in PHASES:
             v = r.get(k) or 0.0
-            left.barh(y, v, left=x, color=COLOURS[k], edgecolor="white", label=PHASE_NAMES[k] if y == ys[0] else None)
+            left.barh(y, v, left=x, color=PHASE_COLOURS[k], edgecolor="white", label=PHASE_NAMES[k] if y == ys[0] else None)
             x += v
         left.text(x, y, f" {x:.1f} s", va="center", fontsize=8)
     left.set_yticks(ys, names, fontsize=8)
@@ -442,7 +403,7 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
     left.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     left.set_title("recovery time per phase", fontsize=9)
     t3 = [max(r.get("T3") or 0.0, 1e-4) for r in rows]
-    right.barh(ys, t3, color=[COLOURS["T3"] if r["policy"] == "baft" else "#8c564b" for r in rows])
+    right.barh(ys, t3, color=[PHASE_COLOURS["T3"] if r["policy"] == "baft" else "#8c564b" for r in rows])
     for y, v, r in zip(ys, t3, rows):
         right.text(v, y, f" {v:.3f} s ({r['source']})", va="center", fontsize=8)
     right.set_xscale("log")
@@ -457,56 +418,25 @@ def draw(rows: list[dict], path: Path, title: str) -> None:
 
 
 def _second_reason(rows: list[dict], mem_rows: list) -> str:
-    """The part of the T3 gap that is baft's own: its restore against the floor, by read path."""
+    """The part of the T3 gap that is baft's own: its restore against the floor."""
     if not mem_rows:
         return ""
-    ratios = ", ".join(f"{m['as_restored_s'] / m['floor_s']:.1f}x at {s}" for s, m, _ in mem_rows)
-    if any(m.get("path", "load_verified") == "load_verified" for _, m, _ in mem_rows):
-        return (f"Second, baft's restore runs well above that floor ({ratios}): every rank loads and checksums "
-                "the snapshots of every rank on its node, not only its own stage's, into a fresh `bytes` copy, and "
-                "copies each chunk once more through a `bytearray` before it reaches the engine (last table).")
-    measured = ", ".join(f"{r['T3'] / next(m for s, m, _ in mem_rows if s == r['size'])['floor_s']:.1f}x at "
-                         f"{r['size']}" for r in rows if r["policy"] == "baft" and r.get("T3")
-                         and any(s == r["size"] for s, _, _ in mem_rows))
+    ratios = ", ".join(f"{m['as_restored_s'] / m['floor_s']:.1f}x at {s}" for s, m in mem_rows)
+    floor_of = dict(mem_rows)
+    measured = ", ".join(f"{r['T3'] / floor_of[r['size']]['floor_s']:.1f}x at {r['size']}" for r in rows
+                         if r["policy"] == "baft" and r.get("T3") and r["size"] in floor_of)
     return (f"Second, baft's own read path (verify in place, one copy per chunk) takes {ratios} that floor in "
             f"the last table; the T3 measured in the restarted job is {measured} the floor of one stage: the rest is "
-            "the agreement between ranks "
-            "(all-gathers over gloo), creating the optimizer state, and both ranks restoring at once on 2 cores "
-            "shared with other work.")
+            "the agreement between ranks (all-gathers over gloo), creating the optimizer state, and both ranks "
+            "restoring at once on 2 cores shared with other work.")
 
 
-def write_outputs(data: dict, out: Path) -> None:
-    """Print the table and targets; write recovery.md, .json and .png under ``out``."""
-    rows, floors, period = aggregate(data["runs"]), data.get("load_floor", {}), data["period"]
-    checks = targets(rows, period, floors)
-    data["targets"] = checks
-    text = render_table(rows)
-    print("\n" + text + "\n")
-    for c in checks:
-        print(c["line"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_text(json.dumps(data, indent=2) + "\n")
-    mach, date = data["machine"], data["date"]
-    draw(rows, out / "recovery.png", f"baft vs DeepSpeed checkpoint: rank 1 killed in the backward pass of step "
-                                     f"{data['fault_step']}; {date}; {mach.split(',')[0]}, {os.cpu_count()} cores")
-    cold_notes = []
-    seen = set()
-    for r in data["runs"]:
-        if r.get("page_cache") and r["size"] not in seen:
-            seen.add(r["size"])
-            pc = r["page_cache"]
-            cold_notes.append(f"  - {r['size']}: {pc['files']} files, {gb(pc['bytes'])}; resident in the page cache "
-                              f"before {gb(pc['resident_before'])}, after {gb(pc['resident_after'])} "
-                              f"(dropped {pc['after_fault_s']:.2f} s after the kill, in {pc['seconds']:.2f} s)")
+def setup_lines(data: dict, rows: list[dict]) -> list[str]:
+    """What ran: model, fault, policies, columns, load."""
+    period = data["period"]
     loads = ", ".join(f"{r['size']} {label(r)} {r['load_avg_5min']:.1f}" for r in rows if r.get("load_avg_5min"))
-    repeats = max(r.get("n", 1) for r in rows)
-    mem_rows = [(s, f["memory"], f) for s, f in floors.items() if f and f.get("memory")]
-    md = [
-        "# Recovery time: baft's in-memory snapshot against DeepSpeed's disk checkpoint",
-        "",
-        f"- machine: {mach}",
-        f"- command: `{data['command']}`",
-        f"- date: {date} ({data['wall_s']:.0f} s wall); baft commit {data.get('baft_commit', 'unknown')}",
+    repeats = max(r["n"] for r in rows)
+    return [
         (f"- model: the example GPT, 2 pipeline stages, 1F1B, {COMMON['micro_batches']} micro-batches of "
          f"{COMMON['micro_batch_size']} x {COMMON['seq']} tokens, vocab {COMMON['vocab']}; sizes: "
          + "; ".join(f"{s} = d_model {v['d_model']}, {v['layers']} layers ({v['params'] / 1e6:.1f} M parameters, "
@@ -531,15 +461,28 @@ def write_outputs(data: dict, out: Path) -> None:
          + (f" (5-minute load average at the end of the runs, median: {loads}, on {os.cpu_count()} cores)"
             if loads else "")
          + ", so iteration times, T0 and T4 carry a lot of noise; compare T3 and ratios, not absolute seconds."),
-        "",
-        text,
-        "",
-        "## Targets",
-        "",
-        *[f"- {c['line']}" for c in checks],
-        "",
-        "## Notes",
-        "",
+    ]
+
+
+def notes(data: dict, rows: list[dict], checks: list[dict]) -> list[str]:
+    """Why the figures come out as they do."""
+    floors = data.get("load_floor", {})
+    mem_rows = [(s, f["memory"]) for s, f in floors.items() if f and f.get("memory")]
+    pages = {r["size"]: r["page_cache"] for r in data["runs"] if r.get("page_cache")}
+    cold = [f"  - {size}: {pc['files']} files, {gb(pc['bytes'])}; resident in the page cache before "
+            f"{gb(pc['resident_before'])}, after {gb(pc['resident_after'])} (dropped {pc['after_fault_s']:.2f} s "
+            f"after the kill, in {pc['seconds']:.2f} s)" for size, pc in pages.items()]
+    why_a = [("- Why (a) fails here, in two parts. First, the bound on this machine: loading DeepSpeed's checkpoint "
+              "with torch.load takes "
+              + "; ".join(f"{f['torch_load_warm_s'] / f['shm_verify_copy_s']:.1f}x (page cache warm) and "
+                          f"{f['torch_load_cold_s'] / f['shm_verify_copy_s']:.1f}x (from the disk, "
+                          f"{f['bytes'] / f['torch_load_cold_s'] / 1e9:.1f} GB/s) as long as checksumming and copying "
+                          f"the same bytes out of shared memory ({f['bytes'] / f['shm_verify_copy_s'] / 1e9:.1f} GB/s) "
+                          f"at {s}" for s, f in floors.items() if f)
+              + " (table below), so no restore from memory reaches 10x here; the reference's slow load is shared "
+              "storage (NFS, 4.8 GB/s read for 8 accelerators; ~90 s for 15B) against host memory in every process. "
+              + _second_reason(rows, mem_rows))]
+    return [
         ("- T0: baft copies the snapshot of step k during iteration k+1 and commits it just before that iteration's "
          "optimizer step, so a fault before the commit redoes one finished step plus the interrupted part of the "
          "iteration: T0 is between 1 and 2 iterations before the commit and under 1 iteration after it (about 1.5 "
@@ -548,71 +491,110 @@ def write_outputs(data: dict, out: Path) -> None:
         ("- T3 (DeepSpeed, warm): the checkpoint was written a few iterations before the fault and is still in the "
          "page cache, so `load_checkpoint` reads memory, not disk; its time is torch.load's unpickling and the copies "
          "into the engine. The cold-cache row reads the disk (here a VM's virtual disk, itself fast)."
-         + ("" if not cold_notes else "\n- page cache in the cold runs:\n" + "\n".join(cold_notes))),
-        *([("- Why (a) fails here, in two parts. First, the bound on this machine: loading DeepSpeed's checkpoint "
-            "with torch.load takes "
-            + "; ".join(f"{f['torch_load_warm_s'] / f['shm_verify_copy_s']:.1f}x (page cache warm) and "
-                        f"{f['torch_load_cold_s'] / f['shm_verify_copy_s']:.1f}x (from the disk, "
-                        f"{f['bytes'] / f['torch_load_cold_s'] / 1e9:.1f} GB/s) as long as checksumming and copying "
-                        f"the same bytes out of shared memory ({f['bytes'] / f['shm_verify_copy_s'] / 1e9:.1f} GB/s) "
-                        f"at {s}" for s, f in floors.items() if f)
-            + " (table below), so no restore from memory reaches 10x here; the reference's slow load is shared "
-            "storage (NFS, 4.8 GB/s read for 8 accelerators; ~90 s for 15B) against host memory in every process. "
-            + _second_reason(rows, mem_rows))]
-          if any(c["target"] == "a" and not c["pass"] for c in checks) else []),
+         + ("" if not cold else "\n- page cache in the cold runs:\n" + "\n".join(cold))),
+        *(why_a if any(c["target"] == "a" and not c["pass"] for c in checks) else []),
         ("- T1 and T2 (torchrun restarting the processes; Python, torch and DeepSpeed imports; gloo init) are the "
          "same work for both policies and dominate the restart on this machine; baft changes T0 and T3."),
-        "",
-        "## Lower bounds of T3 on this machine (one process, one thread, no training running)",
-        "",
+    ]
+
+
+def floor_tables(floors: dict) -> list[str]:
+    """The lower bounds of T3, and where baft's own restore from memory spends its time."""
+    loads = [(s, f) for s, f in floors.items() if f]
+    lines = [
+        "## Lower bounds of T3 on this machine (one process, one thread, no training running)", "",
         ("The newest DeepSpeed checkpoint of each size, loaded file by file with `torch.load` (page cache warm, and "
          "after dropping it), against the same number of bytes checksummed (xxh3, as baft's commit records) and "
-         "copied out of shared memory: what a restore from memory costs at least."),
-        "",
-        "| model | checkpoint | torch.load, warm | torch.load, cold | shm checksum + copy | warm / shm | cold / shm |",
-        "|---|---|---|---|---|---|---|",
-        *[f"| {s} | {gb(f['bytes'])} in {f['files']} files | {f['torch_load_warm_s']:.3f} s "
-          f"| {f['torch_load_cold_s']:.3f} s | {f['shm_verify_copy_s']:.3f} s "
-          f"| {f['torch_load_warm_s'] / f['shm_verify_copy_s']:.1f}x "
-          f"| {f['torch_load_cold_s'] / f['shm_verify_copy_s']:.1f}x |" for s, f in floors.items() if f],
-        "",
-    ]
+         "copied out of shared memory: what a restore from memory costs at least."), "",
+        *md_table(["model", "checkpoint", "torch.load, warm", "torch.load, cold", "shm checksum + copy", "warm / shm",
+                   "cold / shm"],
+                  [[s, f"{gb(f['bytes'])} in {f['files']} files", f"{f['torch_load_warm_s']:.3f} s",
+                    f"{f['torch_load_cold_s']:.3f} s", f"{f['shm_verify_copy_s']:.3f} s",
+                    f"{f['torch_load_warm_s'] / f['shm_verify_copy_s']:.1f}x",
+                    f"{f['torch_load_cold_s'] / f['shm_verify_copy_s']:.1f}x"] for s, f in loads]), ""]
+    mem_rows = [(s, f["memory"]) for s, f in loads if f.get("memory")]
     if mem_rows:
-        md += [
-            "## Where baft's T3 from memory goes (one stage, baft's own store, one process)",
+        lines += [
+            "## Where baft's T3 from memory goes (one stage, baft's own store, one process)", "",
+            ("One snapshot of one stage's bytes per rank committed with `baft.snapshot.slots.SnapshotWriter`, then "
+             "what one rank's restore (`baft.recovery.restore`) does with them: read and verify the slots "
+             "(`slots.map_verified`: its own stage's slot only, checksummed in place), then copy the state into the "
+             "engine's tensors chunk by chunk. The floor checksums the slot in place and copies it into a tensor once."),
             "",
-            ("One snapshot of one stage's bytes per rank committed with `baft.snapshot.slots.SnapshotWriter`, then what one "
-             "rank's restore (`baft.recovery.restore._try_load` and `_apply`) does with them: read and verify the slots "
-             "(`slots.map_verified`: its own stage's slot only, checksummed in place; or, in baft before e7ef5f7, "
-             "`slots.load_verified` of every rank's slot on the node, each copied into a `bytes` object), then copy "
-             "the state into the engine's tensors chunk by chunk (before e7ef5f7 through one more `bytearray` per "
-             "chunk). The floor checksums the slot in place and copies it into a tensor once."),
-            "",
-            ("| model | stage state | read path | slots read | read + verify | copy into tensors | as restored "
-            "| floor | as restored / floor |"),
-            "|---|---|---|---|---|---|---|---|---|",
-            *[f"| {s} | {gb(m['stage_bytes'])} | `{m.get('path', 'load_verified')}` "
-              f"| {m.get('slots_read', m['ranks_on_node'])} "
-              f"| {m.get('read_s', m.get('load_verified_s', 0) * m['ranks_on_node']):.3f} s "
-              f"| {m.get('copy_s', m.get('apply_copy_s', 0)):.3f} s | {m['as_restored_s']:.3f} s | {m['floor_s']:.3f} s "
-              f"| {m['as_restored_s'] / m['floor_s']:.1f}x |" for s, m, _ in mem_rows],
-            "",
-        ]
-    md += [
-        "## The public reference, for shape (DESIGN.md, \"Reference figures\")",
-        "",
-        "GPT-3 on one 8-accelerator server, NFS at 2.7 GB/s write and 4.8 GB/s read, checkpoint once an hour:",
-        "",
-        reference_table(),
-        "",
+            *md_table(["model", "stage state", "read path", "slots read", "read + verify", "copy into tensors",
+                       "as restored", "floor", "as restored / floor"],
+                      [[s, gb(m["stage_bytes"]), f"`{m['path']}`", m["slots_read"], f"{m['read_s']:.3f} s",
+                        f"{m['copy_s']:.3f} s", f"{m['as_restored_s']:.3f} s", f"{m['floor_s']:.3f} s",
+                        f"{m['as_restored_s'] / m['floor_s']:.1f}x"] for s, m in mem_rows]), ""]
+    return lines
+
+
+def write_outputs(data: dict, out: Path) -> None:
+    """Print the table and targets; write recovery.md, .json and .png under ``out``."""
+    rows = aggregate(data["runs"])
+    checks = targets(rows, data["period"], data.get("load_floor", {}))
+    data["targets"] = checks
+    text = render_table(rows)
+    print("\n" + text + "\n")
+    for c in checks:
+        print(c["line"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recovery.json").write_text(json.dumps(data, indent=2) + "\n")
+    draw(rows, out / "recovery.png", f"baft vs DeepSpeed checkpoint: rank 1 killed in the backward pass of step "
+                                     f"{data['fault_step']}; {data['date']}; {data['machine'].split(',')[0]}, "
+                                     f"{os.cpu_count()} cores")
+    md = [
+        "# Recovery time: baft's in-memory snapshot against DeepSpeed's disk checkpoint", "",
+        *header({"revision": data.get("baft_commit"), **data}, data["wall_s"]),  # older results: baft_commit
+        *setup_lines(data, rows), "", text, "",
+        "## Targets", "", *[f"- {c['line']}" for c in checks], "",
+        "## Notes", "", *notes(data, rows, checks), "",
+        *floor_tables(data.get("load_floor", {})),
+        "## The public reference, for shape (DESIGN.md, \"Reference figures\")", "",
+        "GPT-3 on one 8-accelerator server, NFS at 2.7 GB/s write and 4.8 GB/s read, checkpoint once an hour:", "",
+        reference_table(), "",
         ("Scaled to this machine: 'checkpoint flush' is the stall per save column, 'restart' is T1..T4, "
-         "'of which load' is T3, and T0 is the rollback column."),
-        "",
-        "![recovery phases](recovery.png)",
-        "",
+         "'of which load' is T3, and T0 is the rollback column."), "",
+        "![recovery phases](recovery.png)", "",
     ]
     (out / "recovery.md").write_text("\n".join(md))
     print(f"wrote {out / 'recovery.md'}, {out / 'recovery.json'} and {out / 'recovery.png'}")
+
+
+def run_one(run_dir: Path, size: str, rep: int, variant: tuple, args, fault: str) -> dict:
+    """One faulted ``baft train`` run and its figures."""
+    policy, period, cold = variant
+    shutil.rmtree(run_dir, ignore_errors=True)
+    dropper = CacheDropper(run_dir) if cold else None
+    if dropper:
+        dropper.start()
+    code, secs = train(run_dir, flags({**COMMON, **SIZES[size]}) + [
+        "--iters", str(args.iters), "--policy", policy, "--period", str(period), "--fault", fault,
+        "--max-restarts", "1"])
+    if dropper:
+        dropper.stop.set()
+        dropper.join()
+    clean_shm(run_dir)
+    row = {**measure(run_dir, policy, period, size, args.iters), "cold": cold, "repeat": rep, "exit_code": code,
+           "wall_s": secs, "load_avg_5min": os.getloadavg()[1], "page_cache": dropper.result if dropper else None}
+    print(f"{size:>4} #{rep} {label(row):<24} restored {row['restored_step']} ({row['source']})  "
+          f"lost {row['lost_steps']}  " + "  ".join(f"{k} {fmt(row[k], 3)}" for k in PHASES)
+          + f"  total {fmt(row['total'])} s  stall/save {fmt(row['stall_per_save_s'], 3)} s  [{secs:.0f} s]",
+          flush=True)
+    if dropper and dropper.result:
+        print(f"     page cache: {dropper.result}", flush=True)
+    return row
+
+
+def floors_of(checkpoints: Path) -> dict:
+    """The lower bounds of T3 for one size, from its DeepSpeed checkpoint."""
+    floor = load_floor(checkpoints)
+    if floor:
+        floor["memory"] = memory_restore(floor["bytes"] // 2)
+        print(f"     load floor, {gb(floor['bytes'])}: torch.load warm {floor['torch_load_warm_s']:.3f} s, cold "
+              f"{floor['torch_load_cold_s']:.3f} s; shm checksum+copy {floor['shm_verify_copy_s']:.3f} s; "
+              f"baft memory restore of one stage {floor['memory']}", flush=True)
+    return floor
 
 
 def main(argv=None) -> int:
@@ -624,7 +606,7 @@ def main(argv=None) -> int:
                                                   "(default: period + period/2 + 1, mid-period for the disk baseline)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache DeepSpeed run")
     p.add_argument("--repeats", type=int, default=3, help="runs of every (size, policy), interleaved; medians reported")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory, removed)")
     p.add_argument("--render", metavar="JSON", help="only rewrite the table, md and PNG from a recovery.json")
     args = p.parse_args(argv)
@@ -642,50 +624,22 @@ def main(argv=None) -> int:
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="baft-recovery-"))
     work.mkdir(parents=True, exist_ok=True)
-    started, mach, cmdline, commit = time.time(), machine(), command_line(), baft_commit()
-    print(f"machine: {mach}\ncommand: {cmdline}\nrun directories: {work}", flush=True)
-    variants = [("baft", 1, False), ("deepspeed", args.period, False)]
-    if not args.no_cold:
-        variants.append(("deepspeed", args.period, True))
+    started, prov = time.time(), provenance()
+    print(f"machine: {prov['machine']}\ncommand: {prov['command']}\nrun directories: {work}", flush=True)
+    variants = [("baft", 1, False), ("deepspeed", args.period, False)] + \
+        ([] if args.no_cold else [("deepspeed", args.period, True)])
     rows, floors = [], {}
-    for size, rep, (policy, period, cold) in ((s, r, v) for s in sizes for r in range(args.repeats) for v in variants):
-        run_dir = work / f"{size}-{policy}{'-cold' if cold else ''}-{rep}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        dropper = CacheDropper(run_dir) if cold else None
-        if dropper:
-            dropper.start()
-        code, secs = train(run_dir, model_args(size) + ["--iters", str(args.iters), "--policy", policy,
-                                                         "--period", str(period), "--fault", fault,
-                                                         "--max-restarts", "1"])
-        if dropper:
-            dropper.stop.set()
-            dropper.join()
-        clean_shm(run_dir)
-        row = {**measure(run_dir, policy, period, size, args.iters), "cold": cold, "repeat": rep, "exit_code": code,
-               "wall_s": secs, "load_avg_5min": os.getloadavg()[1], "page_cache": dropper.result if dropper else None}
-        rows.append(row)
-        print(f"{size:>4} #{rep} {label(row):<24} restored {row['restored_step']} ({row['source']})  "
-              f"lost {row['lost_steps']}  " + "  ".join(f"{k} {fmt(row[k], 3)}" for k in PHASES)
-              + f"  total {fmt(row['total'])} s  stall/save {fmt(row['stall_per_save_s'], 3)} s  [{secs:.0f} s]",
-              flush=True)
-        if dropper and dropper.result:
-            print(f"     page cache: {dropper.result}", flush=True)
-        if policy == "deepspeed" and not cold and size not in floors:
-            floors[size] = load_floor(run_dir / "checkpoints")
-            if floors[size]:
-                floors[size]["memory"] = memory_restore(floors[size]["bytes"] // 2)
-            f = floors[size]
-            if f:
-                print(f"     load floor, {gb(f['bytes'])}: torch.load warm {f['torch_load_warm_s']:.3f} s, cold "
-                      f"{f['torch_load_cold_s']:.3f} s; shm checksum+copy {f['shm_verify_copy_s']:.3f} s; "
-                      f"baft memory restore of one stage {f['memory']}", flush=True)
-        if not args.keep and policy != "baft":
+    for size, rep, variant in ((s, r, v) for s in sizes for r in range(args.repeats) for v in variants):
+        run_dir = work / f"{size}-{variant[0]}{'-cold' if variant[2] else ''}-{rep}"
+        rows.append(run_one(run_dir, size, rep, variant, args, fault))
+        if variant == ("deepspeed", args.period, False) and size not in floors:
+            floors[size] = floors_of(run_dir / "checkpoints")
+        if not args.keep and variant[0] != "baft":
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
-    data = {"machine": mach, "command": cmdline, "date": now(), "wall_s": round(time.time() - started, 1),
-            "baft_commit": commit if baft_commit() == commit else f"{commit} at the start, {baft_commit()} at the end",
-            "iters": args.iters, "period": args.period, "fault": fault,
-            "fault_step": fault_step, "sizes": {s: {**SIZES[s], **COMMON, "params": parameters(s)} for s in sizes},
+    data = {**prov, "wall_s": round(time.time() - started, 1), "iters": args.iters, "period": args.period,
+            "fault": fault, "fault_step": fault_step,
+            "sizes": {s: {**SIZES[s], **COMMON, "params": parameters(s)} for s in sizes},
             "runs": rows, "load_floor": floors, "reference": REFERENCE}
     write_outputs(data, Path(args.out))
     if not args.keep:

@@ -8,21 +8,42 @@ from baft.cli.compare import render, summarize
 from conftest import TINY
 
 
+def compare(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "baft.cli", "compare", *TINY, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, "-m", "baft.cli", "compare", *TINY, "--policies", "none,sync-copy,baft",
-                           "--rounds", "2", "--block", "3", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = compare("--policies", "sync-copy,baft,torch-save/2", "--none-between", "--rounds", "2", "--block", "2",
+                   "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    # A B C A B C: every round runs every policy's block, in order
-    order = [r["policy"] for r in rows]
-    assert order == (["none"] * 3 + ["sync-copy"] * 3 + ["baft"] * 3) * 2
-    summary = {s["policy"]: s for s in summarize(rows)}
+    doc = json.loads(out.read_text())
+    # none A none B none C, every round, a block of 2 iterations each
+    blocks = ["none", "sync-copy", "none", "baft", "none", "torch-save/2"]
+    assert [r["policy"] for r in doc["records"]] == [name for name in blocks for _ in range(2)] * 2
+    assert all(len(r["ranks"]) == 2 for r in doc["records"])
+    # a policy with a period snapshots in the last iteration of each of its blocks only
+    assert [r["j"] for r in doc["records"] if r["policy"] == "torch-save/2" and r["ranks"][0]["fired"]] == [1, 1]
+    assert all(r["ranks"][0]["fired"] for r in doc["records"] if r["policy"] == "sync-copy")
+    assert {name: b > 0 for name, b in doc["snapshot_bytes"].items()} == {"sync-copy": True, "baft": True,
+                                                                         "torch-save/2": True}
+    assert [p["stage"] for p in doc["plans"]["baft"]] == [0, 1]
+
+    summary = {s["policy"]: s for s in summarize(doc)}
     assert summary["none"]["overhead"] == 0 and summary["none"]["stall_s"] == 0
     assert summary["sync-copy"]["stall_s"] > 0, "a synchronous copy every iteration must stall"
-    assert summary["baft"]["period"] >= 1
-    for name in ("none", "sync-copy", "baft"):
-        assert summary[name]["iterations"] == 4  # 2 rounds x (3 - 1 warm-up)
+    assert summary["sync-copy"]["hook_cpu_s"] > 0, "the copy runs in the policy's callback, on the trainer's thread"
+    assert summary["baft"]["period"] >= 1 and summary["torch-save/2"]["period"] == 2
+    assert summary["none"]["iterations"] == 6  # 2 rounds x 3 blocks x (2 - 1 dropped)
+    assert summary["sync-copy"]["iterations"] == 2
+    for name in ("none", "sync-copy", "baft", "torch-save/2"):
         assert name in proc.stdout
-    assert render(list(summary.values())).count("\n") == 3
+    assert render(list(summary.values())).count("\n") == 4
+
+
+def test_compare_refuses_an_unknown_policy_in_one_line():
+    proc = compare("--policies", "none,sync-copy/0", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "baft: error: --policies: 'sync-copy/0': the period after '/' must be a whole " \
+                                  "number of steps"

@@ -6,9 +6,12 @@ rank, and with ``--max-restarts`` restarts them all when one dies.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
+
+SHM_ROOT = "/dev/shm/baft"  # where ``baft train`` keeps the snapshot slots of its runs
 
 
 def extensions_dir() -> str:
@@ -35,10 +38,18 @@ def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module:
     return cmd + (["-m"] if module else []) + module_args
 
 
+def flags(opts: dict) -> list[str]:
+    """Command-line flags from options: ``{"micro_batches": 8}`` is ``--micro-batches 8``; None values are left out."""
+    return [arg for key, value in opts.items() if value is not None
+            for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+
 def example_args(opts: dict) -> list[str]:
-    """``baft.examples.worker`` arguments from CLI options (None values are left out)."""
-    args = ["baft.examples.worker"]
-    for key, value in opts.items():
-        if value is not None:
-            args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
+    """``baft.examples.worker`` and its arguments from CLI options."""
+    return ["baft.examples.worker", *flags(opts)]
+
+
+def run_id(run_dir) -> str:
+    """The run id ``baft train`` gives a run directory: one shared-memory root per directory."""
+    run = Path(run_dir).resolve()
+    return f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 
 def cpu_model() -> str:
+    """The CPU's model name, as the kernel or the platform gives it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -32,6 +33,7 @@ def describe() -> str:
 
 
 def now() -> str:
+    """The date and time in UTC, to the minute."""
     return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 

@@ -364,30 +364,36 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 @click.option("--example", type=click.Choice(["gpt"]), default="gpt", show_default=True)
 @example_options
 @click.option("--policies", default="none,sync-copy,baft", show_default=True,
-              help="Comma-separated: none, sync-copy, thread-copy, baft, torch-save, deepspeed.")
-@click.option("--rounds", default=3, show_default=True, help="Rounds of A B C ... blocks.")
-@click.option("--block", default=3, show_default=True, help="Iterations per policy per round (first dropped).")
+              help="Comma-separated: none, sync-copy, thread-copy, baft, torch-save, deepspeed, dcp-async; "
+                   "KIND/N snapshots every N steps (deepspeed/10). baft's period is its planner's unless given.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Rounds of A B C ... blocks.")
+@click.option("--block", default=3, show_default=True, type=click.IntRange(1),
+              help="Iterations per policy per round (the first is dropped from the summary).")
+@click.option("--none-between", is_flag=True,
+              help="Run none between every two policies' blocks (none A none B ...): a baseline beside each block.")
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map for baft's planner.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write the per-iteration figures here (JSON).")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Write the run here (JSON): every iteration's figures per rank, periods, bytes, baft's plans.")
 @user_errors
-def compare(example, policies, rounds, block, bubble_map, out, dp, **model):
+def compare(example, policies, rounds, block, none_between, bubble_map, out, dp, **model):
     """Compare snapshot policies on one run, interleaved, and print the overhead table."""
-    click.echo(_compare(model, dp, policies, rounds, block, bubble_map, out))
+    click.echo(_compare(model, dp, policies, rounds, block, bubble_map, out, none_between))
 
 
-def _compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out) -> str:
-    from baft.cli.compare import POLICIES, render, summarize
-    from baft.cli.launch import example_args, launch_env, torchrun
+def _compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
+             none_between: bool = False) -> str:
+    from baft.cli.compare import parse_policies, render, summarize
+    from baft.cli.launch import flags, launch_env, torchrun
 
-    unknown = sorted(set(policies.split(",")) - set(POLICIES))
-    if unknown:
-        raise BaftError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    parse_policies(policies)  # a bad name stops here, in one line, rather than on every rank
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as tmp:
-        result = Path(out) if out else Path(tmp) / "compare.json"
-        args = example_args({**model, "bubble_map": bubble_map})[1:]
-        cmd = torchrun(model["stages"] * dp, ["baft.cli.compare", "--policies", policies, "--rounds", str(rounds),
-                                              "--block", str(block), "--out", str(result), "--scratch", tmp, *args])
+    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
+            tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
+        result = Path(out) if out else Path(disk) / "compare.json"
+        cmd = torchrun(model["stages"] * dp, [
+            "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
+            *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
+            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})])
         code = _run(cmd, launch_env())
         if code != 0 or not result.exists():
             raise BaftError(f"the comparison run failed (exit code {code})")

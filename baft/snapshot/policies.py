@@ -48,6 +48,7 @@ class SnapshotPolicy(InstructionHook):
         self.snapshot: Optional[Snapshot] = None
         self.stall = 0.0  # this iteration's
         self.stream: Optional[CopyStream] = None  # None: the host copies
+        self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``commits``
         self.commits: list[CommitRecord] = []
         self.sealer = Sealer(self._committed)
 
@@ -96,6 +97,7 @@ class SnapshotPolicy(InstructionHook):
         """The snapshot's deadline: fence it before the optimizer step, and hand it to the sealer."""
         snapshot, self.snapshot = self.snapshot, None
         snapshot.fence()
+        self.taken += 1
         self.sealer.submit(snapshot)
 
     def drain(self) -> None:
