@@ -1,5 +1,6 @@
 """Partitioned optimizer state in the snapshot layout, and the optimizer registry's refusal."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given, strategies as st
 from baft.errors import BaftError
 from baft.snapshot.layout import TensorEntry, plan_layout
 from baft.snapshot.optimizers import adapter_for
+from conftest import run_ranks
 
 
 def entries(replicated_bytes, partition_bytes, replicas):
@@ -37,10 +39,24 @@ def test_an_owner_outside_the_replicas_is_refused():
 
 
 def test_an_optimizer_without_adapter_is_refused_in_one_line():
-    """The registry lookup alone (a real engine with an unsupported wrapper needs fp16, which CPUs refuse)."""
-    class FP16_Optimizer:
+    """The registry lookup alone: an optimizer that is neither torch's nor a known DeepSpeed wrapper."""
+    class OnebitLamb:
         pass
 
-    with pytest.raises(BaftError, match=r"optimizer .*FP16_Optimizer: baft cannot snapshot its state") as err:
-        adapter_for(SimpleNamespace(optimizer=FP16_Optimizer()))
+    with pytest.raises(BaftError, match=r"optimizer .*OnebitLamb: baft cannot snapshot its state") as err:
+        adapter_for(SimpleNamespace(optimizer=OnebitLamb()))
     assert "\n" not in str(err.value)
+
+
+def test_fp16_wrappers_snapshot_what_they_save_and_resume_bit_for_bit(tmp_path):
+    """FP16_Optimizer and FP16_UnfusedOptimizer run on CPU outside a pipeline engine (DeepSpeed's config
+    refuses fp16 on CPU; the engine-level kill test of fp16 needs a GPU)."""
+    run_ranks(1, "fp16_wrappers.py", ["--out", str(tmp_path / "fp16.json")])
+    results = json.loads((tmp_path / "fp16.json").read_text())
+    assert {name: r["adapter"] for name, r in results.items()} == {
+        "FP16_Optimizer": "FP16Masters", "FP16_UnfusedOptimizer": "FP16UnfusedMasters"}
+    for name, r in results.items():
+        assert r["missing"] == [], f"{name}: the snapshot lacks {r['missing']} of what DeepSpeed saves"
+        assert r["scale"] < 2 ** 24, f"{name}: the loss scale never dropped, so its restore went untested"
+        assert r["continues_alike"], f"{name}: the restored wrapper diverged"
+        assert any(n.startswith("master/") for n in r["names"]), "the fp32 masters are in the snapshot"

@@ -37,25 +37,28 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-class TorchOptimizer:
-    """A torch optimizer over the module's own parameters (fp32 without ZeRO): state per parameter.
+class NamedOptimizerState:
+    """The base optimizer's parameters under structural names, and their per-parameter state.
 
-    Names: ``optim/<module parameter name>/<state key>``.
+    ``named_params()`` gives (name, parameter) in the optimizer's order. Names of the state:
+    ``optim/<name>/<state key>``; with ``own_masters`` (a wrapper's fp32 master copies, which
+    are not module parameters) the masters themselves too, as ``master/<name>``.
     """
 
+    own_masters = True
+
     def __init__(self, engine):
-        self.optimizer = base_optimizer(engine.optimizer)
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        self.params = []  # (name, parameter) in the optimizer's order
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if id(p) not in names:
-                    raise BaftError(f"{type(engine.optimizer).__name__}: parameter {pi} of param group {gi} is "
-                                    f"not a parameter of the model; baft cannot name its optimizer state")
-                self.params.append((names[id(p)], p))
+        self.wrapper = engine.optimizer
+        self.optimizer = base_optimizer(self.wrapper)
+        self.params = list(self.named_params(engine))
+
+    def named_params(self, engine) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.params:
+            if self.own_masters:
+                yield f"master/{name}", p
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if torch.is_tensor(value):
                     yield f"optim/{name}/{key}", value
@@ -69,9 +72,51 @@ class TorchOptimizer:
         for e in entries:
             if e.kind != "optimizer" or not e.name.startswith("optim/"):
                 continue
-            pname, key = e.name[len("optim/"):].rsplit("/", 1)
-            if pname in params:
-                _allocate(self.optimizer.state[params[pname]], key, e, params[pname].device)
+            name, key = e.name[len("optim/"):].rsplit("/", 1)
+            if name in params:
+                _allocate(self.optimizer.state[params[name]], key, e, params[name].device)
+
+
+class TorchOptimizer(NamedOptimizerState):
+    """A torch optimizer over the module's own parameters (fp32 without ZeRO): state per parameter.
+
+    Names: ``optim/<module parameter name>/<state key>`` (the parameters are in the snapshot already).
+    """
+
+    own_masters = False
+
+    def named_params(self, engine):
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise BaftError(f"{type(engine.optimizer).__name__}: parameter {pi} of param group {gi} is "
+                                    f"not a parameter of the model; baft cannot name its optimizer state")
+                yield names[id(p)], p
+
+
+class FP16Masters(NamedOptimizerState):
+    """DeepSpeed's ``FP16_Optimizer`` (fused): each param group's fp16 weights are views into one
+    flat buffer, whose fp32 master copy (the base optimizer's parameter) every replica keeps whole.
+
+    Names: ``master/group<i>`` and ``optim/group<i>/<state key>``.
+    """
+
+    def named_params(self, engine):
+        for i, master in enumerate(self.wrapper.fp32_groups_flat):
+            yield f"group{i}", master
+
+
+class FP16UnfusedMasters(NamedOptimizerState):
+    """DeepSpeed's ``FP16_UnfusedOptimizer``: one fp32 master per fp16 weight, kept whole by every replica.
+
+    Names: ``master/group<i>/<j>`` and ``optim/group<i>/<j>/<state key>``.
+    """
+
+    def named_params(self, engine):
+        for i, group in enumerate(self.wrapper.fp32_groups):
+            for j, master in enumerate(group):
+                yield f"group{i}/{j}", master
 
 
 class PartitionedMasters:
@@ -138,10 +183,12 @@ class ZeroMasters(PartitionedMasters):
 
 def _registry() -> list[tuple[type, type]]:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return [(BF16_Optimizer, BF16Masters), (DeepSpeedZeroOptimizer, ZeroMasters),
-            (torch.optim.Optimizer, TorchOptimizer)]
+    return [(BF16_Optimizer, BF16Masters), (DeepSpeedZeroOptimizer, ZeroMasters), (FP16_Optimizer, FP16Masters),
+            (FP16_UnfusedOptimizer, FP16UnfusedMasters), (torch.optim.Optimizer, TorchOptimizer)]
 
 
 def adapter_for(engine):
@@ -151,5 +198,6 @@ def adapter_for(engine):
         if isinstance(optimizer, cls):
             return adapter(engine)
     raise BaftError(f"optimizer {type(optimizer).__module__}.{type(optimizer).__name__}: baft cannot snapshot its "
-                    f"state yet (supported: torch optimizers, BF16_Optimizer, DeepSpeedZeroOptimizer stage 1); "
+                    f"state yet (supported: torch optimizers, BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer, "
+                    f"DeepSpeedZeroOptimizer stage 1); "
                     f"train without the \"baft\" section or use a supported configuration")

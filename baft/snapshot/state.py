@@ -90,12 +90,22 @@ def capture_items(engine, data_iterator=None) -> dict:
         items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
     if getattr(engine, "lr_scheduler", None) is not None:
         items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is not None and hasattr(scaler, "cur_scale"):
-        items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    scaler = loss_scaler(engine.optimizer)
+    if scaler is not None:
+        items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool, type(None)))}
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
         items["data"] = data_iterator.state_dict()
     return _jsonable(items)
+
+
+def loss_scaler(optimizer):
+    """The object holding the loss scale (scale, iteration, last overflow, hysteresis), if any:
+    ``loss_scaler`` of ZeRO and BF16_Optimizer, ``loss_scale_config`` of the FP16 optimizers."""
+    for attr in ("loss_scaler", "loss_scale_config"):
+        scaler = getattr(optimizer, attr, None)
+        if scaler is not None and hasattr(scaler, "cur_scale"):
+            return scaler
+    return None
 
 
 def _jsonable(obj):
@@ -158,7 +168,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> None:
                 group[k] = type(group[k])(v)
     if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler = loss_scaler(engine.optimizer)
     for k, v in items.get("loss_scaler", {}).items():
         setattr(scaler, k, v)
     if "data" in items and data_iterator is not None:
