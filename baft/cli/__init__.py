@@ -1,9 +1,11 @@
 """The ``baft`` command and what it prints and draws.
 
-- ``main``     the command: profile, show, plan, train, manager, inspect, report, simulate, compare, demo
+- ``main``     the command: profile, show, plan, train, manager, inspect, report, simulate, compare
+- ``options``  the options and one-line error handling the commands share
 - ``show``     bubble maps and plans as tables and timelines
 - ``report``   where the time of every recovery went, as a table and a bar chart
-- ``compare``  snapshot policies measured side by side on one engine
+- ``compare``  snapshot policies measured side by side on one engine (launcher and per-rank worker)
+- ``demo``     the whole product on the example in one command
 - ``launch``   starting ranks through torchrun
 - ``machine``  which machine a measurement ran on
 

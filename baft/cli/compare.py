@@ -24,6 +24,7 @@ import json
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -316,6 +317,26 @@ def render(summary: list[dict]) -> str:
         lines.append(f"{s['policy']:<14} {period:>6} {s['iterations']:>5} {s['median_s'] * 1e3:>9.1f} ms "
                      f"{s['stall_s'] * 1e3:>6.1f} ms {s['hook_cpu_s'] * 1e3:>8.1f} ms {over:>9}")
     return "\n".join(lines)
+
+
+def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
+                   none_between: bool = False) -> str:
+    """``baft compare``: run this module on every rank of the example through torchrun; the summary table."""
+    from baft.cli.launch import flags, launch_env, run_command, torchrun
+
+    parse_policies(policies)  # a bad name stops here, in one line, rather than on every rank
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
+            tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
+        result = Path(out) if out else Path(disk) / "compare.json"
+        cmd = torchrun(model["stages"] * dp, [
+            "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
+            *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
+            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})])
+        code = run_command(cmd, launch_env())
+        if code != 0 or not result.exists():
+            raise BaftError(f"the comparison run failed (exit code {code})")
+        return render(summarize(json.loads(result.read_text())))
 
 
 if __name__ == "__main__":

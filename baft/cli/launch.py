@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,3 +54,8 @@ def run_id(run_dir) -> str:
     """The run id ``baft train`` gives a run directory: one shared-memory root per directory."""
     run = Path(run_dir).resolve()
     return f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"
+
+
+def run_command(cmd: list[str], env: dict) -> int:
+    """Run a command in the foreground, its output on the terminal; its exit code."""
+    return subprocess.run(cmd, env=env).returncode

@@ -1,56 +1,16 @@
-"""The ``baft`` command: profile, show, plan, train, manager, inspect, report, simulate, demo."""
+"""The ``baft`` command: profile, show, plan, train, manager, inspect, report, simulate, compare, demo."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import click
 
+from baft.cli.demo import demo
+from baft.cli.options import example_options, user_errors
 from baft.errors import BaftError
-
-EXAMPLE_OPTIONS = [
-    click.option("--stages", default=2, show_default=True, help="Pipeline stages (processes per replica)."),
-    click.option("--data-parallel", "dp", default=1, show_default=True, help="Data-parallel replicas of every stage."),
-    click.option("--micro-batches", default=8, show_default=True, help="Micro-batches per iteration."),
-    click.option("--micro-batch-size", default=2, show_default=True, help="Sequences per micro-batch."),
-    click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"])),
-    click.option("--seq", default=128, show_default=True, help="Tokens per sequence."),
-    click.option("--d-model", default=384, show_default=True),
-    click.option("--layers", default=8, show_default=True),
-    click.option("--heads", default=6, show_default=True),
-    click.option("--vocab", default=4096, show_default=True),
-    click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
-                 help="bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights and Adam moments)."),
-    click.option("--zero-stage", default=0, show_default=True, type=click.IntRange(0, 1),
-                 help="ZeRO stage 1 partitions the optimizer state over data-parallel replicas."),
-]
-
-
-def example_options(fn):
-    for option in reversed(EXAMPLE_OPTIONS):
-        fn = option(fn)
-    return fn
-
-
-def user_errors(fn):
-    """Print a BaftError as one line and exit 2, instead of a traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BaftError as err:
-            click.echo(f"baft: error: {err}", err=True)
-            sys.exit(2)
-    return wrapper
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="baft")
@@ -58,10 +18,6 @@ def main():
     """Bubble-aware fault tolerance for pipeline-parallel DeepSpeed training."""
     if not os.path.exists("/dev/nvidiactl"):  # no GPU: spare every command DeepSpeed's detection warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def _run(cmd: list[str], env: dict) -> int:
-    return subprocess.run(cmd, env=env).returncode
 
 
 @main.command()
@@ -78,7 +34,7 @@ def profile(example, out, iters, command, dp, **model):
     ``baft.initialize`` (the script is stopped after the profiled iterations). A plan is
     written beside the map (``NAME.plan.json``).
     """
-    from baft.cli.launch import example_args, launch_env, torchrun
+    from baft.cli.launch import example_args, launch_env, run_command, torchrun
     from baft.pipeline.profiler import merge_traces, trace_paths
     from baft.plugin import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
 
@@ -88,7 +44,7 @@ def profile(example, out, iters, command, dp, **model):
         env = launch_env({PROFILE_DIR_ENV: traces, PROFILE_ITERS_ENV: str(iters)})
         cmd = list(command) if command else torchrun(model["stages"] * dp, example_args(
             {**model, "iters": iters + 1, "policy": "none"}))
-        code = _run(cmd, env)
+        code = run_command(cmd, env)
         paths = trace_paths(traces)
         if code != 0 and not paths:
             raise BaftError(f"the profiled run failed (exit code {code}) before writing its traces")
@@ -203,7 +159,8 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
     calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Prints one
     line per iteration and appends them to ``RUN_DIR/losses.jsonl``.
     """
-    from baft.cli.launch import example_args, launch_env, torchrun
+    from baft.cli.launch import SHM_ROOT, example_args, launch_env, run_command, torchrun
+    from baft.cli.launch import run_id as launch_run_id
     from baft.manager.nodes import node_configs, start_all, stop_all
     from baft.recovery import chaos
 
@@ -213,8 +170,7 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
         chaos.parse_fault(fault)
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
-    run_id = f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"  # one shm root per run dir
-    shm = "/dev/shm/baft"
+    run_id, shm = launch_run_id(run), SHM_ROOT
     procs = nprocs or model["stages"] * dp
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
@@ -239,7 +195,7 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
     start_all(configs)
     try:
-        code = _run(cmd, env)
+        code = run_command(cmd, env)
     finally:
         stop_all(configs)
     if (run / "recovery.jsonl").exists():
@@ -377,64 +333,9 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 @user_errors
 def compare(example, policies, rounds, block, none_between, bubble_map, out, dp, **model):
     """Compare snapshot policies on one run, interleaved, and print the overhead table."""
-    click.echo(_compare(model, dp, policies, rounds, block, bubble_map, out, none_between))
+    from baft.cli.compare import launch_compare
+
+    click.echo(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between))
 
 
-def _compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
-             none_between: bool = False) -> str:
-    from baft.cli.compare import parse_policies, render, summarize
-    from baft.cli.launch import flags, launch_env, torchrun
-
-    parse_policies(policies)  # a bad name stops here, in one line, rather than on every rank
-    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
-            tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
-        result = Path(out) if out else Path(disk) / "compare.json"
-        cmd = torchrun(model["stages"] * dp, [
-            "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
-            *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
-            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})])
-        code = _run(cmd, launch_env())
-        if code != 0 or not result.exists():
-            raise BaftError(f"the comparison run failed (exit code {code})")
-        return render(summarize(json.loads(result.read_text())))
-
-
-DEMO_MODEL = {"stages": 2, "micro_batches": 8, "micro_batch_size": 4, "schedule": "1f1b", "seq": 128,
-              "d_model": 256, "layers": 6, "heads": 4, "vocab": 4096}
-
-
-@main.command()
-@click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
-@user_errors
-def demo(out_dir):
-    """Profile the example GPT, plan, compare policies, train under baft, kill a rank, restart, report."""
-    from baft.cli.launch import launch_env
-    from baft.pipeline.bubblemap import BubbleMap
-
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    model_flags = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_MODEL.items()]
-    me = [sys.executable, "-m", "baft.cli"]
-    bmap_path, run_dir = out / "bubbles.json", out / "run"
-
-    def step(n, title, cmd=None):
-        click.secho(f"\n[{n}/5] {title}", bold=True)
-        if cmd is not None and _run(cmd, launch_env()) != 0:
-            raise BaftError(f"demo step {n} ({title}) failed; its output is above")
-
-    step(1, "profile the example GPT (2 stages, 8 micro-batches of 512 tokens) and plan",
-         [*me, "profile", "--example", "gpt", *model_flags, "--iters", "5", "--out", str(bmap_path)])
-    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(out / "timeline.png")])
-    step(3, "overhead of a snapshot every iteration: no snapshots, synchronous copy, baft (interleaved)")
-    click.echo(_compare(DEMO_MODEL, 1, "none,sync-copy,baft", 3, 3, str(bmap_path), str(out / "compare.json")))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    step(4, "train under baft; rank 1 is killed in step 10 and torchrun restarts the job",
-         [*me, "train", "--example", "gpt", *model_flags, "--iters", "14", "--bubble-map", str(bmap_path),
-          "--run-dir", str(run_dir), "--fault", "rank=1,step=10,phase=backward", "--max-restarts", "1"])
-    step(5, "where the recovery time went", [*me, "report", str(run_dir), "--png", str(out / "recovery.png")])
-    bmap = BubbleMap.load(bmap_path)
-    click.echo(f"\nbubble map and plan: {bmap_path}, {bmap_path.with_name('bubbles.plan.json')} "
-               f"({bmap.schedule}, {bmap.stages} stages)")
-    click.echo(f"pictures: {out / 'timeline.png'}, {out / 'recovery.png'}")
-    click.echo(f"losses (with the restart): {run_dir / 'losses.jsonl'}")
+main.add_command(demo)

@@ -1,0 +1,45 @@
+"""Options and error handling the ``baft`` commands share."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from baft.errors import BaftError
+
+EXAMPLE_OPTIONS = [
+    click.option("--stages", default=2, show_default=True, help="Pipeline stages (processes per replica)."),
+    click.option("--data-parallel", "dp", default=1, show_default=True, help="Data-parallel replicas of every stage."),
+    click.option("--micro-batches", default=8, show_default=True, help="Micro-batches per iteration."),
+    click.option("--micro-batch-size", default=2, show_default=True, help="Sequences per micro-batch."),
+    click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"])),
+    click.option("--seq", default=128, show_default=True, help="Tokens per sequence."),
+    click.option("--d-model", default=384, show_default=True),
+    click.option("--layers", default=8, show_default=True),
+    click.option("--heads", default=6, show_default=True),
+    click.option("--vocab", default=4096, show_default=True),
+    click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
+                 help="bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights and Adam moments)."),
+    click.option("--zero-stage", default=0, show_default=True, type=click.IntRange(0, 1),
+                 help="ZeRO stage 1 partitions the optimizer state over data-parallel replicas."),
+]
+
+
+def example_options(fn):
+    for option in reversed(EXAMPLE_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def user_errors(fn):
+    """Print a BaftError as one line and exit 2, instead of a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaftError as err:
+            click.echo(f"baft: error: {err}", err=True)
+            sys.exit(2)
+    return wrapper
