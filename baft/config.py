@@ -55,6 +55,7 @@ class BaftConfig:
     fresh_start: Union[bool, str] = True
     run_dir: Optional[str] = None  # where restarts append recovery.jsonl
     save_dir: Optional[str] = None  # checkpoint directory of the disk baselines (deepspeed, torch-save, dcp-async)
+    adopt: Optional[str] = None  # a DeepSpeed checkpoint directory the run's first start loads (no snapshot yet)
 
 
 def _check_type(key: str, value, expected) -> None:

@@ -96,9 +96,15 @@ def _protect(engine, cfg, data_iterator) -> None:
         if client is None and cfg.require_manager:
             raise BaftError(f"baft.require_manager: no snapshot manager answers at {root}; start one with "
                             f"'baft manager start' or set require_manager to false")
-        restored = restore(engine, root, client, data_iterator, cfg.fresh_start,
-                           log=lambda m: warn(engine, m))
-        if restored is not None and engine.global_rank == 0:
+        log = lambda m: warn(engine, m)  # noqa: E731
+        restored = restore(engine, root, client, data_iterator, True if cfg.adopt else cfg.fresh_start, log=log)
+        if restored is None and cfg.adopt:  # the first start under baft: from the job's DeepSpeed checkpoint
+            from baft.recovery.adopt import adopt
+
+            restored = adopt(engine, cfg.adopt, data_iterator, log=log)
+            if engine.global_rank == 0:
+                print(f"baft: adopted the DeepSpeed checkpoint of step {restored.step} in {cfg.adopt}", flush=True)
+        elif restored is not None and engine.global_rank == 0:
             print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
         engine.baft_restored = restored
     policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))

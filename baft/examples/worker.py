@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--persist-dir", default=None)
     p.add_argument("--fresh-start", choices=("true", "false", "always"), default="true",
                    help="may a start that finds no restorable snapshot begin at step 0 (see baft.fresh_start)")
+    p.add_argument("--adopt", default=None, help="a DeepSpeed checkpoint directory to start from (see baft.adopt)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--layers", type=int, default=8)
@@ -74,6 +75,8 @@ def ds_config(args, dp: int) -> dict:
         section["plan"] = args.plan
     if args.fresh_start != "true":
         section["fresh_start"] = {"false": False, "always": "always"}[args.fresh_start]
+    if args.adopt:
+        section["adopt"] = args.adopt
     if args.ranks_per_node:
         section["ranks_per_node"] = args.ranks_per_node
     if args.parity_group:

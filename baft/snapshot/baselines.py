@@ -17,6 +17,24 @@ from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.optimizers import entry
 
+ITEMS_KEY = "baft_items"  # where the deepspeed baseline keeps the small items (RNG, data position) in client_state
+
+
+def replicas_items(engine, items: dict) -> dict:
+    """For ``client_state``, which one replica of each stage writes: every replica's small items.
+
+    Data-parallel replicas share a checkpoint file but not their RNG states (a job seeds each
+    rank its own), so each must get its own back.
+    """
+    every = [None] * engine.grid.get_data_parallel_world_size()
+    dist.all_gather_object(every, items, group=engine.grid.get_data_parallel_group())
+    return {"replicas": every}
+
+
+def own_items(engine, saved: dict) -> dict:
+    """This replica's small items from :func:`replicas_items`."""
+    return saved["replicas"][engine.grid.get_data_parallel_rank()]
+
 
 class DiskCheckpoint(InstructionHook):
     """The usual practice: a full checkpoint to disk every ``period`` steps, after the step."""
@@ -40,7 +58,8 @@ class DiskCheckpoint(InstructionHook):
         start = time.perf_counter()
         items = state.capture_items(engine, self.data_iterator)
         if self.kind == "deepspeed":
-            engine.save_checkpoint(str(self.save_dir), tag=f"global_step{step}", client_state={"baft_items": items})
+            engine.save_checkpoint(str(self.save_dir), tag=f"global_step{step}",
+                                   client_state={ITEMS_KEY: replicas_items(engine, items)})
         elif self.kind == "torch-save":
             self.save_dir.mkdir(parents=True, exist_ok=True)
             torch.save({"tensors": state.state_tensors(engine), "items": items},
@@ -66,7 +85,7 @@ class DiskCheckpoint(InstructionHook):
             path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
             if path is None:
                 return None
-            state.restore_items(engine, client["baft_items"], self.data_iterator)
+            state.restore_items(engine, own_items(engine, client[ITEMS_KEY]), self.data_iterator)
             return engine.global_steps
         if self.kind == "torch-save":
             mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
