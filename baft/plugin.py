@@ -18,6 +18,7 @@ from baft.teardown import teardown
 
 PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
 PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
+TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # set by ``baft train --trace DIR``: every rank writes its run trace there
 
 
 def load_ds_config(config) -> dict:
@@ -68,6 +69,10 @@ def initialize(*args, data_iterator=None, **kwargs):
                          "data from the start): pass data_iterator= an iterator with state_dict() and "
                          "load_state_dict(), such as torchdata's StatefulDataLoader, and train on it")
         _protect(engine, cfg, data_iterator)
+    if os.environ.get(TRACE_DIR_ENV):
+        from baft.snapshot.trace import start_trace
+
+        start_trace(engine, os.environ[TRACE_DIR_ENV], type(given.get("model")).__name__)
     return engine, optimizer, loader, scheduler
 
 

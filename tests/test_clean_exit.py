@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from baft.cli.launch import launch_env
+from baft.cli.runlog import LOG_NAME
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
 CONFIGS = [("fp32", 2, 0), ("bf16", 2, 0), ("fp32", 4, 1), ("bf16", 4, 1)]  # precision, ranks, ZeRO stage
@@ -30,11 +31,12 @@ def train(job, run_dir):
 
 
 def test_eight_protected_jobs_exit_cleanly(tmp_path):
+    run_dirs = [tmp_path / f"run{i}" for i in range(len(JOBS))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs at a time: 2 cores, and load widens the race
-        procs = list(pool.map(train, JOBS, [tmp_path / f"run{i}" for i in range(len(JOBS))]))
+        procs = list(pool.map(train, JOBS, run_dirs))
     failed = [(job, p) for job, p in zip(JOBS, procs) if p.returncode != 0]
     assert not failed, f"{len(failed)} of {len(JOBS)} jobs failed; first:\n" + "\n\n".join(
         f"{job} exit {p.returncode}:\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}" for job, p in failed[:1])
-    for p in procs:
-        assert "terminate called" not in p.stderr + p.stdout
+    for p, run_dir in zip(procs, run_dirs):
+        assert "terminate called" not in p.stderr + p.stdout + (run_dir / LOG_NAME).read_text()  # every rank's output
         assert "step 3 " in p.stdout  # it trained every step, then exited

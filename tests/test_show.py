@@ -9,16 +9,19 @@ from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankPr
 from baft.snapshot.planner import plan
 from baft.cli.show import (
     draw_plan,
+    draw_run,
     draw_timeline,
     fit_verdict,
     instruction_kind,
     render_plan_text,
+    render_run_text,
     render_text,
     snapshot_bytes,
     stage_rows,
     timeline_lanes,
 )
 from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
+from baft.snapshot.trace import RankCopies, RunTimeline
 
 DATA = Path(__file__).parent / "data"
 MEASURED = DATA / "bubblemap-1f1b-2x8.json"  # `baft profile`: 2-stage GPT, 2.7M parameters, 2 cores
@@ -202,3 +205,26 @@ def test_draw_analytic_timelines(tmp_path):
 def test_draw_plan(tmp_path):
     bmap = hand_map(bandwidth=0.5e9)
     assert_png(draw_plan(plan(bmap, chunk_bytes=1_000_000), bmap, tmp_path / "plan.png"))
+
+
+def hand_run() -> RunTimeline:
+    """:func:`hand_map` as one traced iteration: rank 0 copies 20 + 8 MB in its two bubbles and flushes 2 MB
+    at the optimizer step (2 ms); rank 1 copies all 30 MB in its two bubbles (its flush copies nothing)."""
+    rank0 = RankCopies(0, ((4, 0.021, 0.049, 20_000_000), (6, 0.071, 0.079, 8_000_000)), (0.100, 0.102, 2_000_000),
+                       30_000_000)
+    rank1 = RankCopies(1, ((0, 0.001, 0.009, 15_000_000), (3, 0.041, 0.049, 15_000_000)), (0.080, 0.0805, 0),
+                       30_000_000)
+    return RunTimeline(step=7, bubble_map=hand_map(), copies={0: rank0, 1: rank1})
+
+
+def test_run_table_says_what_share_was_copied_inside_bubbles():
+    text = render_run_text(hand_run())
+    assert [c.strip() for c in row_of(text, "   0").strip("│").split("│")] == \
+        ["0", "0", "30.0", "28.0", "93.3%", "36.0", "2.0", "2.00"]
+    assert [c.strip() for c in row_of(text, "   1").strip("│").split("│")][3:] == \
+        ["30.0", "100.0%", "16.0", "0.0", "0.50"]
+    assert "step 7: 96.7% of the snapshot (60.0 MB) copied inside bubbles, stall 2.00 ms" in text
+
+
+def test_draw_run(tmp_path):
+    assert_png(draw_run(hand_run(), tmp_path / "run.png"))

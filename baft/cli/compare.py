@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     args = worker.parse_args(model_argv)
     engine, data = worker.build(args)
     policies = parse_policies(ours.policies)
-    if ours.none_between and "none" not in [kind for _, kind, _ in policies]:
+    if ours.none_between and "none" not in [name for name, _, _ in policies]:
         policies.insert(0, ("none", "none", 1))
     engine.train_batch(data_iter=data)  # the first step creates the optimizer state every policy snapshots
     meters = {p[0]: Meter(make_hook(p, engine, data, ours, args.bubble_map)) for p in policies}

@@ -20,34 +20,42 @@ DEMO_MODEL = {"stages": 2, "micro_batches": 8, "micro_batch_size": 4, "schedule"
 @click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
 @user_errors
 def demo(out_dir):
-    """Profile the example GPT, plan, compare policies, train under baft, kill a rank, restart, report."""
+    """Profile the example GPT, plan, compare policies, train under baft (traced), kill a rank, restart,
+    draw where baft copied, report."""
     from baft.cli.compare import launch_compare
     from baft.cli.launch import launch_env, run_command
+    from baft.cli.runlog import LOG_NAME
     from baft.pipeline.bubblemap import BubbleMap
+    from baft.snapshot.trace import load_run
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model_flags = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_MODEL.items()]
     me = [sys.executable, "-m", "baft.cli"]
-    bmap_path, run_dir = out / "bubbles.json", out / "run"
+    bmap_path, run_dir, trace_dir = out / "bubbles.json", out / "run", out / "trace"
+    pictures = {name: out / f"{name}.png" for name in ("timeline", "copies", "recovery")}
 
     def step(n, title, cmd=None):
-        click.secho(f"\n[{n}/5] {title}", bold=True)
+        click.secho(f"\n[{n}/6] {title}", bold=True)
         if cmd is not None and run_command(cmd, launch_env()) != 0:
             raise BaftError(f"demo step {n} ({title}) failed; its output is above")
 
     step(1, "profile the example GPT (2 stages, 8 micro-batches of 512 tokens) and plan",
          [*me, "profile", "--example", "gpt", *model_flags, "--iters", "5", "--out", str(bmap_path)])
-    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(out / "timeline.png")])
+    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(pictures["timeline"])])
     step(3, "overhead of a snapshot every iteration: no snapshots, synchronous copy, baft (interleaved)")
     click.echo(launch_compare(DEMO_MODEL, 1, "none,sync-copy,baft", 3, 3, str(bmap_path), str(out / "compare.json")))
     shutil.rmtree(run_dir, ignore_errors=True)
-    step(4, "train under baft; rank 1 is killed in step 10 and torchrun restarts the job",
+    step(4, "train under baft, traced; rank 1 is killed in step 10 and torchrun restarts the job",
          [*me, "train", "--example", "gpt", *model_flags, "--iters", "14", "--bubble-map", str(bmap_path),
-          "--run-dir", str(run_dir), "--fault", "rank=1,step=10,phase=backward", "--max-restarts", "1"])
-    step(5, "where the recovery time went", [*me, "report", str(run_dir), "--png", str(out / "recovery.png")])
+          "--run-dir", str(run_dir), "--fault", "rank=1,step=10,phase=backward", "--max-restarts", "1",
+          "--trace", str(trace_dir)])
+    step(5, "where baft copied: one traced iteration after the restart, its copies inside the bubbles",
+         [*me, "show", str(trace_dir), "--png", str(pictures["copies"])])
+    step(6, "where the recovery time went", [*me, "report", str(run_dir), "--png", str(pictures["recovery"])])
     bmap = BubbleMap.load(bmap_path)
     click.echo(f"\nbubble map and plan: {bmap_path}, {bmap_path.with_name('bubbles.plan.json')} "
                f"({bmap.schedule}, {bmap.stages} stages)")
-    click.echo(f"pictures: {out / 'timeline.png'}, {out / 'recovery.png'}")
-    click.echo(f"losses (with the restart): {run_dir / 'losses.jsonl'}")
+    click.echo(f"pictures: {pictures['timeline']} (the bubbles), {pictures['copies']} (baft's copies inside them, "
+               f"step {load_run(trace_dir).step}), {pictures['recovery']} (the restart)")
+    click.echo(f"losses (with the restart): {run_dir / 'losses.jsonl'}; every rank's output: {run_dir / LOG_NAME}")

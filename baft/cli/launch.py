@@ -32,10 +32,12 @@ def launch_env(extra: dict | None = None) -> dict:
     return env
 
 
-def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module: bool = True) -> list[str]:
-    """The command that runs ``python -m <module_args>`` (or a script) on ``nprocs`` local ranks."""
+def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module: bool = True,
+             options: list[str] = ()) -> list[str]:
+    """The command that runs ``python -m <module_args>`` (or a script) on ``nprocs`` local ranks;
+    ``options`` are more of torchrun's own (``--tee``, ``--log-dir``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *options]
     return cmd + (["-m"] if module else []) + module_args
 
 

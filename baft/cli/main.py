@@ -83,16 +83,23 @@ def _load_any(path):
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw the per-stage timeline to this PNG.")
 @click.option("--stages", type=int, help="Refuse a map made for another stage count.")
 @user_errors
 def show(file, png, stages):
-    """Print a bubble map's or plan's summary; draw the timeline with --png."""
+    """Print a bubble map's or plan's summary; draw the timeline with --png.
+
+    FILE may also be the trace directory of a run (``baft train --trace DIR``): one typical
+    iteration of it, with baft's copies inside the bubbles and the flush before the optimizer step.
+    """
     from baft.cli.show import draw_timeline, render_plan_text, render_text
     from baft.pipeline.bubblemap import BubbleMap
     from baft.snapshot.planner import Plan
 
+    if Path(file).is_dir():
+        _show_run(file, png, stages)
+        return
     obj = _load_any(file)
     if stages is not None and obj.stages != stages:
         raise BaftError(f"{file}: made for {obj.stages} pipeline stages, not {stages}")
@@ -106,6 +113,21 @@ def show(file, png, stages):
     if png:
         draw_timeline(obj, png, title=f"{Path(file).name}: {obj.schedule}, {obj.stages} stages, "
                                       f"{obj.micro_batches} micro-batches")
+        click.echo(f"wrote {png}")
+
+
+def _show_run(directory, png, stages) -> None:
+    """``baft show`` of a run's trace directory."""
+    from baft.cli.show import draw_run, render_run_text, render_text
+    from baft.snapshot.trace import load_run
+
+    run = load_run(directory)
+    if stages is not None and run.bubble_map.stages != stages:
+        raise BaftError(f"{directory}: traced {run.bubble_map.stages} pipeline stages, not {stages}")
+    click.echo(render_text(run.bubble_map))
+    click.echo(render_run_text(run))
+    if png:
+        draw_run(run, png)
         click.echo(f"wrote {png}")
 
 
@@ -149,19 +171,24 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")
 @click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False),
+              help="Every rank writes its per-instruction trace, with baft's copies, here (baft show DIR draws it).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, executor, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
-          persist_every, nodes, faults, command, dp, **model):
+          persist_every, nodes, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
-    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Prints one
-    line per iteration and appends them to ``RUN_DIR/losses.jsonl``.
+    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Every rank's
+    output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
+    prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
-    from baft.cli.launch import SHM_ROOT, example_args, launch_env, run_command, torchrun
+    from baft.cli.launch import SHM_ROOT, example_args, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
+    from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options
     from baft.manager.nodes import node_configs, start_all, stop_all
+    from baft.plugin import TRACE_DIR_ENV
     from baft.recovery import chaos
 
     if bool(example) == bool(command):
@@ -175,7 +202,8 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
     env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
-                      **({chaos.ENV: ";".join(faults)} if faults else {})})
+                      **({chaos.ENV: ";".join(faults)} if faults else {}),
+                      **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
     configs = []
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor, "run_dir": str(run),
@@ -186,16 +214,18 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
             args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
                         parity_k=configs[0].parity_k, persist_every=persist_every,
                         persist_dir=str(run / "persisted") if persist_every else None)
-        cmd = torchrun(procs, example_args(args), max_restarts=max_restarts)
+        cmd = torchrun(procs, example_args(args), max_restarts=max_restarts, options=torchrun_options(run))
     else:
-        cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False)
+        cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if not (manager and policy in ("baft", "sync-copy", "thread-copy")):
         configs = []
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+    log = run / LOG_NAME
+    click.echo(f"baft: every rank's output goes to {log}")
     start_all(configs)
     try:
-        code = run_command(cmd, env)
+        code = run_logged(cmd, env, log)
     finally:
         stop_all(configs)
     if (run / "recovery.jsonl").exists():
@@ -204,7 +234,20 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
 
         click.echo(render_recovery_text(load_recoveries(run)))
     if code != 0:
-        raise BaftError(f"training failed (exit code {code}); see the output above and {run}")
+        raise BaftError(f"training failed (exit code {code}); every rank's output is in {log}")
+    if trace_dir:
+        click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
+
+
+def _fresh_trace_dir(trace_dir) -> Path:
+    """The trace directory, emptied of an earlier run's traces (a rank writes its own at exit)."""
+    from baft.pipeline.profiler import trace_paths
+
+    path = Path(trace_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    for old in trace_paths(path):
+        old.unlink()
+    return path
 
 
 @main.group()

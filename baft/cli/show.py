@@ -1,4 +1,4 @@
-"""What ``baft show`` prints and draws: a bubble map or a plan as a table, a timeline as a PNG.
+"""What ``baft show`` prints and draws: a bubble map, a plan or a traced run as a table, a timeline as a PNG.
 
 Tables are :class:`rich.table.Table` objects (the CLI prints them); the ``render_*``
 functions give the same table as plain text for tests and pipes. Figures are drawn on a
@@ -23,6 +23,7 @@ from rich.table import Table
 
 from baft.pipeline.bubblemap import Bubble, BubbleMap, RankProfile
 from baft.snapshot.planner import Plan, RankPlan
+from baft.snapshot.trace import RankCopies, RunTimeline
 
 if TYPE_CHECKING:
     from baft.pipeline.timeline import Timeline
@@ -47,6 +48,7 @@ _KIND_PREFIXES = (
 BUBBLE_STYLE = {"facecolor": (0.85, 0.1, 0.1, 0.22), "edgecolor": (0.75, 0.0, 0.0, 0.8), "hatch": "///",
                 "linewidth": 0.6}
 COPY_COLOUR = "#f2c12e"
+FLUSH_COLOUR = "#c51b7d"
 _ROUNDING = 1e-9  # bubble lengths are differences of floats: 120 ms / 40 ms must be 3 iterations
 
 
@@ -168,7 +170,8 @@ def summarize(bmap: BubbleMap) -> Table:
 def _map_title(bmap: BubbleMap) -> str:
     chunks = f", {bmap.chunks} chunks/stage" if bmap.chunks > 1 else ""
     dp = f", {bmap.data_parallel} data-parallel replicas" if bmap.data_parallel > 1 else ""
-    runs = f", median of {bmap.iterations} iterations" if bmap.iterations else ""
+    runs = f", median of {bmap.iterations} iterations" if bmap.iterations > 1 else \
+        ", one iteration" if bmap.iterations == 1 else ""
     return f"{bmap.source} bubble map: {bmap.schedule}, {bmap.stages} stages x {bmap.micro_batches} micro-batches" \
            f"{chunks}{dp}{runs}"
 
@@ -208,6 +211,39 @@ def _rank_plan_cells(r: RankPlan) -> list[str]:
     planned = sum(s.nbytes for s in r.slots)
     return [str(r.rank), str(r.stage), _mb(r.nbytes), _ms(r.bubble_time), _mb(planned), _pct(r.bubble_used),
             _mb(r.leftover_bytes), _ms(r.stall), f"{r.overhead_per_snapshot:.2%}"]
+
+
+def summarize_run(run: RunTimeline) -> Table:
+    """Where every rank copied its snapshot in the traced iteration: inside bubbles, or flushed before the optimizer step."""
+    table = Table(title=f"baft's copies in step {run.step}", caption=_copies_line(run), caption_justify="left")
+    for name in ("rank", "stage", "snapshot MB", "in bubbles MB", "in bubbles", "copying ms", "flush MB",
+                 "stall ms"):
+        table.add_column(name, justify="right")
+    stages = {p.rank: p.stage for p in run.bubble_map.ranks}
+    for rank, copies in sorted(run.copies.items()):
+        table.add_row(str(rank), str(stages.get(rank, DASH)), *_rank_copy_cells(copies))
+    return table
+
+
+def _rank_copy_cells(c: RankCopies) -> list[str]:
+    if c.flush is None:
+        return [_mb(c.snapshot_bytes)] + [DASH] * 5
+    copying = sum(end - start for _, start, end, _ in c.bubbles)
+    return [_mb(c.snapshot_bytes), _mb(c.in_bubbles), _pct(c.share_in_bubbles), _ms(copying), _mb(c.flush[2]), f"{c.stall * 1e3:.2f}"]
+
+
+def _copies_line(run: RunTimeline) -> str:
+    """One line: what share of the state the traced iteration copied inside bubbles, and the longest stall."""
+    if not run.copied_bytes:
+        return f"step {run.step}: no snapshot copies traced (a policy other than baft's, or no snapshot due)"
+    stall = max(c.stall for c in run.copies.values())
+    return (f"step {run.step}: {_pct(run.share_in_bubbles)} of the snapshot ({_mb(run.copied_bytes)} MB) copied "
+            f"inside bubbles, stall {stall * 1e3:.2f} ms")
+
+
+def render_run_text(run: RunTimeline) -> str:
+    """:func:`summarize_run` as plain text."""
+    return to_text(summarize_run(run))
 
 
 def to_text(table: Table, width: int = 200) -> str:
@@ -297,6 +333,23 @@ def draw_timeline(bmap: BubbleMap, path, title: str | None = None,
     return _save(_figure(bmap, lanes, title, copies={}), path)
 
 
+def draw_run(run: RunTimeline, path, title: str | None = None) -> Path:
+    """One traced iteration of a run: every rank's instructions and bubbles, baft's copies inside
+    them and the flush before the optimizer step, titled with the share copied inside bubbles."""
+    bmap = run.bubble_map
+    lanes = timeline_lanes(bmap)
+    copies, flushes = {}, {}
+    for i, lane in enumerate(lanes):
+        rank = run.copies.get(lane.rank)
+        if rank is None or rank.flush is None:
+            continue
+        copies[i] = [(start, end - start) for _, start, end, _ in rank.bubbles]
+        flushes[i] = [(rank.flush[0], rank.stall)]
+        lane.label += f"\ncopied in bubbles {_pct(rank.share_in_bubbles)}\nstall {rank.stall * 1e3:.2f} ms"
+    title = title or f"{bmap.schedule}, {bmap.stages} stages x {bmap.micro_batches} micro-batches, {_copies_line(run)}"
+    return _save(_figure(bmap, lanes, title, copies, "copy (measured)", flushes), path)
+
+
 def draw_plan(plan: Plan, bmap: BubbleMap, path, title: str | None = None,
               timeline: Timeline | None = None) -> Path:
     """:func:`draw_timeline` with the plan's copies drawn inside the bubbles they are planned into."""
@@ -326,8 +379,10 @@ def _figure_title(bmap: BubbleMap) -> str:
     return f"{bmap.schedule}: {bmap.stages} stages x {bmap.micro_batches} micro-batches ({bmap.source})"
 
 
-def _figure(bmap: BubbleMap, lanes: list[Lane], title: str | None,
-            copies: dict[int, list[tuple[float, float]]]) -> Figure:
+def _figure(bmap: BubbleMap, lanes: list[Lane], title: str | None, copies: dict[int, list[tuple[float, float]]],
+            copy_label: str = "planned copy", flushes: dict[int, list[tuple[float, float]]] | None = None) -> Figure:
+    """The timeline; ``copies`` and ``flushes`` are (start, duration) spans per lane index."""
+    flushes = flushes or {}
     fig = Figure(figsize=(13, 1.1 * len(lanes) + 1.9), layout="constrained")
     ax = fig.add_subplot()
     end = max([bmap.makespan] + [s + d for lane in lanes for s, d, _, _ in lane.bars]
@@ -338,6 +393,8 @@ def _figure(bmap: BubbleMap, lanes: list[Lane], title: str | None,
         for start, duration in copies.get(y, []):
             ax.broken_barh([(start * 1e3, duration * 1e3)], (y + 0.08, 0.28), facecolor=COPY_COLOUR,
                            edgecolor="black", linewidth=0.5, zorder=4)
+        for start, duration in flushes.get(y, []):
+            _draw_flush(ax, y, start, duration)
     ax.set_yticks(range(len(lanes)), [_lane_label(lane, bmap) for lane in lanes], fontsize=9)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(0, end * 1e3)
@@ -348,7 +405,9 @@ def _figure(bmap: BubbleMap, lanes: list[Lane], title: str | None,
     if any(lane.bubbles for lane in lanes):
         handles.append(Patch(**BUBBLE_STYLE, label="bubble"))
     if any(copies.values()):
-        handles.append(Patch(facecolor=COPY_COLOUR, edgecolor="black", label="planned copy"))
+        handles.append(Patch(facecolor=COPY_COLOUR, edgecolor="black", label=copy_label))
+    if any(flushes.values()):
+        handles.append(Patch(facecolor=FLUSH_COLOUR, edgecolor="black", label="flush before optimizer step (stall)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 8), fontsize=9, frameon=False)
     return fig
 
@@ -368,6 +427,14 @@ def _draw_lane(ax, y: int, lane: Lane, end: float) -> list[str]:
         ax.broken_barh([(b.start * 1e3, b.length * 1e3) for b in lane.bubbles], (y - 0.42, 0.84), zorder=3,
                        **BUBBLE_STYLE)
     return kinds
+
+
+def _draw_flush(ax, y: int, start: float, duration: float) -> None:
+    """The flush as its span, with a marker above it: it may last too little to see."""
+    ax.broken_barh([(start * 1e3, duration * 1e3)], (y + 0.08, 0.28), facecolor=FLUSH_COLOUR, edgecolor="black",
+                   linewidth=0.5, zorder=4)
+    ax.plot([start * 1e3], [y - 0.36], marker="v", markersize=7, color=FLUSH_COLOUR, markeredgecolor="black",
+            markeredgewidth=0.5, zorder=6)
 
 
 def _lane_label(lane: Lane, bmap: BubbleMap) -> str:

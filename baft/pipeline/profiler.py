@@ -234,7 +234,11 @@ def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
     """All ranks' traces as one measured bubble map, with the analytic fractions beside it."""
     if not paths:
         raise BaftError("no profiler traces were written; did the run call baft.initialize?")
-    traces = [read_json(p) for p in paths]
+    return merge_trace_docs([read_json(p) for p in paths], skip)
+
+
+def merge_trace_docs(traces: list[dict], skip: int = 1) -> BubbleMap:
+    """:func:`merge_traces` of traces already read: medians over each trace's iterations after the first ``skip``."""
     head = traces[0]
     profiles = sorted((_median_profile(t, skip) for t in traces), key=lambda p: p.rank)
     stages = head["stages"]

@@ -11,6 +11,7 @@
 - ``policies``    when copies run: baft's bubble executor, synchronous copy, thread copy
 - ``build``       the policy a config asks for, and the planned executor it builds
 - ``baselines``   the disk checkpoints baft is compared with (DeepSpeed, torch.save, DCP)
+- ``trace``       a run's per-instruction trace with the executor's copies in it, and reading it back
 
 May import ``pipeline``; never ``manager``, ``recovery`` or anything above.
 """

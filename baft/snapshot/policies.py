@@ -12,8 +12,9 @@ before optimizer step k+1; they differ in when the chunks are copied:
 * :class:`ThreadCopy` (``thread-copy``): a background thread, ignoring bubbles.
 
 Each records, per iteration, the *stall*: seconds the trainer spent in the policy outside
-bubbles (flush, synchronous copy, join). Checksums and the commit record are written after
-the fence, by a :class:`~baft.snapshot.copy.Sealer` thread, off the trainer's path.
+bubbles (flush, synchronous copy, join); the bubble executor also records where its copies
+ran (:class:`CopySpans`). Checksums and the commit record are written after the fence, by a
+:class:`~baft.snapshot.copy.Sealer` thread, off the trainer's path.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Optional
 
 from deepspeed.runtime.pipe.schedule import OptimizerStep
@@ -110,12 +112,32 @@ class SnapshotPolicy(InstructionHook):
             self.link.commit(record, slot)
 
 
+@dataclass
+class CopySpans:
+    """Where one iteration's snapshot copies ran, in host seconds since ``origin``.
+
+    ``origin`` is ``time.perf_counter()`` at the start of the iteration, so another host clock
+    can re-base the spans. ``bubbles`` holds (instruction index, start, end, bytes) for every
+    bubble the executor copied in, ``flush`` the (start, end, bytes) of the fence before
+    ``OptimizerStep`` (its time is the stall; None when no snapshot was taken). With a copy
+    stream a bubble's span is when its chunks were *queued*: the stream copies them later.
+    """
+
+    origin: float
+    bubbles: list[tuple[int, float, float, int]] = field(default_factory=list)
+    flush: Optional[tuple[float, float, int]] = None
+
+    def since_origin(self, start: float, end: float) -> tuple[float, float]:
+        return start - self.origin, end - self.origin
+
+
 class BubbleExecutor(SnapshotPolicy):
     """baft: copy inside the bubbles; flush the rest before the optimizer step.
 
     Without ``stream`` the host copies while each receive waits, in layout order, as long as
     the wait lasts. With one, the chunks ``plan`` places in the bubble that begins at an
     instruction are queued on the stream there; what the plan leaves is queued at the fence.
+    ``spans`` says where this iteration's copies ran (two clock reads per bubble, none per chunk).
     """
 
     name = "baft"
@@ -126,6 +148,11 @@ class BubbleExecutor(SnapshotPolicy):
         self.placement: dict[int, range] = {}
         self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
         self.flushed_bytes = 0
+        self.spans = CopySpans(origin=time.perf_counter())
+
+    def iteration_start(self, engine):
+        self.spans = CopySpans(origin=time.perf_counter())
+        super().iteration_start(engine)
 
     def started(self):
         self.bubble_bytes.clear()
@@ -134,7 +161,8 @@ class BubbleExecutor(SnapshotPolicy):
 
     def before(self, engine, index, cmd):
         if self.stream is not None and self.snapshot is not None and index in self.placement:
-            self.bubble_bytes[index] += self.snapshot.queue(self.placement[index])
+            start = time.perf_counter()
+            self._copied_in_bubble(index, start, self.snapshot.queue(self.placement[index]))
         super().before(engine, index, cmd)
 
     def bubble(self, engine, index, cmd):
@@ -143,12 +171,20 @@ class BubbleExecutor(SnapshotPolicy):
         snapshot = self.snapshot
 
         def copy_until(landed):
-            self.bubble_bytes[index] += snapshot.copy_while(lambda: not landed.is_set())
+            start = time.perf_counter()
+            self._copied_in_bubble(index, start, snapshot.copy_while(lambda: not landed.is_set()))
         return copy_until
 
+    def _copied_in_bubble(self, index: int, start: float, nbytes: int) -> None:
+        self.bubble_bytes[index] += nbytes
+        if nbytes:
+            self.spans.bubbles.append((index, *self.spans.since_origin(start, time.perf_counter()), nbytes))
+
     def finish(self):
+        start = time.perf_counter()
         self.flushed_bytes = sum(self.source.layout.chunks[i].nbytes for i in self.snapshot.pending)
         super().finish()
+        self.spans.flush = (*self.spans.since_origin(start, time.perf_counter()), self.flushed_bytes)
 
     def close(self):
         super().close()

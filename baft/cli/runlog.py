@@ -1,0 +1,97 @@
+"""The ranks' output under ``baft train``: all of it into the run's log, what a user reads onto the screen.
+
+torchrun tees every rank's stdout and stderr (``--tee 3``), each line prefixed with the rank
+(:data:`PREFIX_TEMPLATE`); its per-rank, per-attempt files go to ``RUN_DIR/torchrun/``.
+:func:`run_logged` appends all of torchrun's output (every rank and the launcher itself) to
+``RUN_DIR/output.log`` and shows on the screen only what :func:`on_screen` keeps: rank 0's
+stdout without DeepSpeed's setup lines (op builds, layer partitions), and baft's own lines
+from any rank. A surviving rank's traceback after a kill stays in the log; a failed run
+prints the ranks' last lines and torchrun's (its summary names the rank that failed first).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from collections import deque
+from pathlib import Path
+from typing import IO, Optional
+
+import click
+
+LOG_NAME = "output.log"
+PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+PREFIX_TEMPLATE = "[${rank}] "
+_PREFIX = re.compile(r"\[(\d+)\] ")
+RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
+
+# What DeepSpeed prints while it sets up, as rank 0 prints it (in the log, not on the screen).
+DEEPSPEED_SETUP = re.compile("|".join([
+    r"DeepSpeed \S+ built successfully$",  # its communication op, built or loaded from the cache
+    r"SEED_LAYERS=",
+    r"Using topology: ",
+    r"stage=\d+ layers=\d+$",  # the layer partition: one line per stage, its layers, the loss
+    r"\s+\d+: \S+$",
+    r"\s+loss: \S+$",
+    r"\[\d{4}-\d\d-\d\d [\d:,]+\] \[INFO\]",  # its logger
+]))
+
+
+def torchrun_options(run_dir: Path) -> list[str]:
+    """torchrun's options that tee every rank's output, its files under ``run_dir/torchrun``."""
+    return [f"--log-dir={run_dir / 'torchrun'}", "--tee=3"]
+
+
+def on_screen(line: str, stream: str) -> Optional[str]:
+    """The text of a line of torchrun's ``stream`` ("stdout" or "stderr") to show, or None to keep it in the log only.
+
+    Shown: rank 0's stdout except DeepSpeed's setup lines, and every rank's lines that begin with ``baft:``.
+    """
+    match = _PREFIX.match(line)
+    if match is None:  # the launcher's own lines
+        return None
+    text = line[match.end():]
+    if text.startswith("baft:"):
+        return text
+    if match[1] == "0" and stream == "stdout" and not DEEPSPEED_SETUP.match(text):
+        return text
+    return None
+
+
+def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12) -> int:
+    """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``,
+    :func:`on_screen`'s lines on the screen; on failure, the ranks' and torchrun's last lines too. Its exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
+    lock = threading.Lock()
+    with open(log_path, "a", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        readers = [threading.Thread(target=_pump, args=(pipe, name, log, last, lock), daemon=True)
+                   for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+        for reader in readers:
+            reader.start()
+        try:
+            code = proc.wait()
+        finally:  # on Ctrl-C torchrun got the signal too: let it stop its ranks
+            proc.wait()
+            for reader in readers:
+                reader.join()
+    if code != 0:
+        for source, lines in last.items():
+            if lines:
+                click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
+                click.echo("".join(lines), err=True, nl=False)
+    return code
+
+
+def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock) -> None:
+    for line in pipe:
+        text = on_screen(line, stream)
+        with lock:
+            log.write(line)
+            log.flush()
+            last[RANKS if _PREFIX.match(line) else LAUNCHER].append(line)
+            if text is not None:
+                click.echo(text, nl=False, err=stream == "stderr")

@@ -1,0 +1,117 @@
+"""baft train --trace and baft show of it: the copies of a real run lie inside its bubbles, and the
+ranks' output goes to the run's log, the screen showing rank 0's iteration lines and baft's own."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from baft.cli.launch import launch_env
+from baft.cli.runlog import LAUNCHER, LOG_NAME, RANKS, on_screen
+from baft.snapshot.trace import load_run
+from conftest import TINY
+from test_show import assert_png
+
+RECEIVES = ("RecvActivation", "RecvGrad")
+
+
+def baft_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "baft.cli", *map(str, args)], capture_output=True, text=True,
+                          env=launch_env(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A run under baft, rank 1 killed in step 4 and restarted, every rank traced."""
+    base = tmp_path_factory.mktemp("traced")
+    run_dir, trace_dir = base / "run", base / "trace"
+    proc = baft_cli("train", "--example", "gpt", *TINY, "--iters", "7", "--policy", "baft", "--period", "1",
+                    "--run-dir", run_dir, "--trace", trace_dir, "--fault", "rank=1,step=4,phase=backward",
+                    "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc, run_dir, trace_dir
+
+
+def traces(trace_dir):
+    return [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_every_copy_lies_inside_a_receive_wait(traced):
+    _, _, trace_dir = traced
+    for trace in traces(trace_dir):
+        copied = [it for it in trace["iterations"] if it.get("copies")]
+        assert copied, f"rank {trace['rank']} traced no copies"
+        for it in copied:
+            instructions = {index: (kind, start, start + duration)
+                            for index, _, kind, start, duration in it["instructions"]}
+            for slot, start, end, nbytes in it["copies"]:
+                kind, wait_start, wait_end = instructions[slot]
+                assert kind in RECEIVES and wait_start <= start < end <= wait_end, (trace["rank"], it["step"], slot)
+                assert nbytes > 0
+
+
+def test_bubbles_and_flush_copy_the_whole_snapshot_every_step(traced):
+    _, _, trace_dir = traced
+    for trace in traces(trace_dir):
+        state = sum(trace["model"]["chunk_sizes"][str(trace["rank"])])
+        snapshots = [it for it in trace["iterations"] if "flush" in it]
+        assert [it["step"] for it in snapshots] == [it["step"] for it in trace["iterations"]]  # period 1
+        for it in snapshots:
+            flush_start, flush_end, flushed = it["flush"]
+            assert sum(c[3] for c in it["copies"]) + flushed == state
+            optimizer = next(ins for ins in it["instructions"] if ins[2] == "OptimizerStep")
+            assert optimizer[3] <= flush_start <= flush_end <= optimizer[3] + optimizer[4]
+
+
+def test_show_draws_a_traced_iteration_with_its_copies(traced, tmp_path):
+    _, _, trace_dir = traced
+    run = load_run(trace_dir)
+    steps = {it["step"] for it in traces(trace_dir)[0]["iterations"]}
+    assert run.step in steps and run.copied_bytes == sum(c.snapshot_bytes for c in run.copies.values())
+    png = tmp_path / "copies.png"
+    proc = baft_cli("show", trace_dir, "--png", png)
+    assert proc.returncode == 0, proc.stderr
+    assert f"step {run.step}: " in proc.stdout and "of the snapshot" in proc.stdout
+    assert "copied inside bubbles" in proc.stdout
+    assert_png(png)
+
+
+def test_the_screen_shows_rank_zero_and_baft_the_log_holds_everything(traced):
+    proc, run_dir, _ = traced
+    screen, log = proc.stdout + proc.stderr, (run_dir / LOG_NAME).read_text()
+    assert str(run_dir / LOG_NAME) in proc.stdout
+    for line in ("step     3  loss", "step     7  loss", "baft: resumed from step", "baft: recovered T0",
+                 "summary: median iteration"):
+        assert line in screen and line in log, line
+    # DeepSpeed's setup lines, the surviving rank's traceback and the launcher's lines: the log only
+    for noise in ("built successfully", "stage=0 layers=", "Using topology:", "Traceback", "SIGTERM"):
+        assert noise not in screen and noise in log, noise
+
+
+def test_a_failed_run_shows_the_end_of_its_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = baft_cli("train", "--example", "gpt", *TINY, "--iters", "4", "--run-dir", run_dir,
+                    "--fault", "rank=1,step=2,phase=backward", "--max-restarts", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout
+    ranks, launcher = (proc.stderr.split(f"the last lines of {source}:\n")[1] for source in (RANKS, LAUNCHER))
+    assert "Connection closed by peer" in ranks  # the survivor's error
+    assert "Signal 9 (SIGKILL) received" in launcher  # torchrun's summary: the rank that failed first
+    assert f"training failed (exit code 1); every rank's output is in {run_dir / LOG_NAME}" in proc.stderr
+
+
+@pytest.mark.parametrize("line, stream, shown", [
+    ("[0] step     1  loss 5.64  iter 33.0 ms\n", "stdout", "step     1  loss 5.64  iter 33.0 ms\n"),
+    ("[0] rank 0 final step 8 loss 0.5\n", "stdout", "rank 0 final step 8 loss 0.5\n"),  # a script's own line
+    ("[0] DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n", "stdout", None),
+    ("[0] stage=1 layers=2\n", "stdout", None),
+    ("[0]      3: Head\n", "stdout", None),
+    ("[0]   loss: lm_loss\n", "stdout", None),
+    ("[1] step     1  loss 5.64\n", "stdout", None),
+    ("[1] baft: rank 1: snapshots stay in shared memory only\n", "stderr",
+     "baft: rank 1: snapshots stay in shared memory only\n"),
+    ("[0] [rank0]: Traceback (most recent call last):\n", "stderr", None),
+    ("W1122 14:31:05.609000 14700 api.py:1028] Sending process 14705 closing signal SIGTERM\n", "stderr", None),
+])
+def test_what_reaches_the_screen(line, stream, shown):
+    assert on_screen(line, stream) == shown
