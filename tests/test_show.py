@@ -7,19 +7,8 @@ from matplotlib.image import imread
 
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
 from baft.snapshot.planner import plan
-from baft.cli.show import (
-    draw_plan,
-    draw_run,
-    draw_timeline,
-    fit_verdict,
-    instruction_kind,
-    render_plan_text,
-    render_run_text,
-    render_text,
-    snapshot_bytes,
-    stage_rows,
-    timeline_lanes,
-)
+from baft.cli.figures import draw_plan, draw_run, draw_timeline, instruction_kind, timeline_lanes
+from baft.cli.show import fit_verdict, render_plan_text, render_run_text, render_text, snapshot_bytes, stage_rows
 from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
 from baft.snapshot.trace import RankCopies, RunTimeline
 

@@ -2,7 +2,8 @@
 
 - ``main``     the command: profile, show, plan, train, manager, inspect, report, simulate, compare
 - ``options``  the options and one-line error handling the commands share
-- ``show``     bubble maps and plans as tables and timelines
+- ``show``     bubble maps, plans and traced runs as tables
+- ``figures``  the same as timelines (PNG): instructions, bubbles, copies, the stall
 - ``report``   where the time of every recovery went, as a table and a bar chart
 - ``compare``  snapshot policies measured side by side on one engine (launcher and per-rank worker)
 - ``demo``     the whole product on the example in one command

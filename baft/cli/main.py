@@ -93,7 +93,8 @@ def show(file, png, stages):
     FILE may also be the trace directory of a run (``baft train --trace DIR``): one typical
     iteration of it, with baft's copies inside the bubbles and the flush before the optimizer step.
     """
-    from baft.cli.show import draw_timeline, render_plan_text, render_text
+    from baft.cli.figures import draw_timeline
+    from baft.cli.show import render_plan_text, render_text
     from baft.pipeline.bubblemap import BubbleMap
     from baft.snapshot.planner import Plan
 
@@ -118,7 +119,8 @@ def show(file, png, stages):
 
 def _show_run(directory, png, stages) -> None:
     """``baft show`` of a run's trace directory."""
-    from baft.cli.show import draw_run, render_run_text, render_text
+    from baft.cli.figures import draw_run
+    from baft.cli.show import render_run_text, render_text
     from baft.snapshot.trace import load_run
 
     run = load_run(directory)
