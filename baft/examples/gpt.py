@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,42 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 1234) -> PipelineModule:
-    """The example GPT cut into ``num_stages`` stages balanced by parameter count."""
+def tied_logits(embedding: Embedding, x):
+    """The output head of a tied model: the last stage's copy of the token embedding, transposed.
+
+    Scaled by ``d_model ** -0.5`` as in T5: the embedding's unit-variance rows would otherwise
+    give logits of size ``d_model``.
+    """
+    return F.linear(x * x.shape[-1] ** -0.5, embedding.tokens.weight)
+
+
+def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 1234, tie_embeddings: bool = False,
+                 freeze: int = 0, checkpoint_interval: int = 0) -> PipelineModule:
+    """The example GPT cut into ``num_stages`` stages balanced by parameter count.
+
+    ``tie_embeddings``: the token embedding is the output head too, as in GPT-NeoX and Megatron:
+    a ``TiedLayerSpec`` on the first and the last stage, whose gradients DeepSpeed all-reduces.
+    ``freeze``: the first ``freeze`` blocks do not train; they are frozen once placed, so the
+    stages are those of the trainable model. ``checkpoint_interval``: activation checkpointing
+    every that many layers; only blocks are checkpointed (DeepSpeed's reentrant checkpoint would
+    leave the embedding, whose input is integer ids, without a gradient).
+    """
     torch.manual_seed(seed)
-    specs = [LayerSpec(Embedding, cfg)] + [LayerSpec(Block, cfg) for _ in range(cfg.layers)] + [LayerSpec(Head, cfg)]
-    return PipelineModule(layers=specs, num_stages=num_stages, loss_fn=lm_loss, partition_method="parameters")
+    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.layers)]
+    if tie_embeddings:
+        embedding = TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tokens.weight")
+        head = [LayerSpec(nn.LayerNorm, cfg.d_model),
+                TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_logits, tied_weight_attr="tokens.weight")]
+    else:
+        embedding, head = LayerSpec(Embedding, cfg), [LayerSpec(Head, cfg)]
+    model = PipelineModule(layers=[embedding, *blocks, *head], num_stages=num_stages, loss_fn=lm_loss,
+                           partition_method="parameters", activation_checkpoint_interval=checkpoint_interval,
+                           checkpointable_layers=["Block"] if checkpoint_interval else None)
+    layers = dict(model.named_children())  # this stage's own layers, by index: blocks are 1..cfg.layers
+    for index in range(1, 1 + freeze):
+        if str(index) in layers:
+            layers[str(index)].requires_grad_(False)
+    return model
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -131,3 +162,19 @@ class MicroBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["samples"]) // (self.shards * self.micro_batch)
+
+
+def stateful_loader(dataset, micro_batch: int, shard: int = 0, shards: int = 1, seed: int = 0):
+    """A torchdata ``StatefulDataLoader`` of micro-batches: this replica's share of ``dataset``, shuffled
+    by ``seed`` (the same order on every run), its position in ``state_dict()``. Iterate it once,
+    after ``baft.initialize``: a restore calls its ``load_state_dict``, which the next ``iter()`` applies.
+
+    It draws its base seed from its own generator: drawn from torch's global generator, as by
+    default, the ``iter()`` after a restore would shift the dropout masks that follow.
+    """
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    sampler = StatefulDistributedSampler(dataset, num_replicas=shards, rank=shard, shuffle=True, seed=seed)
+    return StatefulDataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed))

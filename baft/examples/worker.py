@@ -22,7 +22,7 @@ import torch.distributed as dist
 import baft
 from baft.config import EXECUTORS, POLICIES
 from baft.errors import BaftError
-from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline
+from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
 from baft.recovery.record import mark, restart_count
 
 
@@ -59,6 +59,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--optimizer", choices=("adam", "adamw"), default="adam",
+                   help="DeepSpeed's Adam or AdamW (weight decay 0.1), torch implementations")
+    p.add_argument("--scheduler", choices=("none", "warmup-decay"), default="none",
+                   help="warmup-decay: DeepSpeed's WarmupDecayLR, linear warmup over a quarter of --iters")
+    p.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm); 0: none")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the token embedding is the output head too (TiedLayerSpec on the first and last stage)")
+    p.add_argument("--freeze", type=int, default=0, metavar="N", help="the first N blocks do not train")
+    p.add_argument("--activation-checkpoint-interval", type=int, default=0, metavar="K",
+                   help="checkpoint activations every K layers (blocks only); 0: none")
+    p.add_argument("--loader", choices=("microbatches", "stateful"), default="microbatches",
+                   help="stateful: torchdata's StatefulDataLoader over the same samples, shuffled")
+    p.add_argument("--describe", action="store_true",
+                   help="every rank prints what it trains: optimizer, scheduler, tied and frozen parameters, ...")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--digest", action="store_true",
                    help="every rank prints a SHA-256 of its whole state (weights, masters, moments) at the end")
@@ -90,15 +104,28 @@ def ds_config(args, dp: int) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.micro_batches,
         "train_batch_size": args.micro_batch_size * args.micro_batches * dp,
-        "optimizer": {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}},
+        "optimizer": optimizer_config(args),
         "steps_per_print": 10 ** 9,
         "baft": section,
     }
+    if args.scheduler == "warmup-decay":
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_num_steps": max(1, args.iters // 4),
+            "warmup_type": "linear", "total_num_steps": args.iters}}
+    if args.clip:
+        config["gradient_clipping"] = args.clip
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     if args.zero_stage:
         config["zero_optimization"] = {"stage": args.zero_stage}
     return config
+
+
+def optimizer_config(args) -> dict:
+    """The config's "optimizer" section: torch's implementation, so it runs on CPU too."""
+    if args.optimizer == "adamw":
+        return {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1, "torch_adam": True}}
+    return {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}}
 
 
 def build(args: argparse.Namespace):
@@ -117,12 +144,16 @@ def build(args: argparse.Namespace):
     dp = world // args.stages
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     dropout=args.dropout)
-    model = gpt_pipeline(cfg, args.stages, seed=args.seed)
+    model = gpt_pipeline(cfg, args.stages, seed=args.seed, tie_embeddings=args.tie_embeddings, freeze=args.freeze,
+                         checkpoint_interval=args.activation_checkpoint_interval)
     torch.manual_seed(args.seed + dist.get_rank())
-    data = MicroBatches(SyntheticTokens(cfg, seed=args.seed), args.micro_batch_size,
-                        shard=model._grid.get_data_parallel_rank(), shards=dp)
-    engine, *_ = baft.initialize(model=model, config=ds_config(args, dp), data_iterator=data)
-    return engine, data
+    dataset, shard = SyntheticTokens(cfg, seed=args.seed), model._grid.get_data_parallel_rank()
+    make_loader = stateful_loader if args.loader == "stateful" else MicroBatches
+    loader = make_loader(dataset, args.micro_batch_size, shard=shard, shards=dp)
+    engine, *_ = baft.initialize(model=model, config=ds_config(args, dp), data_iterator=loader)
+    if args.describe:
+        print(f"setup rank {engine.global_rank}: {describe(engine, loader)}", flush=True)
+    return engine, iter(loader)  # a StatefulDataLoader is iterated once a restore has set its position
 
 
 def main(argv=None) -> int:
@@ -137,14 +168,15 @@ def main(argv=None) -> int:
     times = []
     while engine.global_steps < args.iters:  # a restarted run resumes at its restored step
         start = time.perf_counter()
+        lr = engine.get_lr()[0]
         loss = engine.train_batch(data_iter=data)
         elapsed = time.perf_counter() - start
         stall = torch.tensor([sum(getattr(h, "stall", 0.0) for h in getattr(engine, "baft_hooks", []))])
         dist.all_reduce(stall, op=dist.ReduceOp.MAX)
         times.append(elapsed)
         if lead:
-            record = {"step": engine.global_steps, "loss": float(loss), "iter_s": elapsed, "stall_s": float(stall),
-                      "restart": restart_count(), "time": time.time()}
+            record = {"step": engine.global_steps, "loss": float(loss), "lr": lr, "iter_s": elapsed,
+                      "stall_s": float(stall), "restart": restart_count(), "time": time.time()}
             print(f"step {record['step']:5d}  loss {record['loss']!r}  iter {elapsed * 1e3:8.1f} ms  "
                   f"stall {record['stall_s'] * 1e3:7.2f} ms", flush=True)
             if log is not None:
@@ -163,6 +195,19 @@ def main(argv=None) -> int:
         print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"
               f"{snapshots}", flush=True)
     return 0
+
+
+def describe(engine, loader) -> str:
+    """What this rank trains, read back from the engine: the optimizer, scheduler and clipping it
+    runs, its tied modules, frozen parameters, checkpointed layer chunks, and the loader's class."""
+    from baft.snapshot.optimizers import base_optimizer
+    module, optimizer = engine.module, base_optimizer(engine.optimizer)
+    frozen = sum(not p.requires_grad for p in module.parameters())
+    checkpointed = sum(module.is_checkpointable_results) if module.activation_checkpoint_interval else 0
+    return (f"optimizer {type(optimizer).__name__} weight decay {optimizer.param_groups[0]['weight_decay']}, "
+            f"scheduler {type(engine.lr_scheduler).__name__}, clip {engine.gradient_clipping()}, "
+            f"tied {','.join(sorted(module.tied_modules)) or '-'}, frozen {frozen} parameters, "
+            f"checkpointed {checkpointed} chunks, loader {type(loader).__name__}")
 
 
 def state_digest(engine) -> str:
