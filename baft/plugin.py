@@ -67,7 +67,8 @@ def initialize(*args, data_iterator=None, **kwargs):
 
             warn(engine, "the data position will not be restored after a restart (a resumed run would read its "
                          "data from the start): pass data_iterator= an iterator with state_dict() and "
-                         "load_state_dict(), such as torchdata's StatefulDataLoader, and train on it")
+                         "load_state_dict(), such as torchdata's StatefulDataLoader, and train on iter() of it, taken after "
+                         "baft.initialize")
         _protect(engine, cfg, data_iterator)
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace

@@ -20,8 +20,11 @@ EXAMPLE_OPTIONS = [
     click.option("--layers", default=8, show_default=True),
     click.option("--heads", default=6, show_default=True),
     click.option("--vocab", default=4096, show_default=True),
-    click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
-                 help="bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights and Adam moments)."),
+    click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
+                 help="bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights and Adam moments); "
+                      "fp16 needs a GPU."),
+    click.option("--partition", default="compute", show_default=True, type=click.Choice(["compute", "parameters"]),
+                 help="Balance the stages by estimated compute or by parameter count."),
     click.option("--zero-stage", default=0, show_default=True, type=click.IntRange(0, 1),
                  help="ZeRO stage 1 partitions the optimizer state over data-parallel replicas."),
 ]

@@ -85,9 +85,45 @@ def tied_logits(embedding: Embedding, x):
     return F.linear(x * x.shape[-1] ** -0.5, embedding.tokens.weight)
 
 
+def forward_cost(spec, cfg: GPTConfig) -> int:
+    """Multiply-adds of one layer's forward pass over one sequence: the weight the stages balance.
+
+    A block: 12 d^2 per token in its projections and MLP, 2 seq d per token in attention; the
+    output head (or a tied embedding used as one): vocab d per token; an embedding lookup or a
+    norm: d per token.
+    """
+    d, seq = cfg.d_model, cfg.seq
+    if spec.typename is Block:
+        return seq * (12 * d * d + 2 * seq * d)
+    if spec.typename is Head or getattr(spec, "forward_fn", None) is not None:
+        return seq * cfg.vocab * d
+    return seq * d
+
+
+class ComputeBalancedPipeline(PipelineModule):
+    """A ``PipelineModule`` whose stages balance estimated compute, as practitioners balance theirs.
+
+    DeepSpeed's ``"parameters"`` method balances the weights ``_count_layer_params`` returns;
+    here they are each layer's :func:`forward_cost`. By parameter count the output head and
+    the loss (a vocab x d matmul per token) weigh the same as the embedding (a lookup), and
+    the last stage becomes the pipeline's bottleneck, its bubble almost gone.
+    """
+
+    def __init__(self, layers, cfg: GPTConfig, **kwargs):
+        self._layer_costs = [forward_cost(spec, cfg) for spec in layers]
+        super().__init__(layers=layers, partition_method="parameters", **kwargs)
+
+    def _count_layer_params(self):
+        return list(self._layer_costs)
+
+
+PARTITIONS = ("compute", "parameters")
+
+
 def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 1234, tie_embeddings: bool = False,
-                 freeze: int = 0, checkpoint_interval: int = 0) -> PipelineModule:
-    """The example GPT cut into ``num_stages`` stages balanced by parameter count.
+                 freeze: int = 0, checkpoint_interval: int = 0, partition: str = "compute") -> PipelineModule:
+    """The example GPT cut into ``num_stages`` stages balanced by estimated compute (``partition``
+    ``"compute"``, :class:`ComputeBalancedPipeline`) or by parameter count (``"parameters"``).
 
     ``tie_embeddings``: the token embedding is the output head too, as in GPT-NeoX and Megatron:
     a ``TiedLayerSpec`` on the first and the last stage, whose gradients DeepSpeed all-reduces.
@@ -104,9 +140,13 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 1234, tie_embeddin
                 TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_logits, tied_weight_attr="tokens.weight")]
     else:
         embedding, head = LayerSpec(Embedding, cfg), [LayerSpec(Head, cfg)]
-    model = PipelineModule(layers=[embedding, *blocks, *head], num_stages=num_stages, loss_fn=lm_loss,
-                           partition_method="parameters", activation_checkpoint_interval=checkpoint_interval,
-                           checkpointable_layers=["Block"] if checkpoint_interval else None)
+    layers = [embedding, *blocks, *head]
+    common = dict(num_stages=num_stages, loss_fn=lm_loss, activation_checkpoint_interval=checkpoint_interval,
+                  checkpointable_layers=["Block"] if checkpoint_interval else None)
+    if partition == "compute":
+        model = ComputeBalancedPipeline(layers, cfg, **common)
+    else:
+        model = PipelineModule(layers=layers, partition_method="parameters", **common)
     layers = dict(model.named_children())  # this stage's own layers, by index: blocks are 1..cfg.layers
     for index in range(1, 1 + freeze):
         if str(index) in layers:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import baft
 from baft.config import EXECUTORS, POLICIES
 from baft.errors import BaftError
-from baft.examples.gpt import GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
+from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
 from baft.recovery.record import mark, restart_count
 
 
@@ -54,7 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="fp16 needs a GPU: DeepSpeed refuses it on CPU")
+    p.add_argument("--partition", choices=PARTITIONS, default="compute",
+                   help="balance the stages by estimated compute or by parameter count")
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -114,8 +117,8 @@ def ds_config(args, dp: int) -> dict:
             "warmup_type": "linear", "total_num_steps": args.iters}}
     if args.clip:
         config["gradient_clipping"] = args.clip
-    if args.precision == "bf16":
-        config["bf16"] = {"enabled": True}
+    if args.precision in ("bf16", "fp16"):
+        config[args.precision] = {"enabled": True}
     if args.zero_stage:
         config["zero_optimization"] = {"stage": args.zero_stage}
     return config
@@ -145,7 +148,7 @@ def build(args: argparse.Namespace):
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     dropout=args.dropout)
     model = gpt_pipeline(cfg, args.stages, seed=args.seed, tie_embeddings=args.tie_embeddings, freeze=args.freeze,
-                         checkpoint_interval=args.activation_checkpoint_interval)
+                         checkpoint_interval=args.activation_checkpoint_interval, partition=args.partition)
     torch.manual_seed(args.seed + dist.get_rank())
     dataset, shard = SyntheticTokens(cfg, seed=args.seed), model._grid.get_data_parallel_rank()
     make_loader = stateful_loader if args.loader == "stateful" else MicroBatches
