@@ -47,3 +47,13 @@ def test_compare_refuses_an_unknown_policy_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "baft: error: --policies: 'sync-copy/0': the period after '/' must be a whole " \
                                   "number of steps"
+
+
+def test_the_demo_says_what_the_comparison_means():
+    from baft.cli.demo import what_it_means
+
+    summary = [{"policy": "none", "stall_s": 0.0, "overhead": 0.0},
+               {"policy": "sync-copy", "stall_s": 0.044, "overhead": 0.126},
+               {"policy": "baft", "stall_s": 0.0011, "overhead": 0.004}]
+    line = what_it_means(summary)
+    assert "44 ms" in line and "+12.6%" in line and "1.1 ms, 40x less" in line and "\n" not in line

@@ -320,8 +320,8 @@ def render(summary: list[dict]) -> str:
 
 
 def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
-                   none_between: bool = False) -> str:
-    """``baft compare``: run this module on every rank of the example through torchrun; the summary table."""
+                   none_between: bool = False) -> list[dict]:
+    """``baft compare``: run this module on every rank of the example through torchrun; its :func:`summarize`."""
     from baft.cli.launch import flags, launch_env, run_command, torchrun
 
     parse_policies(policies)  # a bad name stops here, in one line, rather than on every rank
@@ -336,7 +336,7 @@ def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int,
         code = run_command(cmd, launch_env())
         if code != 0 or not result.exists():
             raise BaftError(f"the comparison run failed (exit code {code})")
-        return render(summarize(json.loads(result.read_text())))
+        return summarize(json.loads(result.read_text()))
 
 
 if __name__ == "__main__":

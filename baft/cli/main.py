@@ -378,9 +378,9 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 @user_errors
 def compare(example, policies, rounds, block, none_between, bubble_map, out, dp, **model):
     """Compare snapshot policies on one run, interleaved, and print the overhead table."""
-    from baft.cli.compare import launch_compare
+    from baft.cli.compare import launch_compare, render
 
-    click.echo(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between))
+    click.echo(render(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between)))
 
 
 main.add_command(demo)
