@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import TINY, run_ranks, run_worker
 
@@ -11,7 +12,11 @@ CONFIGS = {  # name: (ranks, worker flags)
     "bf16": (2, ["--precision", "bf16"]),
     "zero1-fp32-dp2": (4, ["--zero-stage", "1"]),
     "zero1-bf16-dp2": (4, ["--precision", "bf16", "--zero-stage", "1"]),
+    "fp16": (2, ["--precision", "fp16"]),
+    "zero1-fp16-dp2": (4, ["--precision", "fp16", "--zero-stage", "1"]),
 }
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason='DeepSpeed refuses fp16 on CPU ("Type fp16 is not supported on your device")')
 
 
 def digests(output):
@@ -22,7 +27,7 @@ def losses(run_dir):
     return [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS_GPU) if "fp16" in n else n for n in CONFIGS])
 def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, name, monkeypatch):
     ranks, flags = CONFIGS[name]
     clean_dir, run_dir = tmp_path / "clean", tmp_path / "run"
