@@ -47,12 +47,17 @@ def read_json(path) -> dict:
         raise ConfigError(f"{path}: is a directory, expected a JSON file") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    return parse_object(text, str(path))
+
+
+def parse_object(text: str, where: str) -> dict:
+    """A JSON object from ``text``; a one-line ConfigError naming ``where`` (file, or file:line) otherwise."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+        raise ConfigError(f"{where}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: expected a JSON object at the top level")
+        raise ConfigError(f"{where}: expected a JSON object, got {type(doc).__name__}")
     return doc
 
 

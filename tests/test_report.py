@@ -61,7 +61,7 @@ def test_unknown_keys_ignored_blank_lines_skipped_total_defaults_to_sum(tmp_path
 
 
 @pytest.mark.parametrize("line, problem", [
-    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
     ("[1, 2]", "expected a JSON object, got list"),
     (json.dumps({k: v for k, v in RECORD.items() if k != "T3"}), "missing 'T3' (T3 state load, seconds)"),
     (json.dumps({**RECORD, "T2": "1.5s"}), "'T2' must be a number of seconds, got '1.5s'"),

@@ -36,6 +36,7 @@ from typing import Optional
 import psutil
 
 from baft.errors import BaftError
+from baft.jsonfile import parse_object
 from baft.pipeline.hooks import InstructionHook
 
 clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
@@ -174,12 +175,7 @@ def load_recoveries(run_dir) -> list[Recovery]:
 
 
 def _parse_line(text: str, where: str, position: int) -> Recovery:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise BaftError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(doc, dict):
-        raise BaftError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    doc = parse_object(text, where)
     phases = {p: _seconds(doc, p, where) for p in PHASES}
     total = _seconds(doc, "total", where) if "total" in doc else sum(phases.values())
     source = doc.get("source")
