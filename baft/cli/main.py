@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import click
 
+from baft.accelerator import quiet_detection
 from baft.cli.demo import demo
 from baft.cli.options import example_options, user_errors
 from baft.errors import BaftError
@@ -16,8 +16,7 @@ from baft.errors import BaftError
 @click.version_option(package_name="baft")
 def main():
     """Bubble-aware fault tolerance for pipeline-parallel DeepSpeed training."""
-    if not os.path.exists("/dev/nvidiactl"):  # no GPU: spare every command DeepSpeed's detection warning
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    quiet_detection()
 
 
 @main.command()

@@ -4,11 +4,15 @@ import argparse
 import json
 import sys
 
-import baft.simulate
-from baft.errors import BaftError
-from baft.simulate.model import run
-from baft.simulate.scenario import parse_overrides, preset_names
-from baft.simulate.tables import render
+from baft.accelerator import quiet_detection
+
+quiet_detection()  # before DeepSpeed is imported (the timeline reads its schedules)
+
+import baft.simulate  # noqa: E402
+from baft.errors import BaftError  # noqa: E402
+from baft.simulate.model import run  # noqa: E402
+from baft.simulate.scenario import parse_overrides, preset_names  # noqa: E402
+from baft.simulate.tables import render  # noqa: E402
 
 
 def main(argv=None) -> int:
