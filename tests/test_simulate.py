@@ -281,3 +281,15 @@ def test_scenario_from_measured_uses_measured_costs():
 def test_compare_needs_a_measured_map():
     with pytest.raises(ConfigError):
         compare_to_measured(BubbleMap("1f1b", 2, 4, "analytic"))
+
+
+def test_json_output_is_json_alone():
+    """Nothing else on stdout (DeepSpeed's accelerator warning once was), so it pipes into other tools."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "baft.simulate", "--preset", "gpt3-3b-8", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["scenario"]["name"] == "gpt3-3b-8"
