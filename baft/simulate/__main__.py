@@ -4,9 +4,10 @@ import argparse
 import json
 import sys
 
-from baft.accelerator import quiet_detection
+from baft.accelerator import deepspeed_lines_to_stderr, quiet_detection
 
-quiet_detection()  # before DeepSpeed is imported (the timeline reads its schedules)
+quiet_detection()  # before DeepSpeed is imported: the timeline reads its schedules
+deepspeed_lines_to_stderr()
 
 import baft.simulate  # noqa: E402
 from baft.errors import BaftError  # noqa: E402
