@@ -43,6 +43,7 @@ SIZES = {
     "medium": {"d_model": 512, "layers": 8, "heads": 8},
 }
 POLICIES = "none,deepspeed,deepspeed/10,torch-save,sync-copy,thread-copy,dcp-async,baft"
+AA = "none/1"  # none again, as a policy: the A/A check of the method, in every run
 
 
 def baft(*args: str) -> float:
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     if args.iters < 2:
         p.error("--iters must be at least 2 (to tell whether the first iteration of a block runs slower)")
     args.rounds = args.rounds or (2 if args.all else 4)
+    if AA not in args.policies.split(","):
+        args.policies = f"{args.policies},{AA}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = provenance()

@@ -306,7 +306,8 @@ def method(doc: dict) -> str:
         "Waiting for a CPU is the share of the iteration a rank's trainer thread was runnable but not running "
         "(kernel schedstat run delay, max over ranks): the load other jobs put on the 2 cores. Disk baselines write "
         "to a temporary directory on the local disk; after each of their blocks, untimed, a pending DCP save is "
-        "awaited and the files are deleted, so neither spills into the next policy. Bytes are one whole snapshot of "
+        "awaited and the files are deleted, so neither spills into the next policy. `none/1` is none again, measured "
+        "as a policy: the A/A check, whose interval should contain 0. Bytes are one whole snapshot of "
         "both ranks (disk: the files written; memory: the state).")
 
 

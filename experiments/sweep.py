@@ -74,9 +74,9 @@ def halfwidth(row: dict) -> float:
     return max(row["overhead"] - low, high - row["overhead"])
 
 
-def measure_point(m: int, t: int, args, tmp: Path) -> dict:
+def measure_point(model: dict, m: int, t: int, args, tmp: Path) -> dict:
     """Every policy at one point, until the intervals are tight enough; and the disk saves."""
-    opts = {**MODEL, "micro_batches": m, "seq": t}
+    opts = {**model, "micro_batches": m, "seq": t}
     docs, start = [], time.time()
     while True:
         docs.append(compare(opts, ARMS, args.rounds, tmp / f"m{m}-t{t}-{len(docs)}.json"))
@@ -86,10 +86,10 @@ def measure_point(m: int, t: int, args, tmp: Path) -> dict:
         if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
             break
     disk = analyse(compare(opts, DISK, 2, tmp / f"m{m}-t{t}-disk.json"))
-    return point_summary(m, t, merge(docs), result, disk)
+    return point_summary(model, m, t, merge(docs), result, disk)
 
 
-def point_summary(m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
+def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
     """What the sweep reports for one point (the raw records stay in the JSON beside it)."""
     rows = {r["policy"]: r for r in result["rows"]}
     base = result["base_s"]
@@ -101,7 +101,7 @@ def point_summary(m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
     return {
         "micro_batches": m, "tokens": t, "iteration_s": base, "rounds": doc["rounds"],
         "sync_copy_cost": rows["sync-copy"]["stall_s"] / base,
-        "bubble_fraction": (MODEL["stages"] - 1) / (m + MODEL["stages"] - 1),
+        "bubble_fraction": (model["stages"] - 1) / (m + model["stages"] - 1),
         "policies": {name: {"overhead": r["overhead"], "ci95": r["ci95"], "period": r["period"],
                             "stall_s": r["stall_s"], "cpu_outside_bubbles_s": r["in_hook_cpu_s"]}
                      for name, r in rows.items() if name != "none"},
@@ -228,13 +228,14 @@ def point_rows(points: list[dict]) -> list[list]:
 
 
 def render(data: dict) -> str:
-    points = data["points"]
+    points, model = data["points"], data["model"]
+    ranks = model["stages"] * model.get("data_parallel", 1)
     lines = ["# Where bubble-awareness pays: overhead against the cost of a synchronous copy", "",
              *header(data["provenance"], data.get("wall_s")), "",
-             f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in MODEL.items())}), 2 ranks on gloo. "
+             f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period). Overhead: median of each "
              "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds.", "",
-             "![sweep](sweep.png)", "",
+             f"![sweep]({data.get('name', 'sweep')}.png)", "",
              *md_table(["m", "tokens", "iteration", "sync copy cost", "A/A (none vs none)", "sync copy", "thread copy",
                         "baft", "baft period", "baft predicted", "state copied in bubbles (min stage)",
                         "baft CPU outside bubbles", "disk period for 1%", "rounds"], point_rows(points)), "",
@@ -248,11 +249,12 @@ def render(data: dict) -> str:
 
 def write(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(data, indent=1))
-    (out / "sweep.md").write_text(render(data))
-    draw(data["points"], data["real_jobs"], out / "sweep.png")
+    stem = out / data.get("name", "sweep")
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    stem.with_suffix(".md").write_text(render(data))
+    draw(data["points"], data["real_jobs"], stem.with_suffix(".png"))
     print(render(data))
-    print(f"wrote {out / 'sweep.md'}, .json, .png")
+    print(f"wrote {stem}.md, .json, .png")
 
 
 def main(argv=None) -> int:
@@ -262,21 +264,26 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="rounds per launch")
     p.add_argument("--halfwidth", type=float, default=0.005, help="stop a point once every 95%% interval is this tight")
     p.add_argument("--point-minutes", type=float, default=8, help="at most this long per point")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
+    p.add_argument("--data-parallel", type=int, default=1, help="replicas of every stage")
+    p.add_argument("--name", default="sweep", help="output stem under --out (NAME.md|json|png)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--render", type=Path, help="rewrite the outputs of a saved sweep.json (no training)")
     args = p.parse_args(argv)
     if args.render:
         write(json.loads(args.render.read_text()), Path(args.out))
         return 0
+    model = {**MODEL, "precision": args.precision, "zero_stage": args.zero_stage, "data_parallel": args.data_parallel}
     start, prov, jobs = time.time(), provenance(), real_jobs()
     points = []
     with tempfile.TemporaryDirectory(prefix="baft-sweep-") as tmp:
         for m in map(int, args.micro_batches.split(",")):
             for t in map(int, args.tokens.split(",")):
-                points.append(measure_point(m, t, args, Path(tmp)))
+                points.append(measure_point(model, m, t, args, Path(tmp)))
                 # after every point, so a sweep cut short keeps what it measured
-                write({"provenance": prov, "wall_s": time.time() - start, "model": MODEL, "points": points,
-                       "real_jobs": jobs}, Path(args.out))
+                write({"provenance": prov, "wall_s": time.time() - start, "model": model, "points": points,
+                       "real_jobs": jobs, "name": args.name}, Path(args.out))
     return 0
 
 
