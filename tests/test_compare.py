@@ -52,8 +52,11 @@ def test_compare_refuses_an_unknown_policy_in_one_line():
 def test_the_demo_says_what_the_comparison_means():
     from baft.cli.demo import what_it_means
 
-    summary = [{"policy": "none", "stall_s": 0.0, "overhead": 0.0},
-               {"policy": "sync-copy", "stall_s": 0.044, "overhead": 0.126},
-               {"policy": "baft", "stall_s": 0.0011, "overhead": 0.004}]
+    summary = [{"policy": "none", "period": 1, "stall_s": 0.0, "overhead": 0.0},
+               {"policy": "sync-copy", "period": 1, "stall_s": 0.044, "overhead": 0.126},
+               {"policy": "baft", "period": 1, "stall_s": 0.0011, "overhead": 0.004}]
     line = what_it_means(summary)
-    assert "44 ms" in line and "+12.6%" in line and "1.1 ms, 40x less" in line and "\n" not in line
+    assert "44 ms" in line and "+12.6%" in line and "1.1 ms per snapshot, 40x less" in line and "\n" not in line
+    assert "inside the bubbles" in line and "every" not in line.split("baft")[1]
+    summary[2]["period"] = 3  # the bubbles hold less than the state: the sentence must not hide the period
+    assert "snapshots every 3 iterations" in what_it_means(summary)

@@ -121,15 +121,12 @@ def snapshots_taken(hook) -> int:
 
 
 def set_up(engine, data, meter: Meter) -> None:
-    """Run the policy untimed until it is ready (baft: planned), then touch every page of its slots."""
+    """Run the policy untimed until it is ready (baft: planned; its slots are mapped pre-faulted)."""
     engine.baft_hooks = [meter]
     for _ in range(4):
         engine.train_batch(data_iter=data)
         if getattr(meter.inner, "planned", True):
             break
-    writer = getattr(meter.inner, "writer", None)
-    for buf in writer.buffers if writer is not None else ():
-        buf.zero_()
 
 
 def schedstat() -> float:
@@ -322,18 +319,22 @@ def render(summary: list[dict]) -> str:
 def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
                    none_between: bool = False) -> list[dict]:
     """``baft compare``: run this module on every rank of the example through torchrun; its :func:`summarize`."""
-    from baft.cli.launch import flags, launch_env, run_command, torchrun
+    import click
+
+    from baft.cli.launch import flags, launch_env
+    from baft.cli.runlog import run_example_logged
 
     parse_policies(policies)  # a bad name stops here, in one line, rather than on every rank
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
             tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
         result = Path(out) if out else Path(disk) / "compare.json"
-        cmd = torchrun(model["stages"] * dp, [
+        if out:
+            click.echo(f"baft: every rank's output goes to {result.with_suffix('.log')}")
+        code = run_example_logged(model["stages"] * dp, [
             "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
             *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
-            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})])
-        code = run_command(cmd, launch_env())
+            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})], launch_env(), result.with_suffix(".log"))
         if code != 0 or not result.exists():
             raise BaftError(f"the comparison run failed (exit code {code})")
         return summarize(json.loads(result.read_text()))

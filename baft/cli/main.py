@@ -33,22 +33,26 @@ def profile(example, out, iters, command, dp, **model):
     ``baft.initialize`` (the script is stopped after the profiled iterations). A plan is
     written beside the map (``NAME.plan.json``).
     """
-    from baft.cli.launch import example_args, launch_env, run_command, torchrun
+    from baft.cli.launch import example_args, launch_env, run_command
+    from baft.cli.runlog import run_example_logged
     from baft.pipeline.profiler import merge_traces, trace_paths
     from baft.plugin import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a launch command after --, not both or neither")
+    out = Path(out)
     with tempfile.TemporaryDirectory(prefix="baft-profile-") as traces:
         env = launch_env({PROFILE_DIR_ENV: traces, PROFILE_ITERS_ENV: str(iters)})
-        cmd = list(command) if command else torchrun(model["stages"] * dp, example_args(
-            {**model, "iters": iters + 1, "policy": "none"}))
-        code = run_command(cmd, env)
+        if command:  # the user's own launch: its output is theirs, on the terminal
+            code = run_command(list(command), env)
+        else:
+            click.echo(f"baft: every rank's output goes to {out.with_suffix('.log')}")
+            code = run_example_logged(model["stages"] * dp, example_args(
+                {**model, "iters": iters + 1, "policy": "none"}), env, out.with_suffix(".log"))
         paths = trace_paths(traces)
         if code != 0 and not paths:
             raise BaftError(f"the profiled run failed (exit code {code}) before writing its traces")
         bmap = merge_traces(paths)
-    out = Path(out)
     bmap.save(out)
     plan_path = _write_plan(bmap, out)
     _print_bubble_map(bmap)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import threading
 from collections import deque
 from pathlib import Path
@@ -84,6 +85,15 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
                 click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
                 click.echo("".join(lines), err=True, nl=False)
     return code
+
+
+def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path) -> int:
+    """Run ``python -m <module_args>`` on ``nprocs`` ranks through torchrun as :func:`run_logged` does
+    (torchrun's per-rank files in a temporary directory, the whole output in ``log_path``); its exit code."""
+    from baft.cli.launch import torchrun
+
+    with tempfile.TemporaryDirectory(prefix="baft-torchrun-") as files:
+        return run_logged(torchrun(nprocs, module_args, options=torchrun_options(Path(files))), env, log_path)
 
 
 def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock) -> None:

@@ -42,15 +42,20 @@ def _commit_path(directory: Path, slot: int) -> Path:
     return directory / f"slot{slot}.commit.json"
 
 
-def map_file(path: Path, nbytes: int, create: bool) -> mmap.mmap:
-    """Map ``path`` (grown to ``nbytes`` when ``create``) read-write into memory."""
+def map_file(path: Path, nbytes: int, create: bool, populate: bool = False) -> mmap.mmap:
+    """Map ``path`` (grown to ``nbytes`` when ``create``) read-write into memory.
+
+    ``populate`` faults every page in now, so that the first snapshots into the slot do not pay
+    for it inside the iteration (tens of ms per 100 MB: a stall the plan does not know of).
+    """
     flags = os.O_RDWR | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create and os.fstat(fd).st_size < nbytes:
             os.ftruncate(fd, nbytes)
         size = os.fstat(fd).st_size
-        return mmap.mmap(fd, max(size, 1))
+        mapping = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, max(size, 1), flags=mapping)
     finally:
         os.close(fd)
 
@@ -105,7 +110,8 @@ class SnapshotWriter:
             raise BaftError(f"{self.directory}: cannot create snapshot directory ({err.strerror})") from None
         nbytes = max(layout.nbytes, 1)
         try:
-            self._maps = [map_file(_slot_path(self.directory, s), nbytes, create=True) for s in range(SLOTS)]
+            self._maps = [map_file(_slot_path(self.directory, s), nbytes, create=True, populate=True)
+                          for s in range(SLOTS)]
         except OSError as err:
             raise BaftError(f"{self.directory}: cannot allocate {SLOTS} x {nbytes} bytes of shared memory "
                             f"({err.strerror})") from None
