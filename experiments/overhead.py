@@ -33,7 +33,7 @@ from pathlib import Path
 
 from baft.cli.launch import flags
 from common import RESULTS, provenance
-from overhead_report import analyse, config_name, render, target_lines, write_grid, write_outputs
+from overhead_report import AA, analyse, config_name, render, target_lines, write_grid, write_outputs
 
 # 8 micro-batches of 2 x 128 = 256 tokens: one iteration of the small model takes ~3 s on this 2-core machine
 # (4 x 128 took 5-8 s), and the last stage's bubble (~130 ms profiled) still holds its state copy (~30-60 ms)
@@ -43,7 +43,6 @@ SIZES = {
     "medium": {"d_model": 512, "layers": 8, "heads": 8},
 }
 POLICIES = "none,deepspeed,deepspeed/10,torch-save,sync-copy,thread-copy,dcp-async,baft"
-AA = "none/1"  # none again, as a policy: the A/A check of the method, in every run
 
 
 def baft(*args: str) -> float:

@@ -37,13 +37,12 @@ from pathlib import Path
 
 from baft.cli.launch import flags
 from common import RESULTS, header, md_table, provenance
-from overhead_report import BUDGET, analyse
+from overhead_report import AA, BUDGET, analyse
 
 MODEL = {"stages": 2, "d_model": 768, "layers": 8, "heads": 12, "vocab": 4096, "micro_batch_size": 1,
          "partition": "compute"}
-ARMS = "none/1,sync-copy,thread-copy,baft"
+ARMS = f"{AA},sync-copy,thread-copy,baft"
 DISK = "deepspeed/1000,dcp-async/1000"  # one save per block: its stall is the save
-AA = "none/1"
 REAL_JOBS = {"gpt3-175b-1024": "GPT-3 175B, 1024 GPUs", "gpt3-15b-8": "15B, one 8-GPU server",
              "gpt3-3b-8": "3B, one 8-GPU server"}
 
