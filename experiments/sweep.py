@@ -268,6 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-parallel", type=int, default=1, help="replicas of every stage")
     p.add_argument("--name", default="sweep", help="output stem under --out (NAME.md|json|png)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--raw", type=Path, help="keep every launch's records here (default: a temporary directory)")
     p.add_argument("--render", type=Path, help="rewrite the outputs of a saved sweep.json (no training)")
     args = p.parse_args(argv)
     if args.render:
@@ -277,9 +278,11 @@ def main(argv=None) -> int:
     start, prov, jobs = time.time(), provenance(), real_jobs()
     points = []
     with tempfile.TemporaryDirectory(prefix="baft-sweep-") as tmp:
+        raw = args.raw or Path(tmp)
+        raw.mkdir(parents=True, exist_ok=True)
         for m in map(int, args.micro_batches.split(",")):
             for t in map(int, args.tokens.split(",")):
-                points.append(measure_point(model, m, t, args, Path(tmp)))
+                points.append(measure_point(model, m, t, args, raw))
                 # after every point, so a sweep cut short keeps what it measured
                 write({"provenance": prov, "wall_s": time.time() - start, "model": model, "points": points,
                        "real_jobs": jobs, "name": args.name}, Path(args.out))
