@@ -84,8 +84,9 @@ def measure_point(model: dict, m: int, t: int, args, tmp: Path) -> dict:
         print(f"sweep: m={m} t={t}: {merge(docs)['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
         if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
             break
+    spent = time.time() - start
     disk = analyse(compare(opts, DISK, 2, tmp / f"m{m}-t{t}-disk.json"))
-    return point_summary(model, m, t, merge(docs), result, disk)
+    return {**point_summary(model, m, t, merge(docs), result, disk), "measure_s": spent}
 
 
 def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
@@ -134,6 +135,16 @@ def ci_text(p: dict) -> str:
     return f"{p['overhead']:+.2%} ({low:+.2%} .. {high:+.2%})"
 
 
+def needs(pt: dict, half: float) -> str:
+    """Where the A/A interval is wider than +-0.5 points: the rounds (and time) that would narrow it so at
+    this noise, from an interval's 1 / sqrt(rounds) shrinkage."""
+    if half <= 0.005:
+        return ""
+    rounds = math.ceil(pt["rounds"] * (half / 0.005) ** 2)
+    took = f", about {pt['measure_s'] * rounds / pt['rounds'] / 60:.0f} min" if "measure_s" in pt else ""
+    return f" (this noise needs about {rounds} rounds{took})"
+
+
 def aa_lines(points: list[dict]) -> list[str]:
     """The A/A check at every point: none against none must contain 0 within +-0.5 points."""
     out = []
@@ -142,7 +153,7 @@ def aa_lines(points: list[dict]) -> list[str]:
         low, high = aa["ci95"] or (-1, 1)
         ok = low <= 0 <= high and max(-low, high) <= 0.005
         out.append(f"{'PASS' if ok else 'FAIL'} A/A at m={pt['micro_batches']} t={pt['tokens']}: "
-                   f"none vs none {ci_text(aa)}; must contain 0 within +-0.50 points")
+                   f"none vs none {ci_text(aa)}; must contain 0 within +-0.50 points" + needs(pt, (high - low) / 2))
     return out
 
 

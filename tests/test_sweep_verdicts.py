@@ -1,0 +1,51 @@
+"""experiments/sweep.py's verdicts: the issue's A/A check and targets, on hand-made points."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import sweep  # noqa: E402  (experiments/ is not a package)
+
+
+def point(aa, baft, sync=(0.09, 0.08, 0.10), thread=(0.06, 0.05, 0.07), fits=True, rounds=40, predicted=0.0,
+          period=1, measured_period=1, sync_cost=0.08):
+    def policy(o):
+        return {"overhead": o[0], "ci95": [o[1], o[2]], "period": period}
+    return {"micro_batches": 4, "tokens": 8, "rounds": rounds, "measure_s": 600.0, "sync_copy_cost": sync_cost,
+            "copy_fits_bubbles": fits, "baft_predicted": predicted, "baft_period_predicted": period,
+            "baft_period_measured": measured_period,
+            "policies": {sweep.AA: policy(aa), "baft": policy(baft), "sync-copy": policy(sync),
+                         "thread-copy": policy(thread)}}
+
+
+def test_aa_passes_only_within_half_a_point_around_zero():
+    good, biased, wide = (point(aa, (0, 0, 0)) for aa in
+                          [(0.001, -0.003, 0.004), (-0.006, -0.009, -0.002), (0.0, -0.01, 0.01)])
+    lines = sweep.aa_lines([good, biased, wide])
+    assert lines[0].startswith("PASS") and "needs" not in lines[0]
+    assert lines[1].startswith("FAIL")  # 0 outside the interval, though it is narrow
+    assert lines[2].startswith("FAIL")
+    # +-1 point after 40 rounds: +-0.5 needs four times the rounds, and four times the 10 minutes
+    assert "about 160 rounds, about 40 min" in lines[2]
+
+
+def test_targets_one_and_two_where_the_bubbles_hold_the_state():
+    cheap = point((0, -0.004, 0.004), baft=(0.008, 0.004, 0.012), sync=(0.09, 0.08, 0.10), thread=(0.05, 0.04, 0.06))
+    t1, t2 = sweep.target_lines([cheap])
+    assert t1.startswith("PASS target 1") and t2.startswith("PASS target 2")
+    # an upper bound over 1.5% fails target 1; sync copy under 5x baft's upper bound fails target 2
+    dear = point((0, -0.004, 0.004), baft=(0.012, 0.008, 0.02), sync=(0.09, 0.08, 0.10))
+    t1, t2 = sweep.target_lines([dear])
+    assert t1.startswith("FAIL target 1") and t2.startswith("FAIL target 2")
+    # below a 5% synchronous copy, target 2 does not apply
+    assert len(sweep.target_lines([point((0, 0, 0), baft=(0.001, 0, 0.002), sync_cost=0.03)])) == 1
+
+
+def test_target_three_where_the_bubbles_cannot_hold_the_state():
+    near = point((0, 0, 0), baft=(0.012, 0.01, 0.014), fits=False, predicted=0.005, period=2, measured_period=2)
+    far = point((0, 0, 0), baft=(0.03, 0.02, 0.04), fits=False, predicted=0.005, period=2, measured_period=2)
+    other_period = point((0, 0, 0), baft=(0.012, 0.01, 0.014), fits=False, predicted=0.005, period=2,
+                         measured_period=3)
+    lines = sweep.target_lines([near, far, other_period])
+    assert [line.split()[0] for line in lines] == ["PASS", "FAIL", "FAIL"]
+    assert all("target 3" in line for line in lines)
