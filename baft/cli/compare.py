@@ -319,8 +319,6 @@ def render(summary: list[dict]) -> str:
 def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
                    none_between: bool = False) -> list[dict]:
     """``baft compare``: run this module on every rank of the example through torchrun; its :func:`summarize`."""
-    import click
-
     from baft.cli.launch import flags, launch_env
     from baft.cli.runlog import run_example_logged
 
@@ -329,12 +327,11 @@ def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int,
     with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
             tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
         result = Path(out) if out else Path(disk) / "compare.json"
-        if out:
-            click.echo(f"baft: every rank's output goes to {result.with_suffix('.log')}")
         code = run_example_logged(model["stages"] * dp, [
             "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
             *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
-            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})], launch_env(), result.with_suffix(".log"))
+            "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})], launch_env(), result.with_suffix(".log"),
+            announce=bool(out))  # a temporary log is gone when the command ends
         if code != 0 or not result.exists():
             raise BaftError(f"the comparison run failed (exit code {code})")
         return summarize(json.loads(result.read_text()))

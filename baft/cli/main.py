@@ -46,7 +46,6 @@ def profile(example, out, iters, command, dp, **model):
         if command:  # the user's own launch: its output is theirs, on the terminal
             code = run_command(list(command), env)
         else:
-            click.echo(f"baft: every rank's output goes to {out.with_suffix('.log')}")
             code = run_example_logged(model["stages"] * dp, example_args(
                 {**model, "iters": iters + 1, "policy": "none"}), env, out.with_suffix(".log"))
         paths = trace_paths(traces)
@@ -227,7 +226,6 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
     log = run / LOG_NAME
-    click.echo(f"baft: every rank's output goes to {log}")
     start_all(configs)
     try:
         code = run_logged(cmd, env, log)

@@ -60,9 +60,13 @@ def on_screen(line: str, stream: str) -> Optional[str]:
     return None
 
 
-def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12) -> int:
-    """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``,
-    :func:`on_screen`'s lines on the screen; on failure, the ranks' and torchrun's last lines too. Its exit code."""
+def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12,
+               announce: bool = True) -> int:
+    """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``
+    (said first, with ``announce``), :func:`on_screen`'s lines on the screen; on failure, the ranks' and
+    torchrun's last lines too. Its exit code."""
+    if announce:
+        click.echo(f"baft: every rank's output goes to {log_path}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
     lock = threading.Lock()
@@ -87,13 +91,14 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
     return code
 
 
-def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path) -> int:
+def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path, announce: bool = True) -> int:
     """Run ``python -m <module_args>`` on ``nprocs`` ranks through torchrun as :func:`run_logged` does
     (torchrun's per-rank files in a temporary directory, the whole output in ``log_path``); its exit code."""
     from baft.cli.launch import torchrun
 
     with tempfile.TemporaryDirectory(prefix="baft-torchrun-") as files:
-        return run_logged(torchrun(nprocs, module_args, options=torchrun_options(Path(files))), env, log_path)
+        return run_logged(torchrun(nprocs, module_args, options=torchrun_options(Path(files))), env, log_path,
+                          announce=announce)
 
 
 def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock) -> None:
