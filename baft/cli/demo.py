@@ -39,6 +39,7 @@ def demo(out_dir):
     """Profile the example GPT, plan, compare policies, train under baft (traced), kill a rank, restart,
     draw where baft copied, report."""
     from baft.cli.compare import launch_compare, render
+    from baft.cli.figures import draw_timeline
     from baft.cli.launch import launch_env, run_command
     from baft.cli.runlog import LOG_NAME
     from baft.pipeline.bubblemap import BubbleMap
@@ -59,7 +60,8 @@ def demo(out_dir):
     step(1, f"profile the example GPT (2 stages, d_model {DEMO_MODEL['d_model']}, {DEMO_MODEL['layers']} blocks, "
             f"{DEMO_MODEL['micro_batches']} micro-batches of {DEMO_MODEL['seq']} tokens) and plan",
          [*me, "profile", "--example", "gpt", *model_flags, "--iters", "10", "--out", str(bmap_path)])
-    step(2, "the bubbles as a picture", [*me, "show", str(bmap_path), "--png", str(pictures["timeline"])])
+    step(2, "the bubbles as a picture")  # drawn here: `baft show` would print step 1's table again
+    click.echo(f"wrote {draw_timeline(BubbleMap.load(bmap_path), pictures['timeline'])}")
     step(3, "overhead of a snapshot every iteration: no snapshots, synchronous copy, baft (interleaved)")
     summary = launch_compare(DEMO_MODEL, 1, "none,sync-copy,baft", 3, 3, str(bmap_path), str(out / "compare.json"))
     click.echo(render(summary) + "\n" + what_it_means(summary))
