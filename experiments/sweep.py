@@ -2,7 +2,7 @@
 
     python experiments/sweep.py [--micro-batches 4,8] [--tokens 16,32,64,128,256] [--rounds 20]
                                 [--halfwidth 0.005] [--point-minutes 8] [--out experiments/results]
-                                [--render experiments/results/sweep.json]
+                                [--raw DIR [--resume]] [--render experiments/results/sweep.json]
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
@@ -17,6 +17,9 @@ rounds (``overhead_report.analyse``). Launches of ``--rounds`` rounds repeat unt
 interval is at most ``--halfwidth`` wide on each side, or the point's time is spent. A second,
 short launch times one save of DeepSpeed's ``save_checkpoint`` and of DCP ``async_save``: the
 period each needs to stay within 1% is that save over 1% of an iteration.
+
+``--raw DIR`` keeps every launch's records; ``--resume`` adds new launches to those already in
+it, so that a measurement too long for one sitting can go on in another.
 
 The x axis is the synchronous copy's cost: its stall per snapshot over the ``none`` iteration.
 Real jobs are placed on it with the simulator (``baft.simulate``). The targets of the issue
@@ -73,20 +76,34 @@ def halfwidth(row: dict) -> float:
     return max(row["overhead"] - low, high - row["overhead"])
 
 
-def measure_point(model: dict, m: int, t: int, args, tmp: Path) -> dict:
-    """Every policy at one point, until the intervals are tight enough; and the disk saves."""
+def launches(raw: Path, m: int, t: int) -> list[dict]:
+    """The interleaved launches of one point already in ``raw`` (``--resume``), oldest first."""
+    paths = sorted(raw.glob(f"m{m}-t{t}-[0-9]*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    docs = [json.loads(p.read_text()) for p in paths]
+    for path, doc in zip(paths, docs):
+        if [p["name"] for p in doc["policies"]] != ["none", *ARMS.split(",")]:
+            raise SystemExit(f"sweep: {path}: not a launch of this sweep's policies ({ARMS}); resume from its own --raw")
+    return docs
+
+
+def measure_point(model: dict, m: int, t: int, args, raw: Path) -> dict:
+    """Every policy at one point, until the intervals are tight enough; and the disk saves. With ``--resume``
+    the launches already in ``raw`` count too, and the point's minutes are those of the new launches."""
     opts = {**model, "micro_batches": m, "seq": t}
-    docs, start = [], time.time()
+    docs, start = launches(raw, m, t) if args.resume else [], time.time()
     while True:
-        docs.append(compare(opts, ARMS, args.rounds, tmp / f"m{m}-t{t}-{len(docs)}.json"))
+        docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
         result = analyse(merge(docs))
         widest = max(halfwidth(r) for r in result["rows"] if r["policy"] != "none")
         print(f"sweep: m={m} t={t}: {merge(docs)['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
         if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
             break
-    spent = time.time() - start
-    disk = analyse(compare(opts, DISK, 2, tmp / f"m{m}-t{t}-disk.json"))
-    return {**point_summary(model, m, t, merge(docs), result, disk), "measure_s": spent}
+    disk_path = raw / f"m{m}-t{t}-disk.json"
+    disk_doc = json.loads(disk_path.read_text()) if args.resume and disk_path.exists() else \
+        compare(opts, DISK, 2, disk_path)
+    # minutes of interleaved measurement (the timed rounds, not the launches' set-up)
+    measured = sum(d["elapsed_s"] for d in docs)
+    return {**point_summary(model, m, t, merge(docs), result, analyse(disk_doc)), "measure_s": measured}
 
 
 def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
@@ -280,8 +297,12 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="sweep", help="output stem under --out (NAME.md|json|png)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--raw", type=Path, help="keep every launch's records here (default: a temporary directory)")
+    p.add_argument("--resume", action="store_true",
+                   help="count the launches already in --raw (same options) and add to them")
     p.add_argument("--render", type=Path, help="rewrite the outputs of a saved sweep.json (no training)")
     args = p.parse_args(argv)
+    if args.resume and not args.raw:
+        p.error("--resume needs --raw, the directory of the launches to add to")
     if args.render:
         write(json.loads(args.render.read_text()), Path(args.out))
         return 0

@@ -1,7 +1,10 @@
 """experiments/sweep.py's verdicts: the issue's A/A check and targets, on hand-made points."""
 
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import sweep  # noqa: E402  (experiments/ is not a package)
@@ -49,3 +52,15 @@ def test_target_three_where_the_bubbles_cannot_hold_the_state():
     lines = sweep.target_lines([near, far, other_period])
     assert [line.split()[0] for line in lines] == ["PASS", "FAIL", "FAIL"]
     assert all("target 3" in line for line in lines)
+
+
+def test_resume_counts_only_this_sweeps_launches(tmp_path):
+    ours = {"policies": [{"name": n} for n in ["none", *sweep.ARMS.split(",")]], "records": []}
+    for i in (1, 0, 10):
+        (tmp_path / f"m4-t8-{i}.json").write_text(json.dumps({**ours, "launch": i}))
+    (tmp_path / "m4-t8-disk.json").write_text(json.dumps({"policies": [{"name": "none"}]}))
+    (tmp_path / "m8-t8-0.json").write_text(json.dumps(ours))
+    assert [d["launch"] for d in sweep.launches(tmp_path, 4, 8)] == [0, 1, 10]
+    (tmp_path / "m4-t8-2.json").write_text(json.dumps({"policies": [{"name": "none"}, {"name": "baft"}]}))
+    with pytest.raises(SystemExit, match="m4-t8-2.json: not a launch of this sweep's policies"):
+        sweep.launches(tmp_path, 4, 8)
