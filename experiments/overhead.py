@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=None, help="rounds of none A none B ... (default 4; 2 with --all)")
     p.add_argument("--iters", type=int, default=2,
-                   help="iterations per policy per round (the first of each is discarded if it runs slower)")
+                   help="iterations per policy per round (the first of each is discarded)")
     p.add_argument("--model-size", choices=sorted(SIZES), default="small")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--all", action="store_true", help="run the 2 x 2 grid of model size x schedule")

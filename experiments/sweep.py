@@ -2,7 +2,7 @@
 
     python experiments/sweep.py [--micro-batches 4,8] [--tokens 16,32,64,128,256] [--rounds 20]
                                 [--halfwidth 0.005] [--point-minutes 8] [--out experiments/results]
-                                [--raw DIR [--resume]] [--render experiments/results/sweep.json]
+                                [--raw DIR [--resume]] [--render experiments/results/sweep.json [--raw DIR]]
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
@@ -19,7 +19,8 @@ short launch times one save of DeepSpeed's ``save_checkpoint`` and of DCP ``asyn
 period each needs to stay within 1% is that save over 1% of an iteration.
 
 ``--raw DIR`` keeps every launch's records; ``--resume`` adds new launches to those already in
-it, so that a measurement too long for one sitting can go on in another.
+it, so that a measurement too long for one sitting can go on in another; ``--render`` with
+``--raw`` analyses a saved sweep again from its launches' records.
 
 The x axis is the synchronous copy's cost: its stall per snapshot over the ``none`` iteration.
 Real jobs are placed on it with the simulator (``baft.simulate``). The targets of the issue
@@ -86,24 +87,27 @@ def launches(raw: Path, m: int, t: int) -> list[dict]:
     return docs
 
 
-def measure_point(model: dict, m: int, t: int, args, raw: Path) -> dict:
+def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = True) -> dict:
     """Every policy at one point, until the intervals are tight enough; and the disk saves. With ``--resume``
-    the launches already in ``raw`` count too, and the point's minutes are those of the new launches."""
+    the launches already in ``raw`` count too, and the point's minutes are those of the new launches;
+    without ``launch``, only those (``--render`` with ``--raw``)."""
     opts = {**model, "micro_batches": m, "seq": t}
-    docs, start = launches(raw, m, t) if args.resume else [], time.time()
-    while True:
+    docs, start = launches(raw, m, t) if args.resume or not launch else [], time.time()
+    while launch:
         docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
-        result = analyse(merge(docs))
-        widest = max(halfwidth(r) for r in result["rows"] if r["policy"] != "none")
+        widest = max(halfwidth(r) for r in analyse(merge(docs))["rows"] if r["policy"] != "none")
         print(f"sweep: m={m} t={t}: {merge(docs)['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
         if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
             break
     disk_path = raw / f"m{m}-t{t}-disk.json"
-    disk_doc = json.loads(disk_path.read_text()) if args.resume and disk_path.exists() else \
+    if not launch and not (docs and disk_path.exists()):
+        raise SystemExit(f"sweep: {raw} has no launches of m={m} t={t}, or not their disk launch")
+    disk_doc = json.loads(disk_path.read_text()) if disk_path.exists() and (args.resume or not launch) else \
         compare(opts, DISK, 2, disk_path)
     # minutes of interleaved measurement (the timed rounds, not the launches' set-up)
     measured = sum(d["elapsed_s"] for d in docs)
-    return {**point_summary(model, m, t, merge(docs), result, analyse(disk_doc)), "measure_s": measured}
+    doc = merge(docs)
+    return {**point_summary(model, m, t, doc, analyse(doc), analyse(disk_doc)), "measure_s": measured}
 
 
 def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
@@ -258,7 +262,10 @@ def render(data: dict) -> str:
     points, model = data["points"], data["model"]
     ranks = model["stages"] * model.get("data_parallel", 1)
     lines = ["# Where bubble-awareness pays: overhead against the cost of a synchronous copy", "",
-             *header(data["provenance"], data.get("wall_s")), "",
+             *header(data["provenance"], data.get("wall_s")),
+             *([f"- analysed again from the launches' records: `{data['analysed']['command']}`, "
+                f"{data['analysed']['date']}, baft revision {data['analysed']['revision']}"] if "analysed" in data else []),
+             "",
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period). Overhead: median of each "
              "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds.", "",
@@ -304,7 +311,12 @@ def main(argv=None) -> int:
     if args.resume and not args.raw:
         p.error("--resume needs --raw, the directory of the launches to add to")
     if args.render:
-        write(json.loads(args.render.read_text()), Path(args.out))
+        data = json.loads(args.render.read_text())
+        if args.raw:  # analysed again from the launches' records, as the sweep measured them
+            data["points"] = [measure_point(data["model"], p["micro_batches"], p["tokens"], args, args.raw,
+                                            launch=False) for p in data["points"]]
+            data["analysed"] = provenance()
+        write(data, Path(args.out))
         return 0
     model = {**MODEL, "precision": args.precision, "zero_stage": args.zero_stage, "data_parallel": args.data_parallel}
     start, prov, jobs = time.time(), provenance(), real_jobs()
