@@ -265,6 +265,7 @@ def render(data: dict) -> str:
              *header(data["provenance"], data.get("wall_s")),
              *([f"- analysed again from the launches' records: `{data['analysed']['command']}`, "
                 f"{data['analysed']['date']}, baft revision {data['analysed']['revision']}"] if "analysed" in data else []),
+             *([f"- note: {data['note']}"] if "note" in data else []),
              "",
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period). Overhead: median of each "
