@@ -131,6 +131,13 @@ def optimizer_config(args) -> dict:
     return {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}}
 
 
+def say_whole_line(text: str) -> None:
+    """Print a line that every rank prints, in one write: ``print`` writes the newline apart, so two ranks
+    sharing a pipe could join their lines."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def build(args: argparse.Namespace):
     """Initialize the process group, the example GPT pipeline and its data; return (engine, data)."""
     torch.set_num_threads(args.threads)
@@ -155,7 +162,7 @@ def build(args: argparse.Namespace):
     loader = make_loader(dataset, args.micro_batch_size, shard=shard, shards=dp)
     engine, *_ = baft.initialize(model=model, config=ds_config(args, dp), data_iterator=loader)
     if args.describe:
-        print(f"setup rank {engine.global_rank}: {describe(engine, loader)}", flush=True)
+        say_whole_line(f"setup rank {engine.global_rank}: {describe(engine, loader)}")
     return engine, iter(loader)  # a StatefulDataLoader is iterated once a restore has set its position
 
 
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
     if args.digest:
-        print(f"digest rank {engine.global_rank} step {engine.global_steps} {state_digest(engine)}", flush=True)
+        say_whole_line(f"digest rank {engine.global_rank} step {engine.global_steps} {state_digest(engine)}")
     if lead and times:
         policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
         snapshots = ""
