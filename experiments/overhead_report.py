@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baft.cli.compare import overhead, worst
+from baft.cli.compare import measured, overhead, worst
 from baft.simulate.units import size as fmt_bytes
 from common import header, md_table
 
@@ -129,20 +129,19 @@ def policy_row(policy: dict, recs: list[dict], baseline, doc: dict, free: float)
 def analyse(doc: dict) -> dict:
     """Per policy: overhead vs none from times normalized by the none measured around them (drift cancels)."""
     first = first_of_block(doc["records"])
-    # A block's first iteration still runs the previous block's work (a snapshot's seal outlives its
-    # iteration) and misses its own policy's: kept, it biased none against none by -0.8 points in an
-    # hour at m=4, t=8 (experiments/results/focus.md). Dropped always, not only when slower on average.
-    discard = doc["block"] > 1
+    # kept whenever it was not slower on average, a block's first iteration biased none against none
+    # by -0.8 points in an hour at m=4, t=8 (experiments/results/focus.md): it is always dropped
     by: dict[str, list[dict]] = {}
     for r in doc["records"]:
-        if r["j"] > 0 or not discard:
+        if measured(r, doc["block"]):
             by.setdefault(r["policy"], []).append(r)
     baseline = baseline_of(by["none"])
     # none's iteration with the time the trainer threads waited for a CPU taken out (a busy machine's share)
     free = med(wall(r) - worst(r, "run_delay") for r in by["none"])
     rows = [policy_row(p, [r for r in by[p["name"]] if baseline(r)], baseline, doc, free) for p in doc["policies"]]
     result = {"rows": rows, "base_s": med(wall(r) for r in by["none"]), "base_uncontended_s": free,
-              "stages": stage_rows(doc, by), "first_of_block": first, "discarded_first": discard}
+              "stages": stage_rows(doc, by), "first_of_block": first,
+              "discarded_first": doc["block"] > 1}
     result["targets"] = targets(result, doc)
     return result
 

@@ -92,22 +92,26 @@ def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = T
     the launches already in ``raw`` count too, and the point's minutes are those of the new launches;
     without ``launch``, only those (``--render`` with ``--raw``)."""
     opts = {**model, "micro_batches": m, "seq": t}
-    docs, start = launches(raw, m, t) if args.resume or not launch else [], time.time()
-    while launch:
-        docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
-        widest = max(halfwidth(r) for r in analyse(merge(docs))["rows"] if r["policy"] != "none")
-        print(f"sweep: m={m} t={t}: {merge(docs)['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
-        if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
-            break
+    reuse = args.resume or not launch
+    docs, start = launches(raw, m, t) if reuse else [], time.time()
     disk_path = raw / f"m{m}-t{t}-disk.json"
     if not launch and not (docs and disk_path.exists()):
         raise SystemExit(f"sweep: {raw} has no launches of m={m} t={t}, or not their disk launch")
-    disk_doc = json.loads(disk_path.read_text()) if disk_path.exists() and (args.resume or not launch) else \
-        compare(opts, DISK, 2, disk_path)
+    while True:
+        if launch:
+            docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
+        doc = merge(docs)
+        result = analyse(doc)
+        if not launch:
+            break
+        widest = max(halfwidth(r) for r in result["rows"] if r["policy"] != "none")
+        print(f"sweep: m={m} t={t}: {doc['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
+        if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
+            break
+    disk_doc = json.loads(disk_path.read_text()) if reuse and disk_path.exists() else compare(opts, DISK, 2, disk_path)
     # minutes of interleaved measurement (the timed rounds, not the launches' set-up)
     measured = sum(d["elapsed_s"] for d in docs)
-    doc = merge(docs)
-    return {**point_summary(model, m, t, doc, analyse(doc), analyse(disk_doc)), "measure_s": measured}
+    return {**point_summary(model, m, t, doc, result, analyse(disk_doc)), "measure_s": measured}
 
 
 def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:

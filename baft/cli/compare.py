@@ -281,12 +281,18 @@ def worst(rec: dict, field: str) -> float:
     return max(r[field] for r in rec["ranks"])
 
 
+def measured(rec: dict, block: int) -> bool:
+    """Whether an iteration's record counts: in blocks of several, a block's first does not, as it still
+    runs the previous block's work (a snapshot's seal outlives its iteration) and misses its own policy's."""
+    return rec["j"] > 0 or block == 1
+
+
 def summarize(doc: dict) -> list[dict]:
     """Per policy: median iteration (rank 0), and per snapshot the median stall and CPU time in the policy's
     callbacks (max over ranks); overhead versus ``none``. Blocks of several iterations drop their first."""
     by_policy: dict[str, list[dict]] = {}
     for rec in doc["records"]:
-        if rec["j"] > 0 or doc["block"] == 1:
+        if measured(rec, doc["block"]):
             by_policy.setdefault(rec["policy"], []).append(rec)
     none = by_policy.get("none")
     base = statistics.median(r["ranks"][0]["wall"] for r in none) if none else None
