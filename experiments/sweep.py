@@ -6,7 +6,10 @@
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
-to the time it takes to copy a stage's state. At every point (m micro-batches, t tokens) one
+to the time it takes to copy a stage's state. Every point (m micro-batches, t tokens) is first profiled
+(``baft profile``), and baft plans from that measured bubble map, as in the profile-then-train flow a
+user follows (the analytic model of a run's first iteration, baft's fallback without a map, can
+overstate the last stage's bubbles several times over: see README). Then one
 ``baft compare`` launch alternates ``none`` with each policy in blocks of two iterations
 (none none A A none none B B ...; the first of each block is dropped): ``none/1`` (none again:
 the A/A check of the method), ``sync-copy``, ``thread-copy`` (a background copy that ignores the
@@ -38,8 +41,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from baft.cli.launch import flags
+from baft.pipeline.bubblemap import BubbleMap
 from common import RESULTS, header, md_table, provenance
 from overhead_report import AA, BUDGET, analyse
 
@@ -51,12 +56,22 @@ REAL_JOBS = {"gpt3-175b-1024": "GPT-3 175B, 1024 GPUs", "gpt3-15b-8": "15B, one 
              "gpt3-3b-8": "3B, one 8-GPU server"}
 
 
+def baft_cli(*args: str) -> None:
+    if subprocess.run([sys.executable, "-m", "baft.cli", *args]).returncode != 0:
+        raise SystemExit(f"baft {args[0]} failed ({' '.join(args)}); its output is above")
+
+
+def profile(opts: dict, out: Path) -> BubbleMap:
+    """The point's measured bubble map (``baft profile``): what baft's planner plans from, as a user's would."""
+    if not out.exists():
+        baft_cli("profile", "--example", "gpt", *flags(opts), "--iters", "10", "--out", str(out))
+    return BubbleMap.load(out)
+
+
 def compare(opts: dict, policies: str, rounds: int, out: Path) -> dict:
     """One ``baft compare --none-between --block 2`` launch; the document it writes."""
-    cmd = [sys.executable, "-m", "baft.cli", "compare", *flags(opts), "--policies", policies, "--rounds", str(rounds),
-           "--block", "2", "--none-between", "--out", str(out)]
-    if subprocess.run(cmd).returncode != 0:
-        raise SystemExit(f"baft compare failed at {opts}; its output is above")
+    baft_cli("compare", *flags(opts), "--policies", policies, "--rounds", str(rounds), "--block", "2",
+             "--none-between", "--out", str(out))
     return json.loads(out.read_text())
 
 
@@ -94,9 +109,14 @@ def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = T
     opts = {**model, "micro_batches": m, "seq": t}
     reuse = args.resume or not launch
     docs, start = launches(raw, m, t) if reuse else [], time.time()
-    disk_path = raw / f"m{m}-t{t}-disk.json"
+    disk_path, map_path = raw / f"m{m}-t{t}-disk.json", raw / f"m{m}-t{t}-bubbles.json"
     if not launch and not (docs and disk_path.exists()):
         raise SystemExit(f"sweep: {raw} has no launches of m={m} t={t}, or not their disk launch")
+    if launch:
+        bmap = profile(opts, map_path)
+        opts["bubble_map"] = str(map_path)
+    else:
+        bmap = BubbleMap.load(map_path) if map_path.exists() else None  # sweeps before maps planned alone
     while True:
         if launch:
             docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
@@ -111,10 +131,10 @@ def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = T
     disk_doc = json.loads(disk_path.read_text()) if reuse and disk_path.exists() else compare(opts, DISK, 2, disk_path)
     # minutes of interleaved measurement (the timed rounds, not the launches' set-up)
     measured = sum(d["elapsed_s"] for d in docs)
-    return {**point_summary(model, m, t, doc, result, analyse(disk_doc)), "measure_s": measured}
+    return {**point_summary(model, m, t, doc, result, analyse(disk_doc), bmap), "measure_s": measured}
 
 
-def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict) -> dict:
+def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: dict, bmap: Optional[BubbleMap]) -> dict:
     """What the sweep reports for one point (the raw records stay in the JSON beside it)."""
     rows = {r["policy"]: r for r in result["rows"]}
     base = result["base_s"]
@@ -127,6 +147,7 @@ def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: di
         "micro_batches": m, "tokens": t, "iteration_s": base, "rounds": doc["rounds"],
         "sync_copy_cost": rows["sync-copy"]["stall_s"] / base,
         "bubble_fraction": (model["stages"] - 1) / (m + model["stages"] - 1),
+        **({"bubble_measured": min(bmap.bubble_fraction(s) for s in range(bmap.stages))} if bmap else {}),
         "policies": {name: {"overhead": r["overhead"], "ci95": r["ci95"], "period": r["period"],
                             "stall_s": r["stall_s"], "cpu_outside_bubbles_s": r["in_hook_cpu_s"]}
                      for name, r in rows.items() if name != "none"},
@@ -236,6 +257,10 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
         bubble = mine[0]["bubble_fraction"] * 100 if mine else 0
         ax.axvline(bubble, color="black", ls=":", lw=1)
         ax.text(bubble, ax.get_ylim()[1], f" bubble fraction {bubble:.0f}%", fontsize=8, va="top")
+        measured = [p["bubble_measured"] * 100 for p in mine if "bubble_measured" in p]
+        if measured:  # what the smallest stage measured: the receive waits it can copy in
+            ax.axvspan(min(measured), max(measured), color="black", alpha=0.08, lw=0)
+            ax.text(max(measured), ax.get_ylim()[1] * 0.9, " smallest stage's\n measured bubble", fontsize=7, va="top")
         for label, job in jobs.items():
             ax.axvline(job["sync_copy_cost"] * 100, color="#55a868", lw=0.8, alpha=0.7)
             ax.text(job["sync_copy_cost"] * 100, ax.get_ylim()[0], f" {label}", rotation=90, fontsize=7,
@@ -254,7 +279,9 @@ def point_rows(points: list[dict]) -> list[list]:
     rows = []
     for p in sorted(points, key=lambda p: (p["micro_batches"], p["tokens"])):
         pol = p["policies"]
+        bubble = f"{p['bubble_measured']:.1%}" if "bubble_measured" in p else "-"
         rows.append([p["micro_batches"], p["tokens"], f"{p['iteration_s'] * 1e3:.0f} ms", f"{p['sync_copy_cost']:.1%}",
+                     bubble,
                      ci_text(pol[AA]), ci_text(pol["sync-copy"]), ci_text(pol["thread-copy"]), ci_text(pol["baft"]),
                      pol["baft"]["period"], f"{p['baft_predicted']:+.2%}", f"{p['in_bubbles']:.0%}",
                      f"{pol['baft']['cpu_outside_bubbles_s'] * 1e3:.1f} ms",
@@ -272,10 +299,11 @@ def render(data: dict) -> str:
              *([f"- note: {data['note']}"] if "note" in data else []),
              "",
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
-             "Each policy snapshots every iteration (baft at its planner's period). Overhead: median of each "
+             "Each policy snapshots every iteration (baft at its planner's period, planned from the point's "
+             "measured bubble map). Overhead: median of each "
              "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds.", "",
              f"![sweep]({data.get('name', 'sweep')}.png)", "",
-             *md_table(["m", "tokens", "iteration", "sync copy cost", "A/A (none vs none)", "sync copy", "thread copy",
+             *md_table(["m", "tokens", "iteration", "sync copy cost", "smallest stage bubble", "A/A (none vs none)", "sync copy", "thread copy",
                         "baft", "baft period", "baft predicted", "state copied in bubbles (min stage)",
                         "baft CPU outside bubbles", "disk period for 1%", "rounds"], point_rows(points)), "",
              "Real jobs on the same axis (the simulator's synchronous copy over its iteration):", "",
