@@ -72,13 +72,13 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
-def test_plan_for_another_model_is_refused_and_training_plans_from_the_analytic_model(tmp_path, shm_root):
+def test_plan_for_another_model_is_refused_and_training_plans_from_its_own_receive_waits(tmp_path, shm_root):
     plan = Plan("1f1b", 2, 4, 1, 0.01, [RankPlan(r, r, "0123456789abcdef", 1, 1, 1e9, 1.0) for r in range(2)])
     plan.save(tmp_path / "foreign.plan.json")
     proc = run_worker(2, [*TINY, "--iters", "4", "--policy", "baft", "--plan", str(tmp_path / "foreign.plan.json"),
                           "--shm-root", str(shm_root)])
     assert "was made for state layout 0123456789abcdef" in proc.stderr
-    assert "planning from the analytic model instead" in proc.stderr
+    assert "planning from the receive waits of this run instead" in proc.stderr
     root = shm_root / "default" / "node0"
     assert slots.committed(root, 0), "training ran unprotected after refusing the plan"
 

@@ -29,6 +29,7 @@ def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     assert {name: b > 0 for name, b in doc["snapshot_bytes"].items()} == {"sync-copy": True, "baft": True,
                                                                          "torch-save/2": True}
     assert [p["stage"] for p in doc["plans"]["baft"]] == [0, 1]
+    assert {p["source"] for p in doc["plans"]["baft"]} == {"receive waits timed in this run's iteration 2"}
 
     summary = {s["policy"]: s for s in summarize(doc)}
     assert summary["none"]["overhead"] == 0 and summary["none"]["stall_s"] == 0

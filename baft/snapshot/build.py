@@ -1,9 +1,9 @@
 """Build the snapshot policy a config asks for.
 
 ``make_policy`` returns an engine hook. For ``baft`` it plans from the configured plan or
-bubble map; a plan or map that does not fit this run is refused with one line and baft
-falls back to planning from the analytic model, fed with the costs measured in this run's
-first iteration.
+bubble map; without one, it plans from the receive waits it times in this run's second
+iteration (the first warms up); a plan or map that does not fit this run is refused with one
+line, and baft plans from the first iteration's receive waits instead.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from baft.config import BaftConfig, node_of
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.hooks import InstructionHook
-from baft.pipeline.profiler import InstructionTimer, _median_profile, measured_costs, optimizer_syncs
-from baft.pipeline.timeline import analytic_bubble_map
+from baft.pipeline.profiler import InstructionTimer, _median_profile, measured_bubbles
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
 from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
@@ -56,17 +55,24 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
 
 
 class PlannedExecutor(BubbleExecutor):
-    """The bubble-aware executor that plans itself once the state layout is known (after step 1)."""
+    """The bubble-aware executor that plans itself once the state exists: after one iteration with a
+    plan or bubble map configured; without one, after two (a warm-up, then the one it plans from).
+    Until then it snapshots every iteration, copying in whatever receive waits there are.
+
+    The number depends on the configuration only, so that every rank plans at the same step: the
+    ranks agree on the period there, in one collective.
+    """
 
     def __init__(self, cfg: BaftConfig, root: str, fixed_period: Optional[int] = None, **kwargs):
         super().__init__(root, **kwargs)
         self.cfg, self.fixed_period = cfg, fixed_period
-        self.timer = InstructionTimer()  # the first iteration's costs, for the analytic fallback
+        self.timer = InstructionTimer()  # this run's receive waits, planned from without a map
+        self.timed_before_planning = 1 if cfg.plan or cfg.bubble_map else 2
         self.planned = False
         self.plan_source = ""
 
     def iteration_start(self, engine):
-        if not self.planned and engine.global_steps >= 1 and self.timer.iterations:
+        if not self.planned and len(self.timer.iterations) >= self.timed_before_planning:
             self.make_plan(engine)
         if not self.planned:
             self.timer.iteration_start(engine)
@@ -98,10 +104,10 @@ class PlannedExecutor(BubbleExecutor):
         try:
             mine = self._plan_from_files(engine, layout)
         except BaftError as err:
-            warn(engine, f"{err}; planning from the analytic model instead")
+            warn(engine, f"{err}; planning from the receive waits of this run instead")
         if mine is None:
-            mine = self._plan_from_first_iteration(engine, layout)
-            self.plan_source = "analytic model of this run's first iteration"
+            mine = self._plan_from_measured_waits(engine, layout)
+            self.plan_source = f"receive waits timed in this run's iteration {len(self.timer.iterations)}"
         self.plan = mine
         period = self.fixed_period or choose_period([mine], DEFAULT_BUDGET)
         agreed = torch.tensor([period], dtype=torch.int64)
@@ -133,16 +139,12 @@ class PlannedExecutor(BubbleExecutor):
                              profile.iteration_time, engine.global_rank, engine.stage_id, layout.fingerprint)
         return None
 
-    def _plan_from_first_iteration(self, engine, layout) -> RankPlan:
+    def _plan_from_measured_waits(self, engine, layout) -> RankPlan:
+        """This rank's receive waits in its last timed iteration, as ``baft profile`` measures them."""
         trace = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": 0,
                  "iterations": self.timer.iterations, "state_bytes": {}, "copy_bandwidth": 0.0}
-        own = _median_profile(trace, skip=0)
-        profiles = [None] * dist.get_world_size()
-        dist.all_gather_object(profiles, own)
-        costs = measured_costs(profiles, engine.num_stages, optimizer_syncs(engine))
-        bmap = analytic_bubble_map(engine.baft_schedule, engine.num_stages, engine.micro_batches, costs)
-        bandwidth = _copy_bandwidth(self.source)
-        return plan_rank(bmap.stage_bubbles(engine.stage_id), [c.nbytes for c in layout.chunks], bandwidth,
+        own = _median_profile(trace, skip=len(self.timer.iterations) - 1)
+        return plan_rank(measured_bubbles(own), [c.nbytes for c in layout.chunks], _copy_bandwidth(self.source),
                          own.iteration_time, engine.global_rank, engine.stage_id, layout.fingerprint)
 
 
