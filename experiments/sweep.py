@@ -8,8 +8,8 @@ The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
 to the time it takes to copy a stage's state. Every point (m micro-batches, t tokens) is first profiled
 (``baft profile``), and baft plans from that measured bubble map, as in the profile-then-train flow a
-user follows (the analytic model of a run's first iteration, baft's fallback without a map, can
-overstate the last stage's bubbles several times over: see README). Then one
+user follows (the analytic model of a run's first iteration, which baft planned from without a map
+before, overstated the last stage's bubble several times over: see README). Then one
 ``baft compare`` launch alternates ``none`` with each policy in blocks of two iterations
 (none none A A none none B B ...; the first of each block is dropped): ``none/1`` (none again:
 the A/A check of the method), ``sync-copy``, ``thread-copy`` (a background copy that ignores the
