@@ -13,6 +13,11 @@ import sys
 from pathlib import Path
 
 SHM_ROOT = "/dev/shm/baft"  # where ``baft train`` keeps the snapshot slots of its runs
+# glibc's malloc hands freed memory back to the kernel (munmap, trim), and the next iteration
+# faults it back in page by page: on the CPU VMs baft is measured on that made an iteration
+# 10-25% longer and twice as noisy. The ranks keep freed memory instead, as PyTorch's
+# ``torch.backends.xeon.run_cpu`` launcher does with jemalloc (README: "Memory").
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
 def extensions_dir() -> str:
@@ -28,6 +33,8 @@ def launch_env(extra: dict | None = None) -> dict:
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    for name, value in KEEP_FREED_MEMORY.items():
+        env.setdefault(name, value)
     env.update(extra or {})
     return env
 

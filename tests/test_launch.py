@@ -1,0 +1,41 @@
+"""The environment baft launches ranks in."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from baft.cli.launch import KEEP_FREED_MEMORY, launch_env
+
+# Resident memory (MiB) after a 256 MiB tensor is freed: glibc returns it to the kernel unless told not to.
+AFTER_FREE = """
+import torch
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+before = rss()
+x = torch.ones(2**26)
+del x
+print(rss() - before)
+"""
+
+
+def resident_after_free(env: dict) -> float:
+    out = subprocess.run([sys.executable, "-c", AFTER_FREE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_ranks_keep_freed_memory_instead_of_faulting_it_back_in():
+    plain = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY}
+    assert resident_after_free(plain) < 64  # glibc unmapped the freed tensor
+    assert resident_after_free(launch_env()) > 192  # the rank keeps it for the next iteration
+
+
+def test_a_users_own_malloc_settings_win(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    env = launch_env()
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "131072"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == KEEP_FREED_MEMORY["MALLOC_MMAP_THRESHOLD_"]
