@@ -154,7 +154,9 @@ def optimizer_syncs(engine) -> bool:
     return engine.gradient_clipping() > 0 or engine.fp16_enabled()
 
 
-def _median_profile(trace: dict, skip: int) -> RankProfile:
+def median_profile(trace: dict, skip: int) -> RankProfile:
+    """One rank's profile from its trace: each instruction's median start and duration over the
+    iterations after the first ``skip`` (all of them if none is left)."""
     iters = trace["iterations"][skip:] or trace["iterations"]
     lengths = {len(it["instructions"]) for it in iters}
     if len(lengths) != 1:
@@ -240,7 +242,7 @@ def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
 def merge_trace_docs(traces: list[dict], skip: int = 1) -> BubbleMap:
     """:func:`merge_traces` of traces already read: medians over each trace's iterations after the first ``skip``."""
     head = traces[0]
-    profiles = sorted((_median_profile(t, skip) for t in traces), key=lambda p: p.rank)
+    profiles = sorted((median_profile(t, skip) for t in traces), key=lambda p: p.rank)
     stages = head["stages"]
     analytic = analytic_bubble_map(head["schedule"], stages, head["micro_batches"],
                                    measured_costs(profiles, stages, head.get("optimizer_sync", False)))

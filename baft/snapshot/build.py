@@ -8,9 +8,7 @@ line, and baft plans from the first iteration's receive waits instead.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,10 +19,11 @@ from baft.config import BaftConfig, node_of
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.hooks import InstructionHook
-from baft.pipeline.profiler import InstructionTimer, _median_profile, measured_bubbles
+from baft.pipeline.profiler import InstructionTimer, measured_bubbles, median_profile
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
 from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
+from baft.snapshot.sizes import measure_copy_bandwidth
 from baft.snapshot.streams import copy_stream_for
 
 
@@ -140,23 +139,10 @@ class PlannedExecutor(BubbleExecutor):
         return None
 
     def _plan_from_measured_waits(self, engine, layout) -> RankPlan:
-        """This rank's receive waits in its last timed iteration, as ``baft profile`` measures them."""
+        """This rank's receive waits in its last timed iteration and its copy bandwidth, measured as
+        ``baft profile`` measures them."""
         trace = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": 0,
                  "iterations": self.timer.iterations, "state_bytes": {}, "copy_bandwidth": 0.0}
-        own = _median_profile(trace, skip=len(self.timer.iterations) - 1)
-        return plan_rank(measured_bubbles(own), [c.nbytes for c in layout.chunks], _copy_bandwidth(self.source),
+        own = median_profile(trace, skip=len(self.timer.iterations) - 1)
+        return plan_rank(measured_bubbles(own), [c.nbytes for c in layout.chunks], measure_copy_bandwidth(engine),
                          own.iteration_time, engine.global_rank, engine.stage_id, layout.fingerprint)
-
-
-def _copy_bandwidth(source, repeats: int = 3) -> float:
-    """Bytes per second copying the first chunks of the state into a scratch buffer."""
-    chunks = source.layout.chunks[:64]
-    scratch = torch.empty(max(sum(c.nbytes for c in chunks), 1), dtype=torch.uint8)
-    times = []
-    for _ in range(repeats):
-        start, offset = time.perf_counter(), 0
-        for c in chunks:
-            scratch[offset:offset + c.nbytes].copy_(source.view(c))
-            offset += c.nbytes
-        times.append(time.perf_counter() - start)
-    return scratch.numel() / max(statistics.median(times), 1e-9)
