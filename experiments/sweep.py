@@ -15,11 +15,12 @@ before, overstated the last stage's bubble several times over: see README). Then
 the A/A check of the method), ``sync-copy``, ``thread-copy`` (a background copy that ignores the
 bubbles, as DataStates-LLM's lazy copy) and ``baft``, each snapshotting every iteration (baft at
 its planner's period). Each measured iteration is divided by the ``none`` iterations next to it;
-a policy's overhead is the median of these ratios - 1, with a 95% interval resampling whole
-rounds (``overhead_report.analyse``). Launches of ``--rounds`` rounds repeat until every
-interval is at most ``--halfwidth`` wide on each side, or the point's time is spent. A second,
-short launch times one save of DeepSpeed's ``save_checkpoint`` and of DCP ``async_save``: the
-period each needs to stay within 1% is that save over 1% of an iteration.
+a policy's overhead is the interquartile mean (mean of the middle half) of these ratios - 1,
+with a 95% interval resampling whole rounds (``overhead_report.analyse``). Launches of
+``--rounds`` rounds repeat until every interval is at most ``--halfwidth`` wide on each side,
+or the point's time is spent. A second, short launch times one save of DeepSpeed's
+``save_checkpoint`` and of DCP ``async_save``: the period each needs to stay within 1% is that
+save over 1% of an iteration.
 
 ``--raw DIR`` keeps every launch's records; ``--resume`` adds new launches to those already in
 it, so that a measurement too long for one sitting can go on in another; ``--render`` with
@@ -300,7 +301,7 @@ def render(data: dict) -> str:
              "",
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period, planned from the point's "
-             "measured bubble map). Overhead: median of each "
+             "measured bubble map). Overhead: interquartile mean (mean of the middle half) of each "
              "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds.", "",
              f"![sweep]({data.get('name', 'sweep')}.png)", "",
              *md_table(["m", "tokens", "iteration", "sync copy cost", "smallest stage bubble", "A/A (none vs none)", "sync copy", "thread copy",

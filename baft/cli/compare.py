@@ -266,14 +266,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def interquartile_mean(values: list[float]) -> float:
+    """The mean of the middle half of ``values``: as deaf as the median to the few iterations a busy
+    machine stretches, and closer to the mean's precision on the rest (experiments/README.rst)."""
+    ordered = sorted(values)
+    cut = len(ordered) // 4
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
+
+
 def overhead(ratios: list[float], fired: list[bool], period: int) -> float:
-    """Overhead per iteration from iteration times over the baseline's: at period 1 their median - 1;
-    at period P, one snapshot iteration and P - 1 plain ones: ((snapshot - 1) + (P - 1)(plain - 1)) / P."""
+    """Overhead per iteration from iteration times over the baseline's: at period 1 their
+    :func:`interquartile_mean` - 1; at period P, one snapshot iteration and P - 1 plain ones:
+    ((snapshot - 1) + (P - 1)(plain - 1)) / P."""
     if period == 1 or not any(fired):
-        return statistics.median(ratios) - 1
+        return interquartile_mean(ratios) - 1
     snap = [x for x, f in zip(ratios, fired) if f]
     plain = [x for x, f in zip(ratios, fired) if not f] or [1.0]
-    return ((statistics.median(snap) - 1) + (period - 1) * (statistics.median(plain) - 1)) / period
+    return ((interquartile_mean(snap) - 1) + (period - 1) * (interquartile_mean(plain) - 1)) / period
 
 
 def worst(rec: dict, field: str) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 SHM_ROOT = "/dev/shm/baft"  # where ``baft train`` keeps the snapshot slots of its runs
 # glibc's malloc hands freed memory back to the kernel (munmap, trim), and the next iteration
 # faults it back in page by page: on the CPU VMs baft is measured on that made an iteration
-# 10-25% longer and twice as noisy. The ranks keep freed memory instead, as PyTorch's
+# 10-25% longer. The ranks keep freed memory instead, as PyTorch's
 # ``torch.backends.xeon.run_cpu`` launcher does with jemalloc (README: "Memory").
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
