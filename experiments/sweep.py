@@ -253,7 +253,7 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
             highs = [(p["policies"][name]["ci95"] or [math.nan] * 2)[1] * 100 for p in mine]
             ax.plot(xs, ys, "o-", color=colour, label=label, lw=1.5, ms=4)
             ax.fill_between(xs, lows, highs, color=colour, alpha=0.18, lw=0)
-        ax.plot(xs, [p["baft_predicted"] * 100 for p in mine], "--", color=STYLE["baft"][0], lw=1,
+        ax.plot(xs, [p["baft_predicted"] * 100 for p in mine], "x--", color=STYLE["baft"][0], lw=1, ms=6,
                 label="baft, planner's prediction")
         bubble = mine[0]["bubble_fraction"] * 100 if mine else 0
         ax.axvline(bubble, color="black", ls=":", lw=1)
@@ -261,6 +261,7 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
         measured = [p["bubble_measured"] * 100 for p in mine if "bubble_measured" in p]
         if measured:  # what the smallest stage measured: the receive waits it can copy in
             ax.axvspan(min(measured), max(measured), color="black", alpha=0.08, lw=0)
+            ax.axvline(min(measured), color="black", alpha=0.3, lw=0.8)  # one point: a span of no width
             ax.text(max(measured), ax.get_ylim()[1] * 0.9, " smallest stage's\n measured bubble", fontsize=7, va="top")
         for label, job in jobs.items():
             ax.axvline(job["sync_copy_cost"] * 100, color="#55a868", lw=0.8, alpha=0.7)
