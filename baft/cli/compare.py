@@ -298,13 +298,14 @@ def measured(rec: dict, block: int) -> bool:
 
 def summarize(doc: dict) -> list[dict]:
     """Per policy: median iteration (rank 0), and per snapshot the median stall and CPU time in the policy's
-    callbacks (max over ranks); overhead versus ``none``. Blocks of several iterations drop their first."""
+    callbacks (max over ranks); overhead versus the interquartile mean of ``none``'s iterations. Blocks of
+    several iterations drop their first."""
     by_policy: dict[str, list[dict]] = {}
     for rec in doc["records"]:
         if measured(rec, doc["block"]):
             by_policy.setdefault(rec["policy"], []).append(rec)
     none = by_policy.get("none")
-    base = statistics.median(r["ranks"][0]["wall"] for r in none) if none else None
+    base = interquartile_mean([r["ranks"][0]["wall"] for r in none]) if none else None
     out = []
     for policy in doc["policies"]:
         recs = by_policy[policy["name"]]
@@ -315,7 +316,8 @@ def summarize(doc: dict) -> list[dict]:
                     "median_s": statistics.median(wall),
                     "stall_s": statistics.median(worst(r, "stall") for r in snaps),
                     "hook_cpu_s": statistics.median(worst(r, "hook_cpu") for r in snaps),
-                    "overhead": overhead([w / base for w in wall], fired, policy["period"]) if base else None})
+                    "overhead": None if not base else 0.0 if policy["name"] == "none" else
+                    overhead([w / base for w in wall], fired, policy["period"])})
     return out
 
 
