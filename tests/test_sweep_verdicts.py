@@ -8,6 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import sweep  # noqa: E402  (experiments/ is not a package)
+from overhead_report import interquartile_mean  # noqa: E402
+
+from baft.cli.compare import overhead
 
 
 def point(aa, baft, sync=(0.09, 0.08, 0.10), thread=(0.06, 0.05, 0.07), fits=True, rounds=40, predicted=0.0,
@@ -64,3 +67,11 @@ def test_resume_counts_only_this_sweeps_launches(tmp_path):
     (tmp_path / "m4-t8-2.json").write_text(json.dumps({"policies": [{"name": "none"}, {"name": "baft"}]}))
     with pytest.raises(SystemExit, match="m4-t8-2.json: not a launch of this sweep's policies"):
         sweep.launches(tmp_path, 4, 8)
+
+
+def test_overhead_is_the_mean_of_the_middle_half_of_the_ratios():
+    assert interquartile_mean([1.0, 1.02, 1.04, 5.0]) == 1.03  # the stretched iteration is ignored
+    assert interquartile_mean([0.1, 1.0, 1.0, 1.0, 1.1, 1.1, 1.1, 9.0]) == 1.05
+    # period 3: one snapshot iteration (+9%) and two plain ones (+0%) per snapshot
+    ratios, fired = [1.09, 1.0, 1.09, 1.0, 1.09, 1.0], [True, False] * 3
+    assert abs(overhead(ratios, fired, 3, interquartile_mean) - 0.03) < 1e-12

@@ -266,23 +266,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def interquartile_mean(values: list[float]) -> float:
-    """The mean of the middle half of ``values``: as deaf as the median to the few iterations a busy
-    machine stretches, and closer to the mean's precision on the rest (experiments/README.rst)."""
-    ordered = sorted(values)
-    cut = len(ordered) // 4
-    return statistics.fmean(ordered[cut:len(ordered) - cut])
-
-
-def overhead(ratios: list[float], fired: list[bool], period: int) -> float:
-    """Overhead per iteration from iteration times over the baseline's: at period 1 their
-    :func:`interquartile_mean` - 1; at period P, one snapshot iteration and P - 1 plain ones:
-    ((snapshot - 1) + (P - 1)(plain - 1)) / P."""
+def overhead(ratios: list[float], fired: list[bool], period: int, centre=statistics.median) -> float:
+    """Overhead per iteration from iteration times over the baseline's: at period 1 their ``centre`` - 1;
+    at period P, one snapshot iteration and P - 1 plain ones: ((snapshot - 1) + (P - 1)(plain - 1)) / P.
+    The median suits a few rounds; the experiments, with hundreds, pass a tighter centre."""
     if period == 1 or not any(fired):
-        return interquartile_mean(ratios) - 1
+        return centre(ratios) - 1
     snap = [x for x, f in zip(ratios, fired) if f]
     plain = [x for x, f in zip(ratios, fired) if not f] or [1.0]
-    return ((interquartile_mean(snap) - 1) + (period - 1) * (interquartile_mean(plain) - 1)) / period
+    return ((centre(snap) - 1) + (period - 1) * (centre(plain) - 1)) / period
 
 
 def worst(rec: dict, field: str) -> float:
@@ -298,14 +290,14 @@ def measured(rec: dict, block: int) -> bool:
 
 def summarize(doc: dict) -> list[dict]:
     """Per policy: median iteration (rank 0), and per snapshot the median stall and CPU time in the policy's
-    callbacks (max over ranks); overhead versus the interquartile mean of ``none``'s iterations. Blocks of
-    several iterations drop their first."""
+    callbacks (max over ranks); overhead versus ``none``'s median iteration. Blocks of several iterations
+    drop their first."""
     by_policy: dict[str, list[dict]] = {}
     for rec in doc["records"]:
         if measured(rec, doc["block"]):
             by_policy.setdefault(rec["policy"], []).append(rec)
     none = by_policy.get("none")
-    base = interquartile_mean([r["ranks"][0]["wall"] for r in none]) if none else None
+    base = statistics.median(r["ranks"][0]["wall"] for r in none) if none else None
     out = []
     for policy in doc["policies"]:
         recs = by_policy[policy["name"]]
