@@ -22,13 +22,15 @@ def what_it_means(summary: list[dict]) -> str:
     """One sentence on the comparison: the time each snapshot took from the trainer, and what it cost."""
     rows = {s["policy"]: s for s in summary}
     sync, ours = rows["sync-copy"], rows["baft"]
-    times = f"{sync['stall_s'] / ours['stall_s']:.0f}x" if ours["stall_s"] > 0 else "far"
+    per_iteration = ours["stall_s"] / ours["period"]  # a snapshot every P iterations holds the trainer once
+    times = f"{sync['stall_s'] / per_iteration:.0f}x" if per_iteration > 0 else "far"
+    held = f"{ours['stall_s'] * 1e3:.1f} ms per snapshot" + (
+        f" ({per_iteration * 1e3:.1f} ms per iteration)" if ours["period"] > 1 else "")
     how = ("copied it inside the bubbles" if ours["period"] == 1 else
            f"found the bubbles too short for the whole state, so it snapshots every {ours['period']} iterations, "
            "copying inside the bubbles of each,")
     return (f"A synchronous copy of each stage's state held the trainer {sync['stall_s'] * 1e3:.0f} ms every "
-            f"iteration ({sync['overhead']:+.1%} here); baft {how} and held it {ours['stall_s'] * 1e3:.1f} ms per "
-            f"snapshot, {times} less ({ours['overhead']:+.1%}; three rounds are a quick look, experiments/sweep.py "
+            f"iteration ({sync['overhead']:+.1%} here); baft {how} and held it {held}, {times} less ({ours['overhead']:+.1%}; three rounds are a quick look, experiments/sweep.py "
             "the measurement).")
 
 
