@@ -2,10 +2,10 @@
 
 Every iteration is divided by the iteration time of ``none`` measured around it (the mean of
 the medians of the none blocks just before and just after), so drift of the machine cancels;
-a policy's overhead is :func:`baft.cli.compare.overhead` of these ratios around their
-:func:`interquartile_mean`, with a 95% interval
-that resamples whole rounds. :func:`targets` checks the issue's three 1% targets against it
-(wall clock) and against the CPU time the policies spend on the trainer's thread (accounting).
+a policy's overhead is :func:`baft.cli.compare.overhead` of these ratios, centred by their
+:func:`interquartile_mean`, with a 95% interval that resamples whole rounds. :func:`targets`
+checks the issue's three 1% targets against it (wall clock) and against the CPU time the
+policies spend on the trainer's thread (accounting).
 The report is Markdown tables, PASS / FAIL lines and a PNG.
 """
 
@@ -125,7 +125,8 @@ def policy_row(policy: dict, recs: list[dict], baseline, doc: dict, free: float)
     hook_cpu = med(worst(r, "hook_cpu") for r in snaps)
     return {
         "policy": name, "kind": policy["kind"], "period": period, "iterations": len(recs), "snapshots": sum(flags),
-        "median_s": median_s, "overhead": overhead(ratios, flags, period, interquartile_mean) if name != "none" else 0.0,
+        "median_s": median_s,
+        "overhead": overhead(ratios, flags, period, interquartile_mean) if name != "none" else 0.0,
         # a bootstrap over a handful of rounds has too few distinct resamples to be an interval
         "ci95": list(cluster_bootstrap(samples, period)) if name != "none" and doc["rounds"] >= MIN_ROUNDS else None,
         "spread": iqr(ratios), "stall_s": med(worst(r, "stall") for r in snaps),
@@ -311,10 +312,10 @@ def method(doc: dict) -> str:
         f"policies take turns with none between every two ({others}: none A none B ...), {doc['block']} iterations "
         "per block. Iteration time is rank 0's wall clock around `train_batch`. Each iteration is divided by the "
         "iteration time of none around it (mean of the medians of the none blocks just before and just after), so "
-        "drift of the machine cancels; overhead is the interquartile mean (mean of the middle half) of these ratios "
-        "- 1. A policy with a period P > 1 "
-        "snapshots in the last iteration of each of its blocks, and its overhead is amortized over P: "
-        "((snapshot - 1) + (P - 1)(plain - 1)) / P from the interquartile means of snapshot and plain iterations. The 95% "
+        "drift of the machine cancels; overhead is the interquartile mean (mean of the middle half) of these "
+        "ratios - 1. A policy with a period P > 1 snapshots in the last iteration of each of its blocks, and its "
+        "overhead is amortized over P: ((snapshot - 1) + (P - 1)(plain - 1)) / P from the interquartile means of "
+        "snapshot and plain iterations. The 95% "
         f"interval resamples whole rounds (bootstrap; given from {MIN_ROUNDS} rounds up). Stall is the hook's own "
         "`.stall` (max over ranks); in-hook time is all time spent in the policy's callbacks on the trainer's thread "
         "(max over ranks; for baft it adds `capture_items`, `SnapshotWriter.begin` and the commit to the stall). "

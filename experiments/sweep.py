@@ -260,8 +260,10 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
         ax.text(bubble, ax.get_ylim()[1], f" bubble fraction {bubble:.0f}%", fontsize=8, va="top")
         measured = [p["bubble_measured"] * 100 for p in mine if "bubble_measured" in p]
         if measured:  # what the smallest stage measured: the receive waits it can copy in
-            ax.axvspan(min(measured), max(measured), color="black", alpha=0.08, lw=0)
-            ax.axvline(min(measured), color="black", alpha=0.3, lw=0.8)  # one point: a span of no width
+            if min(measured) < max(measured):
+                ax.axvspan(min(measured), max(measured), color="black", alpha=0.08, lw=0)
+            else:  # one point: a span would have no width
+                ax.axvline(min(measured), color="black", alpha=0.3, lw=0.8)
             ax.text(max(measured), ax.get_ylim()[1] * 0.9, " smallest stage's\n measured bubble", fontsize=7, va="top")
         for label, job in jobs.items():
             ax.axvline(job["sync_copy_cost"] * 100, color="#55a868", lw=0.8, alpha=0.7)

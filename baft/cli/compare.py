@@ -308,8 +308,7 @@ def summarize(doc: dict) -> list[dict]:
                     "median_s": statistics.median(wall),
                     "stall_s": statistics.median(worst(r, "stall") for r in snaps),
                     "hook_cpu_s": statistics.median(worst(r, "hook_cpu") for r in snaps),
-                    "overhead": None if not base else 0.0 if policy["name"] == "none" else
-                    overhead([w / base for w in wall], fired, policy["period"])})
+                    "overhead": overhead([w / base for w in wall], fired, policy["period"]) if base else None})
     return out
 
 

@@ -30,8 +30,8 @@ def what_it_means(summary: list[dict]) -> str:
            f"found the bubbles too short for the whole state, so it snapshots every {ours['period']} iterations, "
            "copying inside the bubbles of each,")
     return (f"A synchronous copy of each stage's state held the trainer {sync['stall_s'] * 1e3:.0f} ms every "
-            f"iteration ({sync['overhead']:+.1%} here); baft {how} and held it {held}, {times} less ({ours['overhead']:+.1%}; three rounds are a quick look, experiments/sweep.py "
-            "the measurement).")
+            f"iteration ({sync['overhead']:+.1%} here); baft {how} and held it {held}, {times} less "
+            f"({ours['overhead']:+.1%}; three rounds are a quick look, experiments/sweep.py the measurement).")
 
 
 @click.command()
