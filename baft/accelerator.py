@@ -18,3 +18,14 @@ def deepspeed_lines_to_stderr() -> None:
     import), so a command whose stdout is data (``--json``) carries nothing else."""
     with contextlib.redirect_stdout(sys.stderr):
         importlib.import_module("deepspeed.utils.logging")
+
+
+def collective_device(group=None):
+    """Where a tensor must live for a collective on ``group``: the current GPU under NCCL, which
+    takes device tensors only; the host under gloo (or ``cpu:gloo,cuda:nccl``)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

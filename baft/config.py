@@ -14,6 +14,7 @@ POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save
 # how baft copies in a bubble: while the host waits in a receive (CPU), or queued on a copy stream
 # (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU
 EXECUTORS = ("auto", "receive", "stream")
+LEFTOVERS = ("fence", "start")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class BaftConfig:
     plan: Optional[str] = None
     period: Union[int, str] = "auto"
     executor: str = "auto"
+    leftovers: str = "fence"  # stream executor: where the chunks no bubble holds are queued
     chunk_bytes: int = 1 << 20
     shm_root: str = "/dev/shm/baft"
     run_id: str = "default"
@@ -129,6 +131,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
         raise ConfigError(f"baft.policy: unknown policy {cfg.policy!r} (one of {', '.join(POLICIES)})")
     if cfg.executor not in EXECUTORS:
         raise ConfigError(f"baft.executor: expected one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
+    if cfg.leftovers not in LEFTOVERS:
+        raise ConfigError(f"baft.leftovers: expected one of {', '.join(LEFTOVERS)}, got {cfg.leftovers!r}")
     if cfg.chunk_bytes < 4096:
         raise ConfigError(f"baft.chunk_bytes: must be at least 4096, got {cfg.chunk_bytes}")
     if (cfg.persist.every or cfg.persist.seconds) and not cfg.persist.dir:

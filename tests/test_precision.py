@@ -14,9 +14,19 @@ CONFIGS = {  # name: (ranks, worker flags)
     "zero1-bf16-dp2": (4, ["--precision", "bf16", "--zero-stage", "1"]),
     "fp16": (2, ["--precision", "fp16"]),
     "zero1-fp16-dp2": (4, ["--precision", "fp16", "--zero-stage", "1"]),
+    # one rank, one GPU: the stream executor on CUDA, NCCL, CUDA RNG states
+    "gpu-bf16-1stage": (1, ["--stages", "1", "--precision", "bf16"]),
+    "gpu-fp16-1stage": (1, ["--stages", "1", "--precision", "fp16"]),
 }
-NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason='DeepSpeed refuses fp16 on CPU ("Type fp16 is not supported on your device")')
+
+
+def needs_gpus(name: str):
+    """fp16 needs a GPU (DeepSpeed refuses it on CPU: "Type fp16 is not supported on your device"), the
+    gpu- configurations too; on GPUs every rank needs its own (NCCL refuses two ranks on one device)."""
+    ranks = CONFIGS[name][0]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_gpu = "fp16" in name or name.startswith("gpu-")
+    return pytest.mark.skipif(on_gpu and gpus < ranks, reason=f"needs {ranks} GPU(s), this machine has {gpus}")
 
 
 def digests(output):
@@ -27,14 +37,14 @@ def losses(run_dir):
     return [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS_GPU) if "fp16" in n else n for n in CONFIGS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_gpus(n)) for n in CONFIGS])
 def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, name, monkeypatch):
     ranks, flags = CONFIGS[name]
     clean_dir, run_dir = tmp_path / "clean", tmp_path / "run"
     clean = run_worker(ranks, [*TINY, *flags, "--iters", "8", "--policy", "none", "--digest",
                                "--run-dir", str(clean_dir)], timeout=400)
     uninterrupted = {r["step"]: r["loss"] for r in losses(clean_dir)}
-    monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=6,phase=backward")
+    monkeypatch.setenv("BAFT_CHAOS", f"rank={ranks - 1},step=6,phase=backward")
     faulty = run_worker(ranks, [*TINY, *flags, "--iters", "8", "--policy", "baft", "--period", "1", "--digest",
                                 "--run-dir", str(run_dir), "--shm-root", str(shm_root)], max_restarts=1, timeout=400)
     resumed = [r for r in losses(run_dir) if r["restart"] == 1]

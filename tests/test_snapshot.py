@@ -56,3 +56,15 @@ def test_stream_executor_queues_each_bubbles_planned_chunks_there_and_the_rest_a
         assert placement and result["leftover_bytes"] > 0, "the map must leave part of the state for the fence"
         assert result["bubble_bytes"] == {index: sum(sizes) for index, sizes in placement.items()}
         assert result["flushed_bytes"] == result["leftover_bytes"]
+
+
+def test_copy_runs_merge_chunks_adjacent_in_one_tensor_and_in_the_slot():
+    from baft.snapshot.copy import copy_runs
+    from baft.snapshot.layout import Chunk
+
+    chunks = [Chunk(0, "a", 0, 4, 0), Chunk(1, "a", 4, 4, 4), Chunk(2, "a", 8, 2, 8),  # tensor a, whole
+              Chunk(3, "b", 0, 4, 10), Chunk(4, "b", 4, 4, 14)]
+    assert copy_runs(chunks, [0, 1, 2, 3, 4]) == [Chunk(0, "a", 0, 10, 0), Chunk(3, "b", 0, 8, 10)]
+    # a chunk left out (queued elsewhere) splits its tensor's run
+    assert copy_runs(chunks, [0, 2, 3]) == [Chunk(0, "a", 0, 4, 0), Chunk(2, "a", 8, 2, 8), Chunk(3, "b", 0, 4, 10)]
+    assert copy_runs(chunks, []) == []

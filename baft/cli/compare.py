@@ -32,10 +32,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad
 
+from baft.accelerator import collective_device
 from baft.config import POLICIES, BaftConfig
 from baft.errors import BaftError
 from baft.examples import worker
 from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.profiler import sync_device
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.build import make_policy
 
@@ -104,14 +106,15 @@ class Meter(InstructionHook):
             self._call(self.inner.iteration_end, engine)
 
 
-def make_hook(policy: tuple, engine, data, ours: argparse.Namespace, bubble_map: str | None):
+def make_hook(policy: tuple, engine, data, ours: argparse.Namespace, model: argparse.Namespace):
     """The hook of one :func:`parse_policies` entry, as :func:`~baft.snapshot.build.make_policy` builds it."""
     name, kind, period = policy
     if kind == "none":
         return None
     own = name.replace("/", "-")
-    cfg = BaftConfig(policy=kind, period=period or "auto", bubble_map=bubble_map, shm_root=ours.shm_dir,
-                     run_id=own, save_dir=str(Path(ours.disk_dir) / own))
+    cfg = BaftConfig(policy=kind, period=period or "auto", bubble_map=model.bubble_map, executor=model.executor,
+                     leftovers=model.leftovers, shm_root=ours.shm_dir, run_id=own,
+                     save_dir=str(Path(ours.disk_dir) / own))
     return make_policy(engine, cfg, data)
 
 
@@ -140,14 +143,16 @@ def schedstat() -> float:
 def measure(engine, data, meter: Meter) -> list[dict]:
     """One iteration under ``meter``'s policy: every rank's :data:`FIELDS`, gathered after the timed part."""
     hook, before, delay = meter.inner, snapshots_taken(meter.inner), schedstat()
+    sync_device()  # on a GPU train_batch returns with work still queued: time the device's iteration
     start = time.perf_counter()
     engine.train_batch(data_iter=data)
+    sync_device()
     wall = time.perf_counter() - start
     fired = snapshots_taken(hook) > before
     copied = float(sum(getattr(hook, "bubble_bytes", {}).values())) if fired else 0.0
     flushed = float(getattr(hook, "flushed_bytes", 0)) if fired else 0.0
     mine = torch.tensor([wall, getattr(hook, "stall", 0.0), float(fired), meter.wall, meter.cpu, copied, flushed,
-                         meter.recv_wait, schedstat() - delay], dtype=torch.float64)
+                         meter.recv_wait, schedstat() - delay], dtype=torch.float64, device=collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     return [dict(zip(FIELDS, g.tolist())) for g in gathered]
@@ -178,7 +183,8 @@ def block_order(names: list[str], none_between: bool) -> list[str]:
 def state_bytes(hooks: dict) -> dict:
     """Bytes of one in-memory snapshot per policy, summed over the ranks."""
     names = [n for n, h in hooks.items() if getattr(h, "source", None) is not None]
-    mine = torch.tensor([float(hooks[n].source.layout.nbytes) for n in names], dtype=torch.float64)
+    mine = torch.tensor([float(hooks[n].source.layout.nbytes) for n in names], dtype=torch.float64,
+                        device=collective_device())
     dist.all_reduce(mine)
     return dict(zip(names, mine.tolist()))
 
@@ -199,7 +205,7 @@ def plans(engine, hooks: dict) -> dict:
 
 def parameters(engine) -> int:
     """Parameters of the whole model, every stage's."""
-    mine = torch.tensor([float(sum(p.numel() for p in engine.module.parameters()))])
+    mine = torch.tensor([float(sum(p.numel() for p in engine.module.parameters()))], device=collective_device())
     dist.all_reduce(mine)
     return int(mine.item())
 
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
     if ours.none_between and "none" not in [name for name, _, _ in policies]:
         policies.insert(0, ("none", "none", 1))
     engine.train_batch(data_iter=data)  # the first step creates the optimizer state every policy snapshots
-    meters = {p[0]: Meter(make_hook(p, engine, data, ours, args.bubble_map)) for p in policies}
+    meters = {p[0]: Meter(make_hook(p, engine, data, ours, args)) for p in policies}
     for meter in meters.values():
         set_up(engine, data, meter)
     periods = {name: getattr(m.inner, "period", 1) for name, m in meters.items()}  # baft's: its planner's

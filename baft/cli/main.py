@@ -9,7 +9,7 @@ import click
 
 from baft.accelerator import quiet_detection
 from baft.cli.demo import demo
-from baft.cli.options import example_options, user_errors
+from baft.cli.options import example_options, executor_options, user_errors
 from baft.errors import BaftError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -161,8 +161,7 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--policy", default="baft", show_default=True,
               type=click.Choice(["none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async"]))
 @click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
-@click.option("--executor", default="auto", show_default=True, type=click.Choice(["auto", "receive", "stream"]),
-              help="How baft copies in a bubble (the example's baft.executor).")
+@executor_options
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
 @click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
@@ -179,7 +178,7 @@ def plan_cmd(bubble_map, out, budget):
               help="Every rank writes its per-instruction trace, with baft's copies, here (baft show DIR draws it).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
-def train(example, iters, policy, period, executor, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
+def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
           persist_every, nodes, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
@@ -210,7 +209,8 @@ def train(example, iters, policy, period, executor, bubble_map, plan_file, run_d
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
     configs = []
     if example:
-        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor, "run_dir": str(run),
+        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor, "leftovers": leftovers,
+                "run_dir": str(run),
                 "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm,
                 "ranks_per_node": procs // nodes}
         if nodes > 1 or persist_every:
@@ -374,6 +374,7 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 @click.option("--none-between", is_flag=True,
               help="Run none between every two policies' blocks (none A none B ...): a baseline beside each block.")
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map for baft's planner.")
+@executor_options
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Write the run here (JSON): every iteration's figures per rank, periods, bytes, baft's plans.")
 @user_errors

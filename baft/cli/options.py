@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from baft.config import EXECUTORS, LEFTOVERS
 from baft.errors import BaftError
 
 EXAMPLE_OPTIONS = [
@@ -32,6 +33,21 @@ EXAMPLE_OPTIONS = [
 
 def example_options(fn):
     for option in reversed(EXAMPLE_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+EXECUTOR_OPTIONS = [
+    click.option("--executor", default="auto", show_default=True, type=click.Choice(EXECUTORS),
+                 help="How baft copies in a bubble (the example's baft.executor)."),
+    click.option("--leftovers", default="fence", show_default=True, type=click.Choice(LEFTOVERS),
+                 help="Stream executor: queue the chunks no bubble holds at the fence before the optimizer "
+                      "step, or at the iteration's start, beside the compute (baft.leftovers)."),
+]
+
+
+def executor_options(fn):
+    for option in reversed(EXECUTOR_OPTIONS):
         fn = option(fn)
     return fn
 

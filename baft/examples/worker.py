@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 import baft
-from baft.config import EXECUTORS, POLICIES
+from baft.accelerator import collective_device
+from baft.config import EXECUTORS, LEFTOVERS, POLICIES
 from baft.errors import BaftError
 from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
+from baft.pipeline.profiler import sync_device
 from baft.recovery.record import mark, restart_count
 
 
@@ -36,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="none", choices=POLICIES)
     p.add_argument("--period", default="auto")
     p.add_argument("--executor", choices=EXECUTORS, default="auto", help="how baft copies in a bubble")
+    p.add_argument("--leftovers", choices=LEFTOVERS, default="fence",
+                   help="stream executor: queue the chunks no bubble holds at the fence or at the iteration's start")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--bubble-map", default=None)
     p.add_argument("--plan", default=None)
@@ -85,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def ds_config(args, dp: int) -> dict:
     period = args.period if args.period == "auto" else int(args.period)
     section = {"policy": args.policy, "schedule": args.schedule, "period": period, "run_id": args.run_id,
-               "shm_root": args.shm_root, "executor": args.executor}
+               "shm_root": args.shm_root, "executor": args.executor,
+               "leftovers": args.leftovers}
     if args.bubble_map:
         section["bubble_map"] = args.bubble_map
     if args.plan:
@@ -145,7 +150,7 @@ def build(args: argparse.Namespace):
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     mark("init_start")
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size()
     if world % args.stages:
         raise BaftError(f"{world} processes cannot form {args.stages} pipeline stages")
@@ -180,8 +185,10 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         lr = engine.get_lr()[0]
         loss = engine.train_batch(data_iter=data)
+        sync_device()  # a GPU's iteration ends when its queued work does
         elapsed = time.perf_counter() - start
-        stall = torch.tensor([sum(getattr(h, "stall", 0.0) for h in getattr(engine, "baft_hooks", []))])
+        stall = torch.tensor([sum(getattr(h, "stall", 0.0) for h in getattr(engine, "baft_hooks", []))],
+                             device=collective_device())
         dist.all_reduce(stall, op=dist.ReduceOp.MAX)
         times.append(elapsed)
         if lead:
@@ -226,7 +233,7 @@ def state_digest(engine) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(state.state_tensors(engine).items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 

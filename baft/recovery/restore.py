@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from baft.accelerator import collective_device
 from baft.errors import BaftError
 from baft.recovery.agree import local_offers, newest_common, rank_ids, slower
 from baft.recovery.record import Restored, mark
@@ -68,7 +69,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
         if step is None:
             break
         ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
-        flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        flags = torch.tensor([0 if ok else 1], dtype=torch.int64, device=collective_device())
         dist.all_reduce(flags)
         if flags.item() == 0:
             for line in refused:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from baft.accelerator import collective_device
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.optimizers import entry
@@ -89,7 +90,7 @@ class DiskCheckpoint(InstructionHook):
             return engine.global_steps
         if self.kind == "torch-save":
             mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
-            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64)
+            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64, device=collective_device())
             dist.all_reduce(newest, op=dist.ReduceOp.MIN)
             step = int(newest.item())
             if step == 0:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from baft.accelerator import collective_device
 from baft.config import BaftConfig, node_of
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
@@ -45,7 +46,8 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
     common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
     if cfg.policy == "baft":
         root = shm_root(cfg, engine.global_rank)
-        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period, **common)
+        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period, leftovers=cfg.leftovers,
+                               **common)
     if cfg.policy in ("sync-copy", "thread-copy"):
         cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
         return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
@@ -109,7 +111,7 @@ class PlannedExecutor(BubbleExecutor):
             self.plan_source = f"receive waits timed in this run's iteration {len(self.timer.iterations)}"
         self.plan = mine
         period = self.fixed_period or choose_period([mine], DEFAULT_BUDGET)
-        agreed = torch.tensor([period], dtype=torch.int64)
+        agreed = torch.tensor([period], dtype=torch.int64, device=collective_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank must snapshot the same steps
         self.period = int(agreed.item())
         self.planned = True

@@ -136,15 +136,18 @@ class BubbleExecutor(SnapshotPolicy):
 
     Without ``stream`` the host copies while each receive waits, in layout order, as long as
     the wait lasts. With one, the chunks ``plan`` places in the bubble that begins at an
-    instruction are queued on the stream there; what the plan leaves is queued at the fence.
+    instruction are queued on the stream there; what the plan leaves is queued at the fence, or,
+    with ``leftovers="start"``, at the start of the iteration, to copy beside the compute (a GPU's
+    copy engine runs while its compute stream works).
     ``spans`` says where this iteration's copies ran (two clock reads per bubble, none per chunk).
     """
 
     name = "baft"
 
-    def __init__(self, *args, plan: Optional[RankPlan] = None, stream: Optional[CopyStream] = None, **kwargs):
+    def __init__(self, *args, plan: Optional[RankPlan] = None, stream: Optional[CopyStream] = None,
+                 leftovers: str = "fence", **kwargs):
         super().__init__(*args, **kwargs)
-        self.plan, self.stream = plan, stream
+        self.plan, self.stream, self.leftovers = plan, stream, leftovers
         self.placement: dict[int, range] = {}
         self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
         self.flushed_bytes = 0
@@ -158,6 +161,9 @@ class BubbleExecutor(SnapshotPolicy):
         self.bubble_bytes.clear()
         self.flushed_bytes = 0
         self.placement = self.plan.placement() if self.plan is not None else {}
+        if self.stream is not None and self.leftovers == "start":
+            placed = {i for chunks in self.placement.values() for i in chunks}
+            self.snapshot.queue([i for i in self.snapshot.pending if i not in placed])
 
     def before(self, engine, index, cmd):
         if self.stream is not None and self.snapshot is not None and index in self.placement:
