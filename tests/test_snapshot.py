@@ -40,22 +40,25 @@ def test_snapshot_torn_by_a_kill_is_never_committed(tmp_path, shm_root):
     assert 3 in [s.record.step for s in slots.committed(root, 0)]
 
 
-def test_stream_executor_queues_each_bubbles_planned_chunks_there_and_the_rest_at_the_fence(tmp_path, shm_root):
-    """The device executor's host logic, on CPU (its stream a thread): the plan decides where every byte goes."""
+@pytest.mark.parametrize("leftovers", ["fence", "start"])
+def test_stream_executor_queues_each_bubbles_planned_chunks_there_and_the_rest_at_the_fence(tmp_path, shm_root,
+                                                                                           leftovers):
+    """The device executor's host logic, on CPU (its stream a thread): the plan decides where every byte goes;
+    what it leaves is queued at the fence, or with ``leftovers="start"`` when the iteration starts."""
     bmap = analytic_bubble_map("1f1b", 2, 4, Costs(forward=0.01, backward=0.02, p2p=0.0, optimizer=0.005))
     # a copy bandwidth so low that the bubbles hold only part of each stage's ~0.8 MB of state
     bmap.ranks = [RankProfile(rank=s, stage=s, iteration_time=bmap.makespan, copy_bandwidth=1e7) for s in range(2)]
     bmap.save(tmp_path / "map.json")
     run_ranks(2, "snapshot_check.py", [*TINY, "--policy", "baft", "--period", "1", "--executor", "stream",
-                                       "--bubble-map", str(tmp_path / "map.json"), "--iters", "4",
-                                       "--shm-root", str(shm_root), "--out", str(tmp_path)])
+                                       "--leftovers", leftovers, "--bubble-map", str(tmp_path / "map.json"),
+                                       "--iters", "4", "--shm-root", str(shm_root), "--out", str(tmp_path)])
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["mismatches"] == [] and result["checked"] == [1, 2, 3]
         placement = result["placement"]
         assert placement and result["leftover_bytes"] > 0, "the map must leave part of the state for the fence"
         assert result["bubble_bytes"] == {index: sum(sizes) for index, sizes in placement.items()}
-        assert result["flushed_bytes"] == result["leftover_bytes"]
+        assert result["flushed_bytes"] == (result["leftover_bytes"] if leftovers == "fence" else 0)
 
 
 def test_copy_runs_merge_chunks_adjacent_in_one_tensor_and_in_the_slot():

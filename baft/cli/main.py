@@ -178,8 +178,8 @@ def plan_cmd(bubble_map, out, budget):
               help="Every rank writes its per-instruction trace, with baft's copies, here (baft show DIR draws it).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
-def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs, manager,
-          persist_every, nodes, faults, trace_dir, command, dp, **model):
+def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
+          manager, persist_every, nodes, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
@@ -209,10 +209,9 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
     configs = []
     if example:
-        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor, "leftovers": leftovers,
-                "run_dir": str(run),
-                "bubble_map": bubble_map, "plan": plan_file, "run_id": run_id, "shm_root": shm,
-                "ranks_per_node": procs // nodes}
+        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
+                "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
+                "run_id": run_id, "shm_root": shm, "ranks_per_node": procs // nodes}
         if nodes > 1 or persist_every:
             configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
             args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
