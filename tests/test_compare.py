@@ -35,6 +35,8 @@ def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     assert summary["none"]["overhead"] == 0 and summary["none"]["stall_s"] == 0
     assert summary["sync-copy"]["stall_s"] > 0, "a synchronous copy every iteration must stall"
     assert summary["sync-copy"]["hook_cpu_s"] > 0, "the copy runs in the policy's callback, on the trainer's thread"
+    assert summary["sync-copy"]["seal_s"] > 0 and summary["none"]["seal_s"] == 0, "seals are timed where they run"
+    assert all(s["fence_wait_s"] == 0 for s in summary.values()), "on CPU the host waits at the fence, not a device"
     assert summary["baft"]["period"] >= 1 and summary["torch-save/2"]["period"] == 2
     assert summary["none"]["iterations"] == 6  # 2 rounds x 3 blocks x (2 - 1 dropped)
     assert summary["sync-copy"]["iterations"] == 2
@@ -62,3 +64,13 @@ def test_the_demo_says_what_the_comparison_means():
     summary[2]["period"] = 3  # the bubbles hold less than the state: the sentence must not hide the period
     assert "snapshots every 3 iterations" in what_it_means(summary)
     assert "1.1 ms per snapshot (0.4 ms per iteration), 120x less" in what_it_means(summary)
+
+
+def test_the_table_has_a_device_wait_column_only_where_a_device_waited():
+    def row(policy, wait):
+        return {"policy": policy, "period": 1, "iterations": 4, "median_s": 1.0, "stall_s": 0.0, "hook_cpu_s": 0.0,
+                "fence_wait_s": wait, "overhead": 0.0}
+
+    assert "device wait" not in render([row("none", 0.0), row("baft", 0.0)])
+    on_gpu = render([row("none", 0.0), row("baft", 0.0123)])
+    assert "device wait" in on_gpu.splitlines()[0] and "12.3 ms" in on_gpu.splitlines()[2]

@@ -45,9 +45,11 @@ from baft.snapshot.build import make_policy
 # policy's stall; 1 if it took a snapshot; wall and CPU time in its callbacks on the trainer's
 # thread (outside the bubbles); bytes copied inside the receive waits and flushed before the
 # optimizer step (baft); time in receives (the bubbles, with any copy run inside them); and time
-# the trainer's thread was runnable but waited for a CPU (other load on the machine).
+# the trainer's thread was runnable but waited for a CPU (other load on the machine); on a GPU, the
+# device's wait at the fence for copies still running (the host's stall does not see it); how long
+# the latest finished seal took (copies awaited, checksums, commit record), off the trainer's path.
 FIELDS = ("wall", "stall", "fired", "hook_wall", "hook_cpu", "bubble_bytes", "flushed_bytes", "recv_wait",
-          "run_delay")
+          "run_delay", "fence_wait", "seal")
 NEVER = 1 << 40  # a period no step reaches: the hook stays idle this iteration
 
 
@@ -151,8 +153,11 @@ def measure(engine, data, meter: Meter) -> list[dict]:
     fired = snapshots_taken(hook) > before
     copied = float(sum(getattr(hook, "bubble_bytes", {}).values())) if fired else 0.0
     flushed = float(getattr(hook, "flushed_bytes", 0)) if fired else 0.0
+    fence_wait = hook.fence_wait() if fired and hasattr(hook, "fence_wait") else 0.0
+    seal = getattr(getattr(hook, "sealer", None), "seconds", 0.0)
     mine = torch.tensor([wall, getattr(hook, "stall", 0.0), float(fired), meter.wall, meter.cpu, copied, flushed,
-                         meter.recv_wait, schedstat() - delay], dtype=torch.float64, device=collective_device())
+                         meter.recv_wait, schedstat() - delay, fence_wait, seal], dtype=torch.float64,
+                        device=collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     return [dict(zip(FIELDS, g.tolist())) for g in gathered]
@@ -163,7 +168,7 @@ def clear_disk(hook, saves: int) -> float | None:
     neither slows the next block nor fills the disk. Rank 0 returns the bytes of one save (all ranks)."""
     if not isinstance(hook, DiskCheckpoint):
         return None
-    hook.close()  # waits for a DCP save still being written
+    hook.wait()  # for a DCP save still being written
     dist.barrier()
     nbytes = None
     if dist.get_rank() == 0 and hook.save_dir.exists():
@@ -284,8 +289,8 @@ def overhead(ratios: list[float], fired: list[bool], period: int, centre=statist
 
 
 def worst(rec: dict, field: str) -> float:
-    """The largest of the ranks' ``field`` in one iteration's record."""
-    return max(r[field] for r in rec["ranks"])
+    """The largest of the ranks' ``field`` in one iteration's record (0 where a run before the field had none)."""
+    return max(r.get(field, 0.0) for r in rec["ranks"])
 
 
 def measured(rec: dict, block: int) -> bool:
@@ -314,19 +319,23 @@ def summarize(doc: dict) -> list[dict]:
                     "median_s": statistics.median(wall),
                     "stall_s": statistics.median(worst(r, "stall") for r in snaps),
                     "hook_cpu_s": statistics.median(worst(r, "hook_cpu") for r in snaps),
+                    "fence_wait_s": statistics.median(worst(r, "fence_wait") for r in snaps),
+                    "seal_s": statistics.median(worst(r, "seal") for r in snaps),
                     "overhead": overhead([w / base for w in wall], fired, policy["period"]) if base else None})
     return out
 
 
 def render(summary: list[dict]) -> str:
-    """The summary as a plain-text table."""
-    lines = [f"{'policy':<14} {'period':>6} {'iters':>5} {'median iter':>12} {'stall':>9} {'CPU in hook':>11} "
-             f"{'overhead':>9}"]
+    """The summary as a plain-text table; on a GPU, with the device's wait at the fence."""
+    device = any(s.get("fence_wait_s", 0.0) > 0 for s in summary)
+    lines = [f"{'policy':<14} {'period':>6} {'iters':>5} {'median iter':>12} {'stall':>9} "
+             + (f"{'device wait':>11} " if device else "") + f"{'CPU in hook':>11} {'overhead':>9}"]
     for s in summary:
         over = "" if s["overhead"] is None else f"{s['overhead']:+.1%}"
         period = s["period"] if s["policy"] != "none" else "-"
+        wait = f"{s.get('fence_wait_s', 0.0) * 1e3:>8.1f} ms " if device else ""
         lines.append(f"{s['policy']:<14} {period:>6} {s['iterations']:>5} {s['median_s'] * 1e3:>9.1f} ms "
-                     f"{s['stall_s'] * 1e3:>6.1f} ms {s['hook_cpu_s'] * 1e3:>8.1f} ms {over:>9}")
+                     f"{s['stall_s'] * 1e3:>6.1f} ms {wait}{s['hook_cpu_s'] * 1e3:>8.1f} ms {over:>9}")
     return "\n".join(lines)
 
 

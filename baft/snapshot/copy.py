@@ -174,6 +174,7 @@ class Sealer:
     def __init__(self, committed: Callable[[CommitRecord, int], None]):
         self.committed = committed
         self.before_seal: Optional[Callable[[], None]] = None  # fault injection: runs before the next seal
+        self.seconds = 0.0  # how long the latest finished seal took (copies awaited, checksums, commit)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -186,7 +187,9 @@ class Sealer:
         try:
             if self.before_seal is not None:
                 self.before_seal()
+            start = time.perf_counter()
             self.committed(snapshot.seal(), snapshot.slot)
+            self.seconds = time.perf_counter() - start
         except BaseException as err:  # re-raised in the trainer's thread by wait()
             self._error = err
 

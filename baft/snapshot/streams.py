@@ -36,6 +36,10 @@ class CopyStream(Protocol):
     def fence(self) -> None:
         """Compute queued from now on runs only after every copy queued so far."""
 
+    def fence_wait(self) -> float:
+        """Seconds the compute waited at the last fence for copies still running (device time; waits
+        until the fence has run)."""
+
     def synchronize(self) -> None:
         """Block the calling thread until every copy queued so far is done."""
 
@@ -46,6 +50,7 @@ class CudaCopyStream:
     def __init__(self, device: Optional[torch.device] = None):
         self.stream = torch.cuda.Stream(device=device)
         self.last: Optional[torch.cuda.Event] = None
+        self.waited: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None  # around the last fence
 
     def after_compute(self) -> None:
         self.stream.wait_event(torch.cuda.current_stream().record_event())
@@ -56,7 +61,18 @@ class CudaCopyStream:
 
     def fence(self) -> None:
         self.last = self.stream.record_event()
-        torch.cuda.current_stream().wait_event(self.last)
+        compute = torch.cuda.current_stream()
+        self.waited = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        compute.record_event(self.waited[0])
+        compute.wait_event(self.last)
+        compute.record_event(self.waited[1])
+
+    def fence_wait(self) -> float:
+        if self.waited is None:
+            return 0.0
+        start, end = self.waited
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def synchronize(self) -> None:
         if self.last is not None:
@@ -93,6 +109,10 @@ class ThreadCopyStream:
 
     def fence(self) -> None:
         self.synchronize()
+
+    def fence_wait(self) -> float:
+        """0: on CPU the host itself waits at the fence (the policy's stall holds it)."""
+        return 0.0
 
     def synchronize(self) -> None:
         self._queue.join()
