@@ -49,8 +49,9 @@ def md_table(head: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
-def train(run_dir: Path, args: list[str], timeout: float = 900.0) -> tuple[int, float]:
-    """``baft train --example gpt ARGS --run-dir RUN_DIR``, its output in RUN_DIR/train.log: (exit code, seconds)."""
+def train(run_dir: Path, args: list[str], timeout: float = 900.0, env: dict | None = None) -> tuple[int, float]:
+    """``baft train --example gpt ARGS --run-dir RUN_DIR``, its output in RUN_DIR/train.log: (exit code, seconds);
+    ``env``: more environment for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *args, "--run-dir", str(run_dir)]
     start = time.time()
@@ -58,7 +59,7 @@ def train(run_dir: Path, args: list[str], timeout: float = 900.0) -> tuple[int, 
         log.write(shlex.join(cmd) + "\n")
         log.flush()
         try:
-            code = subprocess.run(cmd, check=False, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
+            code = subprocess.run(cmd, check=False, env=launch_env(env), stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = -1

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from baft.cli.launch import KEEP_FREED_MEMORY, launch_env
+from baft.cli.launch import KEEP_FREED_MEMORY, KEEP_FREED_MEMORY_ENV, launch_env
 
 # Resident memory (MiB) after a 256 MiB tensor is freed: glibc returns it to the kernel unless told not to.
 AFTER_FREE = """
@@ -32,6 +32,8 @@ def test_ranks_keep_freed_memory_instead_of_faulting_it_back_in():
     plain = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY}
     assert resident_after_free(plain) < 64  # glibc unmapped the freed tensor
     assert resident_after_free(launch_env()) > 192  # the rank keeps it for the next iteration
+    # and a user who asks for glibc's behaviour gets it
+    assert resident_after_free(launch_env({**plain, KEEP_FREED_MEMORY_ENV: "0"})) < 64
 
 
 def test_a_users_own_malloc_settings_win(monkeypatch):

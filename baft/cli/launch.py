@@ -17,7 +17,9 @@ SHM_ROOT = "/dev/shm/baft"  # where ``baft train`` keeps the snapshot slots of i
 # faults it back in page by page: on the CPU VMs baft is measured on that made an iteration
 # 10-25% longer. The ranks keep freed memory instead, as PyTorch's
 # ``torch.backends.xeon.run_cpu`` launcher does with jemalloc (README: "Memory").
+# ``BAFT_KEEP_FREED_MEMORY=0`` leaves glibc's own behaviour.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+KEEP_FREED_MEMORY_ENV = "BAFT_KEEP_FREED_MEMORY"
 
 
 def extensions_dir() -> str:
@@ -27,15 +29,15 @@ def extensions_dir() -> str:
 
 def launch_env(extra: dict | None = None) -> dict:
     """The environment for the launched ranks."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra or {})}
     env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     # gloo restarts under torchrun fail to reconnect to a shared rendezvous store on torch 2.13
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    for name, value in KEEP_FREED_MEMORY.items():
-        env.setdefault(name, value)
-    env.update(extra or {})
+    if env.get(KEEP_FREED_MEMORY_ENV, "1") != "0":
+        for name, value in KEEP_FREED_MEMORY.items():
+            env.setdefault(name, value)
     return env
 
 

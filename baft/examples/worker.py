@@ -89,8 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def ds_config(args, dp: int) -> dict:
     period = args.period if args.period == "auto" else int(args.period)
     section = {"policy": args.policy, "schedule": args.schedule, "period": period, "run_id": args.run_id,
-               "shm_root": args.shm_root, "executor": args.executor,
-               "leftovers": args.leftovers}
+               "shm_root": args.shm_root, "executor": args.executor, "leftovers": args.leftovers}
     if args.bubble_map:
         section["bubble_map"] = args.bubble_map
     if args.plan:
