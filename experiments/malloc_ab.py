@@ -1,13 +1,14 @@
 """Paired A/B of the launcher's malloc setting: ranks that keep the memory they free (baft's
 default) against glibc's own behaviour (``BAFT_KEEP_FREED_MEMORY=0``).
 
-    python experiments/malloc_ab.py [--pairs 8] [--iters 15] [--out experiments/results]
+    python experiments/malloc_ab.py [--pairs 8] [--iters 15] [--name malloc] [--out experiments/results]
+                                    [-- MODEL FLAGS of baft train]
 
-Each pair runs ``baft train --example gpt --policy none --iters N`` twice, back to back, once
+Each pair runs ``baft train --example gpt --policy none --iters N [MODEL FLAGS]`` twice, back to back, once
 under each setting, the order alternating from pair to pair, so that the machine's drift hits
 both alike. Per run: the median iteration after the third (the first ones warm up); per pair:
 the ratio kept / glibc. Reports the geometric mean of the ratios with a 95% bootstrap interval
-over the pairs. Writes ``malloc.md`` and ``malloc.json``.
+over the pairs. Writes ``NAME.md`` and ``NAME.json``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--name", default="malloc")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("model", nargs="*", help="more flags of baft train (after --)")
     args = p.parse_args(argv)
+    flags = ["--policy", "none", "--iters", str(args.iters), *args.model]
     start, pairs = time.time(), []
     with tempfile.TemporaryDirectory(prefix="baft-malloc-") as tmp:
         for i in tqdm(range(args.pairs), desc="pairs"):
@@ -61,7 +65,7 @@ def main(argv=None) -> int:
             pair = {"order": order}
             for name in order:
                 run_dir = Path(tmp) / f"pair{i}-{name}"
-                code, _ = train(run_dir, ["--policy", "none", "--iters", str(args.iters)], env=SETTINGS[name])
+                code, _ = train(run_dir, flags, env=SETTINGS[name])
                 if code != 0:
                     raise SystemExit(f"baft train failed (exit code {code}); see {run_dir / 'train.log'}")
                 pair[name] = median_iteration(run_dir)
@@ -71,16 +75,16 @@ def main(argv=None) -> int:
     prov = provenance()
     doc = {**prov, "pairs": pairs, "ratio": ratio, "interval": [low, high]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "malloc.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = ["# Ranks keeping the memory they free, against glibc's behaviour", "", *header(prov, time.time() - start),
-             f"- {args.pairs} pairs of `baft train --example gpt --policy none --iters {args.iters}`, one run under "
+             f"- {args.pairs} pairs of `baft train --example gpt {' '.join(flags)}`, one run under "
              "each setting, the order alternating; median iteration after the third", "",
              *md_table(["pair", "order", "kept", "glibc", "kept / glibc"],
                        [[i, " then ".join(p["order"]), f"{p['kept'] * 1e3:.0f} ms", f"{p['glibc'] * 1e3:.0f} ms",
                          f"{p['kept'] / p['glibc']:.3f}"] for i, p in enumerate(pairs)]), "",
              f"Iteration with freed memory kept, over glibc's: **{ratio:.3f}** (95% interval {low:.3f} .. {high:.3f}; "
              f"geometric mean of the pairs' ratios, bootstrap over pairs): {ratio - 1:+.1%} per iteration."]
-    (args.out / "malloc.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
