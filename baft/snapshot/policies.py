@@ -149,14 +149,12 @@ class BubbleExecutor(SnapshotPolicy):
         super().__init__(*args, **kwargs)
         self.plan, self.stream, self.leftovers = plan, stream, leftovers
         self.placement: dict[int, range] = {}
-        self.fenced_on_stream = False  # this iteration's snapshot was fenced on the copy stream
         self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
         self.flushed_bytes = 0
         self.spans = CopySpans(origin=time.perf_counter())
 
     def iteration_start(self, engine):
         self.spans = CopySpans(origin=time.perf_counter())
-        self.fenced_on_stream = False
         super().iteration_start(engine)
 
     def started(self):
@@ -191,14 +189,13 @@ class BubbleExecutor(SnapshotPolicy):
     def finish(self):
         start = time.perf_counter()
         self.flushed_bytes = sum(self.source.layout.chunks[i].nbytes for i in self.snapshot.pending)
-        self.fenced_on_stream = self.stream is not None
         super().finish()
         self.spans.flush = (*self.spans.since_origin(start, time.perf_counter()), self.flushed_bytes)
 
     def fence_wait(self) -> float:
-        """Seconds the device waited at this iteration's fence for the copies (0 without a copy stream,
-        where the host waits and :attr:`stall` holds it). Call once the iteration's device work is done."""
-        return self.stream.fence_wait() if self.fenced_on_stream else 0.0
+        """Seconds the device waited at the latest fence for the copies (0 without a copy stream, where
+        the host waits and :attr:`stall` holds it). Call once that iteration's device work is done."""
+        return self.stream.fence_wait() if self.stream is not None else 0.0
 
     def close(self):
         super().close()
