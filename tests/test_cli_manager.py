@@ -45,3 +45,39 @@ def test_manager_start_refuses_bad_flags_in_one_line(tmp_path):
                    "--node-id", "7")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--node-id 7: not a member of --group" in bad.stderr
+
+
+def test_ls_lists_and_clean_frees_snapshots_no_manager_serves(shm_root):
+    run_worker(2, [*TINY, "--iters", "3", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
+    root = shm_root / "default" / "node0"  # trained with no manager: the ranks' own slots stay
+    listed = baft_cli("manager", "ls", shm_root)
+    assert listed.returncode == 0
+    line = next(line for line in listed.stdout.splitlines() if line.startswith(str(root)))
+    assert "no manager" in line and "rank 0 step 2" in line and "rank 1 step 2" in line, line
+    assert "1 with no manager" in listed.stdout
+
+    missing = baft_cli("manager", "clean", shm_root / "nothing-here")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"{shm_root / 'nothing-here'}: no such directory" in missing.stderr
+
+    cleaned = baft_cli("manager", "clean", root)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert f"removed {root}" in cleaned.stdout and "rank 1 step 2" in cleaned.stdout
+    assert not root.parent.exists(), "the run's directory, empty once its node root is gone, is removed too"
+    assert "0 node root(s)" in baft_cli("manager", "ls", shm_root).stdout
+
+
+def test_clean_empty_removes_only_roots_with_nothing_committed(shm_root):
+    from baft.snapshot.slots import rank_dir
+
+    empty, holding = shm_root / "old" / "node0", shm_root / "kept" / "node0"
+    (empty / "manager.log").parent.mkdir(parents=True)
+    (empty / "manager.log").write_text("node 0 serving\n")
+    rank_dir(empty, 0).mkdir()
+    (rank_dir(empty, 0) / "slot0.bin").write_bytes(b"\0" * 64)  # filled, never committed
+    run_worker(2, [*TINY, "--iters", "2", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root),
+                   "--run-id", "kept"])
+    assert slots.committed(holding, 1)
+    cleaned = baft_cli("manager", "clean", "--empty", shm_root)
+    assert cleaned.returncode == 0 and "removed 1 node root(s)" in cleaned.stdout, cleaned.stdout + cleaned.stderr
+    assert not empty.exists() and slots.committed(holding, 1), "only the root with nothing committed went"

@@ -41,3 +41,24 @@ def test_a_users_own_malloc_settings_win(monkeypatch):
     env = launch_env()
     assert env["MALLOC_TRIM_THRESHOLD_"] == "131072"
     assert env["MALLOC_MMAP_THRESHOLD_"] == KEEP_FREED_MEMORY["MALLOC_MMAP_THRESHOLD_"]
+
+
+def test_a_launch_keeps_the_last_launches_torchrun_files_and_rotates_a_long_output_log(tmp_path, monkeypatch):
+    from baft.cli import runlog
+
+    launches = []
+    for i in range(5):
+        launch = tmp_path / "torchrun" / f"launch{i}" / "attempt_0" / "0"
+        launch.mkdir(parents=True)
+        (launch / "stdout.log").write_text(f"launch {i}\n")
+        os.utime(launch.parents[1], (1000 + i, 1000 + i))
+        launches.append(launch.parents[1])
+    (tmp_path / "output.log").write_text("x" * 100)
+    monkeypatch.setattr(runlog, "LOG_LIMIT", 99)
+    runlog.trim_run_logs(tmp_path)
+    kept = sorted(p.name for p in (tmp_path / "torchrun").iterdir())
+    assert kept == [p.name for p in launches[-(runlog.KEEP_LAUNCHES - 1):]], kept
+    assert (tmp_path / "output.log.1").read_text() == "x" * 100 and not (tmp_path / "output.log").exists()
+    (tmp_path / "output.log").write_text("short")
+    runlog.trim_run_logs(tmp_path)
+    assert (tmp_path / "output.log").read_text() == "short", "a log under the limit is kept"

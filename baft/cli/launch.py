@@ -6,13 +6,18 @@ rank, and with ``--max-restarts`` restarts them all when one dies.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
+from baft.errors import BaftError
+
 SHM_ROOT = "/dev/shm/baft"  # where ``baft train`` keeps the snapshot slots of its runs
+LOCK_NAME = "train.lock"  # in a run directory: held by the ``baft train`` using it
 # glibc's malloc hands freed memory back to the kernel (munmap, trim), and the next iteration
 # faults it back in page by page: on the CPU VMs baft is measured on that made an iteration
 # 10-25% longer. The ranks keep freed memory instead, as PyTorch's
@@ -65,6 +70,26 @@ def run_id(run_dir) -> str:
     """The run id ``baft train`` gives a run directory: one shared-memory root per directory."""
     run = Path(run_dir).resolve()
     return f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}"
+
+
+@contextmanager
+def exclusive_run(run_dir: Path):
+    """Hold ``RUN_DIR/train.lock`` for a launch: a second ``baft train`` of the same directory, whose
+    managers and snapshots are this one's, is refused. The kernel drops the lock when its holder
+    dies, even by SIGKILL, so a launch after a killed one goes ahead."""
+    fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise BaftError(f"{run_dir}: another `baft train` (pid {holder}) is using this run directory") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 def run_command(cmd: list[str], env: dict) -> int:

@@ -9,6 +9,7 @@ import click
 
 from baft.accelerator import quiet_detection
 from baft.cli.demo import demo
+from baft.cli.launch import SHM_ROOT
 from baft.cli.options import example_options, executor_options, user_errors
 from baft.errors import BaftError
 
@@ -187,10 +188,10 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
-    from baft.cli.launch import SHM_ROOT, example_args, launch_env, torchrun
+    from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
-    from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options
-    from baft.manager.nodes import node_configs, start_all, stop_all
+    from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
+    from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.plugin import TRACE_DIR_ENV
     from baft.recovery import chaos
 
@@ -225,11 +226,17 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
     log = run / LOG_NAME
-    start_all(configs)
-    try:
-        code = run_logged(cmd, env, log)
-    finally:
-        stop_all(configs)
+    with exclusive_run(run):
+        for pid in retire_all(configs):
+            click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
+                       "this launch's managers adopt its snapshots")
+        _warn_unserved_snapshots(shm, run_id)
+        trim_run_logs(run)
+        start_all(configs, log_dir=run)
+        try:
+            code = run_logged(cmd, env, log)
+        finally:
+            stop_all(configs)
     if (run / "recovery.jsonl").exists():
         from baft.cli.report import render_recovery_text
         from baft.recovery.record import load_recoveries
@@ -239,6 +246,19 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         raise BaftError(f"training failed (exit code {code}); every rank's output is in {log}")
     if trace_dir:
         click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
+
+
+def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:
+    """Say when other runs' snapshots hold shared memory with no manager to serve or free them
+    (their ``baft train`` was killed): they take host memory until freed."""
+    from baft.manager import inventory
+
+    stale = [r for r in inventory.scan(shm_root) if r.manager_pid is None and r.newest_steps
+             and run_id not in r.path.relative_to(shm_root).parts]
+    if stale:
+        click.echo(f"baft: {shm_root} holds {sum(r.nbytes for r in stale) / 1e6:.1f} MB of snapshots in "
+                   f"{len(stale)} node root(s) of other runs that no manager serves; `baft manager ls` lists them, "
+                   "`baft manager clean ROOT` frees one", err=True)
 
 
 def _fresh_trace_dir(trace_dir) -> Path:
@@ -299,6 +319,47 @@ def manager_status(shm_root):
     from baft.manager.control import format_status, status
 
     click.echo(format_status(status(shm_root)))
+
+
+@manager.command(name="ls")
+@click.argument("directory", default=SHM_ROOT, required=False, type=click.Path(file_okay=False))
+@user_errors
+def manager_ls(directory):
+    """The node roots under DIRECTORY (default /dev/shm/baft) holding snapshots: size, steps, manager."""
+    from baft.manager import inventory
+
+    roots = inventory.scan(directory)
+    holding = [r for r in roots if r.newest_steps or r.manager_pid is not None]
+    for root in holding:
+        click.echo(root.line())
+    unserved = [r for r in holding if r.manager_pid is None]
+    click.echo(f"{len(holding)} node root(s) with snapshots or a manager under {directory}, "
+               f"{sum(r.nbytes for r in holding) / 1e6:.1f} MB; {len(unserved)} with no manager"
+               + ("; free one with `baft manager clean ROOT`" if unserved else ""))
+    if len(roots) > len(holding):
+        click.echo(f"{len(roots) - len(holding)} more hold nothing committed; `baft manager clean --empty` removes them")
+
+
+@manager.command(name="clean")
+@click.argument("roots", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--empty", "empty_under", is_flag=False, flag_value=SHM_ROOT, default=None, metavar="[DIRECTORY]",
+              help="Also remove every node root under DIRECTORY (default /dev/shm/baft) with nothing committed "
+                   "and no manager.")
+@user_errors
+def manager_clean(roots, empty_under):
+    """Delete the snapshots of node roots ROOTS no manager serves (`baft manager ls` lists them)."""
+    from baft.manager import inventory
+
+    if not roots and not empty_under:
+        raise BaftError("name the node roots to remove (`baft manager ls` lists them), or give --empty")
+    for path in roots:
+        root = inventory.remove(path)
+        click.echo(f"removed {root.path} ({root.nbytes / 1e6:.1f} MB; {root.held()})")
+    if empty_under:
+        empty = [r for r in inventory.scan(empty_under) if not r.newest_steps and r.manager_pid is None]
+        for root in empty:
+            inventory.remove(root.path)
+        click.echo(f"removed {len(empty)} node root(s) under {empty_under} with nothing committed")
 
 
 @main.command(name="inspect")

@@ -1,7 +1,8 @@
 """The ranks' output under ``baft train``: all of it into the run's log, what a user reads onto the screen.
 
 torchrun tees every rank's stdout and stderr (``--tee 3``), each line prefixed with the rank
-(:data:`PREFIX_TEMPLATE`); its per-rank, per-attempt files go to ``RUN_DIR/torchrun/``.
+(:data:`PREFIX_TEMPLATE`); its per-rank, per-attempt files go to ``RUN_DIR/torchrun/``
+(:func:`trim_run_logs` keeps those of the last few launches).
 :func:`run_logged` appends all of torchrun's output (every rank and the launcher itself) to
 ``RUN_DIR/output.log`` and shows on the screen only what :func:`on_screen` keeps: rank 0's
 stdout without DeepSpeed's setup lines (op builds, layer partitions), and baft's own lines
@@ -12,6 +13,7 @@ prints the ranks' last lines and torchrun's (its summary names the rank that fai
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -22,6 +24,8 @@ from typing import IO, Optional
 import click
 
 LOG_NAME = "output.log"
+KEEP_LAUNCHES = 3  # launches whose torchrun files stay in RUN_DIR/torchrun (output.log has every line anyway)
+LOG_LIMIT = 256 << 20  # past this, a launch starts output.log afresh, keeping the old one as output.log.1
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX_TEMPLATE = "[${rank}] "
 _PREFIX = re.compile(r"\[(\d+)\] ")
@@ -42,6 +46,17 @@ DEEPSPEED_SETUP = re.compile("|".join([
 def torchrun_options(run_dir: Path) -> list[str]:
     """torchrun's options that tee every rank's output, its files under ``run_dir/torchrun``."""
     return [f"--log-dir={run_dir / 'torchrun'}", "--tee=3"]
+
+
+def trim_run_logs(run_dir: Path) -> None:
+    """Before a launch into ``run_dir``: keep torchrun's files of the newest ``KEEP_LAUNCHES - 1`` launches,
+    and move an ``output.log`` over ``LOG_LIMIT`` bytes to ``output.log.1`` (replacing an older one)."""
+    launches = sorted((p for p in (run_dir / "torchrun").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in launches[:max(len(launches) - (KEEP_LAUNCHES - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    log = run_dir / LOG_NAME
+    if log.exists() and log.stat().st_size > LOG_LIMIT:
+        log.replace(log.with_name(LOG_NAME + ".1"))
 
 
 def on_screen(line: str, stream: str) -> Optional[str]:

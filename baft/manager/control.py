@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,25 +19,36 @@ INFO_NAME = "manager.json"  # in the shm root: the running manager's pid, node a
 LOG_NAME = "manager.log"
 
 
-def spawn(config: ManagerConfig) -> subprocess.Popen:
-    """Start ``python -m baft.manager`` detached, logging to ``<shm root>/manager.log``."""
+def log_file(shm_root, log_path=None) -> Path:
+    """Where a manager logs: ``log_path``, or ``<shm root>/manager.log``."""
+    return Path(log_path) if log_path is not None else Path(shm_root) / LOG_NAME
+
+
+def spawn(config: ManagerConfig, log_path=None) -> subprocess.Popen:
+    """Start ``python -m baft.manager`` detached, appending its output to :func:`log_file`."""
     config.validate()
+    log_path = log_file(config.shm_root, log_path)
     try:
         config.shm_root.mkdir(parents=True, exist_ok=True)
-        logfile = open(config.shm_root / LOG_NAME, "ab")
     except OSError as err:
         raise BaftError(f"--shm-root {config.shm_root}: cannot create ({err.strerror})") from None
+    try:
+        logfile = open(log_path, "ab")
+    except OSError as err:
+        raise BaftError(f"{log_path}: cannot create the manager's log ({err.strerror})") from None
     with logfile:
         return subprocess.Popen([sys.executable, "-m", "baft.manager", *config.argv()], stdin=subprocess.DEVNULL,
                                 stdout=logfile, stderr=logfile, start_new_session=True)
 
 
-def wait_ready(shm_root, timeout: float = 60.0, proc: Optional[subprocess.Popen] = None) -> dict:
-    """Wait until the manager of ``shm_root`` answers; its status. A manager that exits instead raises its error."""
+def wait_ready(shm_root, timeout: float = 60.0, proc: Optional[subprocess.Popen] = None, log_path=None) -> dict:
+    """Wait until the manager of ``shm_root`` answers; its status. A manager that exits instead raises
+    the error it logged (in ``log_path``, or ``<shm root>/manager.log``)."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise BaftError(_last_error(Path(shm_root) / LOG_NAME) or f"manager exited with status {proc.returncode}")
+            logged = _last_error(log_file(shm_root, log_path))
+            raise BaftError(logged or f"manager exited with status {proc.returncode}")
         try:
             with ManagerClient.connect(shm_root, timeout=2.0) as client:
                 return client.status()
@@ -54,10 +66,11 @@ def _last_error(logfile: Path) -> Optional[str]:
     return lines[-1].removeprefix("error: ") if lines else None
 
 
-def start(config: ManagerConfig, timeout: float = 60.0) -> int:
-    """Start a manager for ``config`` in the background, wait until it answers; its pid."""
-    proc = spawn(config)
-    wait_ready(config.shm_root, timeout, proc)
+def start(config: ManagerConfig, timeout: float = 60.0, log_path=None) -> int:
+    """Start a manager for ``config`` in the background, wait until it answers; its pid.
+    Its output goes to ``log_path`` (default ``<shm root>/manager.log``)."""
+    proc = spawn(config, log_path)
+    wait_ready(config.shm_root, timeout, proc, log_path)
     return proc.pid
 
 
@@ -92,6 +105,22 @@ def stop(shm_root, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after shutdown")
         time.sleep(0.05)
+
+
+def retire(shm_root, timeout: float = 120.0) -> Optional[int]:
+    """Stop the manager of ``shm_root``, if one answers, leaving its snapshots in shared memory for the
+    next manager (SIGTERM: it persists what is due and unlinks nothing); its pid, or None."""
+    try:
+        pid = status(shm_root)["pid"]
+    except ManagerUnavailable:
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after SIGTERM")
+        time.sleep(0.05)
+    return pid
 
 
 def status(shm_root, timeout: float = 5.0) -> dict:

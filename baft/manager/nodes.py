@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from baft.manager.config import ManagerConfig, Member
-from baft.manager.control import start, stop
+from baft.manager.control import retire, start, stop
 
 
 def node_root(shm_root, run_id: str, node: int) -> Path:
@@ -43,11 +43,23 @@ def node_configs(shm_root, run_id: str, nodes: int, persist_dir: Optional[Path] 
             for n in range(nodes)]
 
 
-def start_all(configs: list[ManagerConfig]) -> list[int]:
-    """Start every manager; their pids."""
-    return [start(c) for c in configs]
+def start_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[int]:
+    """Start every manager, each logging to ``log_dir/manager-node<N>.log`` (default: its shm root); their pids."""
+    return [start(c, log_path=Path(log_dir) / f"manager-node{c.node_id}.log" if log_dir else None) for c in configs]
+
+
+def retire_all(configs: list[ManagerConfig]) -> list[int]:
+    """Stop managers an earlier launch left serving these roots, keeping their snapshots for the new
+    managers to adopt; the pids stopped."""
+    return [pid for c in configs if (pid := retire(c.shm_root)) is not None]
 
 
 def stop_all(configs: list[ManagerConfig]) -> None:
+    """Stop every manager, freeing its snapshots, and remove the run's shared-memory directory once empty."""
     for c in configs:
         stop(c.shm_root)
+    for run_root in {c.shm_root.parent for c in configs}:
+        try:
+            run_root.rmdir()
+        except OSError:
+            pass

@@ -146,6 +146,10 @@ class Manager:
         (self.root / INFO_NAME).unlink(missing_ok=True)
         if self._unlink:
             self.ranks.unlink()
+            try:  # empty unless it also holds this manager's log (a manager started without another log file)
+                self.root.rmdir()
+            except OSError:
+                pass
             log.info("stopped; shared-memory snapshots unlinked")
         else:
             log.info("stopped; shared-memory snapshots left in %s for the next manager", self.root)

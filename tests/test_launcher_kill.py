@@ -1,0 +1,113 @@
+"""``baft train`` itself killed with SIGKILL, its ranks with it: the run's manager, in a session of its own,
+lives on holding the snapshots; the next launch of the run directory stops it, adopts them and resumes
+from the newest; a run that ends leaves nothing in shared memory."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from baft.cli.launch import SHM_ROOT, launch_env, run_id
+from conftest import TINY
+
+
+def baft_train(run_dir: Path, iters: int) -> list[str]:
+    return [sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", str(iters),
+            "--policy", "baft", "--period", "1", "--max-restarts", "0", "--run-dir", str(run_dir)]
+
+
+def baft_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baft.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def losses(run_dir: Path) -> list[dict]:
+    path = run_dir / "losses.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL every process of ``pids`` and wait until none is left."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while any(alive(p) for p in pids):
+        time.sleep(0.05)
+
+
+def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
+    run_dir = tmp_path / "run"
+    node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
+    with open(tmp_path / "first.out", "w") as out:
+        first = subprocess.Popen(baft_train(run_dir, 60), stdout=out, stderr=subprocess.STDOUT, env=launch_env())
+    manager = None
+    try:
+        deadline = time.monotonic() + 180
+        while len(losses(run_dir)) < 4:
+            assert first.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first launch trained fewer than 4 steps in 180 s"
+            time.sleep(0.2)
+        second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(), timeout=60)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"{run_dir}: another `baft train` (pid {first.pid}) is using this run directory" in second.stderr
+
+        manager = json.loads((node / "manager.json").read_text())["pid"]
+        kill([first.pid, *(p for p in descendants(first.pid) if p != manager)])  # the launcher, torchrun, the ranks
+        first.wait()
+        assert alive(manager), "the manager runs in a session of its own and outlives the launcher"
+        logged = losses(run_dir)
+        before = {r["step"]: r["loss"] for r in logged}
+        last = max(before)
+
+        listed = baft_cli("manager", "ls")
+        assert f"{node}" in listed.stdout and f"manager pid {manager}" in listed.stdout, listed.stdout
+        refused = baft_cli("manager", "clean", node)
+        assert refused.returncode == 2 and f"a manager (pid {manager}) serves it" in refused.stderr
+        assert (node / "rank1").is_dir(), "a refused clean removed nothing"
+
+        resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(),
+                                 timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+        assert f"stopped the manager an earlier launch of {run_dir} left running (pid {manager})" in resumed.stdout
+        assert not alive(manager)
+        left_behind = sorted(map(str, node.parent.rglob("*"))) if node.parent.exists() else None
+    finally:  # whatever failed, leave no process or shared memory behind
+        kill([first.pid, *descendants(first.pid), *([manager] if manager else [])])
+        first.wait()
+        shutil.rmtree(node.parent, ignore_errors=True)
+    recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    assert recovery[-1]["source"] == "memory", recovery[-1]
+    restored = recovery[-1]["restored_step"]
+    # the snapshot of step k commits during iteration k + 1: the newest is the last step logged or the one before
+    assert last - 1 <= restored <= last, (restored, last)
+    after = losses(run_dir)[len(logged):]
+    assert [r["step"] for r in after] == list(range(restored + 1, last + 4))
+    for r in after:
+        if r["step"] in before:
+            assert repr(r["loss"]) == repr(before[r["step"]]), f"step {r['step']} differs from the killed launch's"
+
+    assert left_behind is None, f"a run that ended left its shared-memory directory behind: {left_behind}"
+    log = (run_dir / "manager-node0.log").read_text()
+    assert log.count("node 0 serving") == 2, "both launches' managers log into the run directory"
