@@ -253,6 +253,9 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
             highs = [(p["policies"][name]["ci95"] or [math.nan] * 2)[1] * 100 for p in mine]
             ax.plot(xs, ys, "o-", color=colour, label=label, lw=1.5, ms=4)
             ax.fill_between(xs, lows, highs, color=colour, alpha=0.18, lw=0)
+            # the band has no width at a lone point: its interval as an error bar too
+            ax.errorbar(xs, ys, yerr=[[y - lo for y, lo in zip(ys, lows)], [hi - y for y, hi in zip(ys, highs)]],
+                        fmt="none", ecolor=colour, elinewidth=1, capsize=3)
         ax.plot(xs, [p["baft_predicted"] * 100 for p in mine], "x--", color=STYLE["baft"][0], lw=1, ms=6,
                 label="baft, planner's prediction")
         bubble = mine[0]["bubble_fraction"] * 100 if mine else 0
