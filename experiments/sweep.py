@@ -11,7 +11,8 @@ to the time it takes to copy a stage's state. Every point (m micro-batches, t to
 user follows (the analytic model of a run's first iteration, which baft planned from without a map
 before, overstated the last stage's bubble several times over: see README). Then one
 ``baft compare`` launch alternates ``none`` with each policy in blocks of two iterations
-(none none A A none none B B ...; the first of each block is dropped): ``none/1`` (none again:
+(none none A A none none B B ...; the first of each block is dropped; ``--shuffle`` draws the arms' order
+anew every round): ``none/1`` (none again:
 the A/A check of the method), ``sync-copy``, ``thread-copy`` (a background copy that ignores the
 bubbles, as DataStates-LLM's lazy copy) and ``baft``, each snapshotting every iteration (baft at
 its planner's period). Each measured iteration is divided by the ``none`` iterations next to it;
@@ -69,10 +70,11 @@ def profile(opts: dict, out: Path) -> BubbleMap:
     return BubbleMap.load(out)
 
 
-def compare(opts: dict, policies: str, rounds: int, out: Path) -> dict:
-    """One ``baft compare --none-between --block 2`` launch; the document it writes."""
+def compare(opts: dict, policies: str, rounds: int, out: Path, shuffle: bool = False) -> dict:
+    """One ``baft compare --none-between --block 2`` launch (``--shuffle``: a new order every round); the document
+    it writes."""
     baft_cli("compare", *flags(opts), "--policies", policies, "--rounds", str(rounds), "--block", "2",
-             "--none-between", "--out", str(out))
+             "--none-between", *(["--shuffle"] if shuffle else []), "--out", str(out))
     return json.loads(out.read_text())
 
 
@@ -120,7 +122,7 @@ def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = T
         bmap = BubbleMap.load(map_path) if map_path.exists() else None  # sweeps before maps planned alone
     while True:
         if launch:
-            docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json"))
+            docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json", args.shuffle))
         doc = merge(docs)
         result = analyse(doc)
         if not launch:
@@ -338,6 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="rounds per launch")
     p.add_argument("--halfwidth", type=float, default=0.005, help="stop a point once every 95%% interval is this tight")
     p.add_argument("--point-minutes", type=float, default=8, help="at most this long per point")
+    p.add_argument("--shuffle", action="store_true",
+                   help="draw the arms' order anew every round (at m=8 t=32 the fixed order biased the A/A check)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
     p.add_argument("--data-parallel", type=int, default=1, help="replicas of every stage")

@@ -74,3 +74,33 @@ def test_the_table_has_a_device_wait_column_only_where_a_device_waited():
     assert "device wait" not in render([row("none", 0.0), row("baft", 0.0)])
     on_gpu = render([row("none", 0.0), row("baft", 0.0123)])
     assert "device wait" in on_gpu.splitlines()[0] and "12.3 ms" in on_gpu.splitlines()[2]
+
+
+def test_shuffled_rounds_keep_none_between_and_draw_the_same_order_on_every_rank():
+    from baft.cli.compare import block_order
+
+    names = ["none", "none/1", "sync-copy", "thread-copy", "baft"]
+    fixed = block_order(names, none_between=True)
+    assert fixed == ["none", "none/1", "none", "sync-copy", "none", "thread-copy", "none", "baft"]
+    orders = [block_order(names, True, shuffle_seed=r) for r in range(12)]
+    assert orders == [block_order(names, True, shuffle_seed=r) for r in range(12)], "a round's order is its seed's"
+    for order in orders:
+        assert order[0::2] == ["none"] * 4 and sorted(order[1::2]) == sorted(names[1:])
+    assert len({tuple(o) for o in orders}) > 6, "12 rounds drew only a few of the 24 orders"
+    assert {o[1] for o in orders} == set(names[1:]), "every arm comes first in some round"
+
+
+def test_compare_shuffle_runs_each_rounds_drawn_order_on_every_rank(tmp_path):
+    from baft.cli.compare import block_order
+
+    out = tmp_path / "compare.json"
+    proc = compare("--policies", "sync-copy,thread-copy,baft", "--none-between", "--shuffle", "--rounds", "4",
+                   "--block", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["shuffle"] is True
+    names = ["none", "sync-copy", "thread-copy", "baft"]
+    ran = [[r["policy"] for r in doc["records"] if r["round"] == k] for k in range(4)]
+    assert ran == [block_order(names, True, shuffle_seed=k) for k in range(4)]
+    assert len({tuple(o) for o in ran}) > 1, "four rounds in one order"
+    assert all(len(r["ranks"]) == 2 for r in doc["records"])

@@ -4,7 +4,8 @@ Run on every rank (``baft compare`` launches it). The example GPT is built once,
 policy's hook is constructed up front and run untimed until it is ready (baft: until it has
 planned); then each round runs a block of iterations under each policy in turn: A B C, or,
 with ``--none-between``, none A none B none C, so that every block has a baseline measured
-just before and just after it.
+just before and just after it; with ``--shuffle`` the policies' order is drawn anew every round,
+so that no policy always follows the same one.
 
 A policy is ``KIND`` or ``KIND/PERIOD`` (``deepspeed/10``). Without a period a policy
 snapshots every iteration, except ``baft``, whose planner picks its period. A policy whose
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -178,11 +180,13 @@ def clear_disk(hook, saves: int) -> float | None:
     return nbytes
 
 
-def block_order(names: list[str], none_between: bool) -> list[str]:
-    """The policies' blocks of one round."""
-    if not none_between:
-        return names
-    return [n for name in names if name != "none" for n in ("none", name)]
+def block_order(names: list[str], none_between: bool, shuffle_seed: int | None = None) -> list[str]:
+    """The policies' blocks of one round; with ``shuffle_seed``, the policies in an order drawn from
+    it (every rank draws the same), so that none keeps one place in every round."""
+    arms = [n for n in names if n != "none"] if none_between else list(names)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(arms)
+    return [n for name in arms for n in ("none", name)] if none_between else arms
 
 
 def state_bytes(hooks: dict) -> dict:
@@ -221,16 +225,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--block", type=int, default=3, help="iterations per policy per round")
     p.add_argument("--none-between", action="store_true", help="run none between every two policies' blocks")
+    p.add_argument("--shuffle", action="store_true", help="a new order of the policies' blocks every round")
     p.add_argument("--out", required=True)
     p.add_argument("--shm-dir", required=True, help="shared-memory directory for the in-memory policies' slots")
     p.add_argument("--disk-dir", required=True, help="directory on disk for the disk baselines' checkpoints")
     return p
 
 
-def run_rounds(engine, data, meters: dict, periods: dict, order: list[str], ours) -> tuple[list, dict]:
-    """The timed part: ``ours.rounds`` rounds of blocks in ``order``; the records and the disk baselines' bytes."""
+def run_rounds(engine, data, meters: dict, periods: dict, names: list[str], ours) -> tuple[list, dict]:
+    """The timed part: ``ours.rounds`` rounds of the policies' blocks (:func:`block_order`); the records and
+    the disk baselines' bytes."""
     records, disk_bytes, started = [], {}, time.time()
     for round_ in range(ours.rounds):
+        order = block_order(names, ours.none_between, round_ if ours.shuffle else None)
         for block, name in enumerate(order, start=round_ * len(order)):
             meter, saves = meters[name], snapshots_taken(meters[name].inner)
             engine.baft_hooks = [meter]
@@ -263,10 +270,9 @@ def main(argv=None) -> int:
     periods = {name: getattr(m.inner, "period", 1) for name, m in meters.items()}  # baft's: its planner's
     hooks = {name: m.inner for name, m in meters.items() if m.inner is not None}
     started = time.time()
-    records, disk_bytes = run_rounds(engine, data, meters, periods,
-                                     block_order([name for name, _, _ in policies], ours.none_between), ours)
+    records, disk_bytes = run_rounds(engine, data, meters, periods, [name for name, _, _ in policies], ours)
     doc = {"policies": [{"name": n, "kind": k, "period": periods[n]} for n, k, _ in policies],
-           "rounds": ours.rounds, "block": ours.block, "none_between": ours.none_between,
+           "rounds": ours.rounds, "block": ours.block, "none_between": ours.none_between, "shuffle": ours.shuffle,
            "world": dist.get_world_size(), "parameters": parameters(engine), "elapsed_s": time.time() - started,
            "snapshot_bytes": {**state_bytes(hooks), **disk_bytes}, "plans": plans(engine, hooks), "records": records}
     for hook in hooks.values():
@@ -340,7 +346,7 @@ def render(summary: list[dict]) -> str:
 
 
 def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int, bubble_map, out,
-                   none_between: bool = False) -> list[dict]:
+                   none_between: bool = False, shuffle: bool = False) -> list[dict]:
     """``baft compare``: run this module on every rank of the example through torchrun; its :func:`summarize`."""
     from baft.cli.launch import flags, launch_env
     from baft.cli.runlog import run_example_logged
@@ -352,7 +358,7 @@ def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int,
         result = Path(out) if out else Path(disk) / "compare.json"
         code = run_example_logged(model["stages"] * dp, [
             "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
-            *(["--none-between"] if none_between else []), "--out", str(result), "--shm-dir", fast,
+            *(["--none-between"] if none_between else []), *(["--shuffle"] if shuffle else []), "--out", str(result), "--shm-dir", fast,
             "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})], launch_env(), result.with_suffix(".log"),
             announce=bool(out))  # a temporary log is gone when the command ends
         if code != 0 or not result.exists():

@@ -433,16 +433,17 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
               help="Iterations per policy per round (the first is dropped from the summary).")
 @click.option("--none-between", is_flag=True,
               help="Run none between every two policies' blocks (none A none B ...): a baseline beside each block.")
+@click.option("--shuffle", is_flag=True, help="Draw the policies' order anew every round (no policy keeps one place).")
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map for baft's planner.")
 @executor_options
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Write the run here (JSON): every iteration's figures per rank, periods, bytes, baft's plans.")
 @user_errors
-def compare(example, policies, rounds, block, none_between, bubble_map, out, dp, **model):
+def compare(example, policies, rounds, block, none_between, shuffle, bubble_map, out, dp, **model):
     """Compare snapshot policies on one run, interleaved, and print the overhead table."""
     from baft.cli.compare import launch_compare, render
 
-    click.echo(render(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between)))
+    click.echo(render(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between, shuffle)))
 
 
 main.add_command(demo)
