@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     p.add_argument("--halfwidth", type=float, default=0.005, help="stop a point once every 95%% interval is this tight")
     p.add_argument("--point-minutes", type=float, default=8, help="at most this long per point")
     p.add_argument("--shuffle", action="store_true",
-                   help="draw the arms' order anew every round (at m=8 t=32 the fixed order biased the A/A check)")
+                   help="draw the arms' order anew every round, so that no arm keeps one place in the round")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
     p.add_argument("--data-parallel", type=int, default=1, help="replicas of every stage")
