@@ -100,10 +100,16 @@ def stop(shm_root, timeout: float = 120.0) -> None:
             client.shutdown()
     except ManagerUnavailable:
         raise BaftError(f"{shm_root}: no manager running (nothing answers at {socket_path(shm_root)})") from None
+    if pid is not None:
+        _wait_exit(shm_root, pid, timeout, "shutdown")
+
+
+def _wait_exit(shm_root, pid: int, timeout: float, asked: str) -> None:
+    """Wait until the manager ``pid`` has exited after being ``asked`` to."""
     deadline = time.monotonic() + timeout
-    while pid is not None and _alive(pid):
+    while _alive(pid):
         if time.monotonic() > deadline:
-            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after shutdown")
+            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after {asked}")
         time.sleep(0.05)
 
 
@@ -115,11 +121,7 @@ def retire(shm_root, timeout: float = 120.0) -> Optional[int]:
     except ManagerUnavailable:
         return None
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            raise BaftError(f"{shm_root}: manager (pid {pid}) still running {timeout:g} s after SIGTERM")
-        time.sleep(0.05)
+    _wait_exit(shm_root, pid, timeout, "SIGTERM")
     return pid
 
 

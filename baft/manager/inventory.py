@@ -38,10 +38,6 @@ class NodeRoot:
         return f"{self.path}  {self.nbytes / 1e6:.1f} MB  {served}  ({self.held()})"
 
 
-def _ranks(root: Path) -> list[int]:
-    return sorted(int(p.name[4:]) for p in root.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
-
-
 def _manager_pid(root: Path) -> Optional[int]:
     if not (root / SOCKET_NAME).exists():
         return None
@@ -55,7 +51,7 @@ def node_root(path) -> NodeRoot:
     """What the node root at ``path`` holds now."""
     root = Path(path)
     newest = {}
-    for rank in _ranks(root):
+    for rank in slots.rank_ids(root):
         held = slots.committed(root, rank)
         if held:
             newest[rank] = held[0].record.step
@@ -68,7 +64,7 @@ def scan(top) -> list[NodeRoot]:
     top = Path(top)
     if not top.is_dir():
         return []
-    found = {p.parent for p in top.rglob("rank*") if p.is_dir() and p.name[4:].isdigit()}
+    found = {p.parent for p in top.rglob("rank*") if slots.rank_of(p) is not None}
     found |= {p.parent for name in (INFO_NAME, SOCKET_NAME, LOG_NAME) for p in top.rglob(name)}
     return [node_root(p) for p in sorted(found)]
 
@@ -82,7 +78,7 @@ def remove(path) -> NodeRoot:
     if root.manager_pid is not None:
         raise BaftError(f"{root.path}: a manager (pid {root.manager_pid}) serves it; stop it with "
                         f"`baft manager stop --shm-root {root.path}`, which frees its snapshots")
-    if not _ranks(root.path) and not any((root.path / n).exists() for n in (INFO_NAME, SOCKET_NAME, LOG_NAME)):
+    if not slots.rank_ids(root.path) and not any((root.path / n).exists() for n in (INFO_NAME, SOCKET_NAME, LOG_NAME)):
         raise BaftError(f"{root.path}: not a node root (no rank directories, no manager files)")
     shutil.rmtree(root.path)
     try:

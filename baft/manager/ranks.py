@@ -54,11 +54,8 @@ class NodeRanks:
 
     def adopt(self) -> None:
         """Take over rank directories a previous manager of this root left (their commits are intact)."""
-        for path in sorted(self.root.glob("rank*")):
-            suffix = path.name[4:]
-            if not (path.is_dir() and suffix.isdigit()):
-                continue
-            held = slots.committed(self.root, int(suffix))
+        for rank in slots.rank_ids(self.root):
+            held = slots.committed(self.root, rank)
             if held:
                 record = held[0].record
                 self.ranks[record.rank] = RankState(record.rank, record.layout.nbytes, Identity.of(record))

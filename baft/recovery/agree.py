@@ -8,7 +8,6 @@ answer from everyone's offers (:func:`newest_common`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from baft.snapshot import slots
@@ -21,10 +20,6 @@ def slower(a: str, b: str) -> str:
     return max(a, b, key=SOURCES.index)
 
 
-def rank_ids(root) -> list[int]:
-    return sorted(int(p.name[4:]) for p in Path(root).glob("rank*") if p.name[4:].isdigit())
-
-
 def local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dict) -> tuple[dict[int, dict], list]:
     """What this node can reach: step -> {"shards", "num_shards", "pending"}, and why others were passed over.
 
@@ -35,7 +30,7 @@ def local_offers(root: str, stage: int, stages: int, fingerprint: str, held: dic
     """
     offers: dict[int, dict] = {}
     notes = set()
-    for old_rank in rank_ids(root):
+    for old_rank in slots.rank_ids(root):
         for info in slots.committed(root, old_rank):
             rec = info.record
             if rec.topology.get("pipe", stages) != stages:

@@ -91,10 +91,6 @@ def _shm_rank(path: Path, verify: bool, lines: list[str], failures: list[str]) -
                 failures.append(message)
 
 
-def _is_rank_dir(path: Path) -> bool:
-    return path.is_dir() and path.name.startswith("rank") and path.name[4:].isdigit()
-
-
 def inspect(path, verify: bool = True) -> str:
     """A text description of the snapshot(s) at ``path``, with each rank's checksums verified.
 
@@ -108,15 +104,14 @@ def inspect(path, verify: bool = True) -> str:
     failures: list[str] = []
     if (path / persist.MANIFEST).is_file():
         _persisted_step(path, verify, lines, failures)
-    elif _is_rank_dir(path):
+    elif slots.rank_of(path) is not None:
         _shm_rank(path, verify, lines, failures)
     elif path.is_dir() and (steps := persist.list_steps(path, log=failures.append)):
         for found in steps:
             _persisted_step(found.path, verify, lines, failures)
-    elif path.is_dir() and (ranks := sorted((p for p in path.iterdir() if _is_rank_dir(p)),
-                                            key=lambda p: int(p.name[4:]))):
-        for rank_path in ranks:
-            _shm_rank(rank_path, verify, lines, failures)
+    elif path.is_dir() and (ranks := slots.rank_ids(path)):
+        for rank in ranks:
+            _shm_rank(slots.rank_dir(path, rank), verify, lines, failures)
     else:
         raise BaftError(f"{path}: not a baft snapshot (no manifest.json, step-*/ directories, slot files or rank*/ "
                         f"directories)")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.errors import BaftError
-from baft.recovery.agree import local_offers, newest_common, rank_ids, slower
+from baft.recovery.agree import local_offers, newest_common, slower
 from baft.recovery.record import Restored, mark
 from baft.snapshot import slots, state
 from baft.snapshot.layout import CommitRecord, model_signature, plan_layout
@@ -113,7 +113,7 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
     shards: dict[int, tuple[CommitRecord, mmap.mmap]] = {}  # verified in place, copied once by _apply
     mine = lambda record: record.stage == engine.stage_id and record.model == fingerprint  # noqa: E731
-    for old_rank in rank_ids(root):
+    for old_rank in slots.rank_ids(root):
         found = slots.map_verified(root, old_rank, step=step, log=refused.append, accept=mine)
         if found is not None and found[0].layout.shard not in shards:
             shards[found[0].layout.shard] = found

@@ -34,6 +34,18 @@ def rank_dir(root, rank: int) -> Path:
     return Path(root) / f"rank{rank}"
 
 
+def rank_of(path) -> Optional[int]:
+    """The rank whose directory ``path`` is (``rank<R>``), or None when it is none's."""
+    path = Path(path)
+    digits = path.name.removeprefix("rank")
+    return int(digits) if path.name.startswith("rank") and digits.isdigit() and path.is_dir() else None
+
+
+def rank_ids(root) -> list[int]:
+    """The ranks with a directory under the node root ``root``."""
+    return sorted(rank for p in Path(root).glob("rank*") if (rank := rank_of(p)) is not None)
+
+
 def _slot_path(directory: Path, slot: int) -> Path:
     return directory / f"slot{slot}.bin"
 
