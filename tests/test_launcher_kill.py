@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
+from baft.snapshot import slots
 from conftest import TINY
 
 
@@ -112,3 +113,41 @@ def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
     assert left_behind is None, f"a run that ended left its shared-memory directory behind: {left_behind}"
     log = (run_dir / "manager-node0.log").read_text()
     assert log.count("node 0 serving") == 2, "both launches' managers log into the run directory"
+
+
+def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(tmp_path):
+    """At the end of a run the manager writes the newest snapshot to RUN_DIR/persisted before freeing shared
+    memory; when that write fails (here its directory was replaced by a file), it frees nothing, the launch
+    says where the snapshot is, and the next launch resumes from memory."""
+    run_dir = tmp_path / "run"
+    node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
+    target = run_dir / "persisted" / "node0"
+    with open(tmp_path / "first.out", "w") as out:
+        first = subprocess.Popen(baft_train(run_dir, 8), stdout=out, stderr=subprocess.STDOUT, env=launch_env())
+    try:
+        deadline = time.monotonic() + 180
+        while len(losses(run_dir)) < 2:
+            assert first.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first launch trained fewer than 2 steps in 180 s"
+            time.sleep(0.2)
+        shutil.rmtree(target)  # the manager made it at its start
+        target.write_text("not a directory")
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()[-3000:]
+        said = (tmp_path / "first.out").read_text()
+        assert f"baft: node 0's manager could not write its newest snapshot to {target}" in said, said[-2000:]
+        assert f"`baft manager clean {node}` frees it" in said
+        assert slots.rank_ids(node) == [0, 1], "the manager freed the snapshot it could not write"
+        assert "is not on disk: its shared-memory snapshots stay" in (run_dir / "manager-node0.log").read_text()
+
+        target.unlink()
+        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(),
+                                 timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+        assert "baft: resumed from step 8 (memory)" in resumed.stdout, resumed.stdout[-2000:]
+        assert f"baft: step 10 is kept in {run_dir / 'persisted'}" in resumed.stdout
+        assert [r["step"] for r in losses(run_dir)] == list(range(1, 11))
+        assert not node.parent.exists(), "the second launch wrote its snapshot and freed the shared memory"
+    finally:
+        kill([first.pid, *descendants(first.pid)])
+        first.wait()
+        shutil.rmtree(node.parent, ignore_errors=True)

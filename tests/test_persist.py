@@ -139,6 +139,20 @@ def test_foreign_directory_is_refused_in_one_line(tmp_path):
         persist.load_latest(tmp_path, expect=persist.Identity("run-b", "m9"))
 
 
+def test_every_stage_of_a_node_finds_its_own_model_in_its_snapshot(tmp_path):
+    """A node holds ranks of several stages, whose model fingerprints differ: each rank's is accepted,
+    another model's still refused."""
+    import dataclasses
+
+    snaps = [(dataclasses.replace(record, model=f"stage{record.rank}"), buffer) for record, buffer in node(4)]
+    persist.write_snapshot(tmp_path, snaps)
+    for rank in (0, 1):
+        expect = persist.Identity("run-a", f"stage{rank}", {"pipe": 2})
+        assert same(persist.load_latest(tmp_path, ranks=[rank], expect=expect), [snaps[rank]])
+    with pytest.raises(BaftError, match="from model 'stage0', this model is 'stage7'"):
+        persist.load_latest(tmp_path, expect=persist.Identity("run-a", "stage7"))
+
+
 def test_half_written_directory_is_never_taken(tmp_path):
     persist.write_snapshot(tmp_path, node(1))
     # what a writer killed mid-write leaves behind: a temp dir with partial files

@@ -90,3 +90,43 @@ def test_dcp_async_baseline_writes_a_checkpoint_every_period(tmp_path):
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["step2", "step4"]
     assert all((run_dir / "checkpoints" / s / ".metadata").exists() for s in saved)
+
+
+def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninterrupted):
+    """A run that ends (here: a rank dies with no restarts left) frees its shared memory only after its
+    manager writes the newest snapshot to RUN_DIR/persisted: launching the run again resumes from that
+    step, bit for bit, instead of starting over; once at --iters, a launch trains nothing and says so."""
+    import re
+    import subprocess
+    import sys
+
+    from baft.cli.launch import launch_env
+
+    run_dir = tmp_path / "run"
+
+    def train(*extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
+                               "--policy", "baft", "--period", "1", "--max-restarts", "0", "--run-dir", str(run_dir),
+                               *extra], capture_output=True, text=True, env=launch_env(), timeout=300)
+
+    failed = train("--fault", "rank=1,step=6,phase=backward")
+    assert failed.returncode != 0 and "training failed" in failed.stderr, failed.stdout[-2000:]
+    assert max(r["step"] for r in losses(run_dir)) == 5
+    assert sorted(p.name for p in (run_dir / "persisted" / "node0").glob("step-*")), "nothing persisted at the end"
+
+    resumed = train()
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    said = re.search(r"^baft: resumed from step (\d+) \(disk\)$", resumed.stdout, re.MULTILINE)
+    assert said, resumed.stdout[-2000:]
+    restored = int(said[1])
+    assert restored in (4, 5)  # the snapshot of step 5 commits during iteration 6, which the fault cut short
+    after = losses(run_dir)[5:]
+    assert [r["step"] for r in after] == list(range(restored + 1, 11))
+    for r in after:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
+
+    again = train()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "baft: resumed from step 10 (disk)" in again.stdout
+    assert "the run is already at step 10: nothing to train until --iters 10" in again.stdout
+    assert len(losses(run_dir)) == 5 + len(after)

@@ -216,8 +216,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         if nodes > 1 or persist_every:
             configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
             args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
-                        parity_k=configs[0].parity_k, persist_every=persist_every,
-                        persist_dir=str(run / "persisted") if persist_every else None)
+                        parity_k=configs[0].parity_k, persist_every=persist_every, persist_dir=str(run / "persisted"))
         cmd = torchrun(procs, example_args(args), max_restarts=max_restarts, options=torchrun_options(run))
     else:
         cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False, options=torchrun_options(run))
@@ -237,6 +236,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
             code = run_logged(cmd, env, log)
         finally:
             stop_all(configs)
+            _say_what_is_kept(configs, run)
     if (run / "recovery.jsonl").exists():
         from baft.cli.report import render_recovery_text
         from baft.recovery.record import load_recoveries
@@ -246,6 +246,23 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         raise BaftError(f"training failed (exit code {code}); every rank's output is in {log}")
     if trace_dir:
         click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
+
+
+def _say_what_is_kept(configs, run: Path) -> None:
+    """After the managers stopped: the step the run goes on from, on disk; or, where a manager could not
+    write it, the shared memory it kept instead (never freed unwritten)."""
+    from baft.manager import persist
+    from baft.snapshot import slots
+
+    kept_in_memory = [c for c in configs if slots.rank_ids(c.shm_root)]
+    for c in kept_in_memory:
+        click.echo(f"baft: node {c.node_id}'s manager could not write its newest snapshot to {c.dir} (see "
+                   f"{run / f'manager-node{c.node_id}.log'}); it kept {c.shm_root} in shared memory: `baft train` "
+                   f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
+    newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
+    if newest and all(newest) and not kept_in_memory:
+        click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / 'persisted'}: `baft train` "
+                   "again with a larger --iters goes on from it")
 
 
 def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:
@@ -280,7 +297,7 @@ def manager():
 @manager.command(name="start")
 @click.option("--node-id", default=0, show_default=True)
 @click.option("--shm-root", required=True, help="This node's shared-memory root, e.g. /dev/shm/baft/RUN/node0.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Where to persist snapshots.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Where to persist snapshots: the newest at a clean stop, and on the schedule below.")
 @click.option("--group", help="host:port of every manager of the parity group, e.g. 0@127.0.0.1:7100,1@...")
 @click.option("--parity-k", type=int, help="Shares needed to rebuild a node (default: group size - 1).")
 @click.option("--persist-every", type=int)

@@ -102,8 +102,8 @@ def ds_config(args, dp: int) -> dict:
         section["ranks_per_node"] = args.ranks_per_node
     if args.parity_group:
         section["parity"] = {"group": args.parity_group.split(","), "k": args.parity_k}
-    if args.persist_every:
-        section["persist"] = {"every": args.persist_every, "dir": args.persist_dir}
+    if args.persist_dir:
+        section["persist"] = {"dir": args.persist_dir, **({"every": args.persist_every} if args.persist_every else {})}
     if args.run_dir:
         section["save_dir"] = str(Path(args.run_dir) / "checkpoints")
         section["run_dir"] = args.run_dir
@@ -200,6 +200,9 @@ def main(argv=None) -> int:
                 log.flush()
     if args.digest:
         say_whole_line(f"digest rank {engine.global_rank} step {engine.global_steps} {state_digest(engine)}")
+    if lead and not times:
+        print(f"baft: the run is already at step {engine.global_steps}: nothing to train until --iters {args.iters}; "
+              "give a larger --iters to go on, or a new --run-dir to start over", flush=True)
     if lead and times:
         policy = next((h for h in getattr(engine, "baft_hooks", []) if hasattr(h, "period")), None)
         snapshots = ""

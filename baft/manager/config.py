@@ -104,7 +104,8 @@ class ManagerConfig:
         return next((m for m in self.group if m.node_id == self.node_id), None)
 
     @property
-    def persists(self) -> bool:
+    def persists_on_schedule(self) -> bool:
+        """Whether snapshots go to ``dir`` while the run trains; with ``dir`` alone, only the newest does, at a clean stop."""
         return self.dir is not None and (self.persist_every is not None or self.persist_seconds is not None)
 
     def validate(self) -> "ManagerConfig":

@@ -32,12 +32,13 @@ def free_ports(count: int) -> list[int]:
 
 def node_configs(shm_root, run_id: str, nodes: int, persist_dir: Optional[Path] = None,
                  persist_every: Optional[int] = None, parity_k: Optional[int] = None) -> list[ManagerConfig]:
-    """One manager configuration per node; with more than one node, a parity group over loopback."""
+    """One manager configuration per node; with more than one node, a parity group over loopback. With
+    ``persist_dir``, each persists the newest snapshot there when it stops, and every ``persist_every``-th step."""
     group = ()
     if nodes > 1:
         group = tuple(Member(n, "127.0.0.1", port) for n, port in enumerate(free_ports(nodes)))
     return [ManagerConfig(node_id=n, shm_root=node_root(shm_root, run_id, n),
-                          dir=(persist_dir / f"node{n}") if persist_dir and persist_every else None,
+                          dir=(persist_dir / f"node{n}") if persist_dir else None,
                           group=group, parity_k=(parity_k or nodes - 1) if group else None,
                           persist_every=persist_every).validate()
             for n in range(nodes)]

@@ -15,7 +15,7 @@ Each safetensors file holds the rank's tensors under their own names with their 
 shape. With data-parallel sharding a rank may hold only a byte range of a tensor; that
 range is stored as a flat ``uint8`` tensor keyed ``"<name>#bytes=<start>:<end>"``.
 
-``manifest.json`` holds the step, run id, model fingerprint, topology and node id, and per
+``manifest.json`` holds the step, run id, model fingerprint (its first rank's), topology and node id, and per
 rank the file name and size, where each tensor is in the file, and the rank's full commit
 record (layout, per-chunk xxh3 checksums, and the small state in ``items``: RNG states, LR
 scheduler, loss scaler, data-loader position, step counters).
@@ -113,7 +113,9 @@ class Identity:
         """Why a manifest belongs to another run, model or pipeline depth, or None."""
         if self.run_id and manifest["run_id"] != self.run_id:
             return f"from run {manifest['run_id']!r}, this run is {self.run_id!r}"
-        if self.model and manifest["model"] != self.model:
+        # a node holds ranks of several stages, each its own model fingerprint
+        models = [manifest["model"], *(e["record"].get("model") for e in manifest["ranks"])]
+        if self.model and self.model not in models:
             return f"from model {manifest['model']!r}, this model is {self.model!r}"
         # only the pipeline depth must match: a restart may have more or fewer data-parallel replicas
         stages = self.topology.get("pipe")

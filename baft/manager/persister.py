@@ -70,7 +70,7 @@ class Persister:
         seconds have passed since the last write.
         """
         cfg = self.config
-        if not cfg.persists:
+        if not cfg.persists_on_schedule:
             return None
         newest = max(common)
         with self._lock:

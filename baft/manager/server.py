@@ -18,7 +18,8 @@ One manager runs per node, started before the trainers and outliving them::
   (:mod:`baft.manager.parity`).
 * With ``--dir``, it persists every N-th step (``--persist-every``) or every T seconds
   (``--persist-seconds``) in a background thread (:mod:`baft.manager.persister`), atomically
-  (:mod:`baft.manager.persist`), keeping the ``--keep`` newest, and once more when it stops.
+  (:mod:`baft.manager.persist`), keeping the ``--keep`` newest, and once more when it stops
+  (with ``--dir`` alone, only then: the newest step, for the next launch to go on from).
 * ``restore`` answers where a rank's snapshot is in shared memory, after re-verifying it,
   rebuilding it there from the group's shares or from disk when memory does not hold it.
 
@@ -253,8 +254,9 @@ class Manager:
             self.parity.distribute(encode, bundles[encode])
 
     def _final_persist(self) -> None:
-        """On a clean stop, persist the newest complete step if the schedule has not yet."""
-        if not self.config.persists:
+        """On a clean stop, persist the newest complete step if the schedule has not yet (with ``--dir`` and no
+        schedule, the only write: the state a stopped run goes on from)."""
+        if self.config.dir is None:
             return
         self.ranks.verify_all()
         common = self.ranks.complete_steps()
@@ -265,8 +267,13 @@ class Manager:
         if last is not None and step <= last:
             return
         bundle = self.ranks.pack(step)
-        if bundle is not None:
-            self.persister.write(step, bundle)
+        if bundle is None:
+            return
+        self.persister.write(step, bundle)
+        if self.persister.state.last_step != step:  # the write failed: memory holds the only copy
+            self._unlink = False
+            log.error("step %d is not on disk: its shared-memory snapshots stay in %s (`baft manager clean` frees them)",
+                      step, self.root)
 
     # ---- dispatch ----------------------------------------------------------------------------
 

@@ -87,10 +87,12 @@ class PlannedExecutor(BubbleExecutor):
     def after(self, engine, index, cmd):
         if not self.planned:
             self.timer.after(engine, index, cmd)
+        super().after(engine, index, cmd)
 
     def iteration_end(self, engine):
         if not self.planned:
             self.timer.iteration_end(engine)
+        super().iteration_end(engine)
 
     def prepare(self, engine) -> None:
         super().prepare(engine)

@@ -145,14 +145,18 @@ class Snapshot:
         for i in indices:  # xxh3 releases the GIL: the threads hash side by side
             self.checksums[i] = checksum(self._slot_view(self.source.layout.chunks[i]).numpy())
 
-    def seal(self) -> CommitRecord:
-        """After the fence, off the trainer's path: checksum every chunk not yet done, then commit."""
+    def seal(self, threads: Optional[int] = None) -> CommitRecord:
+        """After the fence, off the trainer's path: checksum every chunk not yet done, on ``threads`` threads
+        (default :func:`seal_threads`; 1: this one, as at interpreter exit, where no pool starts), then commit."""
         if self.stream is not None:
             self.stream.synchronize()
         todo = [i for i, digest in enumerate(self.checksums) if digest is None]
-        threads = min(seal_threads(), len(todo)) or 1
-        with ThreadPoolExecutor(threads, thread_name_prefix="baft-checksum") as pool:
-            list(pool.map(self._checksum_all, [todo[k::threads] for k in range(threads)]))
+        threads = min(threads or seal_threads(), len(todo)) or 1
+        if threads == 1:
+            self._checksum_all(todo)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="baft-checksum") as pool:
+                list(pool.map(self._checksum_all, [todo[k::threads] for k in range(threads)]))
         engine = self.source.engine
         record = CommitRecord(step=self.step, rank=engine.global_rank, stage=engine.stage_id,
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,

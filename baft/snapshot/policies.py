@@ -53,6 +53,9 @@ class SnapshotPolicy(InstructionHook):
         self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``commits``
         self.commits: list[CommitRecord] = []
         self.sealer = Sealer(self._committed)
+        self.engine = None  # the engine of the latest iteration, and whether that iteration ended
+        self.at_step_boundary = False
+        self.last_step: Optional[int] = None  # of the newest snapshot begun
 
     def due(self, engine) -> bool:
         step = engine.global_steps
@@ -68,14 +71,23 @@ class SnapshotPolicy(InstructionHook):
 
     def iteration_start(self, engine):
         self.stall = 0.0
+        self.engine, self.at_step_boundary = engine, False
         if self.due(engine):
             start = time.perf_counter()
             self.sealer.wait()  # the previous snapshot's slot may be reused only once it is committed
             self.stall += time.perf_counter() - start
-            self.prepare(engine)
-            self.snapshot = Snapshot(self.source, self.writer, engine.global_steps,
-                                     state.capture_items(engine, self.data_iterator), self.stream)
+            self.begin(engine)
             self.started()
+
+    def iteration_end(self, engine):
+        self.at_step_boundary = True
+
+    def begin(self, engine) -> None:
+        """Start the snapshot of the engine's current step (its copies follow)."""
+        self.prepare(engine)
+        self.snapshot = Snapshot(self.source, self.writer, engine.global_steps,
+                                 state.capture_items(engine, self.data_iterator), self.stream)
+        self.last_step = engine.global_steps
 
     def started(self) -> None:
         """Called once the snapshot of this iteration has begun."""
@@ -88,12 +100,29 @@ class SnapshotPolicy(InstructionHook):
 
     def close(self) -> None:
         try:
+            self.snapshot_final()
             self.drain()
         finally:
             if self.writer is not None:
                 self.writer.close()
             if self.link is not None:
                 self.link.close()
+
+    def snapshot_final(self) -> None:
+        """When training stops: the state after the last step, copied now, so that a later launch goes on
+        from it rather than redoing that step. Only at a step boundary: an iteration that raised leaves a
+        state no step produced."""
+        engine = self.engine
+        if engine is None or not self.at_step_boundary or self.snapshot is not None:
+            return
+        if engine.global_steps == self.last_step or state.ensure_optimizer_state(engine) is not None:
+            return
+        self.sealer.wait()
+        self.begin(engine)
+        snapshot, self.snapshot = self.snapshot, None
+        snapshot.fence()  # every chunk copied here, whatever the policy's own way
+        self.taken += 1
+        self._committed(snapshot.seal(threads=1), snapshot.slot)  # at process exit: no thread starts
 
     def finish(self) -> None:
         """The snapshot's deadline: fence it before the optimizer step, and hand it to the sealer."""
