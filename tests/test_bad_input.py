@@ -88,7 +88,7 @@ def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_
     run_worker(2, [*common, "--iters", "6"])
     root = shm_root / "default" / "node0"
     newest = slots.committed(root, 1)[0]
-    assert newest.record.step == 5
+    assert newest.record.step == 6  # the final state, snapshotted as the ranks exit
     chunk = newest.record.layout.chunks[2]
     with open(slots.rank_dir(root, 1) / f"slot{newest.slot}.bin", "r+b") as f:
         f.seek(chunk.offset + 7)
@@ -97,7 +97,7 @@ def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_
         f.write(bytes([byte[0] ^ 0xFF]))
     proc = run_worker(2, [*common, "--iters", "7"])
     assert f"chunk {chunk.index} ({chunk.tensor}" in proc.stderr and "fails its checksum" in proc.stderr
-    assert "resumed from step 4" in proc.stdout
+    assert "resumed from step 5" in proc.stdout
 
 
 def test_snapshot_of_another_model_stops_the_run_unless_fresh_start_is_always(shm_root):

@@ -53,7 +53,7 @@ def test_ls_lists_and_clean_frees_snapshots_no_manager_serves(shm_root):
     listed = baft_cli("manager", "ls", shm_root)
     assert listed.returncode == 0
     line = next(line for line in listed.stdout.splitlines() if line.startswith(str(root)))
-    assert "no manager" in line and "rank 0 step 2" in line and "rank 1 step 2" in line, line
+    assert "no manager" in line and "rank 0 step 3" in line and "rank 1 step 3" in line, line
     assert "1 with no manager" in listed.stdout
 
     missing = baft_cli("manager", "clean", shm_root / "nothing-here")
@@ -62,7 +62,7 @@ def test_ls_lists_and_clean_frees_snapshots_no_manager_serves(shm_root):
 
     cleaned = baft_cli("manager", "clean", root)
     assert cleaned.returncode == 0, cleaned.stderr
-    assert f"removed {root}" in cleaned.stdout and "rank 1 step 2" in cleaned.stdout
+    assert f"removed {root}" in cleaned.stdout and "rank 1 step 3" in cleaned.stdout
     assert not root.parent.exists(), "the run's directory, empty once its node root is gone, is removed too"
     assert "0 node root(s)" in baft_cli("manager", "ls", shm_root).stdout
 

@@ -30,9 +30,9 @@ def test_restart_with_fewer_replicas_resumes_from_the_same_snapshot(tmp_path, sh
     before = {r["step"]: r["loss"] for r in losses(run_dir)}
     run_worker(2, [*common, "--iters", "7"], timeout=400)
     after = losses(run_dir)[len(before):]
-    # the dp=4 run committed the snapshot of step 4 during iteration 5: the dp=2 run resumes at step 5
-    assert [r["step"] for r in after] == [5, 6, 7]
-    # same state, half the batch: close to, not equal to, the wider run's loss
+    # the dp=4 run's ranks snapshotted its final state, step 5, as they exited: the dp=2 run goes on from it
+    assert [r["step"] for r in after] == [6, 7]
+    # one step on, half the batch: close to, not equal to, the wider run's last loss
     assert abs(after[0]["loss"] - before[5]) < 0.05 * before[5]
 
 

@@ -41,4 +41,4 @@ def test_trainers_outlive_a_killed_manager_and_keep_their_snapshots(shm_root, mo
     assert proc.stderr.count("snapshots stay in shared memory only") == 2, proc.stderr
     for rank in (0, 1):
         record, data = slots.load_verified(node_root, rank)
-        assert record.step == 7 and record.verify(data) is None
+        assert record.step == 8 and record.verify(data) is None  # the final state, snapshotted at exit

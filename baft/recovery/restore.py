@@ -91,7 +91,8 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     if found_any and fresh_start != "always":
         reasons = "; ".join(refused) or "no step was complete for every pipeline stage"
         raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "
-                        f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh")
+                        f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh, or "
+                        f"train under another baft.run_id (baft train: another --run-dir)")
     if found_any:
         log("fresh_start is \"always\": snapshots of this run exist but none can be restored; starting from step 0")
     elif not fresh_start:

@@ -1,7 +1,8 @@
 """Snapshot policies as engine hooks; the bubble-aware one is baft's executor.
 
 Every in-memory policy takes the snapshot of step k during iteration k+1 and commits it
-before optimizer step k+1; they differ in when the chunks are copied:
+before optimizer step k+1 (the last step's, when training stops: :meth:`SnapshotPolicy.close`);
+they differ in when the chunks are copied:
 
 * :class:`BubbleExecutor` (``baft``): inside the bubbles, whatever is left is flushed before
   the optimizer step. On CPU it copies while the stage waits in a receive, chunk by chunk,
