@@ -146,7 +146,9 @@ def _connect_manager(engine, cfg, root):
         first = min(r for r in range(dist.get_world_size()) if node_of(cfg, r) == node)
         if engine.global_rank == first and ManagerClient.try_connect(root, warn=lambda m: None) is None:
             warn(engine, f"no manager answers for node {node}; starting one at {root}")
-            start(manager_config(cfg, node, root))
+            # beside the other managers' logs, not in the shared memory it frees when it stops
+            start(manager_config(cfg, node, root),
+                  log_path=Path(cfg.run_dir) / f"manager-node{node}.log" if cfg.run_dir else None)
         dist.barrier()
     # a restore may rebuild from parity or read from disk: allow it time
     return ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: warn(engine, m.removeprefix("baft: ")))

@@ -1,6 +1,7 @@
-"""``baft train`` itself killed with SIGKILL, its ranks with it: the run's manager, in a session of its own,
-lives on holding the snapshots; the next launch of the run directory stops it, adopts them and resumes
-from the newest; a run that ends leaves nothing in shared memory."""
+"""``baft train`` itself killed with SIGKILL, alone or with its ranks: the ranks stop, the run's manager, in a
+session of its own, lives on holding the snapshots; the next launch of the run directory stops it, adopts
+them and resumes from the newest; a run that ends leaves nothing in shared memory once its newest snapshot
+is on disk, and keeps it in memory where that write fails."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -59,23 +61,39 @@ def kill(pids: list[int]) -> None:
         time.sleep(0.05)
 
 
+@contextmanager
+def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
+    """``baft train`` of ``run_dir`` in the background, yielded once it has logged ``logged`` steps (its
+    manager's pid as ``.manager``); afterwards, whatever failed, no process of it and none of its shared
+    memory is left."""
+    node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
+    out = tmp_path / "first.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(baft_train(run_dir, iters), stdout=sink, stderr=subprocess.STDOUT, env=launch_env())
+    proc.manager, proc.out = None, out
+    try:
+        deadline = time.monotonic() + 180
+        while len(losses(run_dir)) < logged:
+            assert proc.poll() is None, out.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the launch trained fewer than {logged} steps in 180 s"
+            time.sleep(0.2)
+        proc.manager = json.loads((node / "manager.json").read_text())["pid"]
+        yield proc
+    finally:
+        kill([proc.pid, *descendants(proc.pid), *([proc.manager] if proc.manager else [])])
+        proc.wait()
+        shutil.rmtree(node.parent, ignore_errors=True)
+
+
 def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
-    with open(tmp_path / "first.out", "w") as out:
-        first = subprocess.Popen(baft_train(run_dir, 60), stdout=out, stderr=subprocess.STDOUT, env=launch_env())
-    manager = None
-    try:
-        deadline = time.monotonic() + 180
-        while len(losses(run_dir)) < 4:
-            assert first.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the first launch trained fewer than 4 steps in 180 s"
-            time.sleep(0.2)
+    with training(tmp_path, run_dir, 60, logged=4) as first:
+        manager = first.manager
         second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(), timeout=60)
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert f"{run_dir}: another `baft train` (pid {first.pid}) is using this run directory" in second.stderr
 
-        manager = json.loads((node / "manager.json").read_text())["pid"]
         kill([first.pid, *(p for p in descendants(first.pid) if p != manager)])  # the launcher, torchrun, the ranks
         first.wait()
         assert alive(manager), "the manager runs in a session of its own and outlives the launcher"
@@ -95,10 +113,6 @@ def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
         assert f"stopped the manager an earlier launch of {run_dir} left running (pid {manager})" in resumed.stdout
         assert not alive(manager)
         left_behind = sorted(map(str, node.parent.rglob("*"))) if node.parent.exists() else None
-    finally:  # whatever failed, leave no process or shared memory behind
-        kill([first.pid, *descendants(first.pid), *([manager] if manager else [])])
-        first.wait()
-        shutil.rmtree(node.parent, ignore_errors=True)
     said = re.search(r"^baft: resumed from step (\d+) \(memory\)$", resumed.stdout, re.MULTILINE)
     assert said, resumed.stdout[-2000:]
     restored = int(said[1])
@@ -122,18 +136,11 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     target = run_dir / "persisted" / "node0"
-    with open(tmp_path / "first.out", "w") as out:
-        first = subprocess.Popen(baft_train(run_dir, 8), stdout=out, stderr=subprocess.STDOUT, env=launch_env())
-    try:
-        deadline = time.monotonic() + 180
-        while len(losses(run_dir)) < 2:
-            assert first.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the first launch trained fewer than 2 steps in 180 s"
-            time.sleep(0.2)
+    with training(tmp_path, run_dir, 8, logged=2) as first:
         shutil.rmtree(target)  # the manager made it at its start
         target.write_text("not a directory")
-        assert first.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()[-3000:]
-        said = (tmp_path / "first.out").read_text()
+        assert first.wait(timeout=300) == 0, first.out.read_text()[-3000:]
+        said = first.out.read_text()
         assert f"baft: node 0's manager could not write its newest snapshot to {target}" in said, said[-2000:]
         assert f"`baft manager clean {node}` frees it" in said
         assert slots.rank_ids(node) == [0, 1], "the manager freed the snapshot it could not write"
@@ -147,7 +154,25 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
         assert f"baft: step 10 is kept in {run_dir / 'persisted'}" in resumed.stdout
         assert [r["step"] for r in losses(run_dir)] == list(range(1, 11))
         assert not node.parent.exists(), "the second launch wrote its snapshot and freed the shared memory"
-    finally:
-        kill([first.pid, *descendants(first.pid)])
+
+
+def test_killing_baft_train_alone_stops_its_training_and_keeps_the_snapshots(tmp_path):
+    """SIGKILL to the launcher only: torchrun, armed to get SIGTERM when its parent dies, stops the ranks,
+    so no training goes on unwatched; the manager keeps the snapshots for the next launch."""
+    from baft.manager import control
+
+    run_dir = tmp_path / "run"
+    node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
+    with training(tmp_path, run_dir, 200, logged=2) as first:
+        trainers = [p for p in descendants(first.pid) if p != first.manager]
+        assert len(trainers) >= 3, "torchrun and its two ranks"
+        kill([first.pid])
         first.wait()
-        shutil.rmtree(node.parent, ignore_errors=True)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in trainers):
+            assert time.monotonic() < deadline, "torchrun or a rank trains on after its launcher died"
+            time.sleep(0.1)
+        assert alive(first.manager)
+        assert slots.rank_ids(node) == [0, 1] and all(slots.committed(node, r) for r in (0, 1))
+        assert len(losses(run_dir)) < 200
+        control.stop(node)  # frees the snapshots: nothing here launches again

@@ -1,6 +1,7 @@
 """Kill a rank mid-training: the elastic restart resumes from the newest snapshot, bit for bit."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     import subprocess
     import sys
 
-    from baft.cli.launch import launch_env
+    from baft.cli.launch import SHM_ROOT, launch_env, run_id
 
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
@@ -68,6 +69,9 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     assert [r["step"] for r in resumed] == list(range(recovery[0]["restored_step"] + 1, 11))
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
+    # the replacement manager, started by the replaced node's rank, logs beside the first one
+    assert "rebuilt node 1" in (run_dir / "manager-node1.log").read_text()
+    assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
 def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninterrupted, monkeypatch):

@@ -12,9 +12,13 @@ prints the ranks' last lines and torchrun's (its summary names the rank that fai
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections import deque
@@ -29,6 +33,7 @@ LOG_LIMIT = 256 << 20  # past this, a launch starts output.log afresh, keeping t
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX_TEMPLATE = "[${rank}] "
 _PREFIX = re.compile(r"\[(\d+)\] ")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
 # What DeepSpeed prints while it sets up, as rank 0 prints it (in the log, not on the screen).
@@ -87,7 +92,7 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
     lock = threading.Lock()
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
+                                stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_dies_with(os.getpid()))
         readers = [threading.Thread(target=_pump, args=(pipe, name, log, last, lock), daemon=True)
                    for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
@@ -104,6 +109,21 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
                 click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
                 click.echo("".join(lines), err=True, nl=False)
     return code
+
+
+def _dies_with(parent: int):
+    """For ``preexec_fn``: the child gets SIGTERM when ``parent`` dies, even by SIGKILL (Linux), so a killed
+    ``baft train`` leaves no training running on unwatched (torchrun stops its ranks on SIGTERM); the
+    run's manager, in a session of its own, keeps the snapshots for the next launch."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+    return set_death_signal
 
 
 def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path, announce: bool = True) -> int:
