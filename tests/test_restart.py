@@ -134,3 +134,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninter
     assert "baft: resumed from step 10 (disk)" in again.stdout
     assert "the run is already at step 10: nothing to train until --iters 10" in again.stdout
     assert len(losses(run_dir)) == 5 + len(after)
+
+    other = train("--d-model", "32")  # another model in the same run directory: refused, not started over
+    said = other.stdout + other.stderr
+    assert other.returncode != 0 and "of stage 0 is of another model" in said, said[-3000:]
+    assert "refusing to start again from step 0" in said and "another --run-dir" in said
+    assert len(losses(run_dir)) == 5 + len(after)

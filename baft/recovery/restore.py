@@ -113,14 +113,21 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
     shards: dict[int, tuple[CommitRecord, mmap.mmap]] = {}  # verified in place, copied once by _apply
-    mine = lambda record: record.stage == engine.stage_id and record.model == fingerprint  # noqa: E731
+
+    def mine(record: CommitRecord) -> bool:
+        if record.stage == engine.stage_id and record.model != fingerprint:
+            why = (f"the snapshot of step {record.step} of stage {record.stage} is of another model (signature "
+                   f"{record.model}, this model's is {fingerprint})")
+            if why not in refused:
+                refused.append(why)
+        return record.stage == engine.stage_id and record.model == fingerprint
     for old_rank in slots.rank_ids(root):
         found = slots.map_verified(root, old_rank, step=step, log=refused.append, accept=mine)
         if found is not None and found[0].layout.shard not in shards:
             shards[found[0].layout.shard] = found
         elif found is not None:
             found[1].close()
-    problem = _coverage_problem(engine, shards)
+    problem = _coverage_problem(engine, step, shards)
     if problem is None and shards:
         state.create_optimizer_state(engine, next(iter(shards.values()))[0].layout.tensors)
         problem = _fit_problem(engine, shards)
@@ -175,8 +182,8 @@ def _fit_problem(engine, shards: dict) -> Optional[str]:
     return None
 
 
-def _coverage_problem(engine, shards: dict) -> Optional[str]:
-    """None when this stage's replicas together hold every shard (a collective over the replicas)."""
+def _coverage_problem(engine, step: int, shards: dict) -> Optional[str]:
+    """None when this stage's replicas together hold every shard of ``step`` (a collective over the replicas)."""
     num_shards = next(iter(shards.values()))[0].layout.num_shards if shards else 0
     have = [sorted(shards)]
     if engine.grid.get_data_parallel_world_size() > 1:
@@ -185,7 +192,9 @@ def _coverage_problem(engine, shards: dict) -> Optional[str]:
         num_shards = max(n for _, n in have)
         have = [h for h, _ in have]
     covered = set().union(*map(set, have))
-    if not covered or covered != set(range(num_shards)):
+    if not covered:  # what is there belongs to another model or stage, or failed its checksums (said above)
+        return f"stage {engine.stage_id}: no snapshot of step {step} that fits this model"
+    if covered != set(range(num_shards)):
         return (f"stage {engine.stage_id}: shards {sorted(covered)} of {num_shards} are reachable; the rest were "
                 f"on other nodes and no replica of this stage holds them")
     return None
