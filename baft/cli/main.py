@@ -297,7 +297,8 @@ def manager():
 @manager.command(name="start")
 @click.option("--node-id", default=0, show_default=True)
 @click.option("--shm-root", required=True, help="This node's shared-memory root, e.g. /dev/shm/baft/RUN/node0.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Where to persist snapshots: the newest at a clean stop, and on the schedule below.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False),
+              help="Where to persist snapshots: the newest at a clean stop, and on the schedule below.")
 @click.option("--group", help="host:port of every manager of the parity group, e.g. 0@127.0.0.1:7100,1@...")
 @click.option("--parity-k", type=int, help="Shares needed to rebuild a node (default: group size - 1).")
 @click.option("--persist-every", type=int)

@@ -105,7 +105,7 @@ class ManagerConfig:
 
     @property
     def persists_on_schedule(self) -> bool:
-        """Whether snapshots go to ``dir`` while the run trains; with ``dir`` alone, only the newest does, at a clean stop."""
+        """Whether snapshots go to ``dir`` while the run trains (``dir`` alone: the newest, at a clean stop)."""
         return self.dir is not None and (self.persist_every is not None or self.persist_seconds is not None)
 
     def validate(self) -> "ManagerConfig":

@@ -272,8 +272,8 @@ class Manager:
         self.persister.write(step, bundle)
         if self.persister.state.last_step != step:  # the write failed: memory holds the only copy
             self._unlink = False
-            log.error("step %d is not on disk: its shared-memory snapshots stay in %s (`baft manager clean` frees them)",
-                      step, self.root)
+            log.error("step %d is not on disk: its shared-memory snapshots stay in %s "
+                      "(`baft manager clean` frees them)", step, self.root)
 
     # ---- dispatch ----------------------------------------------------------------------------
 
