@@ -115,3 +115,17 @@ def test_a_failed_run_shows_the_end_of_its_log(tmp_path):
 ])
 def test_what_reaches_the_screen(line, stream, shown):
     assert on_screen(line, stream) == shown
+
+
+def test_the_drawn_step_is_a_snapshotted_one_even_if_only_the_first_after_a_restart_is():
+    """With a long period the one snapshot a restarted launch traces may be its first (warm-up) iteration:
+    drawn rather than a step without copies; otherwise the warm-up is left out."""
+    from baft.snapshot.trace import typical_step
+
+    def trace(snapshotted: set[int]) -> dict:
+        flush = {"flush": [0.1, 0.1, 0]}
+        return {"iterations": [{"step": s, "time": 0.3 + s / 100, **(flush if s in snapshotted else {})}
+                               for s in range(9, 15)]}
+    assert typical_step([trace({9}), trace({9})]) == 9
+    assert typical_step([trace({9, 11, 13}), trace({9, 11, 13})]) == 11  # the warm-up left out: 11 and 13
+    assert typical_step([trace(set()), trace(set())]) == 12  # none snapshotted: the median of 10..14

@@ -135,14 +135,18 @@ def load_run(directory) -> RunTimeline:
 
 
 def typical_step(traces: list[dict]) -> int:
-    """The step every rank traced whose iteration (its slowest rank's) is the median, preferring
-    steps in which every rank copied a snapshot, leaving out each rank's first (warm-up) iteration."""
-    common = set.intersection(*({it["step"] for it in t["iterations"][1:]} for t in traces)) or \
-        set.intersection(*({it["step"] for it in t["iterations"]} for t in traces))
-    if not common:
+    """The step every rank traced whose iteration (its slowest rank's) is the median, preferring steps in
+    which every rank copied a snapshot, and leaving out each rank's first (warm-up) iteration unless
+    only it snapshotted (a long period: the first after a restart may be the one snapshot traced)."""
+    after_warm_up = set.intersection(*({it["step"] for it in t["iterations"][1:]} for t in traces))
+    every = set.intersection(*({it["step"] for it in t["iterations"]} for t in traces))
+    if not every:
         raise BaftError("the ranks' traces share no step: were they written by one run?")
-    snapshotted = {s for s in common if all("flush" in _iteration(t, s) for t in traces)}
-    candidates = sorted(snapshotted or common, key=lambda s: max(_iteration(t, s)["time"] for t in traces))
+
+    def snapshotted(steps: set[int]) -> set[int]:
+        return {s for s in steps if all("flush" in _iteration(t, s) for t in traces)}
+    candidates = next(c for c in (snapshotted(after_warm_up), snapshotted(every), after_warm_up, every) if c)
+    candidates = sorted(candidates, key=lambda s: max(_iteration(t, s)["time"] for t in traces))
     return candidates[(len(candidates) - 1) // 2]
 
 
