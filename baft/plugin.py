@@ -138,6 +138,7 @@ def _connect_manager(engine, cfg, root):
 
     from baft.config import node_of
     from baft.manager.control import start
+    from baft.manager.nodes import manager_log
     from baft.manager.protocol import ManagerClient
     from baft.snapshot.build import warn
 
@@ -147,8 +148,7 @@ def _connect_manager(engine, cfg, root):
         if engine.global_rank == first and ManagerClient.try_connect(root, warn=lambda m: None) is None:
             warn(engine, f"no manager answers for node {node}; starting one at {root}")
             # beside the other managers' logs, not in the shared memory it frees when it stops
-            start(manager_config(cfg, node, root),
-                  log_path=Path(cfg.run_dir) / f"manager-node{node}.log" if cfg.run_dir else None)
+            start(manager_config(cfg, node, root), log_path=manager_log(cfg.run_dir, node) if cfg.run_dir else None)
         dist.barrier()
     # a restore may rebuild from parity or read from disk: allow it time
     return ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: warn(engine, m.removeprefix("baft: ")))

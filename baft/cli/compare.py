@@ -359,7 +359,8 @@ def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int,
         code = run_example_logged(model["stages"] * dp, [
             "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
             *(["--none-between"] if none_between else []), *(["--shuffle"] if shuffle else []),
-            "--out", str(result), "--shm-dir", fast, "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})], launch_env(), result.with_suffix(".log"),
+            "--out", str(result), "--shm-dir", fast, "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})],
+            launch_env(), result.with_suffix(".log"),
             announce=bool(out))  # a temporary log is gone when the command ends
         if code != 0 or not result.exists():
             raise BaftError(f"the comparison run failed (exit code {code})")

@@ -252,12 +252,13 @@ def _say_what_is_kept(configs, run: Path) -> None:
     """After the managers stopped: the step the run goes on from, on disk; or, where a manager could not
     write it, the shared memory it kept instead (never freed unwritten)."""
     from baft.manager import persist
+    from baft.manager.nodes import manager_log
     from baft.snapshot import slots
 
     kept_in_memory = [c for c in configs if slots.rank_ids(c.shm_root)]
     for c in kept_in_memory:
         click.echo(f"baft: node {c.node_id}'s manager could not write its newest snapshot to {c.dir} (see "
-                   f"{run / f'manager-node{c.node_id}.log'}); it kept {c.shm_root} in shared memory: `baft train` "
+                   f"{manager_log(run, c.node_id)}); it kept {c.shm_root} in shared memory: `baft train` "
                    f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
     newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
     if newest and all(newest) and not kept_in_memory:

@@ -44,9 +44,14 @@ def node_configs(shm_root, run_id: str, nodes: int, persist_dir: Optional[Path] 
             for n in range(nodes)]
 
 
+def manager_log(run_dir, node: int) -> Path:
+    """Where the manager of ``node`` logs in a run directory."""
+    return Path(run_dir) / f"manager-node{node}.log"
+
+
 def start_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[int]:
-    """Start every manager, each logging to ``log_dir/manager-node<N>.log`` (default: its shm root); their pids."""
-    return [start(c, log_path=Path(log_dir) / f"manager-node{c.node_id}.log" if log_dir else None) for c in configs]
+    """Start every manager, each logging to :func:`manager_log` in ``log_dir`` (default: its shm root); their pids."""
+    return [start(c, log_path=manager_log(log_dir, c.node_id) if log_dir else None) for c in configs]
 
 
 def retire_all(configs: list[ManagerConfig]) -> list[int]:

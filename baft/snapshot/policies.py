@@ -120,17 +120,19 @@ class SnapshotPolicy(InstructionHook):
             return
         self.sealer.wait()
         self.begin(engine)
-        snapshot, self.snapshot = self.snapshot, None
-        snapshot.fence()  # every chunk copied here, whatever the policy's own way
-        self.taken += 1
+        snapshot = self._fence()  # every chunk copied here, whatever the policy's own way
         self._committed(snapshot.seal(threads=1), snapshot.slot)  # at process exit: no thread starts
 
     def finish(self) -> None:
         """The snapshot's deadline: fence it before the optimizer step, and hand it to the sealer."""
+        self.sealer.submit(self._fence())
+
+    def _fence(self) -> Snapshot:
+        """Copy what is left of the snapshot in flight out of the live tensors; the snapshot, now off the policy."""
         snapshot, self.snapshot = self.snapshot, None
         snapshot.fence()
         self.taken += 1
-        self.sealer.submit(snapshot)
+        return snapshot
 
     def drain(self) -> None:
         """Wait until every fenced snapshot is committed (raises what went wrong sealing one)."""
