@@ -110,3 +110,29 @@ def test_snapshot_of_another_model_stops_the_run_unless_fresh_start_is_always(sh
     proc = run_worker(2, [*TINY, "--d-model", "32", "--iters", "2", "--fresh-start", "always", *common])
     assert "ignoring snapshots of another model" in proc.stderr
     assert "resumed from" not in proc.stdout and "step     1" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["example", "script"])
+def test_baft_train_stops_at_a_ranks_error_instead_of_restarting_into_it(tmp_path, how):
+    """A rank's BaftError is the user's to fix: torchrun is stopped at the first, not restarted --max-restarts times
+    (the example prints it as a line, a script's traceback ends in it)."""
+    from baft.cli.launch import launch_env
+
+    run_dir = tmp_path / "run"
+    script = tmp_path / "bad_config.py"
+    script.write_text("import torch\nimport baft\n"
+                      "baft.initialize(model=torch.nn.Linear(2, 2), config={'train_batch_size': 1, "
+                      "'baft': {'persist': {'evry': 3}}})\n")
+    launch = (["--example", "gpt", *TINY, "--d-model", "30", "--heads", "4"] if how == "example"
+              else ["--nprocs", "2", "--", str(script)])
+    expected = ("--d-model 30 is not a multiple of --heads 4" if how == "example"
+                else "baft.persist.evry: unknown key")
+    proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--iters", "2", "--max-restarts", "3",
+                           "--run-dir", str(run_dir), *launch],
+                          capture_output=True, text=True, env=launch_env(), timeout=240)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if expected in line]
+    assert len(said) == 1 and said[0].startswith("baft: error: "), proc.stderr
+    assert "no restart gets past rank" in proc.stderr and "Traceback" not in proc.stderr
+    attempts = {p.name for p in (run_dir / "torchrun").glob("*/attempt_*")}
+    assert attempts == {"attempt_0"}, f"torchrun restarted the ranks into the same error: {sorted(attempts)}"

@@ -5,8 +5,9 @@ collective's work when Python tears down, and the rank aborts ("terminate called
 active exception", SIGABRT) after its last step: the launcher sees a failed job. On the
 example jobs this is a rare race (a few runs in a hundred); a job whose last collective is
 still in flight when the script returns (a metric reduced with ``async_op=True`` and never
-waited for) hit it in 7 of 8 runs without baft's teardown. Eight jobs, half of each kind,
-all under ``baft train`` with a snapshot manager: every rank of every one must exit 0.
+waited for) hit it in 7 of 8 runs without baft's teardown. Four such jobs (fp32 and bf16, ZeRO 0
+and 1), all under ``baft train`` with a snapshot manager: every rank of every one must exit 0. The
+example jobs' rare race is covered by every other test that trains: each asserts a clean exit.
 """
 
 import subprocess
@@ -19,7 +20,7 @@ from baft.cli.runlog import LOG_NAME
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
 CONFIGS = [("fp32", 2, 0), ("bf16", 2, 0), ("fp32", 4, 1), ("bf16", 4, 1)]  # precision, ranks, ZeRO stage
-JOBS = [(*config, unwaited) for config in CONFIGS for unwaited in (False, True)]
+JOBS = [(*config, True) for config in CONFIGS]  # a collective still in flight at exit: the race's likely form
 
 
 def train(job, run_dir):
@@ -30,7 +31,7 @@ def train(job, run_dir):
     return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
 
 
-def test_eight_protected_jobs_exit_cleanly(tmp_path):
+def test_protected_jobs_exit_cleanly(tmp_path):
     run_dirs = [tmp_path / f"run{i}" for i in range(len(JOBS))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs at a time: 2 cores, and load widens the race
         procs = list(pool.map(train, JOBS, run_dirs))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from baft.recovery.record import load_recoveries
 from conftest import TINY, run_worker
 
 
@@ -128,6 +129,11 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninter
     assert [r["step"] for r in after] == list(range(restored + 1, 11))
     for r in after:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
+    relaunch, = load_recoveries(run_dir)  # the failed launch had no restart left: this launch is the recovery
+    assert (relaunch.restart, relaunch.fault, relaunch.source) == (0, "a new launch", "disk")
+    assert relaunch.restored_step == restored and relaunch.lost_steps == 5 - restored
+    assert 0 < relaunch.T1 < 60 and relaunch.T3 > 0, relaunch  # T1 from this launch's start, not the last step
+    assert "a new launch" in resumed.stdout, "baft train prints the recovery table"
 
     again = train()
     assert again.returncode == 0, again.stderr[-3000:]

@@ -8,6 +8,9 @@ torchrun tees every rank's stdout and stderr (``--tee 3``), each line prefixed w
 stdout without DeepSpeed's setup lines (op builds, layer partitions), and baft's own lines
 from any rank. A surviving rank's traceback after a kill stays in the log; a failed run
 prints the ranks' last lines and torchrun's (its summary names the rank that failed first).
+A rank's :class:`~baft.errors.BaftError` is the user's to fix, so no restart can get past it:
+:func:`run_logged` stops torchrun at the first one instead of letting it restart every rank
+``--max-restarts`` times into the same error.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tempfile
 import threading
 from collections import deque
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 import click
 
@@ -33,6 +36,7 @@ LOG_LIMIT = 256 << 20  # past this, a launch starts output.log afresh, keeping t
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX_TEMPLATE = "[${rank}] "
 _PREFIX = re.compile(r"\[(\d+)\] ")
+_BAFT_ERROR = re.compile(r"(?:baft: error: |baft\.errors\.\w+: )(.*)")  # the example's line; a script's traceback
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
@@ -80,20 +84,35 @@ def on_screen(line: str, stream: str) -> Optional[str]:
     return None
 
 
+def baft_error(line: str) -> Optional[tuple[str, str]]:
+    """(rank, message) when a line of torchrun's output is a rank's :class:`~baft.errors.BaftError`, else None."""
+    match = _PREFIX.match(line)
+    error = _BAFT_ERROR.match(line, match.end()) if match else None
+    return (match[1], error[1].rstrip()) if error else None
+
+
 def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12,
                announce: bool = True) -> int:
     """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``
     (said first, with ``announce``), :func:`on_screen`'s lines on the screen; on failure, the ranks' and
-    torchrun's last lines too. Its exit code."""
+    torchrun's last lines too, unless a rank's :func:`baft_error` stopped torchrun (the error says it all).
+    Its exit code."""
     if announce:
         click.echo(f"baft: every rank's output goes to {log_path}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
     lock = threading.Lock()
+    errors: list[tuple[str, str]] = []
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_dies_with(os.getpid()))
-        readers = [threading.Thread(target=_pump, args=(pipe, name, log, last, lock), daemon=True)
+
+        def stop_at_first(error: tuple[str, str]) -> bool:
+            errors.append(error)
+            if len(errors) == 1:
+                proc.terminate()  # torchrun stops its ranks on SIGTERM
+            return len(errors) == 1
+        readers = [threading.Thread(target=_pump, args=(pipe, name, log, last, lock, stop_at_first), daemon=True)
                    for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
             reader.start()
@@ -103,7 +122,10 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
             proc.wait()
             for reader in readers:
                 reader.join()
-    if code != 0:
+    if errors:
+        click.echo(f"baft: no restart gets past rank {errors[0][0]}'s error, so the launch stopped there; every "
+                   f"rank's output is in {log_path}", err=True)
+    elif code != 0:
         for source, lines in last.items():
             if lines:
                 click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
@@ -136,10 +158,15 @@ def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path:
                           announce=announce)
 
 
-def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock) -> None:
+def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock,
+          on_error: Callable[[tuple[str, str]], bool]) -> None:
+    """Copy ``pipe`` into the log and the tails, :func:`on_screen`'s lines onto the screen; a rank's
+    :func:`baft_error` goes to ``on_error``, and onto the screen as one line if it is the first."""
     for line in pipe:
-        text = on_screen(line, stream)
+        text, error = on_screen(line, stream), baft_error(line)
         with lock:
+            if error:
+                text = f"baft: error: {error[1]}\n" if on_error(error) else None
             log.write(line)
             log.flush()
             last[RANKS if _PREFIX.match(line) else LAUNCHER].append(line)

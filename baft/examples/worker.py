@@ -24,6 +24,7 @@ from baft.accelerator import collective_device
 from baft.config import EXECUTORS, LEFTOVERS, POLICIES
 from baft.errors import BaftError
 from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
+from baft.manager.protocol import ManagerUnavailable
 from baft.pipeline.profiler import sync_device
 from baft.recovery.record import mark, restart_count
 
@@ -174,7 +175,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         engine, data = build(args)
-    except BaftError as err:
+    except ManagerUnavailable as err:  # a manager that died: a restart may find its replacement
+        print(f"baft: {err}", file=sys.stderr)
+        return 1
+    except BaftError as err:  # the user's to fix: baft train stops at it rather than restart into it
         print(f"baft: error: {err}", file=sys.stderr)
         return 2
     lead = engine.global_rank == 0

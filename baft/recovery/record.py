@@ -8,7 +8,8 @@ fault and restart::
      "restored_step": 6, "source": "memory", "lost_steps": 1,
      "T0": 0.41, "T1": 3.2, "T2": 1.1, "T3": 0.08, "T4": 0.9, "total": 5.69}
 
-- ``restart``: restart number (int); ``fault``: what was injected or what failed (text);
+- ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
+  launch); ``fault``: what was injected or what failed (text);
   ``killed_at``: unix time of the fault, or null when unknown.
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
   after it and redone (int); ``source``: where the state came from, one of ``memory``
@@ -70,7 +71,8 @@ class Restored:
 
 
 class RecoveryReport(InstructionHook):
-    """After the first resumed iteration: T0..T4 of this restart, printed and appended to recovery.jsonl."""
+    """After the first resumed iteration: T0..T4 of this restart (or of a new launch that restored a snapshot),
+    printed and appended to recovery.jsonl."""
 
     def __init__(self, restored: Optional[Restored], run_dir: Optional[str]):
         self.restored, self.run_dir, self.done = restored, run_dir, False
@@ -80,8 +82,8 @@ class RecoveryReport(InstructionHook):
             return
         self.done = True
         mark("first_iteration_end")
-        if engine.global_rank != 0 or restart_count() == 0 or self.run_dir is None:
-            return
+        if engine.global_rank != 0 or self.run_dir is None or restart_count() == 0 and self.restored is None:
+            return  # a run's first launch recovers nothing
         record = recovery_record(self.restored, Path(self.run_dir))
         with open(Path(self.run_dir) / FILENAME, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -112,19 +114,24 @@ def _fault(run_dir: Path) -> dict:
 
 
 def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
+    """This restart's record; restart 0 is a new launch that resumed the run (its T1 starts with the launch:
+    how long the run stood still before it is not baft's to know)."""
     progress = _last_progress(run_dir)
-    fault = _fault(run_dir)
+    relaunch = restart_count() == 0
+    fault = {} if relaunch else _fault(run_dir)
     failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
     step = restored.step if restored else 0
     since = progress.get(step, failed_at)
     t = {
         "T0": max(0.0, failed_at - since),
-        "T1": clock.get("init_start", clock["process_start"]) - failed_at,  # restart, interpreter, imports
+        # restart, interpreter, imports
+        "T1": clock.get("init_start", clock["process_start"]) - (clock["process_start"] if relaunch else failed_at),
         "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
         "T3": clock["restore_end"] - clock["restore_start"],
         "T4": clock["first_iteration_end"] - clock["restore_end"],
     }
-    return {"restart": restart_count(), "fault": fault.get("what", "process exit"), "killed_at": fault.get("time"),
+    what = "a new launch" if relaunch else fault.get("what", "process exit")
+    return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"),
             "restored_step": step, "source": restored.source if restored else "fresh",
             "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}
 
