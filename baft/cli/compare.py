@@ -72,8 +72,9 @@ def parse_policies(text: str) -> list[tuple[str, str, int | None]]:
 
 class Meter(InstructionHook):
     """Wraps a policy's hook (or none): times its callbacks on the trainer's thread, in wall and
-    CPU seconds (which a busy machine does not inflate), and the receive waits. The same wrapper
-    runs under ``none``, so its own cost is in the baseline too."""
+    CPU seconds (which a busy machine does not inflate), and the waits for other stages (receives,
+    the optimizer step's collectives). The same wrapper runs under ``none``, so its own cost is in
+    the baseline too."""
 
     def __init__(self, inner=None):
         self.inner = inner
@@ -99,6 +100,11 @@ class Meter(InstructionHook):
     def bubble(self, engine, index, cmd):
         return self.inner.bubble(engine, index, cmd) if self.inner is not None else None
 
+    def waited(self, engine, index, seconds):
+        self.recv_wait += seconds
+        if self.inner is not None:
+            self.inner.waited(engine, index, seconds)
+
     def after(self, engine, index, cmd):
         if isinstance(cmd, (RecvActivation, RecvGrad)):
             self.recv_wait += time.perf_counter() - self._recv_start
@@ -108,6 +114,8 @@ class Meter(InstructionHook):
     def iteration_end(self, engine):
         if self.inner is not None:
             self._call(self.inner.iteration_end, engine)
+            wall, cpu = getattr(self.inner, "fence_at_update", (0.0, 0.0))  # inside the optimizer step, no callback
+            self.wall, self.cpu = self.wall + wall, self.cpu + cpu
 
 
 def make_hook(policy: tuple, engine, data, ours: argparse.Namespace, model: argparse.Namespace):

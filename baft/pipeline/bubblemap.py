@@ -29,8 +29,9 @@ class Bubble:
     """One idle interval of one stage.
 
     ``slot`` is the index, in the stage's instruction stream for one iteration, of the
-    instruction that waits through the bubble (a receive on CPU). ``after`` and ``before``
-    name the instructions that close and reopen the stage's work around it.
+    instruction that waits through the bubble (on CPU a receive, or the optimizer step waiting
+    in its collectives: kind "optimizer"). ``after`` and ``before`` name the instructions that
+    close and reopen the stage's work around it.
     """
 
     stage: int
@@ -49,7 +50,8 @@ class Bubble:
 
 @dataclass(frozen=True)
 class InstructionTiming:
-    """One executed instruction: median start and duration over the profiled iterations."""
+    """One executed instruction: median start and duration over the profiled iterations; ``wait``: the part of
+    the duration an optimizer step spent in its collectives, waiting for the other stages."""
 
     index: int
     name: str
@@ -57,6 +59,7 @@ class InstructionTiming:
     duration: float
     spread: float = 0.0
     micro_batch: Optional[int] = None
+    wait: float = 0.0
 
 
 @dataclass(frozen=True)

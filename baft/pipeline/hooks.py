@@ -4,12 +4,18 @@
 :class:`BaftPipelineEngine` in place (same object, subclass), so DeepSpeed is used as
 shipped. Hooks see every instruction of ``train_batch`` with its index in the stage's
 stream (the bubble map's ``slot``); a hook may also take over the wait inside a receive
-(:meth:`InstructionHook.bubble`), which is where baft's copies run on CPU.
+(:meth:`InstructionHook.bubble`), which is where baft's copies run on CPU. On a backend whose
+collectives block the host (gloo), the optimizer step's collectives are waits too: with gradient
+clipping (DeepSpeed's default) or fp16, every stage's step first reduces the global gradient norm
+or overflow flag with the other stages, so a stage that finished its backward passes early waits
+there, before its optimizer changes any state. Hooks hear how long (:meth:`InstructionHook.waited`)
+and may work through it like a receive.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
@@ -35,8 +41,12 @@ class InstructionHook:
         """Stop any work still running and release resources (at process exit)."""
 
     def bubble(self, engine, index: int, cmd) -> Optional[Callable[[threading.Event], None]]:
-        """Work to run while this receive waits: called with an event set when the data has landed."""
+        """Work to run while this receive (or the optimizer step's collective) waits: called with an event
+        set when the data has landed."""
         return None
+
+    def waited(self, engine, index: int, seconds: float) -> None:
+        """The optimizer step at ``index`` waited ``seconds`` in its collectives for the other stages."""
 
 
 _RECV = (schedule.RecvActivation, schedule.RecvGrad)
@@ -72,7 +82,12 @@ class BaftPipelineEngine(PipelineEngine):
                 for hook in self.baft_hooks:
                     hook.before(self, index, cmd)
                 work = self._bubble_work(index, cmd)
-                if work is None:
+                if isinstance(cmd, schedule.OptimizerStep) and _collectives_block_host():
+                    with _collectives_while(work) as waits:
+                        handler(self, **cmd.kwargs)
+                    for hook in self.baft_hooks:
+                        hook.waited(self, index, sum(waits))
+                elif work is None:
                     handler(self, **cmd.kwargs)
                 else:
                     with _receive_while(work):
@@ -82,7 +97,7 @@ class BaftPipelineEngine(PipelineEngine):
                 index += 1
 
     def _bubble_work(self, index, cmd):
-        if not isinstance(cmd, _RECV):
+        if not isinstance(cmd, (*_RECV, schedule.OptimizerStep)):
             return None
         works = [w for w in (h.bubble(self, index, cmd) for h in self.baft_hooks) if w is not None]
         if not works:
@@ -126,36 +141,69 @@ def attach(engine, schedule_name: str = "1f1b") -> BaftPipelineEngine:
 
 
 _blocking_recv = p2p.recv
+_blocking_all_reduce = torch_dist.all_reduce
 
 
-@contextmanager
-def _receive_while(work: Callable[[threading.Event], None]):
-    """Within the block, DeepSpeed's blocking receives run ``work`` while they wait.
+def _collectives_block_host() -> bool:
+    return torch_dist.is_initialized() and torch_dist.get_backend() == "gloo"
+
+
+def _wait_while(pending, work: Optional[Callable[[threading.Event], None]]) -> float:
+    """Wait for the ``pending`` operation, running ``work`` meanwhile; the seconds until it completed.
 
     gloo's ``Work.is_completed()`` does not turn true before ``wait()`` is called, so a
     helper thread waits and sets an event; ``work`` copies until the event is set.
     """
+    landed = threading.Event()
+    failed, done = [], []
+    start = time.perf_counter()
+
+    def wait():
+        try:
+            pending.wait()
+        except BaseException as err:  # re-raised in the trainer's thread below
+            failed.append(err)
+        finally:
+            done.append(time.perf_counter())
+            landed.set()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    if work is not None:
+        work(landed)
+    waiter.join()
+    if failed:
+        raise failed[0]
+    return done[0] - start
+
+
+@contextmanager
+def _collectives_while(work: Optional[Callable[[threading.Event], None]]):
+    """Within the block, a blocking ``all_reduce`` (DeepSpeed's go through ``torch.distributed``) runs ``work``
+    while it waits; yields the list of the seconds each one waited."""
+    waits: list[float] = []
+
+    def all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=None, async_op=False):
+        pending = _blocking_all_reduce(tensor, op=op, group=group, async_op=True)
+        if async_op:
+            return pending
+        waits.append(_wait_while(pending, work))
+        return None
+
+    torch_dist.all_reduce = all_reduce
+    try:
+        yield waits
+    finally:
+        torch_dist.all_reduce = _blocking_all_reduce
+
+
+@contextmanager
+def _receive_while(work: Callable[[threading.Event], None]):
+    """Within the block, DeepSpeed's blocking receives run ``work`` while they wait."""
 
     def recv(tensor, src_stage, async_op=False):
         src = p2p._grid.stage_to_global(stage_id=src_stage)
-        pending = torch_dist.irecv(tensor, src)
-        landed = threading.Event()
-        failed = []
-
-        def wait():
-            try:
-                pending.wait()
-            except BaseException as err:  # re-raised in the trainer's thread below
-                failed.append(err)
-            finally:
-                landed.set()
-
-        waiter = threading.Thread(target=wait, daemon=True)
-        waiter.start()
-        work(landed)
-        waiter.join()
-        if failed:
-            raise failed[0]
+        _wait_while(torch_dist.irecv(tensor, src), work)
 
     p2p.recv = recv
     try:

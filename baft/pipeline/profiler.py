@@ -5,8 +5,9 @@ instruction of every ``train_batch`` on its rank. Each rank writes a trace;
 :func:`merge_traces` turns the traces of all ranks into one measured bubble map, with the
 analytic prediction from the same per-op costs beside it.
 
-A bubble is time a stage's compute waits in a receive. On CPU the host blocks there, so
-the host clock measures it. On a GPU the host does not block (NCCL makes the compute stream
+A bubble is time a stage's compute waits in a receive, or in the optimizer step's collectives
+for the other stages (the global gradient norm: see :mod:`baft.pipeline.hooks`). On CPU the host
+blocks there, so the host clock measures it. On a GPU the host does not block (NCCL makes the compute stream
 wait), so every instruction is bracketed by CUDA events on the compute stream instead, and
 a receive's duration is the time the *device* idled in it; the host waits once per
 iteration, at its end, to read the events.
@@ -82,19 +83,26 @@ class InstructionTimer(InstructionHook):
     def iteration_start(self, engine):
         self._t0 = self.clock.mark()
         self._current = []
+        self._waits: dict[int, float] = {}
 
     def before(self, engine, index, cmd):
         self._start = self.clock.mark()
+
+    def waited(self, engine, index, seconds):
+        self._waits[index] = seconds
 
     def after(self, engine, index, cmd):
         self._current.append((index, repr(cmd), type(cmd).__name__, self._start, self.clock.mark()))
 
     def iteration_end(self, engine):
+        """The iteration's record: (index, repr, kind, start, duration[, wait]) per instruction, the wait
+        (seconds in the optimizer step's collectives) only where one was timed."""
         end = self.clock.mark()
         self.clock.wait()
         seconds = self.clock.seconds
         self.iterations.append({"time": seconds(self._t0, end), "instructions": [
-            (index, text, kind, seconds(self._t0, start), seconds(start, stop))
+            (index, text, kind, seconds(self._t0, start), seconds(start, stop),
+             *([self._waits[index]] if index in self._waits else []))
             for index, text, kind, start, stop in self._current]})
 
 
@@ -165,6 +173,7 @@ def median_profile(trace: dict, skip: int) -> RankProfile:
     for i, first in enumerate(iters[0]["instructions"]):
         starts = [it["instructions"][i][3] for it in iters]
         durations = [it["instructions"][i][4] for it in iters]
+        waits = [it["instructions"][i][5] if len(it["instructions"][i]) > 5 else 0.0 for it in iters]
         name = first[2]
         micro_batch = None
         if name in _COMPUTE:
@@ -172,7 +181,8 @@ def median_profile(trace: dict, skip: int) -> RankProfile:
             seen[name] = micro_batch + 1
         instructions.append(InstructionTiming(
             index=first[0], name=first[1], start=statistics.median(starts),
-            duration=statistics.median(durations), spread=_spread(durations), micro_batch=micro_batch))
+            duration=statistics.median(durations), spread=_spread(durations), micro_batch=micro_batch,
+            wait=statistics.median(waits)))
     times = [it["time"] for it in iters]
     return RankProfile(rank=trace["rank"], stage=trace["stage"], dp_rank=trace["dp_rank"],
                        iteration_time=statistics.median(times), iteration_spread=_spread(times),
@@ -189,18 +199,22 @@ def _spread(values) -> float:
 
 
 def measured_bubbles(profile: RankProfile) -> list[Bubble]:
-    """The receive waits of one rank, classified by where they fall in its stream."""
+    """The waits of one rank (its receives, its optimizer step's collectives), classified by where they fall
+    in its stream. A collective's wait is placed at the start of its step: the step's own work follows it."""
     instrs = profile.instructions
     compute = [i for i, ins in enumerate(instrs) if ins.name.split("(")[0] in _COMPUTE]
     first, last = (compute[0], compute[-1]) if compute else (0, len(instrs))
     bubbles = []
     for i, ins in enumerate(instrs):
-        if ins.name.split("(")[0] not in _RECEIVE or ins.duration <= 0:
+        receive = ins.name.split("(")[0] in _RECEIVE
+        length = ins.duration if receive else ins.wait
+        if length <= 0:
             continue
-        kind = "warm-up" if i < first else "cool-down" if i > last else "steady"
-        bubbles.append(Bubble(stage=profile.stage, rank=profile.rank, start=ins.start, end=ins.start + ins.duration,
+        kind = "optimizer" if not receive else "warm-up" if i < first else "cool-down" if i > last else "steady"
+        bubbles.append(Bubble(stage=profile.stage, rank=profile.rank, start=ins.start, end=ins.start + length,
                               slot=ins.index, after=instrs[i - 1].name if i else "iteration start",
-                              before=instrs[i + 1].name if i + 1 < len(instrs) else "iteration end", kind=kind))
+                              before=ins.name if not receive else
+                              instrs[i + 1].name if i + 1 < len(instrs) else "iteration end", kind=kind))
     return bubbles
 
 
@@ -213,15 +227,16 @@ def measured_costs(profiles: list[RankProfile], stages: int, optimizer_sync: boo
     """Per-stage costs for the analytic model: everything a stage does per micro-batch, minus waits.
 
     A forward costs its micro-batch's load, forward pass and (blocking) send; a backward,
-    its backward pass and send; the optimizer, the reductions and the step. Transfers
-    between processes on one host are part of the send, so p2p latency is zero.
+    its backward pass and send; the optimizer, the reductions and the step, less the step's
+    wait for the other stages. Transfers between processes on one host are part of the send,
+    so p2p latency is zero.
     """
     def stage_costs(stage):
         rank = next(p for p in profiles if p.stage == stage and p.dp_rank == 0)
         spent, forwards = defaultdict(float), 0
         for ins in rank.instructions:
             name = ins.name.split("(")[0]
-            spent[name] += ins.duration
+            spent[name] += ins.duration - ins.wait
             forwards += name == "ForwardPass"
         m = max(forwards, 1)
         return (sum(spent[n] for n in _FORWARD_SIDE) / m, sum(spent[n] for n in _BACKWARD_SIDE) / m,

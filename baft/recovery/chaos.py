@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep, RecvActivation, RecvGrad
 
 from baft.errors import ConfigError
 from baft.pipeline.hooks import InstructionHook
+from baft.snapshot.optimizers import base_optimizer
 from baft.snapshot.policies import SnapshotPolicy
 
 PHASES = ("forward", "backward", "copy", "seal", "commit", "optimizer")
@@ -140,9 +142,15 @@ class ChaosHook(InstructionHook):
         elif isinstance(cmd, OptimizerStep):
             fault = self._due(engine, "commit") or self._due(engine, "optimizer")
             if fault is not None:
-                for policy in _snapshot_policies(engine):
-                    policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
-                self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
+                def commit_then_kill(*_):
+                    for policy in _snapshot_policies(engine):
+                        policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
+                    self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
+                base = base_optimizer(engine.optimizer)
+                if isinstance(base, torch.optim.Optimizer):  # after the fence a policy armed there (hooks run in order)
+                    base.register_step_pre_hook(commit_then_kill)
+                else:
+                    commit_then_kill()
 
     def bubble(self, engine, index, cmd):
         fault = self._due(engine, "copy")  # the host copies while this receive waits

@@ -89,6 +89,10 @@ class PlannedExecutor(BubbleExecutor):
             self.timer.after(engine, index, cmd)
         super().after(engine, index, cmd)
 
+    def waited(self, engine, index, seconds):
+        if not self.planned:
+            self.timer.waited(engine, index, seconds)
+
     def iteration_end(self, engine):
         if not self.planned:
             self.timer.iteration_end(engine)

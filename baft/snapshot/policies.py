@@ -5,9 +5,11 @@ before optimizer step k+1 (the last step's, when training stops: :meth:`Snapshot
 they differ in when the chunks are copied:
 
 * :class:`BubbleExecutor` (``baft``): inside the bubbles, whatever is left is flushed before
-  the optimizer step. On CPU it copies while the stage waits in a receive, chunk by chunk,
-  until the data lands; with a copy stream (a GPU, where the host does not wait) it queues
-  each bubble's planned chunks on the stream where the bubble begins.
+  the optimizer step. On CPU it copies while the stage waits in a receive, or in the optimizer
+  step's collectives (the global gradient norm), chunk by chunk, until the data lands, and
+  flushes the rest just before the base optimizer's ``step`` changes the state; with a copy
+  stream (a GPU, where the host does not wait) it queues each bubble's planned chunks on the
+  stream where the bubble begins, and flushes before the ``OptimizerStep`` instruction.
 * :class:`SyncCopy` (``sync-copy``): everything at the start of the iteration (CheckFreq's
   snapshot phase).
 * :class:`ThreadCopy` (``thread-copy``): a background thread, ignoring bubbles.
@@ -26,12 +28,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
+from baft.snapshot.optimizers import base_optimizer
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream
@@ -95,9 +99,13 @@ class SnapshotPolicy(InstructionHook):
 
     def before(self, engine, index, cmd):
         if isinstance(cmd, OptimizerStep) and self.snapshot is not None:
-            start = time.perf_counter()
-            self.finish()
-            self.stall += time.perf_counter() - start
+            self.meet_deadline()
+
+    def meet_deadline(self) -> None:
+        """Finish the snapshot in flight now, its time counted as stall."""
+        start = time.perf_counter()
+        self.finish()
+        self.stall += time.perf_counter() - start
 
     def close(self) -> None:
         try:
@@ -150,8 +158,9 @@ class CopySpans:
 
     ``origin`` is ``time.perf_counter()`` at the start of the iteration, so another host clock
     can re-base the spans. ``bubbles`` holds (instruction index, start, end, bytes) for every
-    bubble the executor copied in, ``flush`` the (start, end, bytes) of the fence before
-    ``OptimizerStep`` (its time is the stall; None when no snapshot was taken). With a copy
+    bubble the executor copied in, ``flush`` the (start, end, bytes) of the fence (its time is
+    the stall; None when no snapshot was taken): before the base optimizer's step, inside
+    ``OptimizerStep`` on CPU, before ``OptimizerStep`` with a copy stream. With a copy
     stream a bubble's span is when its chunks were *queued*: the stream copies them later.
     """
 
@@ -181,12 +190,15 @@ class BubbleExecutor(SnapshotPolicy):
         super().__init__(*args, **kwargs)
         self.plan, self.stream, self.leftovers = plan, stream, leftovers
         self.placement: dict[int, range] = {}
+        self.deadline = None  # the hook that fences before the base optimizer's step, once armed
+        self.fence_at_update = (0.0, 0.0)  # (wall, CPU) seconds of this iteration's fence there, outside any hook
         self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
         self.flushed_bytes = 0
         self.spans = CopySpans(origin=time.perf_counter())
 
     def iteration_start(self, engine):
         self.spans = CopySpans(origin=time.perf_counter())
+        self.fence_at_update = (0.0, 0.0)
         super().iteration_start(engine)
 
     def started(self):
@@ -201,7 +213,30 @@ class BubbleExecutor(SnapshotPolicy):
         if self.stream is not None and self.snapshot is not None and index in self.placement:
             start = time.perf_counter()
             self._copied_in_bubble(index, start, self.snapshot.queue(self.placement[index]))
+        optimizer = base_optimizer(engine.optimizer) if isinstance(cmd, OptimizerStep) else None
+        if self.stream is None and self.snapshot is not None and isinstance(optimizer, torch.optim.Optimizer):
+            # DeepSpeed's step reduces the gradient norm (or overflow flag) across stages before its base
+            # optimizer changes any state: copy through that wait, fence as the base optimizer starts
+            self.deadline = optimizer.register_step_pre_hook(self._at_update)
+            return
         super().before(engine, index, cmd)
+
+    def _at_update(self, *_) -> None:
+        self._disarm()
+        if self.snapshot is not None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            self.meet_deadline()
+            self.fence_at_update = (time.perf_counter() - wall, time.thread_time() - cpu)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.remove()
+            self.deadline = None
+
+    def after(self, engine, index, cmd):
+        if self.deadline is not None:  # the step changed nothing (an fp16 overflow skips it): fence now
+            self._at_update()
+        super().after(engine, index, cmd)
 
     def bubble(self, engine, index, cmd):
         if self.stream is not None or self.snapshot is None or self.snapshot.done:
@@ -230,6 +265,7 @@ class BubbleExecutor(SnapshotPolicy):
         return self.stream.fence_wait() if self.stream is not None else 0.0
 
     def close(self):
+        self._disarm()  # an optimizer step that raised left it armed
         super().close()
         if hasattr(self.stream, "close"):
             self.stream.close()
