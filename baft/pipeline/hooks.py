@@ -141,7 +141,6 @@ def attach(engine, schedule_name: str = "1f1b") -> BaftPipelineEngine:
 
 
 _blocking_recv = p2p.recv
-_blocking_all_reduce = torch_dist.all_reduce
 
 
 def _collectives_block_host() -> bool:
@@ -182,9 +181,10 @@ def _collectives_while(work: Optional[Callable[[threading.Event], None]]):
     """Within the block, a blocking ``all_reduce`` (DeepSpeed's go through ``torch.distributed``) runs ``work``
     while it waits; yields the list of the seconds each one waited."""
     waits: list[float] = []
+    blocking = torch_dist.all_reduce
 
     def all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=None, async_op=False):
-        pending = _blocking_all_reduce(tensor, op=op, group=group, async_op=True)
+        pending = blocking(tensor, op=op, group=group, async_op=True)
         if async_op:
             return pending
         waits.append(_wait_while(pending, work))
@@ -194,7 +194,7 @@ def _collectives_while(work: Optional[Callable[[threading.Event], None]]):
     try:
         yield waits
     finally:
-        torch_dist.all_reduce = _blocking_all_reduce
+        torch_dist.all_reduce = blocking
 
 
 @contextmanager
