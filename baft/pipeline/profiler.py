@@ -210,11 +210,14 @@ def measured_bubbles(profile: RankProfile) -> list[Bubble]:
         length = ins.duration if receive else ins.wait
         if length <= 0:
             continue
-        kind = "optimizer" if not receive else "warm-up" if i < first else "cool-down" if i > last else "steady"
+        if receive:
+            kind = "warm-up" if i < first else "cool-down" if i > last else "steady"
+            then = instrs[i + 1].name if i + 1 < len(instrs) else "iteration end"
+        else:
+            kind, then = "optimizer", ins.name
         bubbles.append(Bubble(stage=profile.stage, rank=profile.rank, start=ins.start, end=ins.start + length,
                               slot=ins.index, after=instrs[i - 1].name if i else "iteration start",
-                              before=ins.name if not receive else
-                              instrs[i + 1].name if i + 1 < len(instrs) else "iteration end", kind=kind))
+                              before=then, kind=kind))
     return bubbles
 
 

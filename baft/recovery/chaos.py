@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep, RecvActivation, RecvGrad
 
 from baft.errors import ConfigError
 from baft.pipeline.hooks import InstructionHook
-from baft.snapshot.optimizers import base_optimizer
+from baft.snapshot.optimizers import before_base_step
 from baft.snapshot.policies import SnapshotPolicy
 
 PHASES = ("forward", "backward", "copy", "seal", "commit", "optimizer")
@@ -146,10 +145,8 @@ class ChaosHook(InstructionHook):
                     for policy in _snapshot_policies(engine):
                         policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
                     self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
-                base = base_optimizer(engine.optimizer)
-                if isinstance(base, torch.optim.Optimizer):  # after the fence a policy armed there (hooks run in order)
-                    base.register_step_pre_hook(commit_then_kill)
-                else:
+                # after the fence a policy armed there (hooks, and their pre-hooks, run in order)
+                if before_base_step(engine.optimizer, commit_then_kill) is None:
                     commit_then_kill()
 
     def bubble(self, engine, index, cmd):

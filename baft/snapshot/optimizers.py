@@ -37,6 +37,13 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def before_base_step(optimizer, fn):
+    """Have ``fn`` run just before the torch optimizer inside DeepSpeed's wrappers changes the state (a step
+    pre-hook: its handle), or None where no torch optimizer is at the base (the caller must act now)."""
+    base = base_optimizer(optimizer)
+    return base.register_step_pre_hook(fn) if isinstance(base, torch.optim.Optimizer) else None
+
+
 class NamedOptimizerState:
     """The base optimizer's parameters under structural names, and their per-parameter state.
 

@@ -28,14 +28,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
-from baft.snapshot.optimizers import base_optimizer
+from baft.snapshot.optimizers import before_base_step
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream
@@ -213,12 +212,12 @@ class BubbleExecutor(SnapshotPolicy):
         if self.stream is not None and self.snapshot is not None and index in self.placement:
             start = time.perf_counter()
             self._copied_in_bubble(index, start, self.snapshot.queue(self.placement[index]))
-        optimizer = base_optimizer(engine.optimizer) if isinstance(cmd, OptimizerStep) else None
-        if self.stream is None and self.snapshot is not None and isinstance(optimizer, torch.optim.Optimizer):
+        if self.stream is None and self.snapshot is not None and isinstance(cmd, OptimizerStep):
             # DeepSpeed's step reduces the gradient norm (or overflow flag) across stages before its base
             # optimizer changes any state: copy through that wait, fence as the base optimizer starts
-            self.deadline = optimizer.register_step_pre_hook(self._at_update)
-            return
+            self.deadline = before_base_step(engine.optimizer, self._at_update)
+            if self.deadline is not None:
+                return
         super().before(engine, index, cmd)
 
     def _at_update(self, *_) -> None:
