@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
 from baft.cli.machine import command_line, describe, now
@@ -87,3 +90,12 @@ def first_recovery(run_dir: Path) -> dict:
     if not (run_dir / FILENAME).exists():
         return {}
     return dataclasses.asdict(load_recoveries(run_dir)[0])
+
+
+def interval(log_ratios: list[float], resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the geometric mean ratio, resampling pairs."""
+    rng = np.random.default_rng(seed)
+    logs = np.array(log_ratios)
+    means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return math.exp(low), math.exp(high)

@@ -22,11 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, md_table, provenance, read_jsonl, train  # noqa: E402
+from common import RESULTS, header, interval, md_table, provenance, read_jsonl, train  # noqa: E402
 
 from baft.cli.launch import KEEP_FREED_MEMORY_ENV  # noqa: E402
 
@@ -38,15 +37,6 @@ def median_iteration(run_dir: Path, warm_up: int = 3) -> float:
     if not steps:
         raise SystemExit(f"{run_dir}: no iterations after the warm-up (see {run_dir / 'train.log'})")
     return statistics.median(steps)
-
-
-def interval(log_ratios: list[float], resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the geometric mean ratio, resampling pairs."""
-    rng = np.random.default_rng(seed)
-    logs = np.array(log_ratios)
-    means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return math.exp(low), math.exp(high)
 
 
 def main(argv=None) -> int:
