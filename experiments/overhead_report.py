@@ -142,7 +142,7 @@ def analyse(doc: dict) -> dict:
     """Per policy: overhead vs none from times normalized by the none measured around them (drift cancels)."""
     first = first_of_block(doc["records"])
     # kept whenever it was not slower on average, a block's first iteration biased none against none
-    # by -0.8 points in an hour at m=4, t=8 (experiments/results/sweep-precise.md): it is always dropped
+    # by -0.8 points in an hour at m=4, t=8 (git show 3b50683:experiments/results/sweep-precise.md): it is always dropped
     by: dict[str, list[dict]] = {}
     for r in doc["records"]:
         if measured(r, doc["block"]):

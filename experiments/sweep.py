@@ -2,7 +2,7 @@
 
     python experiments/sweep.py [--micro-batches 4,8] [--tokens 16,32,64,128,256] [--rounds 20]
                                 [--halfwidth 0.005] [--point-minutes 8] [--out experiments/results]
-                                [--raw DIR [--resume]] [--render experiments/results/sweep.json [--raw DIR]]
+                                [--raw DIR [--resume]] [--render experiments/results/sweep-intel.json [--raw DIR]]
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
