@@ -38,18 +38,19 @@ from pathlib import Path
 import torch
 
 from baft.examples.gpt import Block, GPTConfig
-from baft.snapshot.layout import checksum
+from baft.snapshot.layout import DEFAULT_CHUNK_BYTES as CHUNK, checksum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, interval, md_table, provenance  # noqa: E402
+from sweep import MODEL  # noqa: E402
 
-CHUNK = 1 << 20  # baft.chunk_bytes' default
 PHASES = ("idle", "copy+checksum", "idle again", "copy")
 
 
 def example(tokens: int) -> GPTConfig:
     """The sweep's state-heavy example (experiments/sweep.py), at ``tokens`` per micro-batch."""
-    return GPTConfig(d_model=768, layers=8, heads=12, seq=tokens)
+    return GPTConfig(d_model=MODEL["d_model"], layers=MODEL["layers"], heads=MODEL["heads"], vocab=MODEL["vocab"],
+                     seq=tokens)
 
 
 def compute(cfg: GPTConfig, phase, stop, out) -> None:
@@ -114,10 +115,8 @@ def analyse(passes: list[tuple]) -> dict:
             by_cycle.setdefault(cycle, {}).setdefault(k, []).append(seconds)
     complete = [c for c in by_cycle.values() if len(c) == len(PHASES)]
     rows = {}
-    for k, name in enumerate(PHASES):
-        if k == 0:
-            continue
-        reference = 0 if k < 3 else 2
+    for k, name in enumerate(PHASES[1:], start=1):
+        reference = max(j for j in range(k) if PHASES[j].startswith("idle"))
         logs = [math.log(statistics.fmean(c[k]) / statistics.fmean(c[reference])) for c in complete]
         low, high = interval(logs)
         rows[name] = {"slowdown": math.exp(statistics.fmean(logs)) - 1, "ci95": [low - 1, high - 1],

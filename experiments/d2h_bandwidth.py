@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 
+from baft.snapshot.layout import DEFAULT_CHUNK_BYTES as CHUNK
 from baft.snapshot.slots import map_file, register_with_cuda, unregister_from_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, md_table, provenance  # noqa: E402
-
-CHUNK = 1 << 20  # baft.chunk_bytes' default
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, chunk: int | None) -> float:

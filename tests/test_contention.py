@@ -32,4 +32,3 @@ def test_a_copy_phase_is_compared_with_the_idle_phase_before_it():
     for name, truth in [("copy+checksum", 0.15), ("copy", 0.10), ("idle again", 0.0)]:
         low, high = phases[name]["ci95"]
         assert low < truth < high and high - low < 0.02, (name, phases[name])
-
