@@ -22,6 +22,7 @@ def test_committed_snapshot_equals_synchronous_copy(tmp_path, shm_root, schedule
         # the snapshot of step k is committed during iteration k+1, before its optimizer step
         assert result["checked"] == [1, 2, 3, 4, 5]
         assert result["commits"] == [1, 2, 3, 4, 5]
+        assert result["live_records"] <= 2
 
 
 def test_snapshot_torn_by_a_kill_is_never_committed(tmp_path, shm_root):

@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         if policy is not None:
             if hasattr(policy, "drain"):
                 policy.drain()  # the last snapshot may still be sealing
-            taken = len(getattr(policy, "commits", getattr(policy, "saved", [])))
+            taken = len(getattr(policy, "committed_steps", getattr(policy, "saved", [])))
             snapshots = f"; {taken} snapshots committed by rank 0 ({args.policy}, period {policy.period})"
         print(f"summary: median iteration {statistics.median(times) * 1e3:.1f} ms over {len(times)} iterations"
               f"{snapshots}", flush=True)

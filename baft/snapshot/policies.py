@@ -54,8 +54,8 @@ class SnapshotPolicy(InstructionHook):
         self.snapshot: Optional[Snapshot] = None
         self.stall = 0.0  # this iteration's
         self.stream: Optional[CopyStream] = None  # None: the host copies
-        self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``commits``
-        self.commits: list[CommitRecord] = []
+        self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``committed_steps``
+        self.committed_steps: list[int] = []  # not the records: tens of KB each, one per step of a long run
         self.sealer = Sealer(self._committed)
         self.engine = None  # the engine of the latest iteration, and whether that iteration ended
         self.at_step_boundary = False
@@ -146,7 +146,7 @@ class SnapshotPolicy(InstructionHook):
         self.sealer.wait()
 
     def _committed(self, record: CommitRecord, slot: int) -> None:
-        self.commits.append(record)
+        self.committed_steps.append(record.step)
         if self.link is not None:
             self.link.commit(record, slot)
 

@@ -8,6 +8,7 @@ chunk N of step S's snapshot.
 """
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from baft.examples.worker import build, parse_args
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import copy, slots, state
 from baft.snapshot.build import shm_root
-from baft.snapshot.layout import chunk_bytes_of
+from baft.snapshot.layout import CommitRecord, chunk_bytes_of
 
 extra = argparse.ArgumentParser()
 extra.add_argument("--out", required=True)
@@ -89,7 +90,9 @@ Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
     "leftover_bytes": plan.leftover_bytes if plan else None,
     "bubble_bytes": dict(getattr(policy, "bubble_bytes", {})), "flushed_bytes": getattr(policy, "flushed_bytes", None),
     "checked": ref.checked, "mismatches": ref.mismatches, "root": root,
-    "commits": [r.step for r in engine.baft_hooks[0].commits], "stage": engine.stage_id,
+    "commits": engine.baft_hooks[0].committed_steps, "stage": engine.stage_id,
+    # a long run must not hold a commit record per step: at most those of the slots and the one in flight
+    "live_records": sum(isinstance(o, CommitRecord) for o in gc.get_objects()),
     "chunks": [c.index for c in engine.baft_hooks[0].source.layout.chunks],
     "total_chunks": engine.baft_hooks[0].source.layout.total_chunks}))
 sys.exit(0)
