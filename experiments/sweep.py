@@ -151,7 +151,8 @@ def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: di
         "sync_copy_cost": rows["sync-copy"]["stall_s"] / base,
         "bubble_fraction": (model["stages"] - 1) / (m + model["stages"] - 1),
         **({"bubble_measured": min(bmap.bubble_fraction(s) for s in range(bmap.stages))} if bmap else {}),
-        "policies": {name: {"overhead": r["overhead"], "ci95": r["ci95"], "period": r["period"],
+        "policies": {name: {"overhead": r["overhead"], "ci95": r["ci95"], "mean": r["mean_overhead"],
+                            "mean_ci95": r["mean_ci95"], "period": r["period"],
                             "stall_s": r["stall_s"], "cpu_outside_bubbles_s": r["in_hook_cpu_s"]}
                      for name, r in rows.items() if name != "none"},
         "baft_predicted": stall / base / period, "baft_period_predicted": period,
@@ -179,9 +180,11 @@ def real_jobs() -> dict:
 # verdicts
 
 
-def ci_text(p: dict) -> str:
-    low, high = p["ci95"] or (math.nan, math.nan)
-    return f"{p['overhead']:+.2%} ({low:+.2%} .. {high:+.2%})"
+def ci_text(p: dict, mean: bool = False) -> str:
+    """The overhead and its 95% interval: of the interquartile mean, or (``mean``) of the mean."""
+    value, interval = (p["mean"], p["mean_ci95"]) if mean else (p["overhead"], p["ci95"])
+    low, high = interval or (math.nan, math.nan)
+    return f"{value:+.2%} ({low:+.2%} .. {high:+.2%})"
 
 
 def needs(pt: dict, half: float) -> str:
@@ -202,7 +205,8 @@ def aa_lines(points: list[dict]) -> list[str]:
         low, high = aa["ci95"] or (-1, 1)
         ok = low <= 0 <= high and max(-low, high) <= 0.005
         out.append(f"{'PASS' if ok else 'FAIL'} A/A at m={pt['micro_batches']} t={pt['tokens']}: "
-                   f"none vs none {ci_text(aa)}; must contain 0 within +-0.50 points" + needs(pt, (high - low) / 2))
+                   f"none vs none {ci_text(aa)} (mean {ci_text(aa, mean=True)}); the interquartile mean's must contain 0 "
+                   f"within +-0.50 points" + needs(pt, (high - low) / 2))
     return out
 
 
@@ -214,9 +218,12 @@ def target_lines(points: list[dict]) -> list[str]:
         b, s, th = pt["policies"]["baft"], pt["policies"]["sync-copy"], pt["policies"]["thread-copy"]
         b_high = (b["ci95"] or (0, math.inf))[1]
         if pt["copy_fits_bubbles"]:
-            ok = b["period"] == 1 and b["overhead"] <= BUDGET and b_high <= 0.015
+            # by both centres: the mean is what a long run pays, with the rare iterations the other drops
+            ok = b["period"] == 1 and all(value <= BUDGET and (interval or (0, math.inf))[1] <= 0.015
+                                          for value, interval in ((b["overhead"], b["ci95"]), (b["mean"], b["mean_ci95"])))
             out.append(f"{'PASS' if ok else 'FAIL'} target 1 at {where}: bubbles hold the state; baft at period "
-                       f"{b['period']} costs {ci_text(b)}; needs period 1, <= 1% and upper bound <= 1.5%")
+                       f"{b['period']} costs {ci_text(b)}, mean {ci_text(b, mean=True)}; needs period 1, <= 1% and "
+                       f"upper bound <= 1.5% by both")
             if pt["sync_copy_cost"] >= 0.05:
                 s_low, t_low = (s["ci95"] or (0, 0))[0], (th["ci95"] or (0, 0))[0]
                 floor = max(b_high, 0.0)
@@ -258,6 +265,8 @@ def draw(points: list[dict], jobs: dict, path: Path) -> None:
             # the band has no width at a lone point: its interval as an error bar too
             ax.errorbar(xs, ys, yerr=[[y - lo for y, lo in zip(ys, lows)], [hi - y for y, hi in zip(ys, highs)]],
                         fmt="none", ecolor=colour, elinewidth=1, capsize=3)
+        ax.plot(xs, [p["policies"]["baft"]["mean"] * 100 for p in mine], "s:", color=STYLE["baft"][0], lw=1, ms=4,
+                mfc="none", label="baft, mean (the rare long iterations included)")
         ax.plot(xs, [p["baft_predicted"] * 100 for p in mine], "x--", color=STYLE["baft"][0], lw=1, ms=6,
                 label="baft, planner's prediction")
         bubble = mine[0]["bubble_fraction"] * 100 if mine else 0
@@ -292,6 +301,7 @@ def point_rows(points: list[dict]) -> list[list]:
         rows.append([p["micro_batches"], p["tokens"], f"{p['iteration_s'] * 1e3:.0f} ms", f"{p['sync_copy_cost']:.1%}",
                      bubble,
                      ci_text(pol[AA]), ci_text(pol["sync-copy"]), ci_text(pol["thread-copy"]), ci_text(pol["baft"]),
+                     ci_text(pol[AA], mean=True), ci_text(pol["baft"], mean=True),
                      pol["baft"]["period"], f"{p['baft_predicted']:+.2%}", f"{p['in_bubbles']:.0%}",
                      f"{pol['baft']['cpu_outside_bubbles_s'] * 1e3:.1f} ms",
                      ", ".join(f"{k.split('/')[0]} {v}" for k, v in p["disk_period_for_1pct"].items()), p["rounds"]])
@@ -310,10 +320,12 @@ def render(data: dict) -> str:
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period, planned from the point's "
              "measured bubble map). Overhead: interquartile mean (mean of the middle half) of each "
-             "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds.", "",
+             "iteration over the none iterations next to it, - 1, with a 95% interval resampling rounds; "
+             "the mean of the same ratios (what a long run pays, the rare long iterations included) for "
+             "the A/A check and baft.", "",
              f"![sweep]({data.get('name', 'sweep')}.png)", "",
              *md_table(["m", "tokens", "iteration", "sync copy cost", "smallest stage bubble", "A/A (none vs none)", "sync copy", "thread copy",
-                        "baft", "baft period", "baft predicted", "state copied in bubbles (min stage)",
+                        "baft", "A/A, mean", "baft, mean", "baft period", "baft predicted", "state copied in bubbles (min stage)",
                         "baft CPU outside bubbles", "disk period for 1%", "rounds"], point_rows(points)), "",
              "Real jobs on the same axis (the simulator's synchronous copy over its iteration):", "",
              *md_table(["job", "sync copy cost", "bubble fraction"],
