@@ -14,7 +14,6 @@ and may work through it like a receive.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from baft.pipeline.schedules import make_schedule
+from baft.background import BackgroundThread
 
 
 class InstructionHook:
@@ -149,28 +149,21 @@ def _collectives_block_host() -> bool:
 
 
 class _Waiter:
-    """One thread per process that waits for the engine's pending operations, one at a time.
+    """Waits for the engine's pending operations on a :class:`~baft.background.BackgroundThread`, one at a time.
 
     gloo's ``Work.is_completed()`` does not turn true before ``wait()`` is called, so a thread must
-    wait while the engine's thread works. It is started once: starting a thread per receive cost
-    about 1 ms where the data had already landed and the other cores were busy (the new thread
-    waits for a core), which put copies on the pipeline's critical path.
+    wait while the engine's thread works.
     """
 
     def __init__(self):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._thread = BackgroundThread("baft-wait")
 
     def wait_while(self, pending, work: Optional[Callable[[threading.Event], None]]) -> float:
         """Wait for ``pending``, running ``work`` meanwhile (with an event set once it completed); the seconds
         until it completed."""
-        if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-            self._requests = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._serve, name="baft-wait", daemon=True)
-            self._thread.start()
         landed, outcome = threading.Event(), {}
         start = time.perf_counter()
-        self._requests.put((pending, landed, outcome))
+        self._thread.submit(lambda: self._wait(pending, landed, outcome))
         if work is not None:
             work(landed)
         landed.wait()
@@ -178,16 +171,15 @@ class _Waiter:
             raise outcome["error"]
         return outcome["done"] - start
 
-    def _serve(self) -> None:
-        while True:
-            pending, landed, outcome = self._requests.get()
-            try:
-                pending.wait()
-            except BaseException as err:  # re-raised in the engine's thread
-                outcome["error"] = err
-            finally:
-                outcome["done"] = time.perf_counter()
-                landed.set()
+    @staticmethod
+    def _wait(pending, landed: threading.Event, outcome: dict) -> None:
+        try:
+            pending.wait()
+        except BaseException as err:  # re-raised in the engine's thread
+            outcome["error"] = err
+        finally:
+            outcome["done"] = time.perf_counter()
+            landed.set()
 
 
 _wait_while = _Waiter().wait_while

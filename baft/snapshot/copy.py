@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from baft.snapshot import state
 from baft.snapshot.layout import CommitRecord, Layout, checksum, model_signature, plan_layout
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream
+from baft.background import BackgroundThread
 
 
 def seal_threads() -> int:
@@ -169,47 +169,38 @@ class Snapshot:
 
 
 class Sealer:
-    """Seals fenced snapshots on a thread of its own, one at a time, and reports each commit.
+    """Seals fenced snapshots on a :class:`~baft.background.BackgroundThread`, one at a time, and reports each commit.
 
     ``committed(record, slot)`` runs on that thread once the commit record is written. A
     snapshot's slot is reused only after its seal: :meth:`wait` before the next ``begin``.
     An error while sealing is raised by the next :meth:`wait`, in the trainer's thread.
-    The thread is started once: ``Thread.start`` returns only when the new thread runs, which on
-    a host whose cores are all training took a scheduler slice from the fence, every snapshot.
     """
 
     def __init__(self, committed: Callable[[CommitRecord, int], None]):
         self.committed = committed
         self.before_seal: Optional[Callable[[], None]] = None  # fault injection: runs before the next seal
         self.seconds = 0.0  # how long the latest finished seal took (copies awaited, checksums, commit)
-        self._snapshots: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = BackgroundThread("baft-seal")
         self._idle = threading.Event()
         self._idle.set()
-        self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
     def submit(self, snapshot: Snapshot) -> None:
         self.wait()
-        if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-            self._snapshots = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._serve, name="baft-seal", daemon=True)
-            self._thread.start()
         self._idle.clear()
-        self._snapshots.put(snapshot)
+        self._thread.submit(lambda: self._seal(snapshot))
 
-    def _serve(self) -> None:
-        while True:
-            snapshot = self._snapshots.get()
-            try:
-                if self.before_seal is not None:
-                    self.before_seal()
-                start = time.perf_counter()
-                self.committed(snapshot.seal(), snapshot.slot)
-                self.seconds = time.perf_counter() - start
-            except BaseException as err:  # re-raised in the trainer's thread by wait()
-                self._error = err
-            finally:
-                self._idle.set()
+    def _seal(self, snapshot: Snapshot) -> None:
+        try:
+            if self.before_seal is not None:
+                self.before_seal()
+            start = time.perf_counter()
+            self.committed(snapshot.seal(), snapshot.slot)
+            self.seconds = time.perf_counter() - start
+        except BaseException as err:  # re-raised in the trainer's thread by wait()
+            self._error = err
+        finally:
+            self._idle.set()
 
     def wait(self) -> None:
         """Until the snapshot being sealed is committed (or its error raised here)."""
