@@ -16,12 +16,17 @@ from baft.errors import ConfigError
 
 def write_json_atomic(path, doc, indent: int | None = 1) -> Path:
     """Write ``doc`` to ``path`` so that a reader sees the old file or the new one, never half."""
+    return write_text_atomic(path, json.dumps(doc, indent=indent))  # dumps: json.dump writes piece by piece
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write ``text`` (JSON already serialized) and a newline to ``path``, atomically as :func:`write_json_atomic`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=indent) + "\n")  # one write: json.dump writes piece by piece
+            f.write(text + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

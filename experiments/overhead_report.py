@@ -137,6 +137,7 @@ def policy_row(policy: dict, recs: list[dict], baseline, doc: dict, free: float)
         if name != "none" and doc["rounds"] >= MIN_ROUNDS else None,
         "spread": iqr(ratios), "stall_s": med(worst(r, "stall") for r in snaps),
         "in_hook_s": med(worst(r, "hook_wall") for r in snaps), "in_hook_cpu_s": hook_cpu,
+        "seal_cpu_s": med(worst(r, "seal_cpu") for r in snaps) if "seal_cpu" in snaps[0]["ranks"][0] else None,
         "in_hook_share": hook_cpu / free,
         "cpu_wait": med(max(x["run_delay"] / x["wall"] for x in r["ranks"]) for r in recs),
         "snapshot_bytes": nbytes, "bytes_per_iteration": nbytes / period,

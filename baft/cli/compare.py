@@ -49,9 +49,10 @@ from baft.snapshot.build import make_policy
 # optimizer step (baft); time in receives (the bubbles, with any copy run inside them); and time
 # the trainer's thread was runnable but waited for a CPU (other load on the machine); on a GPU, the
 # device's wait at the fence for copies still running (the host's stall does not see it); how long
-# the latest finished seal took (copies awaited, checksums, commit record), off the trainer's path.
+# the latest finished seal took (copies awaited, checksums, commit record), off the trainer's path, and
+# the CPU time it took there.
 FIELDS = ("wall", "stall", "fired", "hook_wall", "hook_cpu", "bubble_bytes", "flushed_bytes", "recv_wait",
-          "run_delay", "fence_wait", "seal")
+          "run_delay", "fence_wait", "seal", "seal_cpu")
 NEVER = 1 << 40  # a period no step reaches: the hook stays idle this iteration
 
 
@@ -164,9 +165,10 @@ def measure(engine, data, meter: Meter) -> list[dict]:
     copied = float(sum(getattr(hook, "bubble_bytes", {}).values())) if fired else 0.0
     flushed = float(getattr(hook, "flushed_bytes", 0)) if fired else 0.0
     fence_wait = hook.fence_wait() if fired and hasattr(hook, "fence_wait") else 0.0
-    seal = getattr(getattr(hook, "sealer", None), "seconds", 0.0)
+    sealer = getattr(hook, "sealer", None)
+    seal, seal_cpu = (sealer.seconds, sealer.cpu_seconds) if sealer is not None else (0.0, 0.0)
     mine = torch.tensor([wall, getattr(hook, "stall", 0.0), float(fired), meter.wall, meter.cpu, copied, flushed,
-                         meter.recv_wait, schedstat() - delay, fence_wait, seal], dtype=torch.float64,
+                         meter.recv_wait, schedstat() - delay, fence_wait, seal, seal_cpu], dtype=torch.float64,
                         device=collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -335,6 +337,7 @@ def summarize(doc: dict) -> list[dict]:
                     "hook_cpu_s": statistics.median(worst(r, "hook_cpu") for r in snaps),
                     "fence_wait_s": statistics.median(worst(r, "fence_wait") for r in snaps),
                     "seal_s": statistics.median(worst(r, "seal") for r in snaps),
+                    "seal_cpu_s": statistics.median(worst(r, "seal_cpu") for r in snaps),
                     "overhead": overhead([w / base for w in wall], fired, policy["period"]) if base else None})
     return out
 

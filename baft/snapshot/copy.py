@@ -180,6 +180,7 @@ class Sealer:
         self.committed = committed
         self.before_seal: Optional[Callable[[], None]] = None  # fault injection: runs before the next seal
         self.seconds = 0.0  # how long the latest finished seal took (copies awaited, checksums, commit)
+        self.cpu_seconds = 0.0  # and the CPU time it took on its thread
         self._thread = BackgroundThread("baft-seal")
         self._idle = threading.Event()
         self._idle.set()
@@ -194,9 +195,9 @@ class Sealer:
         try:
             if self.before_seal is not None:
                 self.before_seal()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             self.committed(snapshot.seal(), snapshot.slot)
-            self.seconds = time.perf_counter() - start
+            self.seconds, self.cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu
         except BaseException as err:  # re-raised in the trainer's thread by wait()
             self._error = err
         finally:

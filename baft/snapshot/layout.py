@@ -103,6 +103,11 @@ class Layout:
         # every snapshot of a run shares one layout: build its JSON once, not at every commit
         return dataclasses.asdict(self)
 
+    @functools.cached_property
+    def json_text(self) -> str:
+        """:meth:`to_json` as JSON text, made once (a stage's layout is ~80 KB of it)."""
+        return json.dumps(self._json)
+
     @classmethod
     def from_json(cls, doc: dict) -> "Layout":
         tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"])
@@ -175,6 +180,12 @@ class CommitRecord:
         doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         doc["layout"] = self.layout.to_json()
         return doc
+
+    def to_text(self) -> str:
+        """:meth:`to_json` as one line of JSON text, the layout's text made once per run: a commit per
+        step serializes only what changes."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+        return f'{json.dumps(doc)[:-1]}, "layout": {self.layout.json_text}}}'
 
     @classmethod
     def from_json(cls, doc: dict) -> "CommitRecord":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from baft.errors import BaftError
-from baft.jsonfile import read_json, write_json_atomic
+from baft.jsonfile import read_json, write_text_atomic
 from baft.snapshot.layout import CommitRecord, Layout
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class SnapshotWriter:
         """Make the filled slot a committed snapshot. Must be called after every chunk is copied."""
         if self.slot is None:
             raise RuntimeError("commit() without begin()")
-        path = write_json_atomic(_commit_path(self.directory, self.slot), record.to_json(), indent=None)
+        path = write_text_atomic(_commit_path(self.directory, self.slot), record.to_text())
         self._steps[self.slot] = record.step
         self.slot = None
         return path
