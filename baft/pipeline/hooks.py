@@ -23,8 +23,8 @@ import torch.distributed as torch_dist
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from baft.pipeline.schedules import make_schedule
 from baft.background import BackgroundThread
+from baft.pipeline.schedules import make_schedule
 
 
 class InstructionHook:
