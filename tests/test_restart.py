@@ -151,8 +151,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninter
 def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit(tmp_path):
     """With gradient clipping (DeepSpeed's default) each stage's optimizer step first waits for the other stage
     in the global-norm all_reduce, before its optimizer changes any state: baft copies through that wait and
-    fences as the base optimizer starts. A state too big for the receive waits is partly copied there, the rest
-    at the fence, and a restart from such snapshots is bit-identical to an uninterrupted run."""
+    fences as the base optimizer starts; what the waits did not hold is copied at the fence (how much depends on
+    this machine's copy speed against its compute, none on some runs: test_trace checks every snapshot whole).
+    A restart from such snapshots is bit-identical to an uninterrupted run."""
     import subprocess
     import sys
 
@@ -168,14 +169,12 @@ def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit
                            "--fault", "rank=1,step=6,phase=backward", "--max-restarts", "1"],
                           capture_output=True, text=True, env=launch_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    first, last = (json.loads((trace_dir / f"trace-rank{rank}.json").read_text())["iterations"] for rank in (0, 1))
+    last = json.loads((trace_dir / "trace-rank1.json").read_text())["iterations"]
     in_wait = {}
     for it in last:
         step = next(ins[0] for ins in it["instructions"] if ins[2] == "OptimizerStep")
         in_wait[it["step"]] = sum(nbytes for slot, _, _, nbytes in it.get("copies", []) if slot == step)
     assert any(in_wait.values()), f"the last stage copied nothing in its optimizer step's wait: {in_wait}"
-    # the first stage waits little (the last one reaches the step first): its fence copies much of its state
-    assert any(it.get("flush", [0, 0, 0])[2] for it in first), "the first stage's fence had nothing left to copy"
     reference = {r["step"]: r["loss"] for r in losses(clean)}
     resumed = [r for r in losses(run_dir) if r["restart"] == 1]
     assert resumed and resumed[-1]["step"] == 8
