@@ -23,7 +23,7 @@ class BackgroundThread:
     def __init__(self, name: str):
         self.name = name
         self._thread: Optional[threading.Thread] = None
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._work: Optional[queue.SimpleQueue] = None  # the started thread's
 
     def submit(self, work: Callable[[], None]) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -125,16 +125,16 @@ def policy_row(policy: dict, recs: list[dict], baseline, doc: dict, free: float)
     nbytes = doc["snapshot_bytes"].get(name, 0.0)
     median_s = med(wall(r) for r in recs)
     hook_cpu = med(worst(r, "hook_cpu") for r in snaps)
+    # a bootstrap over a handful of rounds has too few distinct resamples to be an interval
+    interval = name != "none" and doc["rounds"] >= MIN_ROUNDS
     return {
         "policy": name, "kind": policy["kind"], "period": period, "iterations": len(recs), "snapshots": sum(flags),
         "median_s": median_s,
         "overhead": overhead(ratios, flags, period, interquartile_mean) if name != "none" else 0.0,
-        # a bootstrap over a handful of rounds has too few distinct resamples to be an interval
-        "ci95": list(cluster_bootstrap(samples, period)) if name != "none" and doc["rounds"] >= MIN_ROUNDS else None,
+        "ci95": list(cluster_bootstrap(samples, period)) if interval else None,
         # what a long run pays: the interquartile mean drops the rare iterations a policy stretches too
         "mean_overhead": overhead(ratios, flags, period, statistics.fmean) if name != "none" else 0.0,
-        "mean_ci95": list(cluster_bootstrap(samples, period, centre=statistics.fmean))
-        if name != "none" and doc["rounds"] >= MIN_ROUNDS else None,
+        "mean_ci95": list(cluster_bootstrap(samples, period, centre=statistics.fmean)) if interval else None,
         "spread": iqr(ratios), "stall_s": med(worst(r, "stall") for r in snaps),
         "in_hook_s": med(worst(r, "hook_wall") for r in snaps), "in_hook_cpu_s": hook_cpu,
         "seal_cpu_s": med(worst(r, "seal_cpu") for r in snaps) if "seal_cpu" in snaps[0]["ranks"][0] else None,

@@ -176,16 +176,16 @@ class CommitRecord:
     wall_time: float = 0.0
     version: int = FORMAT_VERSION
 
+    def _without_layout(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+
     def to_json(self) -> dict:
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        doc["layout"] = self.layout.to_json()
-        return doc
+        return {**self._without_layout(), "layout": self.layout.to_json()}
 
     def to_text(self) -> str:
         """:meth:`to_json` as one line of JSON text, the layout's text made once per run: a commit per
         step serializes only what changes."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
-        return f'{json.dumps(doc)[:-1]}, "layout": {self.layout.json_text}}}'
+        return f'{json.dumps(self._without_layout())[:-1]}, "layout": {self.layout.json_text}}}'
 
     @classmethod
     def from_json(cls, doc: dict) -> "CommitRecord":
