@@ -1,7 +1,8 @@
 """Where bubble-awareness pays: each policy's overhead against the cost of a synchronous copy, swept.
 
     python experiments/sweep.py [--micro-batches 4,8] [--tokens 16,32,64,128,256] [--rounds 20]
-                                [--halfwidth 0.005] [--point-minutes 8] [--out experiments/results]
+                                [--halfwidth 0.005] [--point-minutes 8 | --point-rounds N]
+                                [--out experiments/results]
                                 [--raw DIR [--resume]] [--render experiments/results/sweep-intel.json [--raw DIR]]
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
@@ -19,7 +20,8 @@ its planner's period). Each measured iteration is divided by the ``none`` iterat
 a policy's overhead is the interquartile mean (mean of the middle half) of these ratios - 1,
 with a 95% interval resampling whole rounds (``overhead_report.analyse``). Launches of
 ``--rounds`` rounds repeat until every interval is at most ``--halfwidth`` wide on each side,
-or the point's time is spent. A second, short launch times one save of DeepSpeed's
+or the point's time is spent; or, with ``--point-rounds N``, until the point has N rounds, a
+number fixed before measuring (so that no verdict depends on when the sweep chose to stop). A second, short launch times one save of DeepSpeed's
 ``save_checkpoint`` and of DCP ``async_save``: the period each needs to stay within 1% is that
 save over 1% of an iteration.
 
@@ -102,11 +104,28 @@ def launches(raw: Path, m: int, t: int) -> list[dict]:
     for path, doc in zip(paths, docs):
         if [p["name"] for p in doc["policies"]] != ["none", *ARMS.split(",")]:
             raise SystemExit(f"sweep: {path}: not a launch of this sweep's policies ({ARMS}); resume from its own --raw")
+        if doc["policies"] != docs[0]["policies"]:  # one analysis amortizes every launch's snapshots over one period
+            raise SystemExit(f"sweep: {path}: its policies ran at other periods than in {paths[0].name} "
+                             f"({doc['policies']} against {docs[0]['policies']}); resume from its own --raw")
     return docs
 
 
+def next_launch(docs: list[dict], args, start: float) -> int:
+    """The rounds of a point's next launch, 0 once it has enough: ``--point-rounds`` rounds (its resumed
+    launches included), or, without, every interval ``--halfwidth`` tight or ``--point-minutes`` spent."""
+    rounds = sum(d["rounds"] for d in docs)
+    if args.point_rounds:
+        return max(0, min(args.rounds, args.point_rounds - rounds))
+    if not docs:
+        return args.rounds
+    widest = max(halfwidth(r) for r in analyse(merge(docs))["rows"] if r["policy"] != "none")
+    print(f"sweep: {rounds} rounds, widest 95% half-width {widest:.2%}", flush=True)
+    done = widest <= args.halfwidth or time.time() - start > args.point_minutes * 60
+    return 0 if done else args.rounds
+
+
 def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = True) -> dict:
-    """Every policy at one point, until the intervals are tight enough; and the disk saves. With ``--resume``
+    """Every policy at one point, launched until :func:`next_launch` says it has enough; and the disk saves. With ``--resume``
     the launches already in ``raw`` count too, and the point's minutes are those of the new launches;
     without ``launch``, only those (``--render`` with ``--raw``)."""
     opts = {**model, "micro_batches": m, "seq": t}
@@ -120,17 +139,11 @@ def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = T
         opts["bubble_map"] = str(map_path)
     else:
         bmap = BubbleMap.load(map_path) if map_path.exists() else None  # sweeps before maps planned alone
-    while True:
-        if launch:
-            docs.append(compare(opts, ARMS, args.rounds, raw / f"m{m}-t{t}-{len(docs)}.json", args.shuffle))
-        doc = merge(docs)
-        result = analyse(doc)
-        if not launch:
-            break
-        widest = max(halfwidth(r) for r in result["rows"] if r["policy"] != "none")
-        print(f"sweep: m={m} t={t}: {doc['rounds']} rounds, widest 95% half-width {widest:.2%}", flush=True)
-        if widest <= args.halfwidth or time.time() - start > args.point_minutes * 60:
-            break
+    while launch and (rounds := next_launch(docs, args, start)):
+        print(f"sweep: m={m} t={t}: launch {len(docs)}, {rounds} rounds", flush=True)
+        docs.append(compare(opts, ARMS, rounds, raw / f"m{m}-t{t}-{len(docs)}.json", args.shuffle))
+    doc = merge(docs)
+    result = analyse(doc)
     disk_doc = json.loads(disk_path.read_text()) if reuse and disk_path.exists() else compare(opts, DISK, 2, disk_path)
     # minutes of interleaved measurement (the timed rounds, not the launches' set-up)
     measured = sum(d["elapsed_s"] for d in docs)
@@ -360,6 +373,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="rounds per launch")
     p.add_argument("--halfwidth", type=float, default=0.005, help="stop a point once every 95%% interval is this tight")
     p.add_argument("--point-minutes", type=float, default=8, help="at most this long per point")
+    p.add_argument("--point-rounds", type=int,
+                   help="launch until every point has this many rounds, its resumed launches included, whatever "
+                        "the intervals (a number fixed before measuring, instead of --halfwidth and --point-minutes)")
     p.add_argument("--shuffle", action="store_true",
                    help="draw the arms' order anew every round, so that no arm keeps one place in the round")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")

@@ -1,5 +1,6 @@
 """experiments/sweep.py's verdicts: the issue's A/A check and targets, on hand-made points."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -73,6 +74,27 @@ def test_resume_counts_only_this_sweeps_launches(tmp_path):
     (tmp_path / "m4-t8-2.json").write_text(json.dumps({"policies": [{"name": "none"}, {"name": "baft"}]}))
     with pytest.raises(SystemExit, match="m4-t8-2.json: not a launch of this sweep's policies"):
         sweep.launches(tmp_path, 4, 8)
+
+
+def test_resume_refuses_a_launch_planned_at_another_period(tmp_path):
+    def launch(baft_period):
+        return {"policies": [{"name": n, "period": baft_period if n == "baft" else 1}
+                             for n in ["none", *sweep.ARMS.split(",")]], "records": []}
+    for i, period in enumerate([2, 2, 3]):
+        (tmp_path / f"m8-t32-{i}.json").write_text(json.dumps(launch(period)))
+    with pytest.raises(SystemExit, match="m8-t32-2.json: its policies ran at other periods than in m8-t32-0.json"):
+        sweep.launches(tmp_path, 8, 32)
+
+
+def test_a_fixed_number_of_rounds_stops_whatever_the_intervals():
+    args = argparse.Namespace(rounds=20, point_rounds=230, halfwidth=0.005, point_minutes=0.0)
+    assert sweep.next_launch([], args, start=0.0) == 20
+    assert sweep.next_launch([{"rounds": 150}, {"rounds": 60}], args, start=0.0) == 20
+    assert sweep.next_launch([{"rounds": 150}, {"rounds": 70}], args, start=0.0) == 10  # the last launch is cut to fit
+    assert sweep.next_launch([{"rounds": 230}], args, start=0.0) == 0
+    assert sweep.next_launch([{"rounds": 240}], args, start=0.0) == 0
+    args.point_rounds = None
+    assert sweep.next_launch([], args, start=0.0) == 20  # without, a point's first launch always runs
 
 
 def test_overhead_is_the_mean_of_the_middle_half_of_the_ratios():
