@@ -3,7 +3,7 @@
     python experiments/sweep.py [--micro-batches 4,8] [--tokens 16,32,64,128,256] [--rounds 20]
                                 [--halfwidth 0.005] [--point-minutes 8 | --point-rounds N]
                                 [--out experiments/results]
-                                [--raw DIR [--resume]] [--render experiments/results/sweep-intel.json [--raw DIR]]
+                                [--raw DIR [--resume]] [--render SWEEP.json [SWEEP2.json ...] [--raw DIR]]
 
 The state-heavy example (2 stages balanced by compute, d_model 768, 8 blocks, 63M parameters,
 micro-batches of one sequence of ``t`` tokens): the fewer tokens per micro-batch, the shorter an iteration next
@@ -27,7 +27,8 @@ save over 1% of an iteration.
 
 ``--raw DIR`` keeps every launch's records; ``--resume`` adds new launches to those already in
 it, so that a measurement too long for one sitting can go on in another; ``--render`` with
-``--raw`` analyses a saved sweep again from its launches' records.
+``--raw`` analyses a saved sweep again from its launches' records, and with several saved sweeps
+writes them as one, each listed as a sitting with its command and date.
 
 The x axis is the synchronous copy's cost: its stall per snapshot over the ``none`` iteration.
 Real jobs are placed on it with the simulator (``baft.simulate``). The targets of the issue
@@ -333,7 +334,11 @@ def render(data: dict) -> str:
     points, model = data["points"], data["model"]
     ranks = model["stages"] * model.get("data_parallel", 1)
     lines = ["# Where bubble-awareness pays: overhead against the cost of a synchronous copy", "",
-             *header(data["provenance"], data.get("wall_s")),
+             *(header(data["provenance"], data.get("wall_s")) if "sittings" not in data else
+               [f"- machine: {data['provenance']['machine']}", "- sittings, each one command:",
+                *[f"  - `{s['command']}`: {s['date']} ({s['wall_s']:.0f} s wall), baft revision {s['revision']}"
+                  + ("" if s["machine"] == data["provenance"]["machine"] else f", on {s['machine']}")
+                  for s in data["sittings"]]]),
              *([f"- analysed again from the launches' records: `{data['analysed']['command']}`, "
                 f"{data['analysed']['date']}, baft revision {data['analysed']['revision']}"] if "analysed" in data else []),
              *([f"- note: {data['note']}"] if "note" in data else []),
@@ -354,6 +359,16 @@ def render(data: dict) -> str:
                         for k, v in data["real_jobs"].items()]), "",
              "## Verdicts", "", *[f"- {line}" for line in aa_lines(points) + target_lines(points)]]
     return "\n".join(lines) + "\n"
+
+
+def sittings(docs: list[dict], name: Optional[str]) -> dict:
+    """Saved sweeps as one: their points by (m, t), a later sweep's replacing an earlier's, and each sweep's
+    provenance as a sitting (a point resumed in a later sitting has all its launches in that one's)."""
+    if len(docs) == 1:
+        return {**docs[0], **({"name": name} if name else {})}
+    points = {(p["micro_batches"], p["tokens"]): p for doc in docs for p in doc["points"]}
+    return {**docs[-1], "points": [points[k] for k in sorted(points)], "name": name or "sweep",
+            "sittings": [s for doc in docs for s in doc.get("sittings") or [{**doc["provenance"], "wall_s": doc.get("wall_s")}]]}
 
 
 def write(data: dict, out: Path) -> None:
@@ -381,17 +396,19 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
     p.add_argument("--data-parallel", type=int, default=1, help="replicas of every stage")
-    p.add_argument("--name", default="sweep", help="output stem under --out (NAME.md|json|png)")
+    p.add_argument("--name", help="output stem under --out (NAME.md|json|png; default sweep, or the rendered one's)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--raw", type=Path, help="keep every launch's records here (default: a temporary directory)")
     p.add_argument("--resume", action="store_true",
                    help="count the launches already in --raw (same options) and add to them")
-    p.add_argument("--render", type=Path, help="rewrite the outputs of a saved sweep.json (no training)")
+    p.add_argument("--render", type=Path, nargs="+",
+                   help="rewrite the outputs of saved sweep JSONs (no training); several: their points as one "
+                        "sweep of several sittings, a later file's point replacing an earlier's")
     args = p.parse_args(argv)
     if args.resume and not args.raw:
         p.error("--resume needs --raw, the directory of the launches to add to")
     if args.render:
-        data = json.loads(args.render.read_text())
+        data = sittings([json.loads(path.read_text()) for path in args.render], args.name)
         if args.raw:  # analysed again from the launches' records, as the sweep measured them
             data["points"] = [measure_point(data["model"], p["micro_batches"], p["tokens"], args, args.raw,
                                             launch=False) for p in data["points"]]
@@ -409,7 +426,7 @@ def main(argv=None) -> int:
                 points.append(measure_point(model, m, t, args, raw))
                 # after every point, so a sweep cut short keeps what it measured
                 write({"provenance": prov, "wall_s": time.time() - start, "model": model, "points": points,
-                       "real_jobs": jobs, "name": args.name}, Path(args.out))
+                       "real_jobs": jobs, "name": args.name or "sweep"}, Path(args.out))
     return 0
 
 

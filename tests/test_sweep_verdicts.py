@@ -103,3 +103,25 @@ def test_overhead_is_the_mean_of_the_middle_half_of_the_ratios():
     # period 3: one snapshot iteration (+9%) and two plain ones (+0%) per snapshot
     ratios, fired = [1.09, 1.0, 1.09, 1.0, 1.09, 1.0], [True, False] * 3
     assert abs(overhead(ratios, fired, 3, interquartile_mean) - 0.03) < 1e-12
+
+
+def test_sweeps_of_several_sittings_render_as_one():
+    def saved(command, points):
+        return {"provenance": {"machine": "m", "command": command, "date": "d", "revision": "r"}, "wall_s": 60.0,
+                "model": {"stages": 2}, "real_jobs": {}, "name": command,
+                "points": [measured_point(m, t, r) for m, t, r in points]}
+
+    def measured_point(m, t, rounds):
+        pt = point((0, -0.001, 0.001), (0.01, 0.005, 0.015), rounds=rounds)
+        pt["policies"]["baft"]["cpu_outside_bubbles_s"] = 0.001
+        return pt | {"micro_batches": m, "tokens": t, "iteration_s": 0.7, "in_bubbles": 1.0, "disk_period_for_1pct": {}}
+    first, second = saved("first", [(4, 32, 150), (8, 32, 100)]), saved("second", [(8, 8, 160), (8, 32, 170)])
+    data = sweep.sittings([first, second], None)
+    assert [(p["micro_batches"], p["tokens"], p["rounds"]) for p in data["points"]] == [(4, 32, 150), (8, 8, 160),
+                                                                                       (8, 32, 170)]
+    assert [s["command"] for s in data["sittings"]] == ["first", "second"] and data["name"] == "sweep"
+    text = sweep.render(data)
+    assert "- `first`: d (60 s wall), baft revision r" in text and "- `second`" in text
+    assert [s["command"] for s in sweep.sittings([data, saved("third", [])], "x")["sittings"]] == ["first", "second",
+                                                                                                   "third"]
+    assert sweep.sittings([first], None)["name"] == "first"  # one sweep renders as it was
