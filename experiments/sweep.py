@@ -21,9 +21,9 @@ a policy's overhead is the interquartile mean (mean of the middle half) of these
 with a 95% interval resampling whole rounds (``overhead_report.analyse``). Launches of
 ``--rounds`` rounds repeat until every interval is at most ``--halfwidth`` wide on each side,
 or the point's time is spent; or, with ``--point-rounds N``, until the point has N rounds, a
-number fixed before measuring (so that no verdict depends on when the sweep chose to stop). A second, short launch times one save of DeepSpeed's
-``save_checkpoint`` and of DCP ``async_save``: the period each needs to stay within 1% is that
-save over 1% of an iteration.
+number fixed before measuring (so that no verdict depends on when the sweep chose to stop). A
+second, short launch times one save of DeepSpeed's ``save_checkpoint`` and of DCP
+``async_save``: the period each needs to stay within 1% is that save over 1% of an iteration.
 
 ``--raw DIR`` keeps every launch's records; ``--resume`` adds new launches to those already in
 it, so that a measurement too long for one sitting can go on in another; ``--render`` with
@@ -126,9 +126,9 @@ def next_launch(docs: list[dict], args, start: float) -> int:
 
 
 def measure_point(model: dict, m: int, t: int, args, raw: Path, launch: bool = True) -> dict:
-    """Every policy at one point, launched until :func:`next_launch` says it has enough; and the disk saves. With ``--resume``
-    the launches already in ``raw`` count too, and the point's minutes are those of the new launches;
-    without ``launch``, only those (``--render`` with ``--raw``)."""
+    """Every policy at one point, launched until :func:`next_launch` says it has enough; and the disk saves.
+    With ``--resume`` the launches already in ``raw`` count too, and the point's minutes are those of the new
+    launches; without ``launch``, only those (``--render`` with ``--raw``)."""
     opts = {**model, "micro_batches": m, "seq": t}
     reuse = args.resume or not launch
     docs, start = launches(raw, m, t) if reuse else [], time.time()
@@ -368,7 +368,8 @@ def sittings(docs: list[dict], name: Optional[str]) -> dict:
         return {**docs[0], **({"name": name} if name else {})}
     points = {(p["micro_batches"], p["tokens"]): p for doc in docs for p in doc["points"]}
     return {**docs[-1], "points": [points[k] for k in sorted(points)], "name": name or "sweep",
-            "sittings": [s for doc in docs for s in doc.get("sittings") or [{**doc["provenance"], "wall_s": doc.get("wall_s")}]]}
+            "sittings": [s for doc in docs
+                         for s in doc.get("sittings") or [{**doc["provenance"], "wall_s": doc.get("wall_s")}]]}
 
 
 def write(data: dict, out: Path) -> None:
