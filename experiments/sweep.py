@@ -330,19 +330,30 @@ def point_rows(points: list[dict]) -> list[list]:
     return rows
 
 
+def provenance_lines(data: dict) -> list[str]:
+    """Where and how the sweep was measured: one command, or each sitting's (:func:`sittings`); then how it
+    was analysed again, and its note."""
+    if "sittings" in data:
+        machine = data["provenance"]["machine"]
+        lines = [f"- machine: {machine}", "- sittings, each one command:",
+                 *[f"  - `{s['command']}`: {s['date']} ({s['wall_s']:.0f} s wall), baft revision {s['revision']}"
+                   + ("" if s["machine"] == machine else f", on {s['machine']}") for s in data["sittings"]]]
+    else:
+        lines = header(data["provenance"], data.get("wall_s"))
+    if "analysed" in data:
+        again = data["analysed"]
+        lines.append(f"- analysed again from the launches' records: `{again['command']}`, {again['date']}, "
+                     f"baft revision {again['revision']}")
+    if "note" in data:
+        lines.append(f"- note: {data['note']}")
+    return lines
+
+
 def render(data: dict) -> str:
     points, model = data["points"], data["model"]
     ranks = model["stages"] * model.get("data_parallel", 1)
     lines = ["# Where bubble-awareness pays: overhead against the cost of a synchronous copy", "",
-             *(header(data["provenance"], data.get("wall_s")) if "sittings" not in data else
-               [f"- machine: {data['provenance']['machine']}", "- sittings, each one command:",
-                *[f"  - `{s['command']}`: {s['date']} ({s['wall_s']:.0f} s wall), baft revision {s['revision']}"
-                  + ("" if s["machine"] == data["provenance"]["machine"] else f", on {s['machine']}")
-                  for s in data["sittings"]]]),
-             *([f"- analysed again from the launches' records: `{data['analysed']['command']}`, "
-                f"{data['analysed']['date']}, baft revision {data['analysed']['revision']}"] if "analysed" in data else []),
-             *([f"- note: {data['note']}"] if "note" in data else []),
-             "",
+             *provenance_lines(data), "",
              f"Model: the state-heavy example ({', '.join(f'{k} {v}' for k, v in model.items())}), {ranks} ranks on gloo. "
              "Each policy snapshots every iteration (baft at its planner's period, planned from the point's "
              "measured bubble map). Overhead: interquartile mean (mean of the middle half) of each "
