@@ -373,14 +373,18 @@ def render(data: dict) -> str:
 
 
 def sittings(docs: list[dict], name: Optional[str]) -> dict:
-    """Saved sweeps as one: their points by (m, t), a later sweep's replacing an earlier's, and each sweep's
-    provenance as a sitting (a point resumed in a later sitting has all its launches in that one's)."""
+    """Saved sweeps as one: their points by (m, t), a later sweep's replacing an earlier's, each sweep's
+    provenance as a sitting (a point resumed in a later sitting has all its launches in that one's), and the
+    latest note any of them has. One sweep's re-analysis (``analysed``) does not describe the merge."""
     if len(docs) == 1:
         return {**docs[0], **({"name": name} if name else {})}
     points = {(p["micro_batches"], p["tokens"]): p for doc in docs for p in doc["points"]}
-    return {**docs[-1], "points": [points[k] for k in sorted(points)], "name": name or "sweep",
+    notes = [doc["note"] for doc in docs if "note" in doc]
+    latest = {k: v for k, v in docs[-1].items() if k not in ("note", "analysed")}
+    return {**latest, "points": [points[k] for k in sorted(points)], "name": name or "sweep",
             "sittings": [s for doc in docs
-                         for s in doc.get("sittings") or [{**doc["provenance"], "wall_s": doc.get("wall_s")}]]}
+                         for s in doc.get("sittings") or [{**doc["provenance"], "wall_s": doc.get("wall_s")}]],
+            **({"note": notes[-1]} if notes else {})}
 
 
 def write(data: dict, out: Path) -> None:

@@ -125,3 +125,9 @@ def test_sweeps_of_several_sittings_render_as_one():
     assert [s["command"] for s in sweep.sittings([data, saved("third", [])], "x")["sittings"]] == ["first", "second",
                                                                                                    "third"]
     assert sweep.sittings([first], None)["name"] == "first"  # one sweep renders as it was
+    # the file being extended keeps its note when the sitting added to it has none; a re-analysis of the
+    # added sitting alone is not the merge's
+    noted, analysed = {**first, "note": "kept"}, {**second, "analysed": first["provenance"]}
+    merged = sweep.sittings([noted, analysed], None)
+    assert merged["note"] == "kept" and "analysed" not in merged
+    assert sweep.sittings([noted, {**analysed, "note": "newer"}], None)["note"] == "newer"
