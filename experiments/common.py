@@ -99,3 +99,8 @@ def interval(log_ratios: list[float], resamples: int = 10000, seed: int = 0) -> 
     means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
     return math.exp(low), math.exp(high)
+
+
+def geometric_mean_ratio(log_ratios: list[float]) -> tuple[float, tuple[float, float]]:
+    """The geometric mean of the pairs' ratios, from their logarithms, with its 95% :func:`interval`."""
+    return math.exp(float(np.mean(log_ratios))), interval(log_ratios)

@@ -41,7 +41,7 @@ from baft.examples.gpt import Block, GPTConfig
 from baft.snapshot.layout import DEFAULT_CHUNK_BYTES as CHUNK, checksum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, interval, md_table, provenance  # noqa: E402
+from common import RESULTS, geometric_mean_ratio, header, md_table, provenance  # noqa: E402
 from sweep import MODEL  # noqa: E402
 
 PHASES = ("idle", "copy+checksum", "idle again", "copy")
@@ -118,8 +118,8 @@ def analyse(passes: list[tuple]) -> dict:
     for k, name in enumerate(PHASES[1:], start=1):
         reference = max(j for j in range(k) if PHASES[j].startswith("idle"))
         logs = [math.log(statistics.fmean(c[k]) / statistics.fmean(c[reference])) for c in complete]
-        low, high = interval(logs)
-        rows[name] = {"slowdown": math.exp(statistics.fmean(logs)) - 1, "ci95": [low - 1, high - 1],
+        ratio, (low, high) = geometric_mean_ratio(logs)
+        rows[name] = {"slowdown": ratio - 1, "ci95": [low - 1, high - 1],
                       "against": PHASES[reference]}
     idle = [s for c in complete for s in c[0]]
     return {"cycles": len(complete), "pass_s": statistics.median(idle), "phases": rows}

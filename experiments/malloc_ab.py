@@ -1,7 +1,7 @@
 """Paired A/B of the launcher's malloc setting: ranks that keep the memory they free (baft's
 default) against glibc's own behaviour (``BAFT_KEEP_FREED_MEMORY=0``), checked by an A/A.
 
-    python experiments/malloc_ab.py [--pairs 8] [--iters 15] [--name malloc] [--out experiments/results]
+    python experiments/malloc_ab.py [--pairs 9] [--iters 15] [--name malloc] [--out experiments/results]
                                     [-- MODEL FLAGS of baft train]
 
 Each pair runs ``baft train --example gpt --policy none --iters N [MODEL FLAGS]`` three times, back
@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, interval, md_table, provenance, read_jsonl, train  # noqa: E402
+from common import RESULTS, geometric_mean_ratio, header, md_table, provenance, read_jsonl, train  # noqa: E402
 
 from baft.cli.launch import KEEP_FREED_MEMORY_ENV  # noqa: E402
 
@@ -43,8 +43,7 @@ def median_iteration(run_dir: Path, warm_up: int = 3) -> float:
 
 def geometric_mean(pairs: list[dict], a: str, b: str) -> tuple[float, tuple[float, float]]:
     """The geometric mean of the pairs' ratios a / b and its 95% bootstrap interval."""
-    logs = [math.log(p[a] / p[b]) for p in pairs]
-    return math.exp(statistics.mean(logs)), interval(logs)
+    return geometric_mean_ratio([math.log(p[a] / p[b]) for p in pairs])
 
 
 def main(argv=None) -> int:
