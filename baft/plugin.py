@@ -57,11 +57,16 @@ def initialize(*args, data_iterator=None, **kwargs):
     if profile_dir:
         _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), given.get("model"))
         return engine, optimizer, loader, scheduler
-    if cfg.policy != "none":
-        if data_iterator is None and given.get("training_data") is not None:  # train_batch() reads the engine's loader
-            from baft.snapshot.state import EngineLoaderPosition
+    if data_iterator is None and given.get("training_data") is not None:  # train_batch() reads the engine's loader
+        from baft.snapshot.state import EngineLoaderPosition
 
-            data_iterator = EngineLoaderPosition(engine)
+        data_iterator = EngineLoaderPosition(engine)
+    from baft.recovery.digests import digests_hook
+
+    digests = digests_hook(data_iterator)
+    if digests is not None:
+        engine.baft_hooks.append(digests)
+    if cfg.policy != "none":
         if not hasattr(data_iterator, "state_dict") and engine.global_rank == 0:
             from baft.snapshot.build import warn
 
@@ -116,11 +121,13 @@ def _protect(engine, cfg, data_iterator) -> None:
     policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(engine, client))
     if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
         record.mark("restore_start")
-        step = policy.restore(engine)
+        loaded = policy.restore(engine)
         record.mark("restore_end")
-        engine.baft_restored = record.Restored(step, "disk", 1) if step else None
-        if step and engine.global_rank == 0:
-            print(f"baft: resumed from step {step} (disk, {cfg.policy})", flush=True)
+        engine.baft_restored = record.Restored(loaded[0], "disk", 1, rng=loaded[1]) if loaded else None
+        if loaded and engine.global_rank == 0:
+            print(f"baft: resumed from step {loaded[0]} (disk, {cfg.policy})", flush=True)
+    if engine.baft_restored is not None and engine.baft_restored.rng is not None:
+        engine.baft_hooks.insert(0, engine.baft_restored.rng)  # before any hook sees the iteration
     engine.baft_hooks.append(policy)
     engine.baft_hooks.append(record.RecoveryReport(engine.baft_restored, cfg.run_dir))
     faults = chaos.faults_from_env()

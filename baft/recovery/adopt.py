@@ -40,9 +40,10 @@ def adopt(engine, directory: str, data_iterator=None, log: Callable[[str], None]
     if path is None:
         raise BaftError(f"baft.adopt: DeepSpeed could not load the checkpoint in {directory}")
     saved = (client_state or {}).get(ITEMS_KEY)
+    rng = None
     if saved is not None:
-        state.restore_items(engine, own_items(engine, saved), data_iterator)
+        rng = state.restore_items(engine, own_items(engine, saved), data_iterator)
     else:
         log(f"adopted {path}, written without baft: its weights, optimizer and scheduler are restored; the RNG "
             f"and the data position are the script's to restore (from its client_state)")
-    return Restored(engine.global_steps, "disk", 1)
+    return Restored(engine.global_steps, "disk", 1, rng=rng)

@@ -68,6 +68,7 @@ class Restored:
     source: str
     shards: int
     refused: list[str] = field(default_factory=list)
+    rng: Optional[InstructionHook] = None  # sets the restored RNG states at the next iteration's start
 
 
 class RecoveryReport(InstructionHook):

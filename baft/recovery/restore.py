@@ -75,13 +75,13 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             for line in refused:
                 log(line)
             _apply(engine, shards)
-            state.restore_items(engine, shards_items(shards, rank), data_iterator)
+            rng = state.restore_items(engine, shards_items(shards, rank), data_iterator)
             count = len(shards)
             _close(shards)
             sources = [None] * dist.get_world_size()
             dist.all_gather_object(sources, source)
             mark("restore_end")
-            return Restored(step, functools.reduce(slower, sources), count, refused)
+            return Restored(step, functools.reduce(slower, sources), count, refused, rng)
         _close(shards)
         tried.add(step)
         held = {}  # what the manager could not materialize, it will not on a second ask

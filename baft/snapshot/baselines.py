@@ -1,11 +1,12 @@
 """The disk checkpoints baft is compared with: DeepSpeed's ``save_checkpoint``, ``torch.save``, DCP ``async_save``.
 
 Each is an engine hook that saves the whole state after the optimizer step every ``period``
-steps, the way jobs checkpoint today; ``deepspeed`` and ``torch-save`` also restore.
+steps, the way jobs checkpoint today, and restores the newest checkpoint every rank has.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from baft.accelerator import collective_device
+from baft.errors import BaftError
 from baft.pipeline.hooks import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.optimizers import entry
@@ -71,6 +73,7 @@ class DiskCheckpoint(InstructionHook):
 
             self.wait()
             tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
+            tensors[f"rank{engine.global_rank}/items"] = json.dumps(items)  # saved as bytes beside the tensors
             self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"),
                                       process_group=self.group, async_stager=self._stager())
         self.saved.append(step)
@@ -99,29 +102,59 @@ class DiskCheckpoint(InstructionHook):
             self.stager.close()
             self.stager = None
 
-    def restore(self, engine) -> Optional[int]:
-        """Load the newest checkpoint every rank has (the usual restart); its step, or None."""
+    def restore(self, engine) -> Optional[tuple[int, InstructionHook]]:
+        """Load the newest checkpoint every rank has (the usual restart): its step and the hook that sets
+        its RNG states at the next iteration's start; None when no rank has a checkpoint."""
         if self.kind == "deepspeed":
             path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
             if path is None:
                 return None
-            state.restore_items(engine, own_items(engine, client[ITEMS_KEY]), self.data_iterator)
-            return engine.global_steps
+            return engine.global_steps, state.restore_items(engine, own_items(engine, client[ITEMS_KEY]),
+                                                            self.data_iterator)
         if self.kind == "torch-save":
             mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
-            newest = torch.tensor([max(mine, default=0)], dtype=torch.int64, device=collective_device())
-            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-            step = int(newest.item())
-            if step == 0:
+            step = self._newest_common(mine)
+            if step is None:
                 return None
             saved = torch.load(self.save_dir / f"step{step}-rank{engine.global_rank}.pt", weights_only=False)
             state.create_optimizer_state(engine, [e for e in _entries_of(saved["tensors"])])
             live = state.state_tensors(engine)
             for name, tensor in saved["tensors"].items():
                 live[name].copy_(tensor)
-            state.restore_items(engine, saved["items"], self.data_iterator)
-            return step
-        return None  # dcp-async checkpoints are written for the overhead comparison only
+            return step, state.restore_items(engine, saved["items"], self.data_iterator)
+        # dcp-async: a checkpoint is complete once DCP wrote its .metadata, after every rank's data
+        step = self._newest_common([int(p.name[4:]) for p in self.save_dir.glob("step*") if (p / ".metadata").is_file()])
+        if step is None:
+            return None
+        return step, self._load_dcp(engine, self.save_dir / f"step{step}")
+
+    def _newest_common(self, mine: list[int]) -> Optional[int]:
+        """The newest step every rank has a checkpoint of; None where no rank has any. Ranks that have some
+        but none in common are an error: starting from step 0 would drop their progress."""
+        newest = torch.tensor([max(mine, default=0), -max(mine, default=0)], dtype=torch.int64,
+                              device=collective_device())
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        common, most = int(newest[0]), -int(newest[1])
+        if most == 0:
+            return None
+        if common == 0:
+            raise BaftError(f"{self.save_dir}: some ranks have {self.kind} checkpoints (up to step {most}) and others "
+                            f"none; refusing to start again from step 0")
+        return common
+
+    def _load_dcp(self, engine, path: Path) -> InstructionHook:
+        from torch.distributed.checkpoint import FileSystemReader, load
+
+        prefix = f"rank{engine.global_rank}/"
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        state.create_optimizer_state(engine, [entry(key[len(prefix):], torch.empty(tuple(md.size), dtype=md.properties.dtype,
+                                                                                    device="meta"), "optimizer")
+                                              for key, md in saved.items()
+                                              if key.startswith(prefix + "optim/") and hasattr(md, "size")])
+        target = {prefix + k: v for k, v in state.state_tensors(engine).items()}
+        target[prefix + "items"] = ""
+        load(target, checkpoint_id=str(path), process_group=self.group)
+        return state.restore_items(engine, json.loads(target[prefix + "items"]), self.data_iterator)
 
 
 def _entries_of(tensors: dict):

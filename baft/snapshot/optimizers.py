@@ -44,7 +44,23 @@ def before_base_step(optimizer, fn):
     return base.register_step_pre_hook(fn) if isinstance(base, torch.optim.Optimizer) else None
 
 
-class NamedOptimizerState:
+class ScalarState:
+    """The per-parameter optimizer state that is not a tensor (DeepSpeed's CPU Adam counts its ``step`` in
+    an int): saved with the small items, since the snapshot's layout holds tensors only."""
+
+    def scalars(self) -> dict:
+        """``{"optim/<name>/<key>": value}`` for every non-tensor state value."""
+        return {f"optim/{name}/{key}": value for name, p in self.stateful_params()
+                for key, value in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(value)}
+
+    def load_scalars(self, saved: dict) -> None:
+        params = dict(self.stateful_params())
+        for path, value in saved.items():
+            name, key = path[len("optim/"):].rsplit("/", 1)
+            self.optimizer.state[params[name]][key] = value
+
+
+class NamedOptimizerState(ScalarState):
     """The base optimizer's parameters under structural names, and their per-parameter state.
 
     ``named_params()`` gives (name, parameter) in the optimizer's order. Names of the state:
@@ -61,6 +77,10 @@ class NamedOptimizerState:
 
     def named_params(self, engine) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def stateful_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, parameter) for every base-optimizer parameter that may hold state."""
+        return iter(self.params)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.params:
@@ -126,7 +146,7 @@ class FP16UnfusedMasters(NamedOptimizerState):
                 yield f"group{i}/{j}", master
 
 
-class PartitionedMasters:
+class PartitionedMasters(ScalarState):
     """DeepSpeed's ``BF16_Optimizer`` and ``DeepSpeedZeroOptimizer`` (stage 1): the module weights
     (bf16, fp16 or fp32) are views into one flat buffer per param group, and each data-parallel
     replica keeps an fp32 master partition of it, which is the base optimizer's parameter.
@@ -144,6 +164,11 @@ class PartitionedMasters:
         groups = self.wrapper.real_dp_process_group
         self.dp_rank = [dist.get_rank(group=g) for g in groups]
         self.replicas = [len(p) for p in getattr(self.wrapper, self.partitions_attr)]
+
+    def stateful_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, parameter) for this replica's fp32 master partitions, the base optimizer's parameters."""
+        for i, master in enumerate(self.masters):
+            yield f"group{i}/dp{self.dp_rank[i]}", master
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, master in enumerate(self.masters):

@@ -2,8 +2,23 @@
 
 Tensors (parameters, buffers, optimizer state) are enumerated in a fixed order so two
 processes of the same model agree on the layout. The small items (RNG states, step
-counters, optimizer hyper-parameters, LR scheduler, loss scaler, data position) are
-captured as JSON at the step boundary, right after an optimizer step.
+counters, optimizer hyper-parameters and per-parameter scalars, LR scheduler, loss scaler,
+data position) are captured as JSON at the step boundary.
+
+When each part is captured and restored (the rule a bit-identical resume rests on):
+
+* captured at the start of iteration k+1, before it reads a batch or draws a random number:
+  optimizer step k and DeepSpeed's scheduler step after it are done;
+* restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
+  iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
+* restored at the start of the first iteration after the restore, where they were captured:
+  the RNG states (:class:`RngRestore`). What runs in between draws random numbers that an
+  uninterrupted run drew before step 1 instead: DeepSpeed and the script build loaders and
+  take iterators (a ``DataLoader`` iterator draws its base seed from torch's generator), and
+  the restore itself re-positions the data;
+* every value goes back with the type and bits it was captured with, never cast to the type
+  the fresh engine holds (DeepSpeed's warmup schedulers start ``lr`` at an int 0, which a cast
+  would keep at 0 for the first resumed step).
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from baft.pipeline.hooks import InstructionHook
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -83,8 +99,10 @@ def capture_items(engine, data_iterator=None) -> dict:
             "torch": _b64(torch.get_rng_state().numpy().tobytes()),
         },
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
-        "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                         for g in base_optimizer(engine.optimizer).param_groups],
+        # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
+        "param_groups": _torch_blob([{k: v for k, v in g.items() if k != "params"}
+                                     for g in base_optimizer(engine.optimizer).param_groups]),
+        "optimizer_scalars": _torch_blob(optimizer_adapter(engine).scalars()),
     }
     if torch.cuda.is_available():
         items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
@@ -136,20 +154,41 @@ class EngineLoaderPosition:
         return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
 
     def load_state_dict(self, saved: dict) -> None:
-        from deepspeed.runtime.dataloader import RepeatingLoader
-
+        """Skip the engine's loader, fresh from ``initialize``, to the saved position (its iterator
+        is not made again: that would draw another base seed)."""
         repeating = getattr(self.engine, "training_dataloader", None)
         if repeating is None:  # a middle stage reads no data
             return
-        loader = RepeatingLoader(repeating.loader)
         for _ in range(saved["micro_batches"] % len(repeating.loader)):
-            next(loader)
-        self.engine.training_dataloader = self.engine.data_iterator = loader
+            next(repeating)
 
 
-def restore_items(engine, items: dict, data_iterator=None) -> None:
-    """Put the small state back: RNG, counters, hyper-parameters, scheduler, scaler, data position."""
-    rng = items["rng"]
+def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
+    """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
+    RNG states by the hook returned, which must run before any other at the next iteration's start."""
+    for k, v in items["counters"].items():
+        setattr(engine, k, v)
+    groups = items["param_groups"]
+    if isinstance(groups, str):
+        groups = _torch_unblob(groups)
+    else:  # written before baft pickled the groups: JSON values, tuples as lists
+        groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in groups]
+    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
+        group.update(saved)
+    if "optimizer_scalars" in items:
+        optimizer_adapter(engine).load_scalars(_torch_unblob(items["optimizer_scalars"]))
+    if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
+        engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
+    scaler = loss_scaler(engine.optimizer)
+    for k, v in items.get("loss_scaler", {}).items():
+        setattr(scaler, k, v)
+    if "data" in items and data_iterator is not None:
+        data_iterator.load_state_dict(items["data"])
+    return RngRestore(items["rng"])
+
+
+def set_rng(rng: dict) -> None:
+    """Set every generator (python, numpy, torch, CUDA) to the states :func:`capture_items` took."""
     version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, gauss = rng["numpy"]
@@ -158,21 +197,18 @@ def restore_items(engine, items: dict, data_iterator=None) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
                                       for s in rng["cuda"]])
-    for k, v in items["counters"].items():
-        setattr(engine, k, v)
-    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, items["param_groups"]):
-        for k, v in saved.items():
-            if k in group and not isinstance(group[k], (list, tuple)):
-                group[k] = type(group[k])(v) if group[k] is not None else v
-            elif k in group:
-                group[k] = type(group[k])(v)
-    if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
-        engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
-    scaler = loss_scaler(engine.optimizer)
-    for k, v in items.get("loss_scaler", {}).items():
-        setattr(scaler, k, v)
-    if "data" in items and data_iterator is not None:
-        data_iterator.load_state_dict(items["data"])
+
+
+class RngRestore(InstructionHook):
+    """Sets the restored RNG states at the start of the first iteration after a restore, then never again."""
+
+    def __init__(self, rng: dict):
+        self.rng: Optional[dict] = rng
+
+    def iteration_start(self, engine):
+        if self.rng is not None:
+            set_rng(self.rng)
+            self.rng = None
 
 
 def ensure_optimizer_state(engine) -> Optional[str]:

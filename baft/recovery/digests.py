@@ -1,0 +1,173 @@
+"""Per-step, per-part digests of a rank's training state: the proof that a resumed run is bit-identical.
+
+With ``BAFT_STATE_DIGESTS=DIR`` in its environment, every rank of a run with a ``"baft"``
+section appends JSON lines to ``DIR/rank<r>.jsonl``::
+
+    {"rank": 1, "restart": 0, "step": 6, "parts": {"weights": "9f0c...", "rng.torch": "...", ...}}
+
+one at the start of every iteration, for the state of the step it starts from (the moment a
+snapshot captures it), and one at its end with the digest of the micro-batches it read
+(``batches``, under the step it produced). The parts are read from the engine's public state,
+independently of what baft snapshots, so a part baft fails to save or restore shows up here:
+module weights, the optimizer's ``state_dict()`` (fp32 masters, moments and step counts, every
+``param_groups`` hyper-parameter), the LR scheduler's ``state_dict()``, the loss scaler, every RNG
+(python, numpy, torch, CUDA), the engine's counters and the data position.
+
+:func:`compare` reads two such directories, an uninterrupted run's and a faulted one's, and says
+for each rank and part the first step whose digest differs ("rank 1: optimizer.param_groups[0].lr
+differs from step 9"). Both runs must train the same script on the same machine: the digests
+are of exact bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import xxhash
+from deepspeed.runtime.pipe.schedule import LoadMicroBatch
+
+from baft.pipeline.hooks import InstructionHook
+from baft.recovery.record import restart_count
+from baft.snapshot.state import loss_scaler
+
+DIGESTS_ENV = "BAFT_STATE_DIGESTS"
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+_SCALARS = (bool, int, float, str, bytes, type(None))
+
+
+def _leaves(obj, path: str) -> Iterator[tuple[str, bytes]]:
+    """(path, bytes) for every leaf of a nested state: dict keys as ``.key``, list items as ``[i]``, the
+    integer keys of a dict (an optimizer's per-parameter ``state``) folded into ``[*]``, and a list of
+    plain values (``betas``) one leaf."""
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            sub = f"{path}[*]" if isinstance(key, int) else f"{path}.{key}"
+            yield from _leaves(obj[key], sub)
+    elif isinstance(obj, (list, tuple)) and all(isinstance(item, _SCALARS) for item in obj):
+        yield path, repr(obj).encode()
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _leaves(item, f"{path}[{i}]")
+    elif torch.is_tensor(obj):
+        t = obj.detach().cpu().contiguous()
+        yield path, f"{t.dtype}{tuple(t.shape)}".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    elif isinstance(obj, np.ndarray):
+        yield path, f"{obj.dtype}{obj.shape}".encode() + obj.tobytes()
+    elif isinstance(obj, _SCALARS):
+        yield path, repr(obj).encode()  # repr keeps the type: 0 and 0.0 differ
+    elif hasattr(obj, "__dict__"):  # a loss scaler kept in a state_dict as an object
+        yield from _leaves({k: v for k, v in vars(obj).items() if not k.startswith("_")}, path)
+    else:
+        yield path, type(obj).__name__.encode()
+
+
+def _digest_parts(leaves: Iterator[tuple[str, bytes]]) -> dict[str, str]:
+    hashes: dict[str, xxhash.xxh3_64] = {}
+    for path, data in leaves:
+        hashes.setdefault(path, xxhash.xxh3_64()).update(data)
+    return {path: h.hexdigest() for path, h in hashes.items()}
+
+
+def state_parts(engine, data_iterator=None) -> dict[str, str]:
+    """The digest of each part of this rank's training state, by part name."""
+    np_state = np.random.get_state()
+    rng = {"python": random.getstate(), "numpy": [np_state[0], np_state[1], *np_state[2:]],
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    generators = ((f"rng.{name}", data) for name, gen in rng.items() for _, data in _leaves(gen, ""))
+    nested = {"optimizer": engine.optimizer.state_dict(),
+              "counters": {k: getattr(engine, k, None) for k in _COUNTERS}}
+    if getattr(engine, "lr_scheduler", None) is not None:
+        nested["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    scaler = loss_scaler(engine.optimizer)
+    if scaler is not None:
+        nested["loss_scaler"] = scaler
+    if data_iterator is not None and hasattr(data_iterator, "state_dict"):
+        nested["data"] = data_iterator.state_dict()
+    weights = (("weights", data) for _, data in _leaves(engine.module.state_dict(), ""))
+    return (_digest_parts(weights) | _digest_parts(generators)
+            | _digest_parts((path.lstrip("."), data) for path, data in _leaves(nested, "")))
+
+
+class StateDigests(InstructionHook):
+    """Appends this rank's state digests to ``directory/rank<r>.jsonl`` at every step boundary."""
+
+    def __init__(self, directory: str, data_iterator=None):
+        self.directory, self.data_iterator = Path(directory), data_iterator
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.batches = xxhash.xxh3_64()
+
+    def _write(self, engine, parts: dict) -> None:
+        line = {"rank": engine.global_rank, "restart": restart_count(), "step": engine.global_steps, "parts": parts}
+        with open(self.directory / f"rank{engine.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def iteration_start(self, engine):
+        self.batches = xxhash.xxh3_64()
+        self._write(engine, state_parts(engine, self.data_iterator))
+
+    def after(self, engine, index, cmd):
+        if isinstance(cmd, LoadMicroBatch):  # the first stage loads inputs, the last labels
+            loaded = [engine.pipe_buffers[key][cmd.buffer_id] for key, load in
+                      (("inputs", engine.is_first_stage()), ("labels", engine.is_last_stage())) if load]
+            for _, data in _leaves(loaded, ""):
+                self.batches.update(data)
+
+    def iteration_end(self, engine):
+        self._write(engine, {"batches": self.batches.hexdigest()})
+
+
+def digests_hook(data_iterator=None):
+    """The digest hook when ``BAFT_STATE_DIGESTS`` names a directory, else None."""
+    directory = os.environ.get(DIGESTS_ENV)
+    return StateDigests(directory, data_iterator) if directory else None
+
+
+def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
+    """(rank, step) -> part -> {digest: the first restart that recorded it} (a step trained twice, before
+    and after a fault, has its digests from both)."""
+    found: dict = defaultdict(lambda: defaultdict(dict))
+    for path in sorted(Path(directory).glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                for part, digest in rec["parts"].items():
+                    seen = found[rec["rank"], rec["step"]][part]
+                    seen[digest] = min(seen.get(digest, rec["restart"]), rec["restart"])
+    return found
+
+
+def compare(reference, run) -> list[str]:
+    """One line per (rank, part) of ``run`` that differs from the uninterrupted ``reference`` run, naming the
+    first step, and saying so where it differed before any restart (the script itself does not repeat it:
+    an unseeded generator); also every step or part the run recorded that the reference lacks. Empty:
+    identical in every part at every step."""
+    ref, got = load(reference), load(run)
+    first: dict[tuple[int, str], tuple[int, bool]] = {}
+    problems = []
+    for (rank, step), parts in sorted(got.items()):
+        if (rank, step) not in ref:
+            problems.append(f"rank {rank}: step {step} is not in the reference run")
+            continue
+        for part, digests in parts.items():
+            expected = ref[rank, step].get(part)
+            if expected is None:
+                problems.append(f"rank {rank}: {part} at step {step} is not in the reference run")
+            elif set(digests) != set(expected):
+                before_restart = any(restart == 0 for d, restart in digests.items() if d not in expected)
+                first.setdefault((rank, part), (step, before_restart))
+    for (rank, part), (step, before_restart) in sorted(first.items()):
+        why = ", before any restart: the script itself does not repeat it (an unseeded generator?)" \
+            if before_restart else ""
+        problems.append(f"rank {rank}: {part} differs from step {step}{why}")
+    return problems
