@@ -143,7 +143,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
 
 
 def node_of(cfg: BaftConfig, rank: int) -> int:
-    """The node whose manager keeps ``rank``'s snapshots."""
+    """The node whose manager keeps ``rank``'s snapshots. With ``node_id`` set, a process's config names
+    its own node only: ``rank`` must be this process's (other ranks' nodes are gathered from them)."""
     if cfg.node_id is not None:
         return cfg.node_id
     per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30

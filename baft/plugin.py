@@ -151,7 +151,9 @@ def _connect_manager(engine, cfg, root):
 
     if cfg.parity.group or cfg.persist.dir:
         node = node_of(cfg, engine.global_rank)
-        first = min(r for r in range(dist.get_world_size()) if node_of(cfg, r) == node)
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node)  # a config with node_id names its own node only
+        first = nodes.index(node)
         if engine.global_rank == first and ManagerClient.try_connect(root, warn=lambda m: None) is None:
             warn(engine, f"no manager answers for node {node}; starting one at {root}")
             # beside the other managers' logs, not in the shared memory it frees when it stops

@@ -53,3 +53,19 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     # the screen shows rank 0's lines; every rank's are in the run's log
     assert finals((run_dir / LOG_NAME).read_text()) == finals(clean.stdout) and len(finals(clean.stdout)) == 2
     assert finals(faulty.stdout) == {0: finals(clean.stdout)[0]}
+
+
+def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path, shm_root):
+    """Each rank its own node (``node_id`` = rank, as each node's config on a cluster), a persisted run, no
+    manager running: the first rank of every node starts that node's manager, so every rank has one."""
+    cfg = config(tmp_path, persist={"dir": str(tmp_path / "persisted"), "every": 1}, shm_root=str(shm_root),
+                 run_id="nodes", run_dir=str(tmp_path / "run"), require_manager=True)
+    (tmp_path / "run").mkdir()
+    proc = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(cfg), "--node-per-rank", "--steps", "3"],
+                                   module=False), capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for node in (0, 1):
+        assert f"no manager answers for node {node}; starting one" in proc.stderr, proc.stderr[-3000:]
+        assert (tmp_path / "run" / f"manager-node{node}.log").exists()
+    assert "no snapshot manager reachable" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "persisted").iterdir()) == ["node0", "node1"]

@@ -106,14 +106,17 @@ class StateDigests(InstructionHook):
         self.directory, self.data_iterator = Path(directory), data_iterator
         self.directory.mkdir(parents=True, exist_ok=True)
         self.batches = xxhash.xxh3_64()
+        self.engine = None  # set at a step boundary
 
     def _write(self, engine, parts: dict) -> None:
-        line = {"rank": engine.global_rank, "restart": restart_count(), "step": engine.global_steps, "parts": parts}
+        line = {"rank": engine.global_rank, "pid": os.getpid(), "restart": restart_count(), "step": engine.global_steps,
+                "parts": parts}
         with open(self.directory / f"rank{engine.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
     def iteration_start(self, engine):
         self.batches = xxhash.xxh3_64()
+        self.engine = None
         self._write(engine, state_parts(engine, self.data_iterator))
 
     def after(self, engine, index, cmd):
@@ -124,7 +127,13 @@ class StateDigests(InstructionHook):
                 self.batches.update(data)
 
     def iteration_end(self, engine):
+        self.engine = engine  # at a step boundary until the next iteration starts
         self._write(engine, {"batches": self.batches.hexdigest()})
+
+    def close(self):
+        """The state after the last step (not after an iteration a fault cut short)."""
+        if self.engine is not None:
+            self._write(self.engine, state_parts(self.engine, self.data_iterator))
 
 
 def digests_hook(data_iterator=None):
@@ -150,20 +159,26 @@ def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
 def compare(reference, run) -> list[str]:
     """One line per (rank, part) of ``run`` that differs from the uninterrupted ``reference`` run, naming the
     first step, and saying so where it differed before any restart (the script itself does not repeat it:
-    an unseeded generator); also every step or part the run recorded that the reference lacks. Empty:
-    identical in every part at every step."""
+    an unseeded generator); also a line for each step up to the reference's last, or part, that only the
+    run recorded. Steps past the reference's last are not compared. Empty: identical in every part at every
+    step both ran."""
     ref, got = load(reference), load(run)
+    last = {rank: step for rank, step in sorted(ref)}
     first: dict[tuple[int, str], tuple[int, bool]] = {}
     problems = []
     for (rank, step), parts in sorted(got.items()):
+        if step > last.get(rank, -1):
+            continue
         if (rank, step) not in ref:
             problems.append(f"rank {rank}: step {step} is not in the reference run")
             continue
+        for one, other, which in ((ref[rank, step], parts, "faulted"), (parts, ref[rank, step], "reference")):
+            missing = sorted(set(one) - set(other)) if "weights" in one and "weights" in other else []
+            if missing:
+                problems.append(f"rank {rank}: {', '.join(missing)} at step {step} not in the {which} run")
         for part, digests in parts.items():
             expected = ref[rank, step].get(part)
-            if expected is None:
-                problems.append(f"rank {rank}: {part} at step {step} is not in the reference run")
-            elif set(digests) != set(expected):
+            if expected is not None and set(digests) != set(expected):
                 before_restart = any(restart == 0 for d, restart in digests.items() if d not in expected)
                 first.setdefault((rank, part), (step, before_restart))
     for (rank, part), (step, before_restart) in sorted(first.items()):

@@ -2,6 +2,7 @@
 
 import argparse
 import hashlib
+import json
 
 import deepspeed
 import torch
@@ -36,6 +37,7 @@ class Samples:
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--node-per-rank", action="store_true", help="each rank its own node: node_id = rank")
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -44,7 +46,11 @@ layers = [LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout
           LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 64, 1)]
 model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
 data = Samples()
-engine, *_ = baft.initialize(model=model, config=args.config, data_iterator=data)
+config = args.config
+if args.node_per_rank:  # as on a cluster, where each node's config names that node
+    config = json.loads(open(args.config).read())
+    config["baft"]["node_id"] = torch.distributed.get_rank()
+engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
 while engine.global_steps < args.steps:
     loss = engine.train_batch(data_iter=data)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()

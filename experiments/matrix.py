@@ -1,0 +1,235 @@
+"""Bit-identical resume across the jobs people run: cases drawn from the axes real jobs combine.
+
+Each case trains ``tests/scripts/matrix_job.py`` twice under ``baft train``: once uninterrupted
+(``policy none``), once with its faults (SIGKILL of a rank by ``BAFT_CHAOS`` in a phase of a step,
+or from outside by this process once the rank reached the step), both recording per-step, per-part
+state digests (``BAFT_STATE_DIGESTS``). The case passes when the faulted run resumed after every
+fault and every part of every rank's state, at every step both runs reached, is identical
+(:func:`baft.recovery.digests.compare`); a case baft refuses at ``initialize`` says why in one line.
+
+    python experiments/matrix.py --cases 20 --seed 1 --out experiments/results
+
+writes ``matrix.md`` and ``matrix.json``: "N of N bit-identical in every part at every step", the
+cases, and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, compare
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "matrix_job.py"
+AXES = {
+    "optimizer": ["adam", "adamw", "sgd", "ds-adam"],
+    "scheduler": ["none", "WarmupLR", "WarmupDecayLR-log", "WarmupDecayLR-linear", "WarmupCosineLR", "OneCycle",
+                  "torch"],
+    "precision": ["fp32", "bf16", "zero1-fp32", "zero1-bf16"],
+    "data": ["engine", "stateful", "iterator"],
+    "dropout": [[True, False], [False, True], [True, True], [False, False]],
+    "checkpointing": [False, True],
+    "tied": [False, True],
+    "micro_batches": [2, 4, 8],
+    "period": [1, "auto", 3],
+    "form": ["path", "dict", "args", "config_params"],
+}
+PHASES = ["forward", "backward", "copy", "seal", "commit", "optimizer", "outside"]
+STEPS = 8
+
+
+@dataclass
+class Fault:
+    rank: int
+    step: int
+    phase: str  # a chaos phase, or "outside": SIGKILL from this process once the rank reached the step
+
+    def chaos(self, restart: int) -> str:
+        return f"rank={self.rank},step={self.step},phase={self.phase},restart={restart}"
+
+
+@dataclass
+class Case:
+    seed: int
+    optimizer: str
+    scheduler: str
+    precision: str
+    data: str
+    dropout: list
+    checkpointing: bool
+    tied: bool
+    micro_batches: int
+    period: object
+    form: str
+    faults: list = field(default_factory=list)
+    steps: int = STEPS
+
+    @property
+    def ranks(self) -> int:
+        return 4 if self.precision.startswith("zero1") else 2
+
+    def job(self) -> dict:
+        """What the training script reads (the faults are this runner's)."""
+        return {k: v for k, v in asdict(self).items() if k != "faults"}
+
+
+def draw_faults(rng: random.Random, ranks: int, phases: list[str]) -> list[Fault]:
+    """One fault per phase given, at increasing steps (a later fault hits the resumed run)."""
+    steps = sorted(rng.sample(range(2, STEPS), len(phases)))
+    return [Fault(rng.randrange(ranks), step, phase) for step, phase in zip(steps, phases)]
+
+
+def draw_case(seed: int) -> Case:
+    """A case drawn from ``seed``: every axis uniformly, one or two faults."""
+    rng = random.Random(seed)
+    values = {axis: rng.choice(options) for axis, options in AXES.items()}
+    case = Case(seed=seed, **values)
+    case.faults = draw_faults(rng, case.ranks, rng.sample(PHASES, rng.choice([1, 2])))
+    return case
+
+
+def covering_sample(seed: int = 0) -> list[Case]:
+    """Few cases that together take every value of every axis, and every fault phase, at least once."""
+    rng = random.Random(seed)
+    count = max(len(options) for options in AXES.values())
+    columns = {axis: [options[i % len(options)] for i in range(count)] for axis, options in AXES.items()}
+    for axis in columns:
+        rng.shuffle(columns[axis])
+    cases = [Case(seed=seed * 100 + i, **{axis: columns[axis][i] for axis in AXES}) for i in range(count)]
+    phases = PHASES[:]
+    rng.shuffle(phases)
+    for i, case in enumerate(cases):
+        case.faults = draw_faults(rng, case.ranks, [phases[i % len(phases)]])
+    return cases
+
+
+@dataclass
+class Outcome:
+    case: Case
+    problems: list[str]
+    resumed: list[int]  # the step each restart resumed from
+    refused: str = ""  # baft's one line, when it refused the job at initialize
+    seconds: float = 0.0
+
+    @property
+    def identical(self) -> bool:
+        return not self.problems and not self.refused
+
+
+def _train(case: Case, directory: Path, policy: str, faults: list[Fault]) -> subprocess.CompletedProcess:
+    env = launch_env({DIGESTS_ENV: str(directory / "digests")})
+    chaos = [f.chaos(restart) for restart, f in enumerate(faults) if f.phase != "outside"]
+    if chaos:
+        env["BAFT_CHAOS"] = ";".join(chaos)
+    cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", str(case.ranks), "--run-dir", str(directory / "run"),
+           "--max-restarts", str(len(faults)), "--", str(SCRIPT), "--case", json.dumps(case.job()),
+           "--policy", policy, "--dir", str(directory)]
+    directory.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for restart, fault in enumerate(faults):
+        if fault.phase == "outside":
+            _kill_from_outside(directory / "digests", fault, restart, proc)
+    out, _ = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _kill_from_outside(digests: Path, fault: Fault, restart: int, proc: subprocess.Popen) -> None:
+    """SIGKILL the fault's rank once its attempt ``restart`` has begun the iteration after ``fault.step - 1``."""
+    path = digests / f"rank{fault.rank}.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            rec = json.loads(line)
+            if rec["restart"] == restart and rec["step"] >= fault.step - 1 and "weights" in rec["parts"]:
+                os.kill(rec["pid"], signal.SIGKILL)
+                return
+        time.sleep(0.05)
+
+
+def run_case(case: Case, directory: Path) -> Outcome:
+    """Train the case uninterrupted and with its faults; compare every part at every step."""
+    start = time.monotonic()
+    reference = _train(case, directory / "reference", "none", [])
+    refused = _baft_error(reference.stdout)
+    if refused or reference.returncode != 0:
+        return Outcome(case, [] if refused else [f"the uninterrupted run failed:\n{reference.stdout[-3000:]}"], [],
+                       refused, time.monotonic() - start)
+    faulted = _train(case, directory / "faulted", "baft", case.faults)
+    problems = [] if faulted.returncode == 0 else [f"the faulted run failed:\n{faulted.stdout[-3000:]}"]
+    records = _recovery(directory / "faulted" / "run")
+    resumed = [r["restored_step"] for r in records]
+    if len(records) != len(case.faults) or any(r["source"] == "fresh" for r in records):
+        problems.append(f"expected {len(case.faults)} resumes from a snapshot, the recovery record has {records}")
+    problems += compare(directory / "reference" / "digests", directory / "faulted" / "digests")
+    return Outcome(case, problems, resumed, "", time.monotonic() - start)
+
+
+def _baft_error(output: str) -> str:
+    return next((line for line in output.splitlines() if line.startswith("baft: error:")), "")
+
+
+def _recovery(run_dir: Path) -> list[dict]:
+    path = run_dir / "recovery.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def describe(case: Case) -> str:
+    dropout = "+".join(f"s{i}" for i, on in enumerate(case.dropout) if on) or "off"
+    faults = "; ".join(f"rank {f.rank} step {f.step} {f.phase}" for f in case.faults)
+    return (f"{case.optimizer}, {case.scheduler}, {case.precision}, data {case.data}, dropout {dropout}, "
+            f"{'checkpointing' if case.checkpointing else 'no checkpointing'}, {'tied' if case.tied else 'untied'}, "
+            f"m={case.micro_batches}, period {case.period}, {case.form}; kill {faults}")
+
+
+def write_results(outcomes: list[Outcome], out: Path, command: str) -> None:
+    identical = sum(o.identical for o in outcomes)
+    refused = [o for o in outcomes if o.refused]
+    lines = [f"# Bit-identical resume: {identical} of {len(outcomes)} cases identical in every part at every step", "",
+             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} cores; command: `{command}`", "",
+             "| seed | case | resumed from | verdict | s |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        verdict = "identical" if o.identical else f"refused: {o.refused}" if o.refused else \
+            "DIFFERS: " + "; ".join(p.splitlines()[0] for p in o.problems[:4])
+        lines.append(f"| {o.case.seed} | {describe(o.case)} | {', '.join(map(str, o.resumed))} | {verdict} | "
+                     f"{o.seconds:.0f} |")
+    if refused:
+        lines += ["", f"{len(refused)} refused at initialize, each with its one line above."]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.md").write_text("\n".join(lines) + "\n")
+    (out / "matrix.json").write_text(json.dumps({"command": command, "identical": identical, "cases": len(outcomes),
+                                                 "outcomes": [{**asdict(o), "identical": o.identical}
+                                                              for o in outcomes]}, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1, help="case i is drawn from seed + i")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/baft-matrix"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
+    args = parser.parse_args()
+    from tqdm import tqdm
+
+    outcomes = []
+    for i in tqdm(range(args.cases), desc="cases"):
+        case = draw_case(args.seed + i)
+        outcomes.append(run_case(case, args.work / f"case{case.seed}"))
+        tqdm.write(f"{case.seed}: {'identical' if outcomes[-1].identical else outcomes[-1].problems or outcomes[-1].refused}")
+    write_results(outcomes, args.out, "python experiments/matrix.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""A user's training script whose features come from a case (``--case JSON``): the shapes real jobs combine.
+
+optimizer (torch Adam, AdamW, SGD with momentum, DeepSpeed's own Adam), scheduler (DeepSpeed's
+WarmupLR, WarmupDecayLR log and linear, WarmupCosineLR, OneCycle, a torch scheduler passed as
+``lr_scheduler=``), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
+own ``training_data=``, torchdata's ``StatefulDataLoader``, an iterator with ``state_dict``), dropout
+on either stage, activation checkpointing, weights tied across the stages, gradient accumulation,
+the snapshot period and the calling form of ``initialize``. Every run crosses an epoch of its data.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.utils import RepeatingLoader
+
+import baft
+
+WIDTH, SAMPLES, MICRO_BATCH = 16, 24, 2  # 24 samples: an epoch every 12 / micro-batches steps or sooner
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        x = torch.randn(WIDTH, generator=torch.Generator().manual_seed(i))
+        return x, x.sin().sum(dim=0, keepdim=True)
+
+
+class Positioned:
+    """An endless iterator of batches with a restorable position (a user's own data iterator)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        first = self.position * MICRO_BATCH % SAMPLES
+        self.position += 1
+        batch = [Samples()[(first + i) % SAMPLES] for i in range(MICRO_BATCH)]
+        return torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch])
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, saved):
+        self.position = saved["position"]
+
+
+def layers(case):
+    def tied():
+        return TiedLayerSpec("tied", nn.Linear, WIDTH, WIDTH) if case["tied"] else LayerSpec(nn.Linear, WIDTH, WIDTH)
+    p0, p1 = (0.1 if on else 0.0 for on in case["dropout"])
+    return [tied(), LayerSpec(nn.GELU), LayerSpec(nn.Dropout, p0), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU),
+            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU), LayerSpec(nn.Dropout, p1), tied(),
+            LayerSpec(nn.Linear, WIDTH, 1)]
+
+
+def config(case, policy, dp):
+    optimizer = {"adam": ("Adam", {"torch_adam": True}), "adamw": ("AdamW", {"torch_adam": True, "weight_decay": 0.1}),
+                 "sgd": ("SGD", {"momentum": 0.9}), "ds-adam": ("Adam", {})}[case["optimizer"]]
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": case["micro_batches"],
+           "train_batch_size": MICRO_BATCH * case["micro_batches"] * dp, "gradient_clipping": 1.0,
+           "steps_per_print": 10 ** 9, "optimizer": {"type": optimizer[0], "params": {"lr": 0.01, **optimizer[1]}},
+           "baft": {"policy": policy, "period": case["period"]}}
+    steps, lr = case["steps"], 0.01
+    schedulers = {
+        "WarmupLR": {"warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": steps, "warmup_type": "log"},
+        "WarmupDecayLR-log": {"warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": steps // 2,
+                              "total_num_steps": steps * 2, "warmup_type": "log"},
+        "WarmupDecayLR-linear": {"warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": steps // 2,
+                                 "total_num_steps": steps * 2, "warmup_type": "linear"},
+        "WarmupCosineLR": {"total_num_steps": steps * 2, "warmup_num_steps": steps // 2},
+        "OneCycle": {"cycle_min_lr": lr / 10, "cycle_max_lr": lr, "cycle_first_step_size": steps // 2},
+    }
+    name = case["scheduler"]
+    if name in schedulers:
+        cfg["scheduler"] = {"type": name.split("-")[0], "params": schedulers[name]}
+    if case["precision"] in ("bf16", "zero1-bf16"):
+        cfg["bf16"] = {"enabled": True}
+    if case["precision"].startswith("zero1"):
+        cfg["zero_optimization"] = {"stage": 1}
+    return cfg
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True, help="the case, as JSON")
+    parser.add_argument("--policy", default="baft")
+    parser.add_argument("--dir", required=True, help="where the config file of the 'path' and 'args' forms goes")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    case = json.loads(args.case)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    dp = 2 if case["precision"].startswith("zero1") else 1
+    seed = case["seed"] + 1000 * torch.distributed.get_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(case["seed"])  # the same initial weights on every replica
+    model = PipelineModule(layers=layers(case), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
+                           activation_checkpoint_interval=1 if case["checkpointing"] else 0)
+    cfg = config(case, args.policy, dp)
+    kwargs = {"model": model}
+    if case["scheduler"] == "torch":
+        kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    form = case["form"]
+    if form in ("path", "args"):
+        path = Path(args.dir) / f"ds_config-{torch.distributed.get_rank()}.json"
+        path.write_text(json.dumps(cfg))
+        if form == "path":
+            kwargs["config"] = str(path)
+        else:
+            kwargs["args"] = argparse.Namespace(deepspeed_config=str(path), local_rank=args.local_rank)
+            kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+    else:
+        kwargs["config" if form == "dict" else "config_params"] = cfg
+    feed = None
+    if case["data"] == "engine":
+        kwargs["training_data"] = Samples()
+    elif case["data"] == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(Samples(), batch_size=MICRO_BATCH, shuffle=True, drop_last=True,
+                                    generator=torch.Generator().manual_seed(case["seed"]))
+        kwargs["data_iterator"], feed = loader, None
+    else:
+        kwargs["data_iterator"] = feed = Positioned()
+    engine, *_ = baft.initialize(**kwargs)
+    if case["data"] == "stateful":
+        feed = RepeatingLoader(kwargs["data_iterator"])  # taken after initialize, as the README says
+    while engine.global_steps < case["steps"]:
+        engine.train_batch(data_iter=feed)
+
+
+if __name__ == "__main__":
+    main()
