@@ -67,7 +67,7 @@ def initialize(*args, data_iterator=None, **kwargs):
     if digests is not None:
         engine.baft_hooks.append(digests)
     if cfg.policy != "none":
-        if not hasattr(data_iterator, "state_dict") and engine.global_rank == 0:
+        if data_iterator is None and engine.global_rank == 0:
             from baft.snapshot.build import warn
 
             warn(engine, "the data position will not be restored after a restart (a resumed run would read its "
@@ -98,7 +98,7 @@ def _protect(engine, cfg, data_iterator) -> None:
     from baft.snapshot import state
     from baft.snapshot.build import IN_MEMORY, make_policy, shm_root, warn
 
-    state.optimizer_adapter(engine)  # an optimizer baft cannot snapshot is refused now, in one line
+    state.check_capturable(engine, data_iterator)  # what baft cannot restore exactly is refused now, in one line
     root = shm_root(cfg, engine.global_rank)
     client = None
     engine.baft_restored = None

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from baft.cli.launch import launch_env, torchrun
 from baft.cli.runlog import LOG_NAME
 
@@ -69,3 +71,16 @@ def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path
         assert (tmp_path / "run" / f"manager-node{node}.log").exists()
     assert "no snapshot manager reachable" not in proc.stderr
     assert sorted(p.name for p in (tmp_path / "persisted").iterdir()) == ["node0", "node1"]
+
+
+@pytest.mark.parametrize("part, named", [("scheduler", "lr_scheduler __main__.Halving"),
+                                          ("data", "data_iterator builtins.generator")])
+def test_a_part_baft_cannot_save_is_refused_in_one_line_at_initialize(tmp_path, part, named):
+    proc = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, period=1, run_id="stateless")),
+                                       "--stateless", part], module=False),
+                          capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "BaftError:" in line]
+    assert lines and all(f"{named}: baft cannot save its state, so a resumed run would silently differ" in line
+                         for line in lines), proc.stderr[-3000:]
+    assert "step 1" not in proc.stdout  # refused before training

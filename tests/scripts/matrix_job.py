@@ -26,12 +26,14 @@ WIDTH, SAMPLES, MICRO_BATCH = 16, 24, 2  # 24 samples: an epoch every 12 / micro
 
 
 class Samples(torch.utils.data.Dataset):
+    dtype = torch.float32  # bf16 jobs feed bf16 (DeepSpeed's pipeline does not cast inputs)
+
     def __len__(self):
         return SAMPLES
 
     def __getitem__(self, i):
         x = torch.randn(WIDTH, generator=torch.Generator().manual_seed(i))
-        return x, x.sin().sum(dim=0, keepdim=True)
+        return x.to(self.dtype), x.sin().sum(dim=0, keepdim=True).to(self.dtype)
 
 
 class Positioned:
@@ -87,8 +89,10 @@ def config(case, policy, dp):
         cfg["scheduler"] = {"type": name.split("-")[0], "params": schedulers[name]}
     if case["precision"] in ("bf16", "zero1-bf16"):
         cfg["bf16"] = {"enabled": True}
+        Samples.dtype = torch.bfloat16
     if case["precision"].startswith("zero1"):
         cfg["zero_optimization"] = {"stage": 1}
+        cfg["zero_allow_untested_optimizer"] = True  # SGD under ZeRO: DeepSpeed asks the user to say so
     return cfg
 
 

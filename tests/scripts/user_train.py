@@ -38,6 +38,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--node-per-rank", action="store_true", help="each rank its own node: node_id = rank")
+parser.add_argument("--stateless", choices=("scheduler", "data"), help="hand baft a part it cannot save")
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -50,7 +51,21 @@ config = args.config
 if args.node_per_rank:  # as on a cluster, where each node's config names that node
     config = json.loads(open(args.config).read())
     config["baft"]["node_id"] = torch.distributed.get_rank()
-engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
+class Halving:
+    """An LR schedule with no state_dict: baft cannot save where it is."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self, **_):
+        for group in self.optimizer.param_groups:
+            group["lr"] /= 2
+
+
+extra = {"lr_scheduler": Halving} if args.stateless == "scheduler" else {}
+if args.stateless == "data":
+    data = (batch for batch in Samples())  # a generator: no state_dict
+engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 while engine.global_steps < args.steps:
     loss = engine.train_batch(data_iter=data)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
