@@ -102,7 +102,7 @@ def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
 
 
 def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
-    proc = baft_train(tmp_path, tmp_path / "nonexistent.py", "--config", tmp_path / "ds_config.json")
+    proc = baft_train(tmp_path, tmp_path / "nonexistent.py")
     said = assert_one_line(proc, "nonexistent.py: no such file$")
     assert screen(proc) == [said] and not (tmp_path / "run").exists()
     assert_nothing_left(tmp_path)

@@ -134,10 +134,8 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
             proc.wait()
             for reader in readers:
                 reader.join()
-    if code == 0:
-        return Outcome(0)
-    outcome = Outcome(code, *watch.why())
-    if not (outcome.error or outcome.exception):
+    outcome = watch.outcome(code)
+    if code != 0 and not (outcome.error or outcome.exception):
         watch.print_tails()
     return outcome
 
@@ -169,7 +167,7 @@ def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path:
 
 
 @dataclass(frozen=True)
-class RankException:
+class _RankException:
     """The line of a Python exception a rank printed (``AssertionError: ...``), and whether it was raised in a
     training step (its traceback passes through the engine's ``train_batch`` or ``eval_batch``)."""
 
@@ -184,7 +182,7 @@ class _Traceback:
     def __init__(self):
         self.reading = self.in_step = self.chained = False
 
-    def feed(self, text: str) -> Optional[RankException]:
+    def feed(self, text: str) -> Optional[_RankException]:
         """Take the next line of the rank's output; the exception once its line comes."""
         if text.startswith("Traceback (most recent call last):"):
             self.in_step = self.in_step and self.chained
@@ -193,7 +191,7 @@ class _Traceback:
             self.in_step = self.in_step or bool(_STEP_FRAME.match(text))
         elif self.reading:
             self.reading = False
-            return RankException(text.strip(), self.in_step)
+            return _RankException(text.strip(), self.in_step)
         elif text.startswith(_CHAINED):
             self.chained = True
         return None
@@ -206,9 +204,9 @@ class _Watch:
     def __init__(self, log: IO[str], stop: Callable[[], None], rank_lines: int, launcher_lines: int):
         self.log, self.stop, self.lock = log, stop, threading.Lock()
         self.last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
-        self.errors: list[str] = []
+        self.error: Optional[str] = None  # the first baft error
         self.tracebacks: dict[str, _Traceback] = {}
-        self.exceptions: dict[str, RankException] = {}  # each rank's last
+        self.exceptions: dict[str, _RankException] = {}  # each rank's last
         self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
 
     def pump(self, pipe: IO[str], stream: str) -> None:
@@ -227,7 +225,7 @@ class _Watch:
         if match is None:
             self.last[LAUNCHER].append(line)
             failed = _FAILED.search(line)
-            if failed:  # local rank: baft launches one node
+            if failed:  # its local rank is the rank: baft train launches one node
                 self.failed = (int(failed[1]), failed[2])
             return None
         self.last[RANKS].append(line)
@@ -237,22 +235,24 @@ class _Watch:
         error = baft_error(line)
         if error is None:
             return on_screen(line, stream)
-        self.errors.append(error[1])
-        if len(self.errors) == 1:
+        if self.error is None:
+            self.error = error[1]
             self.stop()
         return None
 
-    def why(self) -> tuple[Optional[str], Optional[str]]:
-        """After a failed launch: the first baft error, or else the exception the rank torchrun saw fail
-        first died of, when it was raised outside a training step (a step's is a fault for restarts to
-        get past, and a surviving rank's traceback after a kill is the kill's echo, not its cause)."""
-        if self.errors:
-            return self.errors[0], None
-        code, rank = self.failed or (0, "")
+    def outcome(self, code: int) -> Outcome:
+        """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
+        else the exception the rank torchrun saw fail first died of, when raised outside a training step
+        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank)."""
+        if code == 0:
+            return Outcome(0)
+        if self.error is not None:
+            return Outcome(code, error=self.error)
+        exitcode, rank = self.failed or (0, "")
         exception = self.exceptions.get(rank)
-        if code > 0 and exception is not None and not exception.in_step:
-            return None, f"rank {rank}: {exception.line}"
-        return None, None
+        if exitcode > 0 and exception is not None and not exception.in_step:
+            return Outcome(code, exception=f"rank {rank}: {exception.line}")
+        return Outcome(code)
 
     def print_tails(self) -> None:
         """The ranks' and torchrun's last lines."""
