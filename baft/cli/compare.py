@@ -367,14 +367,14 @@ def launch_compare(model: dict, dp: int, policies: str, rounds: int, block: int,
     with tempfile.TemporaryDirectory(prefix="baft-compare-", dir=shm) as fast, \
             tempfile.TemporaryDirectory(prefix="baft-compare-") as disk:  # the disk baselines write to a disk
         result = Path(out) if out else Path(disk) / "compare.json"
-        code = run_example_logged(model["stages"] * dp, [
+        outcome = run_example_logged(model["stages"] * dp, [
             "baft.cli.compare", "--policies", policies, "--rounds", str(rounds), "--block", str(block),
             *(["--none-between"] if none_between else []), *(["--shuffle"] if shuffle else []),
             "--out", str(result), "--shm-dir", fast, "--disk-dir", disk, *flags({**model, "bubble_map": bubble_map})],
             launch_env(), result.with_suffix(".log"),
             announce=bool(out))  # a temporary log is gone when the command ends
-        if code != 0 or not result.exists():
-            raise BaftError(f"the comparison run failed (exit code {code})")
+        if outcome.code != 0 or not result.exists():
+            raise BaftError(f"the comparison run failed ({outcome.reason()})")
         return summarize(json.loads(result.read_text()))
 
 

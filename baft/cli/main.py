@@ -35,7 +35,7 @@ def profile(example, out, iters, command, dp, **model):
     written beside the map (``NAME.plan.json``).
     """
     from baft.cli.launch import example_args, launch_env, run_command
-    from baft.cli.runlog import run_example_logged
+    from baft.cli.runlog import Outcome, run_example_logged
     from baft.pipeline.profiler import merge_traces, trace_paths
     from baft.plugin import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
 
@@ -45,13 +45,13 @@ def profile(example, out, iters, command, dp, **model):
     with tempfile.TemporaryDirectory(prefix="baft-profile-") as traces:
         env = launch_env({PROFILE_DIR_ENV: traces, PROFILE_ITERS_ENV: str(iters)})
         if command:  # the user's own launch: its output is theirs, on the terminal
-            code = run_command(list(command), env)
+            outcome = Outcome(run_command(list(command), env))
         else:
-            code = run_example_logged(model["stages"] * dp, example_args(
+            outcome = run_example_logged(model["stages"] * dp, example_args(
                 {**model, "iters": iters + 1, "policy": "none"}), env, out.with_suffix(".log"))
         paths = trace_paths(traces)
-        if code != 0 and not paths:
-            raise BaftError(f"the profiled run failed (exit code {code}) before writing its traces")
+        if outcome.code != 0 and not paths:
+            raise BaftError(f"the profiled run failed ({outcome.reason()}) before writing its traces")
         bmap = merge_traces(paths)
     bmap.save(out)
     plan_path = _write_plan(bmap, out)
@@ -188,6 +188,13 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
+    from baft.cli.preflight import check_script_launch
+
+    if bool(example) == bool(command):
+        raise BaftError("give either --example gpt or a training script after --, not both or neither")
+    if command:
+        check_script_launch(list(command))
+    # only now: these load DeepSpeed (seconds), and a mistake in the command is said at once
     from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
     from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
@@ -195,8 +202,6 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.plugin import TRACE_DIR_ENV
     from baft.recovery import chaos
 
-    if bool(example) == bool(command):
-        raise BaftError("give either --example gpt or a training script after --, not both or neither")
     for fault in faults:
         chaos.parse_fault(fault)
     run = Path(run_dir).resolve()
@@ -233,7 +238,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         trim_run_logs(run)
         start_all(configs, log_dir=run)
         try:
-            code = run_logged(cmd, env, log)
+            outcome = run_logged(cmd, env, log)
         finally:
             stop_all(configs)
             _say_what_is_kept(configs, run)
@@ -242,8 +247,11 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         from baft.recovery.record import load_recoveries
 
         click.echo(render_recovery_text(load_recoveries(run)))
-    if code != 0:
-        raise BaftError(f"training failed (exit code {code}); every rank's output is in {log}")
+    if outcome.error:
+        raise BaftError(outcome.error)
+    if outcome.code != 0:
+        raise BaftError(f"{outcome.exception or f'training failed (exit code {outcome.code})'}; "
+                        f"every rank's output is in {log}")
     if trace_dir:
         click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
 

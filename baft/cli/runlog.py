@@ -10,7 +10,9 @@ from any rank. A surviving rank's traceback after a kill stays in the log; a fai
 prints the ranks' last lines and torchrun's (its summary names the rank that failed first).
 A rank's :class:`~baft.errors.BaftError` is the user's to fix, so no restart can get past it:
 :func:`run_logged` stops torchrun at the first one instead of letting it restart every rank
-``--max-restarts`` times into the same error.
+``--max-restarts`` times into the same error. That error, or the Python exception a rank died of
+outside a training step (a DeepSpeed config assertion, an import error), is the one line
+:class:`Outcome` gives for the screen; the tracebacks stay in the log.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Optional
 
@@ -35,8 +38,12 @@ KEEP_LAUNCHES = 3  # launches whose torchrun files stay in RUN_DIR/torchrun (out
 LOG_LIMIT = 256 << 20  # past this, a launch starts output.log afresh, keeping the old one as output.log.1
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX_TEMPLATE = "[${rank}] "
-_PREFIX = re.compile(r"\[(\d+)\] ")
+# torchrun's prefix, then the one torch.distributed puts on a rank's traceback once its process group is up
+_PREFIX = re.compile(r"\[(\d+)\] (?:\[rank\d+\]: )?")
 _BAFT_ERROR = re.compile(r"(?:baft: error: |baft\.errors\.\w+: )(.*)")  # the example's line; a script's traceback
+_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) ")  # torchrun's first failure of an attempt
+_STEP_FRAME = re.compile(r'\s+File ".*", line \d+, in (train_batch|eval_batch)$')  # DeepSpeed's PipelineEngine
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
@@ -91,28 +98,33 @@ def baft_error(line: str) -> Optional[tuple[str, str]]:
     return (match[1], error[1].rstrip()) if error else None
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a launch under :func:`run_logged` ended."""
+
+    code: int  # torchrun's exit code
+    error: Optional[str] = None  # the rank's baft error that stopped it: the user's to fix
+    exception: Optional[str] = None  # "rank R: <its last line>": the exception a rank died of outside a training step
+
+    def reason(self) -> str:
+        """Why it failed, in one line: the rank's error or exception, else the exit code."""
+        return self.error or self.exception or f"exit code {self.code}"
+
+
 def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12,
-               announce: bool = True) -> int:
+               announce: bool = True) -> Outcome:
     """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``
     (said first, with ``announce``), :func:`on_screen`'s lines on the screen; on failure, the ranks' and
-    torchrun's last lines too, unless a rank's :func:`baft_error` stopped torchrun (the error says it all).
-    Its exit code."""
+    torchrun's last lines too, unless a rank's :func:`baft_error` (which stops torchrun) or the exception a
+    rank died of says why (:class:`Outcome`, for the caller to say)."""
     if announce:
         click.echo(f"baft: every rank's output goes to {log_path}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
-    lock = threading.Lock()
-    errors: list[tuple[str, str]] = []
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_dies_with(os.getpid()))
-
-        def stop_at_first(error: tuple[str, str]) -> bool:
-            errors.append(error)
-            if len(errors) == 1:
-                proc.terminate()  # torchrun stops its ranks on SIGTERM
-            return len(errors) == 1
-        readers = [threading.Thread(target=_pump, args=(pipe, name, log, last, lock, stop_at_first), daemon=True)
+        watch = _Watch(log, proc.terminate, rank_lines, launcher_lines)  # torchrun stops its ranks on SIGTERM
+        readers = [threading.Thread(target=watch.pump, args=(pipe, name), daemon=True)
                    for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
             reader.start()
@@ -122,15 +134,10 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
             proc.wait()
             for reader in readers:
                 reader.join()
-    if errors:
-        click.echo(f"baft: no restart gets past rank {errors[0][0]}'s error, so the launch stopped there; every "
-                   f"rank's output is in {log_path}", err=True)
-    elif code != 0:
-        for source, lines in last.items():
-            if lines:
-                click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
-                click.echo("".join(lines), err=True, nl=False)
-    return code
+    outcome = watch.outcome(code)
+    if code != 0 and not (outcome.error or outcome.exception):
+        watch.print_tails()
+    return outcome
 
 
 def _dies_with(parent: int):
@@ -148,9 +155,10 @@ def _dies_with(parent: int):
     return set_death_signal
 
 
-def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path, announce: bool = True) -> int:
+def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path: Path,
+                       announce: bool = True) -> Outcome:
     """Run ``python -m <module_args>`` on ``nprocs`` ranks through torchrun as :func:`run_logged` does
-    (torchrun's per-rank files in a temporary directory, the whole output in ``log_path``); its exit code."""
+    (torchrun's per-rank files in a temporary directory, the whole output in ``log_path``); how it ended."""
     from baft.cli.launch import torchrun
 
     with tempfile.TemporaryDirectory(prefix="baft-torchrun-") as files:
@@ -158,17 +166,97 @@ def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path:
                           announce=announce)
 
 
-def _pump(pipe: IO[str], stream: str, log: IO[str], last: dict[str, deque], lock: threading.Lock,
-          on_error: Callable[[tuple[str, str]], bool]) -> None:
-    """Copy ``pipe`` into the log and the tails, :func:`on_screen`'s lines onto the screen; a rank's
-    :func:`baft_error` goes to ``on_error``, and onto the screen as one line if it is the first."""
-    for line in pipe:
-        text, error = on_screen(line, stream), baft_error(line)
-        with lock:
-            if error:
-                text = f"baft: error: {error[1]}\n" if on_error(error) else None
-            log.write(line)
-            log.flush()
-            last[RANKS if _PREFIX.match(line) else LAUNCHER].append(line)
-            if text is not None:
-                click.echo(text, nl=False, err=stream == "stderr")
+@dataclass(frozen=True)
+class _RankException:
+    """The line of a Python exception a rank printed (``AssertionError: ...``), and whether it was raised in a
+    training step (its traceback passes through the engine's ``train_batch`` or ``eval_batch``)."""
+
+    line: str
+    in_step: bool
+
+
+class _Traceback:
+    """One rank's Python traceback as its lines come; a chain of them ("During handling of the above
+    exception ...") is one exception, raised in a step if any of its tracebacks passes through one."""
+
+    def __init__(self):
+        self.reading = self.in_step = self.chained = False
+
+    def feed(self, text: str) -> Optional[_RankException]:
+        """Take the next line of the rank's output; the exception once its line comes."""
+        if text.startswith("Traceback (most recent call last):"):
+            self.in_step = self.in_step and self.chained
+            self.reading, self.chained = True, False
+        elif self.reading and text[:1].isspace():  # a frame
+            self.in_step = self.in_step or bool(_STEP_FRAME.match(text))
+        elif self.reading:
+            self.reading = False
+            return _RankException(text.strip(), self.in_step)
+        elif text.startswith(_CHAINED):
+            self.chained = True
+        return None
+
+
+class _Watch:
+    """Reads torchrun's output as :func:`run_logged` copies it to the log and the screen: the last lines of
+    the ranks and of torchrun, the ranks' baft errors and Python exceptions, and the rank torchrun saw fail."""
+
+    def __init__(self, log: IO[str], stop: Callable[[], None], rank_lines: int, launcher_lines: int):
+        self.log, self.stop, self.lock = log, stop, threading.Lock()
+        self.last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
+        self.error: Optional[str] = None  # the first baft error
+        self.tracebacks: dict[str, _Traceback] = {}
+        self.exceptions: dict[str, _RankException] = {}  # each rank's last
+        self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
+
+    def pump(self, pipe: IO[str], stream: str) -> None:
+        """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
+        for line in pipe:
+            with self.lock:
+                self.log.write(line)
+                self.log.flush()
+                text = self._read(line, stream)
+                if text is not None:
+                    click.echo(text, nl=False, err=stream == "stderr")
+
+    def _read(self, line: str, stream: str) -> Optional[str]:
+        """Note what ``line`` says; the text of it to show, if any. The first baft error stops torchrun."""
+        match = _PREFIX.match(line)
+        if match is None:
+            self.last[LAUNCHER].append(line)
+            failed = _FAILED.search(line)
+            if failed:  # its local rank is the rank: baft train launches one node
+                self.failed = (int(failed[1]), failed[2])
+            return None
+        self.last[RANKS].append(line)
+        exception = self.tracebacks.setdefault(match[1], _Traceback()).feed(line[match.end():])
+        if exception is not None:
+            self.exceptions[match[1]] = exception
+        error = baft_error(line)
+        if error is None:
+            return on_screen(line, stream)
+        if self.error is None:
+            self.error = error[1]
+            self.stop()
+        return None
+
+    def outcome(self, code: int) -> Outcome:
+        """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
+        else the exception the rank torchrun saw fail first died of, when raised outside a training step
+        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank)."""
+        if code == 0:
+            return Outcome(0)
+        if self.error is not None:
+            return Outcome(code, error=self.error)
+        exitcode, rank = self.failed or (0, "")
+        exception = self.exceptions.get(rank)
+        if exitcode > 0 and exception is not None and not exception.in_step:
+            return Outcome(code, exception=f"rank {rank}: {exception.line}")
+        return Outcome(code)
+
+    def print_tails(self) -> None:
+        """The ranks' and torchrun's last lines."""
+        for source, lines in self.last.items():
+            if lines:
+                click.echo(f"baft: the run failed; the last lines of {source}:", err=True)
+                click.echo("".join(lines), err=True, nl=False)

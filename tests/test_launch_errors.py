@@ -1,0 +1,135 @@
+"""A user's mistake under ``baft train`` gets one line on the screen, once, and leaves nothing behind.
+
+What ``baft train`` can check (the script, the DeepSpeed config its arguments name) it checks before it
+starts a manager or a rank; what only a rank finds (a DeepSpeed config assertion) is the exception's
+line, with the rank and where the full output is, instead of every rank's traceback and torchrun's summary.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from baft.cli.launch import SHM_ROOT, launch_env, run_id
+from baft.cli.preflight import config_files
+from baft.cli.runlog import LOG_NAME
+
+# A user's script: a 2-stage pipeline of linear layers under baft.initialize, its DeepSpeed config from --config.
+SCRIPT = """
+import argparse
+
+import deepspeed
+import torch.nn as nn
+from deepspeed.pipe import PipelineModule
+
+import baft
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config", required=True)
+args = parser.parse_args()
+deepspeed.init_distributed(dist_backend="gloo")
+model = PipelineModule(layers=[nn.Linear(4, 4), nn.Linear(4, 1)], num_stages=2, loss_fn=nn.MSELoss())
+engine, *_ = baft.initialize(model=model, config=args.config)
+"""
+CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "baft": {"policy": "baft"}}
+NOT_ON_SCREEN = ("Traceback", "[rank", "Root Cause", "ChildFailedError", "error_file", "=====")
+OTHER_RUNS = "of other runs that no manager serves"  # another run's leftovers on this machine: not this test's
+
+
+def baft_train(tmp_path, *command, max_restarts=0):
+    """``baft train --nprocs 2`` of ``command`` (a script and its arguments) into ``tmp_path/run``."""
+    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts",
+                           str(max_restarts), "--run-dir", str(tmp_path / "run"), "--", *map(str, command)],
+                          capture_output=True, text=True, env=launch_env(), timeout=300)
+
+
+def user_files(tmp_path, **config):
+    """The user's script and its DeepSpeed config (:data:`CONFIG` with ``config``'s keys replaced)."""
+    script, path = tmp_path / "train.py", tmp_path / "ds_config.json"
+    script.write_text(SCRIPT)
+    path.write_text(json.dumps({**CONFIG, **config}))
+    return script, path
+
+
+def screen(proc) -> list[str]:
+    """What ``baft train`` showed, line by line."""
+    return [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if OTHER_RUNS not in line]
+
+
+def assert_one_line(proc, expected: str) -> str:
+    """The screen holds the error once, as baft's one line, and none of the tracebacks or torchrun's summary."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = screen(proc)
+    for noise in NOT_ON_SCREEN:
+        assert not any(noise in line for line in lines), (noise, lines)
+    said = [line for line in lines if re.search(expected, line)]
+    assert len(said) == 1 and said[0].startswith("baft: error: "), lines
+    return said[0]
+
+
+def assert_nothing_left(tmp_path):
+    """No process of the run still runs, and its shared memory is gone."""
+    run = tmp_path / "run"
+    marks = (str(tmp_path), run_id(run))
+    procs = [p for p in psutil.process_iter(["cmdline"]) if any(m in arg for arg in p.info["cmdline"] or ()
+                                                                    for m in marks)]
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive, [p.info["cmdline"] for p in alive]
+    shm = Path(SHM_ROOT) / run_id(run)
+    assert not shm.exists() or not any(shm.iterdir()), sorted(shm.rglob("*"))
+
+
+@pytest.mark.parametrize("case", ["baft key", "missing", "not JSON"])
+def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
+    script, config = user_files(tmp_path, baft={"polcy": "baft"})
+    if case == "missing":
+        command, expected = [script, f"--deepspeed_config={tmp_path / 'nope.json'}"], "nope.json: no such file$"
+    elif case == "not JSON":
+        config.write_text('{"train_batch_size": 4,')
+        command, expected = [script, "--config", config], "ds_config.json: not valid JSON"
+    else:
+        command, expected = [script, "--config", config], r"ds_config.json: baft\.polcy: unknown key \(known: "
+    proc = baft_train(tmp_path, *command)
+    said = assert_one_line(proc, expected)
+    assert screen(proc) == [said], "more than the error on the screen"
+    assert not (tmp_path / "run").exists(), "the launch went ahead"
+    assert_nothing_left(tmp_path)
+
+
+def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
+    proc = baft_train(tmp_path, tmp_path / "nonexistent.py")
+    said = assert_one_line(proc, "nonexistent.py: no such file$")
+    assert screen(proc) == [said] and not (tmp_path / "run").exists()
+    assert_nothing_left(tmp_path)
+
+
+def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log(tmp_path):
+    """The ranks find it (DeepSpeed asserts train_batch_size = micro-batch x accumulation x replicas); torchrun
+    restarts them into it, so every rank's traceback is in the log twice, and the screen has its line once."""
+    script, config = user_files(tmp_path, train_batch_size=7)
+    proc = baft_train(tmp_path, script, "--config", config, max_restarts=1)
+    log = tmp_path / "run" / LOG_NAME
+    assertion = ("AssertionError: Check batch related parameters. train_batch_size is not equal to "
+                 "micro_batch_per_gpu * gradient_acc_step * world_size 7 != 4 * 1 * 1")
+    said = assert_one_line(proc, re.escape(assertion))
+    assert re.fullmatch(rf"baft: error: rank [01]: {re.escape(assertion)}; every rank's output is in {log}", said)
+    assert screen(proc) == [f"baft: every rank's output goes to {log}", said]
+    text = log.read_text()
+    assert text.count(assertion) >= 2 and "Traceback" in text and "Root Cause" in text, "the log keeps everything"
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("args, found", [
+    (["--config", "ds.json", "--steps", "3"], ["ds.json"]),
+    (["--deepspeed_config=ds.json"], ["ds.json"]),
+    (["--deepspeed_config", "ds"], ["ds"]),  # DeepSpeed's own flag: a config whatever its name
+    (["--config", "model.yaml"], []),  # a script's own config
+    (["--config"], []),
+])
+def test_the_deepspeed_configs_a_scripts_arguments_name(args, found):
+    assert config_files(args) == found
