@@ -41,6 +41,7 @@ AXES = {
     "dropout": [[True, False], [False, True], [True, True], [False, False]],
     "checkpointing": [False, True],
     "tied": [False, True],
+    "frozen": [False, True],
     "micro_batches": [2, 4, 8],
     "period": [1, "auto", 3],
     "form": ["path", "dict", "args", "config_params"],
@@ -69,6 +70,7 @@ class Case:
     dropout: list
     checkpointing: bool
     tied: bool
+    frozen: bool
     micro_batches: int
     period: object
     form: str
@@ -190,6 +192,7 @@ def describe(case: Case) -> str:
     faults = "; ".join(f"rank {f.rank} step {f.step} {f.phase}" for f in case.faults)
     return (f"{case.optimizer}, {case.scheduler}, {case.precision}, data {case.data}, dropout {dropout}, "
             f"{'checkpointing' if case.checkpointing else 'no checkpointing'}, {'tied' if case.tied else 'untied'}, "
+            f"{'frozen block, ' if case.frozen else ''}"
             f"m={case.micro_batches}, period {case.period}, {case.form}; kill {faults}")
 
 

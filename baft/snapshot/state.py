@@ -128,7 +128,7 @@ def capture_items(engine, data_iterator=None) -> dict:
     if scaler is not None:
         items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool, type(None)))}
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
-        items["data"] = data_iterator.state_dict()
+        items["data"] = _torch_blob(data_iterator.state_dict())  # a loader's generator state is a ByteTensor
     return _jsonable(items)
 
 
@@ -199,7 +199,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     for k, v in items.get("loss_scaler", {}).items():
         setattr(scaler, k, v)
     if "data" in items and data_iterator is not None:
-        data_iterator.load_state_dict(items["data"])
+        saved = items["data"]
+        data_iterator.load_state_dict(_torch_unblob(saved) if isinstance(saved, str) else saved)
     return RngRestore(items["rng"])
 
 

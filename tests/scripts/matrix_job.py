@@ -4,7 +4,7 @@ optimizer (torch Adam, AdamW, SGD with momentum, DeepSpeed's own Adam), schedule
 WarmupLR, WarmupDecayLR log and linear, WarmupCosineLR, OneCycle, a torch scheduler passed as
 ``lr_scheduler=``), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
 own ``training_data=``, torchdata's ``StatefulDataLoader``, an iterator with ``state_dict``), dropout
-on either stage, activation checkpointing, weights tied across the stages, gradient accumulation,
+on either stage, activation checkpointing, weights tied across the stages, a frozen block, gradient accumulation,
 the snapshot period and the calling form of ``initialize``. Every run crosses an epoch of its data.
 """
 
@@ -113,6 +113,9 @@ def main():
     torch.manual_seed(case["seed"])  # the same initial weights on every replica
     model = PipelineModule(layers=layers(case), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
                            activation_checkpoint_interval=1 if case["checkpointing"] else 0)
+    for name, param in model.named_parameters():
+        if case["frozen"] and name.startswith("3."):  # a frozen block on the first stage
+            param.requires_grad_(False)
     cfg = config(case, args.policy, dp)
     kwargs = {"model": model}
     if case["scheduler"] == "torch":
