@@ -41,18 +41,21 @@ def _schema(name: str) -> dict:
     return json.loads(resources.files("baft.schemas").joinpath(name).read_text())
 
 
-def read_json(path) -> dict:
-    """Parse a JSON file, turning every way it can be unreadable into a one-line ConfigError."""
-    path = Path(path)
+def read_bytes(path, expected: str = "a JSON file") -> bytes:
+    """The bytes of a file, every way it can be unreadable a one-line ConfigError naming it."""
     try:
-        text = path.read_text()
+        return Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a JSON file") from None
+        raise ConfigError(f"{path}: is a directory, expected {expected}") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
-    return parse_object(text, str(path))
+
+
+def read_json(path) -> dict:
+    """Parse a JSON file, turning every way it can be unreadable into a one-line ConfigError."""
+    return parse_object(read_bytes(path).decode(errors="replace"), str(Path(path)))
 
 
 def parse_object(text: str, where: str) -> dict:

@@ -7,8 +7,8 @@ rank's traceback, and a launch that starts managers and ranks only to stop them.
 from __future__ import annotations
 
 from baft.config import parse_config
-from baft.errors import BaftError, ConfigError
-from baft.jsonfile import read_json
+from baft.errors import ConfigError
+from baft.jsonfile import read_bytes, read_json
 
 CONFIG_FLAGS = ("--deepspeed_config", "--config")
 
@@ -24,16 +24,8 @@ def check_script_launch(command: list[str]) -> None:
 
 
 def check_readable(path: str) -> None:
-    """A BaftError naming ``path`` unless it is a file this process can read."""
-    try:
-        with open(path, "rb"):
-            pass
-    except FileNotFoundError:
-        raise BaftError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise BaftError(f"{path}: is a directory, expected a training script") from None
-    except OSError as err:
-        raise BaftError(f"{path}: cannot read ({err.strerror})") from None
+    """A one-line error naming ``path`` unless it is a file this process can read."""
+    read_bytes(path, expected="a training script")
 
 
 def config_files(args: list[str]) -> list[str]:
