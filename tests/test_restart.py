@@ -89,12 +89,22 @@ def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_p
     assert recovery["source"] == "disk" and recovery["restored_step"] == 6
 
 
-def test_dcp_async_baseline_writes_a_checkpoint_every_period(tmp_path):
+def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninterrupted, monkeypatch):
+    """It used to restore nothing and train again from step 0 without a word."""
+    monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=5,phase=backward")
     run_dir = tmp_path / "run"
-    run_worker(2, [*TINY, "--iters", "4", "--policy", "dcp-async", "--period", "2", "--run-dir", str(run_dir)])
+    run_worker(2, [*TINY, "--iters", "6", "--policy", "dcp-async", "--period", "2", "--run-dir", str(run_dir)],
+               max_restarts=1)
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert saved == ["step2", "step4"]
+    assert saved == ["step2", "step4", "step6"]
     assert all((run_dir / "checkpoints" / s / ".metadata").exists() for s in saved)
+    recovery = json.loads((run_dir / "recovery.jsonl").read_text().splitlines()[0])
+    # step 4's save is written in the background during step 5: the kill may find it incomplete
+    assert recovery["source"] == "disk" and recovery["restored_step"] in (2, 4)
+    resumed = [r for r in losses(run_dir) if r["restart"] == 1]
+    assert [r["step"] for r in resumed] == list(range(recovery["restored_step"] + 1, 7))
+    for r in resumed:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
 
 
 def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninterrupted):
