@@ -1,0 +1,155 @@
+"""A test bed of nodes on one host: each node a network, mount, IPC and UTS namespace of its own.
+
+A node has its own loopback, one veth link to a bridge in a hub network namespace (nothing
+is added to the host's own network stack), its own ``/dev/shm`` (a tmpfs mounted inside its
+mount namespace), its own hostname (``node0``, ``node1``, ...) and an ``/etc/hosts`` that
+names every node of the cluster, so commands run on it as they would on a machine of a
+cluster: ``torchrun --rdzv-endpoint node0:29400`` finds the node that hosts the rendezvous by
+its name. The host's file systems stay visible in every node, as a shared file system would.
+
+Losing a node (:meth:`Cluster.lose`) SIGKILLs every process of its network namespace and
+deletes the namespace: its shared memory goes with its last process, as with a machine that
+died, and nothing of it is left for a restart to find. A replacement (:meth:`Cluster.start`
+with the same index) is a fresh namespace that takes the lost node's name and address.
+
+Namespaces need root and ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux);
+:func:`unavailable` says why they cannot be made here, for a test to skip with.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+SUBNET = "10.77.0"  # only ever configured on veths inside the cluster's own namespaces
+INTERFACE = "eth0"  # each node's link to the hub (GLOO_SOCKET_IFNAME)
+SHM_SIZE = "1g"
+
+
+def unavailable() -> Optional[str]:
+    """Why network namespaces cannot be made here, or None when they can."""
+    missing = [tool for tool in ("ip", "unshare", "nsenter", "mount") if shutil.which(tool) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install iproute2 util-linux mount)"
+    probe = f"baft-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def hostname(index: int) -> str:
+    return f"node{index}"
+
+
+def address(index: int) -> str:
+    return f"{SUBNET}.{10 + index}"
+
+
+@dataclass
+class Node:
+    """One running node: its index (its hostname is ``node<index>``), namespace and holder process."""
+
+    index: int
+    netns: str
+    holder: subprocess.Popen  # keeps the mount, IPC and UTS namespaces; PID 1-like for nsenter
+
+    @property
+    def name(self) -> str:
+        return hostname(self.index)
+
+    @property
+    def address(self) -> str:
+        return address(self.index)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` as a command that runs inside this node."""
+        return ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--uts", "--ipc", "--", *argv]
+
+    def popen(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+        """Start ``argv`` on this node, its output appended to ``log``."""
+        with open(log, "ab") as out:
+            return subprocess.Popen(self.command(argv), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    def run(self, argv: list[str], env: Optional[dict] = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run ``argv`` on this node to completion; its output captured."""
+        return subprocess.run(self.command(argv), env=env, capture_output=True, text=True, timeout=timeout)
+
+    def pids(self) -> list[int]:
+        """Every process in this node's network namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+class Cluster:
+    """Nodes joined by one bridge in a hub namespace; every namespace is removed by :meth:`close`."""
+
+    def __init__(self, size: int, workdir: Path):
+        self.size = size
+        self.tag = os.urandom(3).hex()
+        self.hub = f"baft-{self.tag}-hub"
+        self.hosts = Path(workdir) / "hosts"
+        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{address(i)} {hostname(i)}\n" for i in range(size)))
+        self.nodes: dict[int, Node] = {}
+        self._generation = 0
+        _ip("netns", "add", self.hub)
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+
+    def start(self, index: int) -> Node:
+        """A fresh node ``index``: a namespace with its link, hostname, hosts file and empty ``/dev/shm``."""
+        if index in self.nodes:
+            raise RuntimeError(f"{hostname(index)} is running; lose it first")
+        self._generation += 1
+        netns, port = f"baft-{self.tag}-n{index}g{self._generation}", f"v{self.tag}g{self._generation}"
+        _ip("netns", "add", netns)
+        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", netns)
+        _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
+        _ip("-n", netns, "addr", "add", f"{address(index)}/24", "dev", INTERFACE)
+        _ip("-n", netns, "link", "set", INTERFACE, "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
+        setup = (f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 tmpfs /dev/shm && mount --bind {self.hosts} /etc/hosts "
+                 f"&& hostname {hostname(index)} && echo ready && exec sleep infinity")
+        holder = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--ipc",
+                                   "--propagation", "private", "sh", "-c", setup],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        node = Node(index, netns, holder)
+        self.nodes[index] = node
+        if holder.stdout.readline().strip() != "ready":
+            self.lose(index)
+            raise RuntimeError(f"{hostname(index)} did not start: {holder.stderr.read().strip()}")
+        return node
+
+    def lose(self, index: int) -> None:
+        """Node ``index`` dies: every process on it SIGKILLed, its namespaces (and shared memory) gone."""
+        node = self.nodes.pop(index)
+        deadline = time.monotonic() + 30
+        while pids := node.pids():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{node.name}: processes {pids} outlived SIGKILL")
+            time.sleep(0.05)
+        node.holder.wait()
+        subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+
+    def close(self) -> None:
+        """Lose every node and remove the hub."""
+        for index in list(self.nodes):
+            self.lose(index)
+        subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
