@@ -115,6 +115,9 @@ class Cluster:
         self._generation += 1
         netns, port = f"baft-{self.tag}-n{index}g{self._generation}", f"v{self.tag}g{self._generation}"
         _ip("netns", "add", netns)
+        # a node that comes up announces its address (gratuitous ARP), as a machine's network setup does: the
+        # other nodes' ARP caches still name the lost node's link, which would swallow their first connections
+        subprocess.run(["ip", "netns", "exec", netns, "sysctl", "-qw", "net.ipv4.conf.all.arp_notify=1"], check=True)
         _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", netns)
         _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
         _ip("-n", netns, "addr", "add", f"{address(index)}/24", "dev", INTERFACE)

@@ -9,9 +9,10 @@ bundle, checked end to end against the checksum it was sent with.
 A restore needs one step at which every node's snapshot can be had. A manager that cannot
 keep up with the trainers skips steps, and managers lag by different amounts, so each takes
 the newest step another member has encoded before its own newest
-(:meth:`ParityGroup.step_to_encode`), and keeps, beside the newest steps, the newest step it
-holds a share of from every member (:meth:`ParityGroup.common_step`): a node lost while its
-manager lagged is rebuilt at that step, which the other nodes rebuild from parity too.
+(:meth:`ParityGroup.step_to_encode`), and keeps, beside each member's newest steps, the
+newest steps it holds a share of from every member (:meth:`ParityGroup.common_steps`): a node
+lost while its manager lagged is rebuilt at such a step, which the other nodes rebuild from
+parity too.
 
 Members speak the requests of :mod:`baft.manager.protocol` over TCP; each request carries
 the sender's view of the group and is refused when it differs.
@@ -59,9 +60,9 @@ class ParityState:
     encode_seconds: float = 0.0
 
 
-def _kept(held: dict[int, Share], common: Optional[int]) -> dict[int, Share]:
-    """Of one origin's shares by step, those kept: the ``SHARE_STEPS_KEPT`` newest and the group's common step."""
-    keep = set(sorted(held)[-SHARE_STEPS_KEPT:]) | {common}
+def _kept(held: dict[int, Share], common: set[int]) -> dict[int, Share]:
+    """Of one origin's shares by step, those kept: the ``SHARE_STEPS_KEPT`` newest and the group's common steps."""
+    keep = set(sorted(held)[-SHARE_STEPS_KEPT:]) | common
     return {s: share for s, share in held.items() if s in keep}
 
 
@@ -122,8 +123,9 @@ class ParityGroup:
         """Of the ``complete`` steps newer than the last one encoded, the one to encode next (None without a group).
 
         A manager busier than the trainers skips steps, and a restore needs one step that every node can
-        rebuild: so the newest step another member has already encoded goes first, else the newest.
-        Managers that follow each other's steps hold parity of the same steps when a node is lost.
+        rebuild. So a step another member has already encoded goes first, and among equals the step with
+        the most trailing zero bits (8 before 6 before 7), then the newest: managers that see different
+        steps complete still tend to pick the same ones.
         """
         if self.config.k is None:
             return None
@@ -131,7 +133,7 @@ class ParityGroup:
         with self._lock:
             encoded_by_others = {s for origin, held in self.shares.items() if origin != self.config.node_id
                                  for s in held}
-        return max(fresh & encoded_by_others or fresh, default=None)
+        return max(fresh & encoded_by_others or fresh, key=lambda s: (s & -s, s), default=None)
 
     def distribute(self, step: int, bundle: memoryview) -> None:
         """Encode this node's bundle of ``step`` and send each member its share; note who took one."""
@@ -178,7 +180,7 @@ class ParityGroup:
         """Keep ``share`` of ``origin``'s bundle of ``step``, dropping older steps (:meth:`_prune`); refused over
         --memory-limit."""
         with self._lock:
-            kept = _kept({**self.shares.get(origin, {}), step: share}, self.common_step())
+            kept = _kept({**self.shares.get(origin, {}), step: share}, self.common_steps())
             limit = self.config.memory_limit
             if limit is not None and origin != self.config.node_id:
                 others = sum(len(s.data) for o, h in self.shares.items() if o != origin for s in h.values())
@@ -189,16 +191,17 @@ class ParityGroup:
             self.shares[origin] = kept
             self._prune()
 
-    def common_step(self) -> Optional[int]:
-        """The newest step this manager holds a share of from every member: all nodes can be rebuilt at it."""
+    def common_steps(self) -> set[int]:
+        """The ``SHARE_STEPS_KEPT`` newest steps this manager holds a share of from every member: every node
+        can be rebuilt at them (the newer may lack a share that never reached another member)."""
         with self._lock:
             held = [set(self.shares.get(m.node_id, {})) for m in self.config.group]
-        return max(set.intersection(*held), default=None) if held else None
+        return set(sorted(set.intersection(*held))[-SHARE_STEPS_KEPT:]) if held else set()
 
     def _prune(self) -> None:
-        """Drop every origin's shares but its ``SHARE_STEPS_KEPT`` newest steps and :meth:`common_step`: when
-        the members' parity lags by different steps, the step they all cover stays rebuildable."""
-        common = self.common_step()
+        """Drop every origin's shares but its ``SHARE_STEPS_KEPT`` newest steps and :meth:`common_steps`: when
+        the members' parity lags by different steps, the steps they all cover stay rebuildable."""
+        common = self.common_steps()
         self.shares = {origin: _kept(held, common) for origin, held in self.shares.items()}
 
     def held_shares(self, node: int) -> dict[int, list[int]]:
