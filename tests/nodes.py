@@ -10,7 +10,7 @@ its name. The host's file systems stay visible in every node, as a shared file s
 Losing a node (:meth:`Cluster.lose`) SIGKILLs every process of its network namespace and
 deletes the namespace: its shared memory goes with its last process, as with a machine that
 died, and nothing of it is left for a restart to find. A replacement (:meth:`Cluster.start`
-with the same index) is a fresh namespace that takes the lost node's name and address.
+with the same index) is a fresh namespace that takes the lost node's name, IP and MAC address.
 
 Namespaces need root and ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux);
 :func:`unavailable` says why they cannot be made here, for a test to skip with.
@@ -55,6 +55,10 @@ def hostname(index: int) -> str:
 
 def address(index: int) -> str:
     return f"{SUBNET}.{10 + index}"
+
+
+def mac(index: int) -> str:
+    return f"02:77:00:00:00:{index:02x}"  # locally administered
 
 
 @dataclass
@@ -115,10 +119,11 @@ class Cluster:
         self._generation += 1
         netns, port = f"baft-{self.tag}-n{index}g{self._generation}", f"v{self.tag}g{self._generation}"
         _ip("netns", "add", netns)
-        # a node that comes up announces its address (gratuitous ARP), as a machine's network setup does: the
-        # other nodes' ARP caches still name the lost node's link, which would swallow their first connections
-        subprocess.run(["ip", "netns", "exec", netns, "sysctl", "-qw", "net.ipv4.conf.all.arp_notify=1"], check=True)
-        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", netns)
+        # the replacement keeps the lost node's hardware address too: the other nodes' ARP caches still hold it
+        # (a gratuitous ARP on link-up is lost while the bridge port comes up, and the caches would swallow the
+        # first connections to the replacement for tens of seconds)
+        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "address", mac(index),
+            "netns", netns)
         _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
         _ip("-n", netns, "addr", "add", f"{address(index)}/24", "dev", INTERFACE)
         _ip("-n", netns, "link", "set", INTERFACE, "up")
