@@ -12,12 +12,17 @@ deletes the namespace: its shared memory goes with its last process, as with a m
 died, and nothing of it is left for a restart to find. A replacement (:meth:`Cluster.start`
 with the same index) is a fresh namespace that takes the lost node's name, IP and MAC address.
 
+A :class:`Job` is one node's launch command (a shell script: ``torchrun --rdzv-backend c10d
+...``) running on every node, as a user starts a multi-node job; :meth:`Job.lose` loses nodes
+and does what the user does then.
+
 Namespaces need root and ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux);
 :func:`unavailable` says why they cannot be made here, for a test to skip with.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -161,3 +166,94 @@ class Cluster:
         for index in list(self.nodes):
             self.lose(index)
         subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none if it does not exist), skipping a line torn by a kill."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+class Job:
+    """``script``, one node's launch of a multi-node job, running on every node of ``cluster``.
+
+    Each launch's output goes to its own file in ``logs``; ``run_dir`` is the directory the job
+    shares between its nodes (``losses.jsonl``, ``recovery.jsonl``, the managers' logs). Node
+    ``endpoint`` hosts the rendezvous.
+    """
+
+    def __init__(self, cluster: Cluster, script: str, env: dict, run_dir: Path, logs: Path, endpoint: int = 0):
+        self.cluster, self.script, self.env = cluster, script, env
+        self.run_dir, self.logs, self.endpoint = Path(run_dir), Path(logs), endpoint
+        self.launches: dict[int, subprocess.Popen] = {}
+        self.count = 0
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def launch(self, index: int) -> None:
+        """Run the script on node ``index``."""
+        self.count += 1
+        log = self.logs / f"{hostname(index)}-launch{self.count}.log"
+        self.launches[index] = self.cluster.nodes[index].popen(["sh", "-c", self.script], self.env, log)
+
+    def start(self) -> None:
+        """Start every node and launch the job on each."""
+        for index in range(self.cluster.size):
+            self.cluster.start(index)
+            self.launch(index)
+
+    def lose(self, indexes) -> dict[int, int]:
+        """Nodes ``indexes`` are lost and replaced by fresh nodes of the same names, which run the launch.
+
+        Where the rendezvous endpoint's node is among them, the other nodes' ``torchrun`` exit
+        with it, and the launch runs again on every node; the survivors' exit codes (else none).
+        """
+        for index in indexes:
+            self.cluster.lose(index)
+        exits = {}
+        if self.endpoint in indexes:
+            exits = self.wait_exit([i for i in range(self.cluster.size) if i not in indexes])
+        for index in indexes:
+            self.cluster.start(index)
+        for index in (range(self.cluster.size) if exits else indexes):
+            self.launch(index)
+        return exits
+
+    def losses(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "losses.jsonl")
+
+    def recoveries(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "recovery.jsonl")
+
+    def wait_for(self, step: int, recoveries: int, timeout: float = 240) -> None:
+        """Until rank 0 logged ``step`` after the job's ``recoveries``-th recovery; AssertionError when a
+        launch ends first or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            losses = self.losses()
+            if len(self.recoveries()) >= recoveries and losses and losses[-1]["step"] >= step:
+                return
+            ended = {i: p.returncode for i, p in self.launches.items() if p.poll() is not None}
+            assert not ended, f"torchrun ended on nodes {ended} before step {step}\n{self.tails()}"
+            assert time.monotonic() < deadline, f"no step {step} after {recoveries} recoveries\n{self.tails()}"
+            time.sleep(0.05)
+
+    def wait_exit(self, indexes, timeout: float = 240) -> dict[int, int]:
+        """The exit codes of the launches on ``indexes``, once they ended."""
+        deadline = time.monotonic() + timeout
+        for index in indexes:
+            self.launches[index].wait(timeout=max(1.0, deadline - time.monotonic()))
+        return {index: self.launches[index].returncode for index in indexes}
+
+    def output(self) -> str:
+        """Every launch's output."""
+        return "".join(path.read_text(errors="replace") for path in sorted(self.logs.glob("*.log")))
+
+    def tails(self) -> str:
+        """The end of every launch's and manager's log, for a failure message."""
+        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}"
+                          for path in sorted([*self.logs.glob("*.log"), *self.run_dir.glob("manager-*.log")]))

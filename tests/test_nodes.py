@@ -8,13 +8,11 @@ SIGKILLs every process of its namespace and deletes the namespace, and its share
 with it; a replacement is a fresh namespace with the lost node's name.
 """
 
-import json
 import os
 import re
 import shlex
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -51,70 +49,9 @@ def option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def digests(text: str, step: int) -> dict[int, str]:
     """Every rank's final state digest (``--digest``) printed at ``step``."""
     return {int(rank): digest for rank, digest in re.findall(rf"^digest rank (\d+) step {step} (\w+)$", text, re.M)}
-
-
-class Job:
-    """README's launch running on every node of a cluster; a lost node's replacement runs it again."""
-
-    def __init__(self, cluster: nodes.Cluster, run_dir: Path, logs: Path):
-        self.cluster, self.run_dir, self.logs = cluster, run_dir, logs
-        self.script = readme_block("torchrun --nnodes")
-        self.env = {**launch_env(), "RUN": str(run_dir),
-                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        self.launches: dict[int, object] = {}
-        self.count = 0
-
-    def launch(self, index: int) -> None:
-        self.count += 1
-        log = self.logs / f"{nodes.hostname(index)}-launch{self.count}.log"
-        self.launches[index] = self.cluster.nodes[index].popen(["sh", "-c", self.script], self.env, log)
-
-    def start(self) -> None:
-        for index in range(self.cluster.size):
-            self.cluster.start(index)
-            self.launch(index)
-
-    def replace(self, index: int) -> None:
-        """Node ``index`` is lost; a fresh node of the same name runs the launch."""
-        self.cluster.lose(index)
-        self.cluster.start(index)
-        self.launch(index)
-
-    def losses(self) -> list[dict]:
-        return read_jsonl(self.run_dir / "losses.jsonl")
-
-    def recoveries(self) -> list[dict]:
-        return read_jsonl(self.run_dir / "recovery.jsonl")
-
-    def wait_for(self, step: int, recoveries: int, timeout: float = 240) -> None:
-        """Until rank 0 logged ``step`` after the ``recoveries``-th recovery."""
-        deadline = time.monotonic() + timeout
-        while not (len(self.recoveries()) >= recoveries and self.losses() and self.losses()[-1]["step"] >= step):
-            ended = {i: p.returncode for i, p in self.launches.items() if p.poll() is not None}
-            assert not ended, f"torchrun ended on nodes {ended} before step {step}\n{self.tails()}"
-            assert time.monotonic() < deadline, f"no step {step} after {recoveries} recoveries\n{self.tails()}"
-            time.sleep(0.05)
-
-    def wait_exit(self, indexes, timeout: float = 240) -> dict[int, int]:
-        """The exit codes of the launches on ``indexes``."""
-        deadline = time.monotonic() + timeout
-        for index in indexes:
-            self.launches[index].wait(timeout=max(1.0, deadline - time.monotonic()))
-        return {index: self.launches[index].returncode for index in indexes}
-
-    def output(self) -> str:
-        return "".join(path.read_text(errors="replace") for path in sorted(self.logs.glob("*.log")))
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}"
-                         for path in sorted([*self.logs.glob("*.log"), *self.run_dir.glob("manager-*.log")]))
 
 
 @pytest.fixture
@@ -132,7 +69,7 @@ def uninterrupted(launch: str, run_dir: Path) -> tuple[dict[int, str], dict[int,
     args = worker_args(launch, run_dir)
     args[args.index("--policy") + 1] = "none"
     proc = run_worker(3, args, timeout=300)
-    return ({r["step"]: repr(r["loss"]) for r in read_jsonl(run_dir / "losses.jsonl")},
+    return ({r["step"]: repr(r["loss"]) for r in nodes.read_jsonl(run_dir / "losses.jsonl")},
             digests(proc.stdout, int(option(args, "--iters"))))
 
 
@@ -141,24 +78,22 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     every torchrun exits and the README's launch runs again on every node). Each time the replaced node's
     stage is rebuilt from the other nodes' parity, and every loss logged, redone steps included, and the final
     state of every rank equal the uninterrupted run's bit for bit."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    job = Job(cluster, tmp_path / "run", logs)
-    iters = int(option(worker_args(job.script, job.run_dir), "--iters"))
-    losses, final = uninterrupted(job.script, tmp_path / "reference")
+    launch = readme_block("torchrun --nnodes")
+    env = {**launch_env(), "RUN": str(tmp_path / "run"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    job = nodes.Job(cluster, launch, env, tmp_path / "run", tmp_path / "logs")
+    iters = int(option(worker_args(launch, job.run_dir), "--iters"))
+    losses, final = uninterrupted(launch, tmp_path / "reference")
     assert len(losses) == iters and len(final) == 3
 
     job.start()
     job.wait_for(step=6, recoveries=0)
-    job.replace(1)
+    assert job.lose([1]) == {}
     job.wait_for(step=14, recoveries=1)
-    job.replace(2)
+    assert job.lose([2]) == {}
     job.wait_for(step=22, recoveries=2)
-    cluster.lose(0)
-    assert all(code != 0 for code in job.wait_exit([1, 2]).values()), "torchrun went on without its rendezvous"
-    cluster.start(0)
-    for index in range(3):
-        job.launch(index)
+    exits = job.lose([0])
+    assert sorted(exits) == [1, 2] and 0 not in exits.values(), f"torchrun went on without its rendezvous: {exits}"
     assert job.wait_exit([0, 1, 2], timeout=300) == {0: 0, 1: 0, 2: 0}, job.tails()
 
     recoveries = job.recoveries()
