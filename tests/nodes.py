@@ -96,6 +96,10 @@ class Node:
         """Run ``argv`` on this node to completion; its output captured."""
         return subprocess.run(self.command(argv), env=env, capture_output=True, text=True, timeout=timeout)
 
+    def path(self, inside: str) -> Path:
+        """Where ``inside`` (a path as this node sees it, e.g. in its ``/dev/shm``) is seen from the host."""
+        return Path(f"/proc/{self.holder.pid}/root") / Path(inside).relative_to("/")
+
     def pids(self) -> list[int]:
         """Every process in this node's network namespace."""
         out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout
@@ -109,6 +113,7 @@ class Cluster:
         self.size = size
         self.tag = os.urandom(3).hex()
         self.hub = f"baft-{self.tag}-hub"
+        Path(workdir).mkdir(parents=True, exist_ok=True)
         self.hosts = Path(workdir) / "hosts"
         self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{address(i)} {hostname(i)}\n" for i in range(size)))
         self.nodes: dict[int, Node] = {}
@@ -222,6 +227,31 @@ class Job:
         for index in (range(self.cluster.size) if exits else indexes):
             self.launch(index)
         return exits
+
+    def rebuildable_steps(self, root: str) -> set[int]:
+        """The steps at which parity rebuilds any one lost node: every node's manager (its shared-memory root
+        ``root``, with ``{node}`` for the node's index) holds a share of every node's bundle of them."""
+        from baft.errors import BaftError
+        from baft.manager.protocol import ManagerClient
+
+        steps = None
+        for index, node in self.cluster.nodes.items():
+            try:
+                with ManagerClient.connect(node.path(root.format(node=index)), timeout=2.0) as client:
+                    shares = client.status()["parity"]["shares"]
+            except BaftError:  # no manager (yet)
+                return set()
+            held = set.intersection(*(set(shares.get(str(origin), ())) for origin in range(self.cluster.size)))
+            steps = held if steps is None else steps & held
+        return steps or set()
+
+    def wait_rebuildable(self, root: str, timeout: float = 120) -> None:
+        """Until parity could rebuild any one lost node (:meth:`rebuildable_steps`): a node lost before that,
+        in a job's first second or two here, cannot be rebuilt."""
+        deadline = time.monotonic() + timeout
+        while not self.rebuildable_steps(root):
+            assert time.monotonic() < deadline, f"no step the managers' parity covers on every node\n{self.tails()}"
+            time.sleep(0.1)
 
     def losses(self) -> list[dict]:
         return read_jsonl(self.run_dir / "losses.jsonl")

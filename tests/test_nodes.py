@@ -86,12 +86,18 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     losses, final = uninterrupted(launch, tmp_path / "reference")
     assert len(losses) == iters and len(final) == 3
 
+    stop = readme_block("baft manager stop")
+    roots = stop.split("--shm-root ")[1].replace("node0", "node{node}")  # every node's manager, as it sees it
+
     job.start()
     job.wait_for(step=6, recoveries=0)
+    job.wait_rebuildable(roots)
     assert job.lose([1]) == {}
     job.wait_for(step=14, recoveries=1)
+    job.wait_rebuildable(roots)
     assert job.lose([2]) == {}
     job.wait_for(step=22, recoveries=2)
+    job.wait_rebuildable(roots)
     exits = job.lose([0])
     assert sorted(exits) == [1, 2] and 0 not in exits.values(), f"torchrun went on without its rendezvous: {exits}"
     assert job.wait_exit([0, 1, 2], timeout=300) == {0: 0, 1: 0, 2: 0}, job.tails()
@@ -109,7 +115,6 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     assert all(step - 1 in {r["restored_step"] for r in recoveries} for step in resumed), (resumed, recoveries)
     assert digests(job.output(), iters) == final
 
-    stop = readme_block("baft manager stop")
     for index in range(3):
         done = cluster.nodes[index].run(["sh", "-c", stop.replace("node0", nodes.hostname(index))], env=job.env)
         assert done.returncode == 0, done.stderr
