@@ -252,7 +252,7 @@ def after_loss(event: dict, recoveries: list[dict], losses: list[dict], ref: dic
     mismatches = [r["step"] for r in logged if ref.get(r["step"]) != repr(float(r["loss"]))]
     restored = recovery.get("restored_step")
     resumed = [r["time"] for r in logged if restored is not None and r["step"] == restored + 1]
-    return {**event, "restored_step": restored, "source": recovery.get("source"),
+    return {**event, "restored_step": restored, "source": recovery.get("source"), "recorded_as": recovery.get("fault"),
             "lost_steps": event["at_step"] - restored if restored is not None else None,
             **{k: recovery.get(k) for k in TIMES},
             "downtime": resumed[0] - event["killed_at"] if resumed else None,
@@ -294,12 +294,21 @@ def node_job(cluster_work: Path, index: int, seed: int, model: list[str], iters:
 
 def node_table(jobs: list[dict]) -> str:
     head = ["job", "nodes lost", "at step", "relaunch", "restored step", "source", "lost steps",
-            *(f"{k} s" for k in TIMES), "downtime s", "matched"]
+            *(f"{k} s" for k in TIMES), "recorded as", "downtime s", "matched"]
     rows = [[j["job"], ",".join(f"node{n}" for n in e["nodes"]), e["at_step"], "yes" if e["relaunch"] else "-",
              _or_dash(e["restored_step"]), e["source"] or "refused", _or_dash(e["lost_steps"]),
-             *(fmt_s(e[k]) for k in TIMES), fmt_s(e["downtime"]), "yes" if e["matched"] else "NO"]
+             *(fmt_s(e[k]) for k in TIMES), e.get("recorded_as") or "-", fmt_s(e["downtime"]), verdict(j, e)]
             for j in jobs for e in j["losses"]]
     return "\n".join(md_table(head, rows))
+
+
+def verdict(job: dict, event: dict) -> str:
+    """matched, or why not: a loss of more nodes than parity covers, with nothing persisted, must be refused."""
+    if event["matched"]:
+        return "yes"
+    if len(event["nodes"]) > 1 and not job["persist"]:
+        return "refused, as it must" if job["refused"] and job["refused"]["lines"] else "NOT refused"
+    return "NO"
 
 
 def node_summary(jobs: list[dict]) -> dict:
@@ -352,9 +361,12 @@ def write_node_outputs(data: dict, out: Path) -> bool:
          "step (`repr(float)`); *at step*: the newest step logged when the node was lost; *restored step*, *source*, "
          "T0..T4 from `recovery.jsonl` (T0 rollback, T1 process restart, T2 process-group init, T3 state load, "
          "T4 first resumed iteration); *downtime*: from the kill to the first step logged after it"),
-        ("- torchrun restarts the survivors' ranks for the new member before it sees their failure, so the restart "
-         "count stays 0 and baft's record calls most restarts \"a new launch\", its T1 counting from the new "
-         "process's start (not from the loss): the downtime column is the wall time the job stood still"),
+        ("- *recorded as*: baft's label of the restart in `recovery.jsonl`. torchrun often restarts the survivors' "
+         "ranks for the replacement (a membership change) before it sees them fail, which leaves "
+         "`TORCHELASTIC_RESTART_COUNT` at 0, so baft calls such a restart \"a new launch\" and counts its T1 from "
+         "the new process's start, not from the loss; the downtime column is the wall time the job stood still"),
+        ("- losses wait until every manager holds shares of one step of every node (`Job.wait_rebuildable`): a "
+         "node lost before that, in a job's first second or two here, cannot be rebuilt"),
         "",
         text,
         "",
