@@ -251,9 +251,11 @@ def after_loss(event: dict, recoveries: list[dict], losses: list[dict], ref: dic
     logged = [r for r in losses if event["killed_at"] < r["time"] <= until.get("killed_at", float("inf"))]
     mismatches = [r["step"] for r in logged if ref.get(r["step"]) != repr(float(r["loss"]))]
     restored = recovery.get("restored_step")
-    resumed = [r["time"] for r in logged if restored is not None and r["step"] == restored + 1]
-    return {**event, "restored_step": restored, "source": recovery.get("source"), "recorded_as": recovery.get("fault"),
-            "lost_steps": event["at_step"] - restored if restored is not None else None,
+    # the resumed run logs restored + 1 once; a step the survivors finished just after the kill may come first
+    resumed = [r["time"] for r in logged if restored is not None and r["step"] == restored + 1][-1:]
+    at = max([event["at_step"]] + [r["step"] for r in logged if resumed and r["time"] < resumed[0]])
+    return {**event, "at_step": at, "restored_step": restored, "source": recovery.get("source"),
+            "recorded_as": recovery.get("fault"), "lost_steps": at - restored if restored is not None else None,
             **{k: recovery.get(k) for k in TIMES},
             "downtime": resumed[0] - event["killed_at"] if resumed else None,
             "matched": bool(resumed) and not mismatches, "mismatches": mismatches[:5]}
@@ -358,7 +360,8 @@ def write_node_outputs(data: dict, out: Path) -> bool:
          "(the rendezvous endpoint) is among the lost, the other nodes' torchrun exit and every node launches again "
          "(*relaunch*). Every job loses each node once, then two at once (after every node persisted a common step)"),
         ("- *matched*: every loss logged after the loss (redone steps included) equals the uninterrupted run's at its "
-         "step (`repr(float)`); *at step*: the newest step logged when the node was lost; *restored step*, *source*, "
+         "step (`repr(float)`); *at step*: the newest step logged before the job resumed (the survivors may finish "
+         "the step in flight); *restored step*, *source*, "
          "T0..T4 from `recovery.jsonl` (T0 rollback, T1 process restart, T2 process-group init, T3 state load, "
          "T4 first resumed iteration); *downtime*: from the kill to the first step logged after it"),
         ("- *recorded as*: baft's label of the restart in `recovery.jsonl`. torchrun often restarts the survivors' "
@@ -366,7 +369,9 @@ def write_node_outputs(data: dict, out: Path) -> bool:
          "`TORCHELASTIC_RESTART_COUNT` at 0, so baft calls such a restart \"a new launch\" and counts its T1 from "
          "the new process's start, not from the loss; the downtime column is the wall time the job stood still"),
         ("- losses wait until every manager holds shares of one step of every node (`Job.wait_rebuildable`): a "
-         "node lost before that, in a job's first second or two here, cannot be rebuilt"),
+         "node lost before that, in a job's first second or two here, cannot be rebuilt. Managers encode in the "
+         "background and skip steps when they fall behind (here 3 trainers and 3 managers share 2 cores at "
+         "~50 ms per step), so the step every node can rebuild may lag behind the newest (the lost steps column)"),
         "",
         text,
         "",

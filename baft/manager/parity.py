@@ -8,7 +8,7 @@ bundle, checked end to end against the checksum it was sent with.
 
 A restore needs one step at which every node's snapshot can be had. A manager that cannot
 keep up with the trainers skips steps, and managers lag by different amounts, so each takes
-the newest step another member has encoded before its own newest
+a step another member has encoded first, else the roundest step
 (:meth:`ParityGroup.step_to_encode`), and keeps, beside each member's newest steps, the
 newest steps it holds a share of from every member (:meth:`ParityGroup.common_steps`): a node
 lost while its manager lagged is rebuilt at such a step, which the other nodes rebuild from
