@@ -47,6 +47,9 @@ def unavailable() -> Optional[str]:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    made = subprocess.run(["unshare", "--mount", "--uts", "--ipc", "true"], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create mount, UTS and IPC namespaces: {made.stderr.strip() or made.returncode}"
     return None
 
 
@@ -119,8 +122,12 @@ class Cluster:
         self.nodes: dict[int, Node] = {}
         self._generation = 0
         _ip("netns", "add", self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
+        try:
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
+        except subprocess.CalledProcessError:
+            self.close()
+            raise
 
     def start(self, index: int) -> Node:
         """A fresh node ``index``: a namespace with its link, hostname, hosts file and empty ``/dev/shm``."""
@@ -129,15 +136,11 @@ class Cluster:
         self._generation += 1
         netns, port = f"baft-{self.tag}-n{index}g{self._generation}", f"v{self.tag}g{self._generation}"
         _ip("netns", "add", netns)
-        # the replacement keeps the lost node's hardware address too: the other nodes' ARP caches still hold it
-        # (a gratuitous ARP on link-up is lost while the bridge port comes up, and the caches would swallow the
-        # first connections to the replacement for tens of seconds)
-        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "address", mac(index),
-            "netns", netns)
-        _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
-        _ip("-n", netns, "addr", "add", f"{address(index)}/24", "dev", INTERFACE)
-        _ip("-n", netns, "link", "set", INTERFACE, "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
+        try:
+            self._link(index, netns, port)
+        except subprocess.CalledProcessError:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)  # its veth goes with it
+            raise
         setup = (f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 tmpfs /dev/shm && mount --bind {self.hosts} /etc/hosts "
                  f"&& hostname {hostname(index)} && echo ready && exec sleep infinity")
         holder = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--ipc",
@@ -149,6 +152,18 @@ class Cluster:
             self.lose(index)
             raise RuntimeError(f"{hostname(index)} did not start: {holder.stderr.read().strip()}")
         return node
+
+    def _link(self, index: int, netns: str, port: str) -> None:
+        """Node ``index``'s loopback and its veth to the hub's bridge, with the node's addresses."""
+        # the replacement keeps the lost node's hardware address too: the other nodes' ARP caches still hold it
+        # (a gratuitous ARP on link-up is lost while the bridge port comes up, and the caches would swallow the
+        # first connections to the replacement for tens of seconds)
+        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "address", mac(index),
+            "netns", netns)
+        _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
+        _ip("-n", netns, "addr", "add", f"{address(index)}/24", "dev", INTERFACE)
+        _ip("-n", netns, "link", "set", INTERFACE, "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
 
     def lose(self, index: int) -> None:
         """Node ``index`` dies: every process on it SIGKILLed, its namespaces (and shared memory) gone."""
