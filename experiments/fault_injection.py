@@ -363,7 +363,7 @@ def write_node_outputs(data: dict, out: Path) -> bool:
          "step (`repr(float)`); *at step*: the newest step logged before the job resumed (the survivors may finish "
          "the step in flight); *restored step*, *source*, "
          "T0..T4 from `recovery.jsonl` (T0 rollback, T1 process restart, T2 process-group init, T3 state load, "
-         "T4 first resumed iteration); *downtime*: from the kill to the first step logged after it"),
+         "T4 first resumed iteration); *downtime*: from the kill to the first resumed step logged"),
         ("- *recorded as*: baft's label of the restart in `recovery.jsonl`. torchrun often restarts the survivors' "
          "ranks for the replacement (a membership change) before it sees them fail, which leaves "
          "`TORCHELASTIC_RESTART_COUNT` at 0, so baft calls such a restart \"a new launch\" and counts its T1 from "
