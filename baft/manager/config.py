@@ -167,14 +167,15 @@ def memory_needed(rank_bytes: Iterable[int], k: Optional[int] = None, n: int = 0
     """Host memory a manager needs for ranks of these snapshot sizes.
 
     ``SLOTS`` slot files per rank; with parity, the shares it keeps of every member's bundle
-    for ``SHARE_STEPS_KEPT`` steps (members' bundles taken to be as large as its own), plus
-    one encode in flight (the bundle and its ``n`` shares).
+    for its ``SHARE_STEPS_KEPT`` newest steps and as many steps common to the group (members'
+    bundles taken to be as large as its own), plus one encode in flight (the bundle and its
+    ``n`` shares).
     """
     local = sum(rank_bytes)
     total = slots.SLOTS * local
     if k:
         share = erasure.share_size(local, k)
-        total += SHARE_STEPS_KEPT * n * share + local + n * share
+        total += 2 * SHARE_STEPS_KEPT * n * share + local + n * share
     return total
 
 

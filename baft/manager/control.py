@@ -32,7 +32,8 @@ def spawn(config: ManagerConfig, log_path=None) -> subprocess.Popen:
         config.shm_root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise BaftError(f"--shm-root {config.shm_root}: cannot create ({err.strerror})") from None
-    try:
+    try:  # a run directory the launch has not made yet (a user's own torchrun): the manager logs there first
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         logfile = open(log_path, "ab")
     except OSError as err:
         raise BaftError(f"{log_path}: cannot create the manager's log ({err.strerror})") from None

@@ -1,10 +1,18 @@
 """A manager's part in its parity group: distribute shares of its bundles, hold the members', rebuild a lost node's.
 
 With ``--group`` of ``n`` managers and ``--parity-k k``, each manager encodes the bundle of
-the newest step all its ranks have committed (:mod:`baft.manager.erasure`) into ``n``
-shares and sends one to each member, keeping its own; it holds the shares the others send,
-for the ``SHARE_STEPS_KEPT`` newest steps of each. Any ``k`` members' shares rebuild a
-node's bundle, checked end to end against the checksum it was sent with.
+a step all its ranks have committed (:mod:`baft.manager.erasure`) into ``n`` shares and
+sends one to each member, keeping its own; it holds the shares the others send, for the
+``SHARE_STEPS_KEPT`` newest steps of each. Any ``k`` members' shares rebuild a node's
+bundle, checked end to end against the checksum it was sent with.
+
+A restore needs one step at which every node's snapshot can be had. A manager that cannot
+keep up with the trainers skips steps, and managers lag by different amounts, so each takes
+a step another member has encoded first, else the roundest step
+(:meth:`ParityGroup.step_to_encode`), and keeps, beside each member's newest steps, the
+newest steps it holds a share of from every member (:meth:`ParityGroup.common_steps`): a node
+lost while its manager lagged is rebuilt at such a step, which the other nodes rebuild from
+parity too.
 
 Members speak the requests of :mod:`baft.manager.protocol` over TCP; each request carries
 the sender's view of the group and is refused when it differs.
@@ -50,6 +58,12 @@ class ParityState:
     errors: dict[int, str] = field(default_factory=dict)  # member → last failure
     encoded_step: int = -1
     encode_seconds: float = 0.0
+
+
+def _kept(held: dict[int, Share], common: set[int]) -> dict[int, Share]:
+    """Of one origin's shares by step, those kept: the ``SHARE_STEPS_KEPT`` newest and the group's common steps."""
+    keep = set(sorted(held)[-SHARE_STEPS_KEPT:]) | common
+    return {s: share for s, share in held.items() if s in keep}
 
 
 class ParityGroup:
@@ -105,9 +119,21 @@ class ParityGroup:
 
     # ---- distributing this node's bundles ----------------------------------------------------
 
-    def is_due(self, step: int) -> bool:
-        """Whether ``step`` is newer than the last bundle encoded (never without a group)."""
-        return self.config.k is not None and step > self.state.encoded_step
+    def step_to_encode(self, complete: set[int]) -> Optional[int]:
+        """Of the ``complete`` steps newer than the last one encoded, the one to encode next (None without a group).
+
+        A manager busier than the trainers skips steps, and a restore needs one step that every node can
+        rebuild. So a step another member has already encoded goes first, and among equals the step with
+        the most trailing zero bits (8 before 6 before 7), then the newest: managers that see different
+        steps complete still tend to pick the same ones.
+        """
+        if self.config.k is None:
+            return None
+        fresh = {s for s in complete if s > self.state.encoded_step}
+        with self._lock:
+            encoded_by_others = {s for origin, held in self.shares.items() if origin != self.config.node_id
+                                 for s in held}
+        return max(fresh & encoded_by_others or fresh, key=lambda s: (s & -s, s), default=None)
 
     def distribute(self, step: int, bundle: memoryview) -> None:
         """Encode this node's bundle of ``step`` and send each member its share; note who took one."""
@@ -151,10 +177,10 @@ class ParityGroup:
         self.store(origin, msg["step"], Share(msg["index"], msg["size"], msg["checksum"], msg["ranks"], payload))
 
     def store(self, origin: int, step: int, share: Share) -> None:
-        """Keep ``share`` of ``origin``'s bundle of ``step``, dropping older steps; refused over --memory-limit."""
+        """Keep ``share`` of ``origin``'s bundle of ``step``, dropping older steps (:meth:`_prune`); refused over
+        --memory-limit."""
         with self._lock:
-            kept = {**self.shares.get(origin, {}), step: share}
-            kept = {s: kept[s] for s in sorted(kept)[-SHARE_STEPS_KEPT:]}
+            kept = _kept({**self.shares.get(origin, {}), step: share}, self.common_steps())
             limit = self.config.memory_limit
             if limit is not None and origin != self.config.node_id:
                 others = sum(len(s.data) for o, h in self.shares.items() if o != origin for s in h.values())
@@ -163,6 +189,20 @@ class ParityGroup:
                     raise BaftError(f"node {self.config.node_id}: a {human(len(share.data))} share of node {origin} "
                                     f"would bring host memory to {human(total)}, over --memory-limit {human(limit)}")
             self.shares[origin] = kept
+            self._prune()
+
+    def common_steps(self) -> set[int]:
+        """The ``SHARE_STEPS_KEPT`` newest steps this manager holds a share of from every member: every node
+        can be rebuilt at them (the newer may lack a share that never reached another member)."""
+        with self._lock:
+            held = [set(self.shares.get(m.node_id, {})) for m in self.config.group]
+        return set(sorted(set.intersection(*held))[-SHARE_STEPS_KEPT:]) if held else set()
+
+    def _prune(self) -> None:
+        """Drop every origin's shares but its ``SHARE_STEPS_KEPT`` newest steps and :meth:`common_steps`: when
+        the members' parity lags by different steps, the steps they all cover stay rebuildable."""
+        common = self.common_steps()
+        self.shares = {origin: _kept(held, common) for origin, held in self.shares.items()}
 
     def held_shares(self, node: int) -> dict[int, list[int]]:
         """The steps of ``node``'s bundle this manager holds a share of, and the ranks each covers."""

@@ -12,7 +12,7 @@ One manager runs per node, started before the trainers and outliving them::
 * It learns of commits over its Unix socket (:mod:`baft.manager.protocol`), verifies their
   checksums in a background thread, and reports the newest committed snapshot of each rank
   and the one before it (the store never overwrites those two).
-* With ``--group``, it packs each step all its ranks have committed into a bundle, encodes
+* With ``--group``, it packs a step all its ranks have committed into a bundle, encodes
   it (:mod:`baft.manager.erasure`) off the trainers' path and sends one share to each group member;
   it keeps the shares it receives. Any ``k`` members rebuild a lost node's bundle bit for bit
   (:mod:`baft.manager.parity`).
@@ -239,13 +239,12 @@ class Manager:
                 log.exception("background work failed")
 
     def _work_once(self) -> None:
-        """Verify new commits; encode and distribute the newest step all ranks hold, queue one due on disk."""
+        """Verify new commits; encode and distribute a step all ranks hold, queue one due on disk."""
         self.ranks.verify_all()
         common = self.ranks.complete_steps()
         if not common:
             return
-        newest = max(common)
-        encode = newest if self.parity.is_due(newest) else None
+        encode = self.parity.step_to_encode(common)
         save = self.persister.due_step(common)
         bundles = {s: self.ranks.pack(s) for s in {encode, save} - {None}}
         if save is not None and bundles[save] is not None:
