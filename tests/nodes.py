@@ -22,15 +22,18 @@ Namespaces need root and ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-li
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from common import read_jsonl  # noqa: E402  (experiments/ is not a package; one reader of torn JSON lines)
 
 SUBNET = "10.77.0"  # only ever configured on veths inside the cluster's own namespaces
 INTERFACE = "eth0"  # each node's link to the hub (GLOO_SOCKET_IFNAME)
@@ -186,17 +189,6 @@ class Cluster:
         for index in list(self.nodes):
             self.lose(index)
         subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file (none if it does not exist), skipping a line torn by a kill."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else ():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
 
 
 class Job:

@@ -139,7 +139,7 @@ def main():
 
         loader = StatefulDataLoader(Samples(), batch_size=MICRO_BATCH, shuffle=True, drop_last=True,
                                     generator=torch.Generator().manual_seed(case["seed"]))
-        kwargs["data_iterator"], feed = loader, None
+        kwargs["data_iterator"] = loader
     else:
         kwargs["data_iterator"] = feed = Positioned()
     engine, *_ = baft.initialize(**kwargs)
