@@ -57,23 +57,20 @@ def initialize(*args, data_iterator=None, **kwargs):
     if profile_dir:
         _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), given.get("model"))
         return engine, optimizer, loader, scheduler
-    if data_iterator is None and given.get("training_data") is not None:  # train_batch() reads the engine's loader
-        from baft.snapshot.state import EngineLoaderPosition
-
-        data_iterator = EngineLoaderPosition(engine)
     from baft.recovery.digests import digests_hook
+    from baft.snapshot.data import data_position, not_restored
+
+    data_iterator = data_position(engine, data_iterator, given.get("training_data"))
 
     digests = digests_hook(data_iterator)
     if digests is not None:
         engine.baft_hooks.append(digests)
     if cfg.policy != "none":
-        if data_iterator is None and engine.global_rank == 0:
+        caveat = not_restored(data_iterator)
+        if caveat and engine.global_rank == 0:
             from baft.snapshot.build import warn
 
-            warn(engine, "the data position will not be restored after a restart (a resumed run would read its "
-                         "data from the start): pass data_iterator= an iterator with state_dict() and "
-                         "load_state_dict(), such as torchdata's StatefulDataLoader, and train on iter() of it, taken after "
-                         "baft.initialize")
+            warn(engine, caveat)
         _protect(engine, cfg, data_iterator)
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace

@@ -36,8 +36,9 @@ def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     assert summary["sync-copy"]["stall_s"] > 0, "a synchronous copy every iteration must stall"
     assert summary["sync-copy"]["hook_cpu_s"] > 0, "the copy runs in the policy's callback, on the trainer's thread"
     assert summary["sync-copy"]["seal_s"] > 0 and summary["none"]["seal_s"] == 0, "seals are timed where they run"
-    # the sealing thread's CPU: the commit record at least, on its own thread (the sync copy checksums there too)
-    assert 0 < summary["baft"]["seal_cpu_s"] < summary["sync-copy"]["seal_cpu_s"] and summary["none"]["seal_cpu_s"] == 0
+    # the sealing thread's CPU, on its own thread: the commit record at least
+    assert summary["baft"]["seal_cpu_s"] > 0 and summary["sync-copy"]["seal_cpu_s"] > 0
+    assert summary["none"]["seal_cpu_s"] == 0
     assert all(s["fence_wait_s"] == 0 for s in summary.values()), "on CPU the host waits at the fence, not a device"
     assert summary["baft"]["period"] >= 1 and summary["torch-save/2"]["period"] == 2
     assert summary["none"]["iterations"] == 6  # 2 rounds x 3 blocks x (2 - 1 dropped)

@@ -154,31 +154,6 @@ def _jsonable(obj):
     return _torch_blob(obj)
 
 
-class EngineLoaderPosition:
-    """The data position of the engine's own loader (``training_data=`` given to ``initialize``).
-
-    DeepSpeed reads that dataset through a ``DistributedSampler`` without shuffling, repeated
-    (``RepeatingLoader``), on the first and last stages; each optimizer step takes
-    ``micro_batches`` of it. The position after step k is k x micro_batches, and a restore
-    starts the loader again and skips that far into its epoch (reading the skipped batches).
-    """
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def state_dict(self) -> dict:
-        return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
-
-    def load_state_dict(self, saved: dict) -> None:
-        """Skip the engine's loader, fresh from ``initialize``, to the saved position (its iterator
-        is not made again: that would draw another base seed)."""
-        repeating = getattr(self.engine, "training_dataloader", None)
-        if repeating is None:  # a middle stage reads no data
-            return
-        for _ in range(saved["micro_batches"] % len(repeating.loader)):
-            next(repeating)
-
-
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
     RNG states by the hook returned, which must run before any other at the next iteration's start."""

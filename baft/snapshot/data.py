@@ -1,0 +1,89 @@
+"""Where the training data stands: the data position a snapshot saves and a restore puts back.
+
+:func:`data_position` gives the object whose ``state_dict()``/``load_state_dict()`` baft uses: the
+``data_iterator`` a script passed to ``baft.initialize``, a torchdata ``StatefulDataLoader`` with
+its ``generator`` beside it, or the engine's own loader (``training_data=``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class EngineLoaderPosition:
+    """The data position of the engine's own loader (``training_data=`` given to ``initialize``).
+
+    DeepSpeed reads that dataset through a ``DistributedSampler`` without shuffling, repeated
+    (``RepeatingLoader``), on the first and last stages; each optimizer step takes
+    ``micro_batches`` of it. The position after step k is k x micro_batches, and a restore
+    starts the loader again and skips that far into its epoch (reading the skipped batches).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Skip the engine's loader, fresh from ``initialize``, to the saved position (its iterator
+        is not made again: that would draw another base seed)."""
+        repeating = getattr(self.engine, "training_dataloader", None)
+        if repeating is None:  # a middle stage reads no data
+            return
+        for _ in range(saved["micro_batches"] % len(repeating.loader)):
+            next(repeating)
+
+
+class LoaderWithGenerator:
+    """A resumable loader (torchdata's ``StatefulDataLoader``) and the state of its ``generator``.
+
+    Every iterator of a loader draws its base seed from the loader's ``generator``; given
+    ``shuffle=True, generator=g``, the sampler draws each epoch's permutation from ``g`` too. The
+    loader's own state holds ``g`` as it stood before the epoch's permutation, and a restore
+    replays the permutation but not the base seed drawn after it: the restored epoch reads right
+    and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
+    Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
+    puts both draws back.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict(), "generator": self.loader.generator.get_state()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
+            self.loader.load_state_dict(saved)
+            return
+        self.loader.load_state_dict(saved["loader"])
+        self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
+        self.loader.generator.set_state(saved["generator"])
+
+
+def data_position(engine, data_iterator=None, training_data=None):
+    """What baft saves and restores the data position with, or None when nothing says where the data stands."""
+    if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict") \
+            and isinstance(data_iterator.generator, torch.Generator):
+        return LoaderWithGenerator(data_iterator)
+    if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
+        return EngineLoaderPosition(engine)
+    return data_iterator
+
+
+def not_restored(position) -> Optional[str]:
+    """What a restore from ``position`` does not bring back, to say once at initialize; None when nothing."""
+    if position is None:
+        return ("the data position will not be restored after a restart (a resumed run would read its data from the "
+                "start): pass data_iterator= an iterator with state_dict() and load_state_dict(), such as torchdata's "
+                "StatefulDataLoader, and train on iter() of it, taken after baft.initialize")
+    loader = getattr(position, "loader", position)
+    workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
+    if workers:  # each worker's generators are seeded from the loader's base seed at each epoch
+        return (f"random numbers your dataset draws in the loader's {workers} workers are in no saved state: a resume "
+                f"inside an epoch draws others (the samples and their order resume exactly); draw them from a "
+                f"generator seeded by the sample index to make them resume too")
+    return None

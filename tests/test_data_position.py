@@ -1,0 +1,95 @@
+"""A restored data position reads the same batches as the uninterrupted loader, in every epoch after it.
+
+torchdata 0.11's ``StatefulDataLoader`` alone does not: given ``shuffle=True, generator=g`` its
+state misses the base seed each iterator draws from ``g``, so every epoch after a restored one comes
+out in another order. The position baft saves (:func:`baft.snapshot.data.data_position`) keeps the
+generator beside the loader's state; these tests restore it at every batch of three epochs.
+"""
+
+import pytest
+import torch
+from deepspeed.utils import RepeatingLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
+
+from baft.snapshot.data import LoaderWithGenerator, data_position, not_restored
+
+SAMPLES, BATCH = 14, 2  # 7 batches an epoch
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each sample draws from torch's generator: in a worker, seeded from the loader's base seed."""
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item()])
+
+
+LOADERS = {
+    "shuffle, generator": lambda workers: StatefulDataLoader(
+        Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers,
+        generator=torch.Generator().manual_seed(3)),
+    "sampler with its generator": lambda workers: StatefulDataLoader(
+        Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
+        sampler=RandomSampler(Noisy(), generator=torch.Generator().manual_seed(4)),
+        generator=torch.Generator().manual_seed(5)),
+    "distributed sampler, generator": lambda workers: StatefulDataLoader(
+        Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
+        sampler=StatefulDistributedSampler(Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6),
+        generator=torch.Generator().manual_seed(7)),
+}
+
+
+def read(make, batches, restore_at=None, workers=0):
+    """``batches`` batches through ``RepeatingLoader`` (as a DeepSpeed script reads them), the position
+    saved after ``restore_at`` of them and restored into a new loader and process-wide generator state."""
+    torch.manual_seed(0)
+    loader = make(workers)
+    feed, out = RepeatingLoader(loader), []
+    for i in range(batches):
+        if i == restore_at:
+            saved, rng = data_position(None, loader).state_dict(), torch.get_rng_state()
+            torch.manual_seed(99)  # a new process: its own draws until baft sets the RNG states
+            loader = make(workers)
+            data_position(None, loader).load_state_dict(saved)
+            torch.set_rng_state(rng)  # baft's RngRestore, at the first resumed iteration
+            feed = RepeatingLoader(loader)
+        out.append(next(feed))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", LOADERS)
+def test_a_restore_at_any_batch_reads_every_later_epoch_as_the_uninterrupted_loader(name):
+    make = LOADERS[name]
+    assert isinstance(data_position(None, make(0)), LoaderWithGenerator)
+    reference = read(make, 21)
+    if "distributed" not in name:  # a DistributedSampler repeats its order until the script calls set_epoch
+        assert not torch.equal(reference[:7, :, 0], reference[7:14, :, 0]), "each epoch in its own order"
+    for restore_at in range(1, 21):
+        assert torch.equal(read(make, 21, restore_at), reference), f"restored after batch {restore_at}"
+
+
+def test_with_workers_the_order_resumes_anywhere_and_their_draws_from_an_epoch_boundary():
+    """A worker's generator is seeded from the loader's base seed at each epoch and is in no state_dict: the
+    numbers drawn in workers resume exactly from an epoch boundary only (baft warns of it at initialize)."""
+    make = LOADERS["shuffle, generator"]
+    reference = read(make, 10, workers=2)
+    assert torch.equal(read(make, 10, 7, workers=2), reference)  # restored at the end of the first epoch
+    assert torch.equal(read(make, 10, 3, workers=2)[:, :, 0], reference[:, :, 0])  # inside it: the samples
+
+
+def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_loader():
+    old = StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
+    batches = iter(old)
+    next(batches), next(batches)
+    loader = StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
+    LoaderWithGenerator(loader).load_state_dict(old.state_dict())
+    assert torch.equal(next(iter(loader))[:, 0], next(batches)[:, 0])
+
+
+def test_initialize_names_what_a_restore_will_not_bring_back():
+    assert "pass data_iterator=" in not_restored(None)
+    assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
+    assert "loader's 2 workers are in no saved state" in not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
