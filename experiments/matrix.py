@@ -1,7 +1,7 @@
 """Bit-identical resume across the jobs people run: cases drawn from the axes real jobs combine.
 
-Each case trains ``tests/scripts/matrix_job.py`` twice under ``baft train``: once uninterrupted
-(``policy none``), once with its faults (SIGKILL of a rank by ``BAFT_CHAOS`` in a phase of a step,
+Each case trains ``tests/scripts/matrix_job.py`` twice at once under ``baft train``: uninterrupted
+(``policy none``), and with its faults (SIGKILL of a rank by ``BAFT_CHAOS`` in a phase of a step,
 or from outside by this process once the rank reached the step), both recording per-step, per-part
 state digests (``BAFT_STATE_DIGESTS``). The case passes when the faulted run resumed after every
 fault and every part of every rank's state, at every step both runs reached, is identical
@@ -129,7 +129,7 @@ class Outcome:
         return not self.problems and not self.refused
 
 
-def _train(case: Case, directory: Path, policy: str, faults: list[Fault]) -> subprocess.CompletedProcess:
+def _start(case: Case, directory: Path, policy: str, faults: list[Fault]) -> subprocess.Popen:
     env = launch_env({DIGESTS_ENV: str(directory / "digests")})
     chaos = [f.chaos(restart) for restart, f in enumerate(faults) if f.phase != "outside"]
     if chaos:
@@ -138,12 +138,17 @@ def _train(case: Case, directory: Path, policy: str, faults: list[Fault]) -> sub
            "--max-restarts", str(len(faults)), "--", str(SCRIPT), "--case", json.dumps(case.job()),
            "--policy", policy, "--dir", str(directory)]
     directory.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(directory / "baft-train.out", "w") as out:  # a file, not a pipe: nobody reads while the other runs
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, directory: Path, faults: list[Fault]) -> subprocess.CompletedProcess:
+    """Wait for a training started by :func:`_start`, killing its ranks from outside where its faults say."""
     for restart, fault in enumerate(faults):
         if fault.phase == "outside":
             _kill_from_outside(directory / "digests", fault, restart, proc)
-    out, _ = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    proc.wait(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, (directory / "baft-train.out").read_text(), "")
 
 
 def _kill_from_outside(digests: Path, fault: Fault, restart: int, proc: subprocess.Popen) -> None:
@@ -163,12 +168,15 @@ def _kill_from_outside(digests: Path, fault: Fault, restart: int, proc: subproce
 def run_case(case: Case, directory: Path) -> Outcome:
     """Train the case uninterrupted and with its faults; compare every part at every step."""
     start = time.monotonic()
-    reference = _train(case, directory / "reference", "none", [])
-    refused = _baft_error(reference.stdout)
+    # both at once: their ranks take turns on the cores while the other run starts, stops or restarts
+    runs = {name: _start(case, directory / name, policy, faults)
+            for name, policy, faults in (("reference", "none", []), ("faulted", "baft", case.faults))}
+    faulted = _finish(runs["faulted"], directory / "faulted", case.faults)
+    reference = _finish(runs["reference"], directory / "reference", [])
+    refused = _baft_error(faulted.stdout)  # the uninterrupted run's policy, none, refuses nothing
     if refused or reference.returncode != 0:
         return Outcome(case, [] if refused else [f"the uninterrupted run failed:\n{reference.stdout[-3000:]}"], [],
                        refused, time.monotonic() - start)
-    faulted = _train(case, directory / "faulted", "baft", case.faults)
     problems = [] if faulted.returncode == 0 else [f"the faulted run failed:\n{faulted.stdout[-3000:]}"]
     records = _recovery(directory / "faulted" / "run")
     resumed = [r["restored_step"] for r in records]

@@ -3,9 +3,9 @@ uninterrupted and with SIGKILLs (from inside a phase, or from outside), and ever
 state (weights, masters, moments and step counts, every param-group hyper-parameter, the LR scheduler,
 loss scaler, every RNG, data position, the micro-batches read) must be identical at every step.
 
-The cases are the scripts of the bit-identical issue: DeepSpeed's warmup schedulers in fp32, bf16 and
-ZeRO-1 bf16 at dp=2, and the DeepSpeedExamples shape (``args``, ``training_data=``, dropout).
-``experiments/matrix.py`` runs cases drawn at random over every axis."""
+The cases take every value of every axis at least once, the scripts of the bit-identical issue among
+them (DeepSpeed's warmup schedulers in fp32, bf16 and ZeRO-1 bf16 at dp=2, and the DeepSpeedExamples
+shape: ``args``, ``training_data=``, dropout). ``experiments/matrix.py`` runs cases drawn at random."""
 
 import sys
 from pathlib import Path
@@ -13,15 +13,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from matrix import Case, Fault, run_case  # noqa: E402  (experiments/ is not a package)
+from matrix import AXES, PHASES, Case, Fault, run_case  # noqa: E402  (experiments/ is not a package)
 
+# Seven cases that together take every value of every axis of experiments/matrix.py (AXES, PHASES) at least
+# once; the first three are the scripts of the bit-identical issue
 CASES = {
-    "warmup-decay-fp32-stateful-tied-frozen": Case(
-        seed=11, optimizer="adamw", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
-        # 5 micro-batches of the 12 an epoch holds: epochs end inside steps, never at a step boundary, where
-        # torchdata 0.11's StatefulDataLoader resumes a shuffled epoch in the wrong order (README: Limits)
-        dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=5, period=1, form="dict",
-        faults=[Fault(1, 4, "outside"), Fault(0, 7, "copy")]),
     "warmuplr-bf16-deepspeed-examples-shape": Case(
         seed=12, optimizer="adam", scheduler="WarmupLR", precision="bf16", data="engine", dropout=[True, True],
         checkpointing=False, tied=False, frozen=False, micro_batches=2, period="auto", form="args",
@@ -30,7 +26,35 @@ CASES = {
         seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="iterator",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
         form="config_params", faults=[Fault(3, 5, "commit")]),
+    "warmup-decay-fp32-stateful-tied-frozen": Case(
+        seed=11, optimizer="adamw", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
+        # 4 micro-batches of the 12 an epoch holds: epochs end at steps 3 and 6, and a resume lands on one
+        dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
+        faults=[Fault(1, 4, "outside"), Fault(0, 7, "copy")]),
+    "deepspeed-adam-cosine-zero1-fp32-dp2": Case(
+        seed=14, optimizer="ds-adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
+        dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=1, form="path",
+        faults=[Fault(2, 5, "backward")]),
+    "adamw-no-scheduler-bf16-engine-data": Case(
+        seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
+        checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
+        faults=[Fault(0, 6, "seal")]),
+    "sgd-onecycle-fp32-stateful": Case(
+        seed=16, optimizer="sgd", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
+        checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
+        faults=[Fault(1, 5, "optimizer")]),
+    "adam-torch-scheduler-fp32-iterator": Case(
+        seed=17, optimizer="adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
+        checkpointing=False, tied=False, frozen=False, micro_batches=8, period=3, form="config_params",
+        faults=[Fault(1, 7, "copy")]),
 }
+
+
+def test_the_cases_take_every_value_of_every_axis():
+    for axis, values in AXES.items():
+        taken = [getattr(case, axis) for case in CASES.values()]
+        assert all(value in taken for value in values), f"{axis}: {[v for v in values if v not in taken]} untested"
+    assert set(PHASES) <= {fault.phase for case in CASES.values() for fault in case.faults}
 
 
 @pytest.mark.slow
