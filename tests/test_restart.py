@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
 from conftest import TINY, run_worker
 
@@ -14,38 +15,48 @@ def losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def clean_run(tmp_path_factory) -> Path:
+    """The run directory of the job run without faults, with its state digests in ``digests/``."""
     run_dir = tmp_path_factory.mktemp("clean")
-    run_worker(2, [*TINY, "--iters", "10", "--policy", "none", "--run-dir", str(run_dir)])
-    return {r["step"]: r["loss"] for r in losses(run_dir)}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(DIGESTS_ENV, str(run_dir / "digests"))
+        run_worker(2, [*TINY, "--iters", "10", "--policy", "none", "--run-dir", str(run_dir)])
+    return run_dir
 
 
-@pytest.mark.parametrize("fault,executor", [("rank=1,step=6,phase=backward", "receive"),
-                                           ("rank=0,step=4,phase=copy", "receive"),
-                                           ("rank=1,step=6,phase=seal", "receive"),
-                                           ("rank=0,step=4,phase=copy", "stream")])
-def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, uninterrupted, fault, executor, monkeypatch):
-    monkeypatch.setenv("BAFT_CHAOS", fault)
+@pytest.fixture(scope="module")
+def uninterrupted(clean_run) -> dict:
+    return {r["step"]: r["loss"] for r in losses(clean_run)}
+
+
+@pytest.mark.parametrize("executor, faults", [
+    ("receive", ["rank=0,step=4,phase=copy", "rank=1,step=6,phase=seal", "rank=1,step=8,phase=backward"]),
+    ("stream", ["rank=0,step=4,phase=copy"])])
+def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, clean_run, uninterrupted, executor,
+                                                         faults, monkeypatch):
+    """One run killed in each fault in turn, each resumed from the newest snapshot in memory."""
+    monkeypatch.setenv("BAFT_CHAOS", ";".join(f"{fault},restart={i}" for i, fault in enumerate(faults)))
+    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--executor", executor,
-                   "--run-dir", str(run_dir), "--shm-root", str(shm_root)], max_restarts=1)
-    records = losses(run_dir)
-    killed_step = int(fault.split("step=")[1].split(",")[0])
-    first = [r for r in records if r["restart"] == 0]
-    resumed = [r for r in records if r["restart"] == 1]
-    # died during the iteration of killed_step; a seal runs beside the trainer, which may finish that step
-    assert max(r["step"] for r in first) in ((killed_step - 1, killed_step) if "seal" in fault else (killed_step - 1,))
-    assert resumed, "the job did not restart"
-    # snapshot of step k is committed during iteration k+1, so the newest one is killed_step - 2 or - 1;
-    # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank
-    assert resumed[0]["step"] in ((killed_step - 1,) if "seal" in fault else (killed_step - 1, killed_step))
-    assert resumed[-1]["step"] == 10
-    for r in resumed:
+                   "--run-dir", str(run_dir), "--shm-root", str(shm_root)], max_restarts=len(faults))
+    records, recoveries = losses(run_dir), load_recoveries(run_dir)
+    assert [r.source for r in recoveries] == ["memory"] * len(faults), recoveries
+    for restart, (fault, recovery) in enumerate(zip(faults, recoveries)):
+        killed_step = int(fault.split("step=")[1].split(",")[0])
+        cut = [r["step"] for r in records if r["restart"] == restart]
+        resumed = [r["step"] for r in records if r["restart"] == restart + 1]
+        # died during the iteration of killed_step; a seal runs beside the trainer, which may finish that step
+        assert max(cut) in ((killed_step - 1, killed_step) if "seal" in fault else (killed_step - 1,)), fault
+        # snapshot of step k is committed during iteration k+1, so the newest one is killed_step - 2 or - 1;
+        # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank
+        assert resumed[0] in ((killed_step - 1,) if "seal" in fault else (killed_step - 1, killed_step)), fault
+        assert recovery.restored_step == resumed[0] - 1
+        assert all(getattr(recovery, t) >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
+    assert records[-1]["step"] == 10
+    for r in records:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
-    recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
-    assert len(recovery) == 1 and recovery[0]["source"] == "memory"
-    assert recovery[0]["restored_step"] == resumed[0]["step"] - 1
-    assert all(recovery[0][t] >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
 def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, uninterrupted):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import set_random_seed
 
 import baft
 from baft.accelerator import collective_device
@@ -161,7 +162,7 @@ def build(args: argparse.Namespace):
                     dropout=args.dropout)
     model = gpt_pipeline(cfg, args.stages, seed=args.seed, tie_embeddings=args.tie_embeddings, freeze=args.freeze,
                          checkpoint_interval=args.activation_checkpoint_interval, partition=args.partition)
-    torch.manual_seed(args.seed + dist.get_rank())
+    set_random_seed(args.seed + dist.get_rank())  # python, numpy and torch: a run repeats itself exactly
     dataset, shard = SyntheticTokens(cfg, seed=args.seed), model._grid.get_data_parallel_rank()
     make_loader = stateful_loader if args.loader == "stateful" else MicroBatches
     loader = make_loader(dataset, args.micro_batch_size, shard=shard, shards=dp)
