@@ -10,6 +10,11 @@ from typing import Optional, Union
 
 from baft.errors import ConfigError
 
+# what `baft profile` and `baft train --trace` tell the ranks they launch
+PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
+PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
+TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # every rank writes its run trace there
+
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
 # how baft copies in a bubble: while the host waits in a receive (CPU), or queued on a copy stream
 # (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import deepspeed
 
-from baft.config import parse_config
+from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.errors import BaftError
 from baft.jsonfile import read_json
 from baft.pipeline.hooks import attach
 from baft.teardown import teardown
 
-PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
-PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
-TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # set by ``baft train --trace DIR``: every rank writes its run trace there
 
 
 def load_ds_config(config) -> dict:
@@ -28,7 +25,7 @@ def load_ds_config(config) -> dict:
     return dict(config or {})
 
 
-def initialize(*args, data_iterator=None, **kwargs):
+def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     """Drop-in for ``deepspeed.initialize``: same arguments and return values, with baft attached.
 
     Takes every calling form of ``deepspeed.initialize`` (``args`` carrying
@@ -38,7 +35,11 @@ def initialize(*args, data_iterator=None, **kwargs):
     ``deepspeed.initialize`` with only the clean exit of :mod:`baft.teardown`.
     ``data_iterator`` is the training iterator whose position is saved and restored (any
     object with ``state_dict``/``load_state_dict``); without it, the position of the
-    engine's own loader (``training_data=``) is.
+    engine's own loader (``training_data=``) is. ``client_state`` is the script's own state: an
+    object with ``state_dict``/``load_state_dict`` (a restore loads it), or a callable returning
+    what the script saves with ``save_checkpoint(client_state=...)``. baft saves it with every
+    snapshot, and after a restore the script's own ``load_checkpoint`` of an older checkpoint
+    keeps baft's state and returns it as of the restored step (:mod:`baft.recovery.script_checkpoint`).
     """
     from baft.recovery.record import mark
     mark("init_start")
@@ -58,10 +59,11 @@ def initialize(*args, data_iterator=None, **kwargs):
         _start_profiler(engine, profile_dir, int(os.environ.get(PROFILE_ITERS_ENV, "10")), given.get("model"))
         return engine, optimizer, loader, scheduler
     from baft.recovery.digests import digests_hook
+    from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
     from baft.snapshot.data import data_position, not_restored
 
     data_iterator = data_position(engine, data_iterator, given.get("training_data"))
-
+    engine.baft_client_state = ClientState(client_state) if client_state is not None else None
     digests = digests_hook(data_iterator)
     if digests is not None:
         engine.baft_hooks.append(digests)
@@ -72,6 +74,7 @@ def initialize(*args, data_iterator=None, **kwargs):
 
             warn(engine, caveat)
         _protect(engine, cfg, data_iterator)
+        guard_load_checkpoint(engine, engine.baft_client_state)
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace
 
@@ -130,8 +133,9 @@ def _protect(engine, cfg, data_iterator) -> None:
     faults = chaos.faults_from_env()
     if faults:
         from baft.config import node_of
+        from baft.recovery.chaos_hook import ChaosHook
 
-        engine.baft_hooks.append(chaos.ChaosHook(faults, engine.global_rank, record.restart_count(), cfg.run_dir,
+        engine.baft_hooks.append(ChaosHook(faults, engine.global_rank, record.restart_count(), cfg.run_dir,
                                                  node=node_of(cfg, engine.global_rank), node_root=root))
 
 

@@ -59,7 +59,7 @@ def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, cle
     assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
-def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, uninterrupted):
+def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, clean_run, uninterrupted):
     """Two simulated nodes (a manager and a rank each, one parity group); node 1 loses its
     manager, its shared memory and its rank. The replaced node's restore rebuilds from parity."""
     import subprocess
@@ -71,7 +71,8 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
                            "--policy", "baft", "--period", "1", "--nodes", "2", "--fault", "node=1,step=7",
                            "--max-restarts", "1", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, env=launch_env(), timeout=400)
+                          capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}),
+                          timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     # parity is encoded in the background, newest committed step first: under load the newest
@@ -81,14 +82,17 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, un
     assert [r["step"] for r in resumed] == list(range(recovery[0]["restored_step"] + 1, 11))
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
     # the replacement manager, started by the replaced node's rank, logs beside the first one
     assert "rebuilt node 1" in (run_dir / "manager-node1.log").read_text()
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
-def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninterrupted, monkeypatch):
+def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted,
+                                                                           monkeypatch):
     """The disk baseline the benchmarks compare against restarts the usual way: load_checkpoint."""
     monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=8,phase=backward")
+    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     run_worker(2, [*TINY, "--iters", "10", "--policy", "deepspeed", "--period", "3", "--run-dir", str(run_dir)],
                max_restarts=1)
@@ -98,11 +102,13 @@ def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_p
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
     recovery = json.loads((run_dir / "recovery.jsonl").read_text().splitlines()[0])
     assert recovery["source"] == "disk" and recovery["restored_step"] == 6
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
-def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninterrupted, monkeypatch):
+def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted, monkeypatch):
     """It used to restore nothing and train again from step 0 without a word."""
     monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=5,phase=backward")
+    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     run_worker(2, [*TINY, "--iters", "6", "--policy", "dcp-async", "--period", "2", "--run-dir", str(run_dir)],
                max_restarts=1)
@@ -116,9 +122,10 @@ def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, uninte
     assert [r["step"] for r in resumed] == list(range(recovery["restored_step"] + 1, 7))
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
-def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninterrupted):
+def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_run, uninterrupted):
     """A run that ends (here: a rank dies with no restarts left) frees its shared memory only after its
     manager writes the newest snapshot to RUN_DIR/persisted: launching the run again resumes from that
     step, bit for bit, instead of starting over; once at --iters, a launch trains nothing and says so."""
@@ -133,7 +140,8 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninter
     def train(*extra) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
                                "--policy", "baft", "--period", "1", "--max-restarts", "0", "--run-dir", str(run_dir),
-                               *extra], capture_output=True, text=True, env=launch_env(), timeout=300)
+                               *extra], capture_output=True, text=True,
+                              env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}), timeout=300)
 
     failed = train("--fault", "rank=1,step=6,phase=backward")
     assert failed.returncode != 0 and "training failed" in failed.stderr, failed.stdout[-2000:]
@@ -155,6 +163,7 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, uninter
     assert relaunch.restored_step == restored and relaunch.lost_steps == 5 - restored
     assert 0 < relaunch.T1 < 60 and relaunch.T3 > 0, relaunch  # T1 from this launch's start, not the last step
     assert "a new launch" in resumed.stdout, "baft train prints the recovery table"
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
 
     again = train()
     assert again.returncode == 0, again.stderr[-3000:]

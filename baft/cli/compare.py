@@ -38,7 +38,7 @@ from baft.accelerator import collective_device
 from baft.config import POLICIES, BaftConfig
 from baft.errors import BaftError
 from baft.examples import worker
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.pipeline.profiler import sync_device
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.build import make_policy

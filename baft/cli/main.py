@@ -37,7 +37,7 @@ def profile(example, out, iters, command, dp, **model):
     from baft.cli.launch import example_args, launch_env, run_command
     from baft.cli.runlog import Outcome, run_example_logged
     from baft.pipeline.profiler import merge_traces, trace_paths
-    from baft.plugin import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
+    from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a launch command after --, not both or neither")
@@ -194,12 +194,11 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
     if command:
         check_script_launch(list(command))
-    # only now: these load DeepSpeed (seconds), and a mistake in the command is said at once
     from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
     from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
+    from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
-    from baft.plugin import TRACE_DIR_ENV
     from baft.recovery import chaos
 
     for fault in faults:

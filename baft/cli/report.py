@@ -6,10 +6,9 @@ import statistics
 import textwrap
 from pathlib import Path
 
-from matplotlib.figure import Figure
 from rich.table import Table
 
-from baft.cli.show import to_text
+from baft.cli.text import to_text
 from baft.errors import BaftError
 from baft.recovery.record import PHASE_NAMES, PHASES, Recovery
 
@@ -54,6 +53,8 @@ def draw_recovery(recs: list[Recovery], path) -> Path:
     """Stacked horizontal bars, one per recovery, one colour per phase T0..T4; seconds on the x axis."""
     if not recs:
         raise BaftError(f"{path}: no recoveries to draw")
+    from matplotlib.figure import Figure  # loaded to draw only: `baft train` prints the table without it
+
     fig = Figure(figsize=(11, 0.8 * len(recs) + 1.6), layout="constrained")
     ax = fig.add_subplot()
     ys = range(len(recs))

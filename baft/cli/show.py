@@ -8,13 +8,12 @@ Times in bubble maps and plans are seconds; everything shown is in milliseconds 
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
-from rich.console import Console
 from rich.table import Table
 
+from baft.cli.text import to_text
 from baft.pipeline.bubblemap import BubbleMap, RankProfile
 from baft.snapshot.planner import Plan, RankPlan
 from baft.snapshot.trace import RankCopies, RunTimeline
@@ -214,13 +213,6 @@ def copies_line(run: RunTimeline) -> str:
 def render_run_text(run: RunTimeline) -> str:
     """:func:`summarize_run` as plain text."""
     return to_text(summarize_run(run))
-
-
-def to_text(table: Table, width: int = 200) -> str:
-    """A rich table as plain text (no colour, no terminal needed)."""
-    buffer = io.StringIO()
-    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(table)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
 
 def render_text(bmap: BubbleMap) -> str:

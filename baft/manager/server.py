@@ -118,8 +118,8 @@ class Manager:
         if self.config.dir is not None or self.config.group:
             # restores from disk or parity write slots through torch: load it before one is asked for
             self._spawn(persist.preload, "preload")
-        for server in self._servers:
-            self._spawn(server.serve_forever, f"serve-{type(server).__name__}")
+        for server in self._servers:  # polled every 50 ms for a stop (the default, 0.5 s, is a stop's whole wait)
+            self._spawn(lambda server=server: server.serve_forever(poll_interval=0.05), f"serve-{type(server).__name__}")
         self._spawn(self._work_loop, "verify-encode")
         self._spawn(self.persister.run, "persist")
         self._stopping.wait()

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from baft.errors import BaftError
 from baft.jsonfile import read_json, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.pipeline.timeline import Costs, analytic_bubble_map
 
 _COMPUTE = ("ForwardPass", "BackwardPass")

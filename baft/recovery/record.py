@@ -38,7 +38,7 @@ import psutil
 
 from baft.errors import BaftError
 from baft.jsonfile import parse_object
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 
 clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
 FILENAME = "recovery.jsonl"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.errors import BaftError
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.optimizers import entry
 

@@ -19,7 +19,7 @@ from baft.accelerator import collective_device
 from baft.config import BaftConfig, node_of
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.pipeline.profiler import InstructionTimer, measured_bubbles, median_profile
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank

@@ -30,7 +30,7 @@ from typing import Optional
 
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord

@@ -3,7 +3,7 @@
 Tensors (parameters, buffers, optimizer state) are enumerated in a fixed order so two
 processes of the same model agree on the layout. The small items (RNG states, step
 counters, optimizer hyper-parameters and per-parameter scalars, LR scheduler, loss scaler,
-data position) are captured as JSON at the step boundary.
+data position, the script's ``client_state``) are captured as JSON at the step boundary.
 
 When each part is captured and restored (the rule a bit-identical resume rests on):
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from baft.errors import BaftError
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -129,6 +129,9 @@ def capture_items(engine, data_iterator=None) -> dict:
         items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool, type(None)))}
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
         items["data"] = _torch_blob(data_iterator.state_dict())  # a loader's generator state is a ByteTensor
+    client = getattr(engine, "baft_client_state", None)
+    if client is not None:
+        items["client_state"] = _torch_blob(client.capture())
     return _jsonable(items)
 
 
@@ -176,6 +179,9 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "data" in items and data_iterator is not None:
         saved = items["data"]
         data_iterator.load_state_dict(_torch_unblob(saved) if isinstance(saved, str) else saved)
+    client = getattr(engine, "baft_client_state", None)
+    if "client_state" in items and client is not None:
+        client.restore(_torch_unblob(items["client_state"]))
     return RngRestore(items["rng"])
 
 
@@ -201,6 +207,10 @@ class RngRestore(InstructionHook):
         if self.rng is not None:
             set_rng(self.rng)
             self.rng = None
+
+    def cancel(self) -> None:
+        """Leave the RNG states as they are (a checkpoint newer than the snapshot was loaded over it)."""
+        self.rng = None
 
 
 def ensure_optimizer_state(engine) -> Optional[str]:

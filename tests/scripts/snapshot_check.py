@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from baft.examples.worker import build, parse_args
-from baft.pipeline.hooks import InstructionHook
+from baft.pipeline.hook import InstructionHook
 from baft.snapshot import copy, slots, state
 from baft.snapshot.build import shm_root
 from baft.snapshot.layout import CommitRecord, chunk_bytes_of

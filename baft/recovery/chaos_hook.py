@@ -1,0 +1,96 @@
+"""The hook that carries out :mod:`baft.recovery.chaos`'s faults inside a rank's iterations."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep, RecvActivation, RecvGrad
+
+from baft.pipeline.hook import InstructionHook
+from baft.recovery.chaos import Fault
+from baft.snapshot.optimizers import before_base_step
+from baft.snapshot.policies import SnapshotPolicy
+
+
+class ChaosHook(InstructionHook):
+    """Kills this rank when one of its faults comes due. Install it after the snapshot policy."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Optional[str],
+                 node: int = 0, node_root: Optional[str] = None):
+        self.faults = [f for f in faults if f.restart == attempt and (f.rank == rank or f.node == node)]
+        self.run_dir, self.node_root, self.rank = run_dir, node_root, rank
+
+    def _due(self, engine, phase: str) -> Optional[Fault]:
+        step = engine.global_steps + 1  # the step this iteration produces
+        return next((f for f in self.faults if f.step == step and f.phase == phase), None)
+
+    def _log(self, fault: Fault, delay: float = 0.0) -> None:
+        if not self.run_dir:
+            return
+        what = (f"kill {fault.phase} {fault.node} at step {fault.step}" if fault.node is not None
+                else f"kill rank {fault.rank} at step {fault.step} ({fault.phase})")
+        with open(Path(self.run_dir) / "chaos.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time() + delay, "restart": fault.restart, "what": what}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _kill(self, fault: Fault, delay: float = 0.0) -> None:
+        self._log(fault, delay)
+        if delay:
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def iteration_start(self, engine):
+        if fault := self._due(engine, "seal"):
+            for policy in _snapshot_policies(engine):
+                policy.sealer.before_seal = lambda: self._kill(fault)
+        if fault := self._due(engine, "manager"):
+            self._log(fault)
+            self._kill_manager()
+        elif fault := self._due(engine, "node"):
+            self._kill_manager()
+            shutil.rmtree(self.node_root, ignore_errors=True)  # the node's memory is gone with it
+            self._kill(fault)
+
+    def _kill_manager(self) -> None:
+        try:
+            os.kill(json.loads((Path(self.node_root) / "manager.json").read_text())["pid"], signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass  # no manager on this node, or another rank of the node got it first
+
+    def before(self, engine, index, cmd):
+        if isinstance(cmd, (RecvActivation, RecvGrad)) and (fault := self._due(engine, "copy")):
+            if any(p.stream is not None and p.snapshot is not None for p in _snapshot_policies(engine)):
+                self._kill(fault)  # the snapshot's copies are queued on a stream, not yet fenced
+        if isinstance(cmd, ForwardPass) and (fault := self._due(engine, "forward")):
+            self._kill(fault)
+        elif isinstance(cmd, BackwardPass) and (fault := self._due(engine, "backward")):
+            self._kill(fault)
+        elif isinstance(cmd, OptimizerStep):
+            fault = self._due(engine, "commit") or self._due(engine, "optimizer")
+            if fault is not None:
+                def commit_then_kill(*_):
+                    for policy in _snapshot_policies(engine):
+                        policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
+                    self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
+                # after the fence a policy armed there (hooks, and their pre-hooks, run in order)
+                if before_base_step(engine.optimizer, commit_then_kill) is None:
+                    commit_then_kill()
+
+    def bubble(self, engine, index, cmd):
+        fault = self._due(engine, "copy")  # the host copies while this receive waits
+        if fault is None:
+            return None
+        return lambda landed: self._kill(fault)
+
+
+def _snapshot_policies(engine) -> list[SnapshotPolicy]:
+    return [hook for hook in engine.baft_hooks if isinstance(hook, SnapshotPolicy)]

@@ -1,0 +1,101 @@
+"""A script's own checkpoints beside baft: its ``client_state`` saved with every snapshot, and its
+``load_checkpoint`` at start-up kept from undoing baft's restore.
+
+Scripts built on DeepSpeed (GPT-NeoX, Megatron-DeepSpeed, DeepSpeedExamples) load their newest
+checkpoint at start-up and read their own bookkeeping (iteration, consumed samples, data position)
+back from its ``client_state``. After a fault baft has already restored a newer snapshot by then;
+loading the older checkpoint over it would drop the steps in between without a word. On a
+protected engine ``load_checkpoint`` therefore:
+
+* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is as new as baft's
+  snapshot or newer (then the checkpoint's state is the run's, RNG states included);
+* otherwise keeps baft's state, says so in one line, and returns the ``client_state`` as of
+  baft's step, captured with every snapshot from what the script gave
+  ``baft.initialize(client_state=...)``; without it, it stops in one line saying how to give it.
+
+A script whose counters live outside the engine gives a ``Stateful`` object: a restore loads it,
+so the counters are right after a fault that came before the script's first checkpoint too.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Callable, Optional
+
+import torch
+
+from baft.errors import BaftError
+
+
+class ClientState:
+    """The script's own state, given to ``baft.initialize(client_state=...)``: an object with
+    ``state_dict()``/``load_state_dict()`` (torch.distributed.checkpoint's ``Stateful``), which a restore
+    loads, or a callable returning the dict the script saves with ``save_checkpoint(client_state=...)``."""
+
+    def __init__(self, source):
+        self.stateful = callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
+        if not (self.stateful or callable(source)):
+            raise BaftError(f"baft.initialize client_state=: expected an object with state_dict() and "
+                            f"load_state_dict(), or a callable returning the dict your script saves as "
+                            f"save_checkpoint(client_state=...); got {type(source).__name__}")
+        self.source = source
+        self.restored: Optional[dict] = None  # as of the restored step
+
+    def capture(self) -> dict:
+        return self.source.state_dict() if self.stateful else self.source()
+
+    def restore(self, saved: dict) -> None:
+        self.restored = saved
+        if self.stateful:
+            self.source.load_state_dict(saved)
+
+
+def checkpoint_step(load_dir, tag=None) -> tuple[Optional[str], Optional[int]]:
+    """(the checkpoint's directory, its ``global_steps``) of DeepSpeed's checkpoint ``tag`` in ``load_dir`` (the
+    one its ``latest`` file names when ``tag`` is None); the step is None when there is no such checkpoint."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    states = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+    if not states:
+        return path, None
+    saved = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    return path, int(saved["global_steps"])
+
+
+def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
+    """Make ``engine.load_checkpoint`` keep a snapshot baft restored over an older checkpoint (module docstring)."""
+    load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        restored = engine.baft_restored
+        path, step = checkpoint_step(load_dir, tag)
+        if restored is None or step is None or step >= restored.step:  # None: DeepSpeed finds nothing to load
+            if restored is not None and step is not None and step > restored.step:
+                if restored.rng is not None:
+                    restored.rng.cancel()  # the checkpoint's RNG states are the run's now, not the snapshot's
+                _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): "
+                             f"the checkpoint is newer")
+            return load(load_dir, tag, *args, **kwargs)
+        kept = f"step {restored.step} ({restored.source})"
+        if client_state is None or client_state.restored is None:
+            raise BaftError(f"engine.load_checkpoint({load_dir}) would roll this run back from {kept} to the "
+                            f"checkpoint's step {step}: pass baft.initialize client_state=, an object with "
+                            f"state_dict()/load_state_dict() or a callable giving what your script saves as "
+                            f"save_checkpoint(client_state=...) ({{}} if nothing), and load_checkpoint returns it as "
+                            f"of step {restored.step}")
+        _say(engine, f"baft: kept {kept} over step {step} in {path}; load_checkpoint returns the client_state "
+                     f"of step {restored.step}")
+        return f"baft://{restored.source}/step{restored.step}", client_state.restored
+
+    engine.load_checkpoint = load_checkpoint
+
+
+def _say(engine, line: str) -> None:
+    if engine.global_rank == 0:
+        print(line, flush=True)

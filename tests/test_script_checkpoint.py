@@ -1,0 +1,73 @@
+"""A script that loads its own DeepSpeed checkpoint at start-up (GPT-NeoX's pattern) resumes from baft's newer
+snapshot, with its own bookkeeping as of that step, and still starts from a checkpoint written without baft.
+
+Every run is compared part by part, at every step, with the script's uninterrupted run
+(:func:`baft.recovery.digests.compare`): weights, optimizer, scheduler, RNG, data position and the
+script's own ``client_state`` (iteration, consumed samples).
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, compare
+from baft.recovery.record import load_recoveries
+
+SCRIPT = Path(__file__).parent / "scripts" / "neox_job.py"
+
+
+def train(directory: Path, *args, faults=(), policy="baft") -> subprocess.CompletedProcess:
+    """``baft train`` of the script with its checkpoints in ``directory/ckpt``, its digests in ``directory/digests``."""
+    env = {DIGESTS_ENV: str(directory / "digests"), **({"BAFT_CHAOS": ";".join(faults)} if faults else {})}
+    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
+                           "--max-restarts", str(len(faults)), "--", str(SCRIPT), "--ckpt", str(directory / "ckpt"),
+                           "--policy", policy, *args], capture_output=True, text=True, env=launch_env(env), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, without baft: checkpoints at steps 5 and 10 of 12, and its digests."""
+    directory = tmp_path_factory.mktemp("reference")
+    proc = train(directory, "--register", "stateful", policy="none")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (directory / "ckpt" / "latest").read_text().strip() == "global_step10"
+    return directory
+
+
+def test_a_kill_before_any_save_and_one_after_resume_from_baft_not_the_older_checkpoint(tmp_path, reference):
+    proc = train(tmp_path, "--register", "stateful", faults=["rank=1,step=3,phase=backward,restart=0",
+                                                 "rank=0,step=8,phase=forward,restart=1"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    before_save, after_save = load_recoveries(tmp_path / "run")  # a step's snapshot commits in the next step
+    assert before_save.source == after_save.source == "memory" and before_save.restored_step in (1, 2)
+    assert after_save.restored_step in (6, 7), after_save
+    assert (f"baft: kept step {after_save.restored_step} (memory) over step 5 in {tmp_path / 'ckpt' / 'global_step5'}"
+            in proc.stdout), proc.stdout[-2000:]
+    assert compare(reference / "digests", tmp_path / "digests") == []
+
+
+def test_the_first_start_loads_a_checkpoint_written_without_baft_and_a_newer_one_wins_over_a_snapshot(
+        tmp_path, reference):
+    (tmp_path / "ckpt").mkdir()
+    shutil.copytree(reference / "ckpt" / "global_step5", tmp_path / "ckpt" / "global_step5")
+    (tmp_path / "ckpt" / "latest").write_text("global_step5")
+    # snapshots every 3 steps: killed in step 11, the newest is step 9, the script's own checkpoint step 10
+    proc = train(tmp_path, "--register", "callable", "--period", "3", faults=["rank=1,step=11,phase=backward"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "baft: loaded step 10 from" in proc.stdout and "over step 9 (memory): the checkpoint is newer" in proc.stdout
+    assert compare(reference / "digests", tmp_path / "digests") == []
+
+
+def test_a_load_that_would_roll_back_a_snapshot_with_nothing_registered_stops_in_one_line(tmp_path):
+    proc = train(tmp_path, faults=["rank=0,step=8,phase=forward"])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("baft: error:")]
+    assert errors and re.search(rf"engine\.load_checkpoint\({re.escape(str(tmp_path / 'ckpt'))}\) would roll this run "
+                                rf"back from step [67] \(memory\) to the checkpoint's step 5: pass baft\.initialize "
+                                rf"client_state=", errors[0]), proc.stderr
+    assert "Traceback" not in proc.stderr
