@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
