@@ -83,23 +83,6 @@ def test_plan_for_another_model_is_refused_and_training_plans_from_its_own_recei
     assert slots.committed(root, 0), "training ran unprotected after refusing the plan"
 
 
-def test_corrupt_chunk_voids_that_snapshot_and_the_previous_one_is_restored(tmp_path, shm_root):
-    common = [*TINY, "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)]
-    run_worker(2, [*common, "--iters", "6"])
-    root = shm_root / "default" / "node0"
-    newest = slots.committed(root, 1)[0]
-    assert newest.record.step == 6  # the final state, snapshotted as the ranks exit
-    chunk = newest.record.layout.chunks[2]
-    with open(slots.rank_dir(root, 1) / f"slot{newest.slot}.bin", "r+b") as f:
-        f.seek(chunk.offset + 7)
-        byte = f.read(1)
-        f.seek(chunk.offset + 7)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    proc = run_worker(2, [*common, "--iters", "7"])
-    assert f"chunk {chunk.index} ({chunk.tensor}" in proc.stderr and "fails its checksum" in proc.stderr
-    assert "resumed from step 5" in proc.stdout
-
-
 @pytest.mark.parametrize("how", ["example", "script"])
 def test_baft_train_stops_at_a_ranks_error_instead_of_restarting_into_it(tmp_path, how):
     """A rank's BaftError is the user's to fix: torchrun is stopped at the first, not restarted --max-restarts times,

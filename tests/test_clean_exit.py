@@ -5,9 +5,9 @@ collective's work when Python tears down, and the rank aborts ("terminate called
 active exception", SIGABRT) after its last step: the launcher sees a failed job. On the
 example jobs this is a rare race (a few runs in a hundred); a job whose last collective is
 still in flight when the script returns (a metric reduced with ``async_op=True`` and never
-waited for) hit it in 7 of 8 runs without baft's teardown. Four such jobs (fp32 and bf16, ZeRO 0
-and 1), all under ``baft train`` with a snapshot manager: every rank of every one must exit 0. The
-example jobs' rare race is covered by every other test that trains: each asserts a clean exit.
+waited for) hit it in 7 of 8 runs without baft's teardown. Two such jobs at once (bf16 without
+ZeRO, fp32 with ZeRO-1 at dp=2), under ``baft train`` with a snapshot manager: every rank of both must
+exit 0. The example jobs' rare race is covered by every other test that trains: each asserts a clean exit.
 """
 
 import subprocess
@@ -19,7 +19,7 @@ from baft.cli.launch import launch_env
 from baft.cli.runlog import LOG_NAME
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
-CONFIGS = [("fp32", 2, 0), ("bf16", 2, 0), ("fp32", 4, 1), ("bf16", 4, 1)]  # precision, ranks, ZeRO stage
+CONFIGS = [("bf16", 2, 0), ("fp32", 4, 1)]  # precision, ranks, ZeRO stage
 JOBS = [(*config, True) for config in CONFIGS]  # a collective still in flight at exit: the race's likely form
 
 
