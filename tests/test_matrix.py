@@ -37,8 +37,9 @@ CASES = {
         faults=[Fault(2, 5, "backward")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
+        # killed sealing step 4's snapshot: resumes from step 3, where an epoch of the engine's loader ends
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        faults=[Fault(0, 6, "seal")]),
+        faults=[Fault(0, 5, "seal")]),
     "sgd-onecycle-fp32-stateful": Case(
         seed=16, optimizer="sgd", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",

@@ -29,11 +29,16 @@ class EngineLoaderPosition:
 
     def load_state_dict(self, saved: dict) -> None:
         """Skip the engine's loader, fresh from ``initialize``, to the saved position (its iterator
-        is not made again: that would draw another base seed)."""
+        is not made again: that would draw another base seed).
+
+        At an epoch's end the uninterrupted run holds a spent iterator: the next read makes a new
+        one, drawing its base seed from torch's generator inside that iteration. So a position at
+        an epoch's end reads the fresh epoch to its end rather than stay at its start."""
         repeating = getattr(self.engine, "training_dataloader", None)
         if repeating is None:  # a middle stage reads no data
             return
-        for _ in range(saved["micro_batches"] % len(repeating.loader)):
+        position, epoch = saved["micro_batches"], len(repeating.loader)
+        for _ in range(position % epoch or (epoch if position else 0)):
             next(repeating)
 
 
