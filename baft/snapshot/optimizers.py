@@ -58,6 +58,33 @@ class ScalarState:
         for path, value in saved.items():
             name, key = path[len("optim/"):].rsplit("/", 1)
             self.optimizer.state[params[name]][key] = value
+        replay_cpu_adam_steps(self.optimizer)
+
+
+def replay_cpu_adam_steps(optimizer) -> None:
+    """DeepSpeed's C++ Adam on CPU (its ``FusedAdam`` there, and ``DeepSpeedCPUAdam``) keeps beta1^t and
+    beta2^t as running products, multiplied once a step, in no state_dict; a fresh process computes them
+    with ``pow`` at its first step, which rounds otherwise, and every resumed update would differ. Replaying
+    steps 1..t of each group on a one-element tensor puts the products back as the uninterrupted run has
+    them (the update of the dummy tensor is discarded)."""
+    fused = getattr(optimizer, "multi_tensor_adam", None)
+    cpu_adam = getattr(optimizer, "ds_opt_adam", None)
+    if fused is None and cpu_adam is None:
+        return
+    for group in optimizer.param_groups:
+        steps = [optimizer.state[p]["step"] for p in group["params"] if "step" in optimizer.state.get(p, {})]
+        if not steps or (fused is not None and group["params"][0].device.type != "cpu"):
+            continue  # no step yet; or the CUDA kernel, which takes beta^t from the step it is given
+        beta1, beta2 = group["betas"]
+        for step in range(1, int(steps[0]) + 1):
+            p, g, m, v = (torch.zeros(1) for _ in range(4))
+            if fused is not None:
+                fused(2048 * 32, optimizer._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"], beta1, beta2,
+                      group["eps"], step, optimizer.adam_w_mode, 1 if group["bias_correction"] else 0,
+                      group["weight_decay"])
+            else:
+                cpu_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], group["bias_correction"], p, g, m, v)
 
 
 class NamedOptimizerState(ScalarState):
