@@ -23,6 +23,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -233,15 +234,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1, help="case i is drawn from seed + i")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/baft-matrix"))
+    parser.add_argument("--work", type=Path, help="where the runs go (default: a new temporary directory: a run "
+                                                  "directory used before would resume from its old snapshots)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args()
     from tqdm import tqdm
 
+    work = args.work or Path(tempfile.mkdtemp(prefix="baft-matrix-"))
     outcomes = []
     for i in tqdm(range(args.cases), desc="cases"):
         case = draw_case(args.seed + i)
-        outcomes.append(run_case(case, args.work / f"case{case.seed}"))
+        outcomes.append(run_case(case, work / f"case{case.seed}"))
         tqdm.write(f"{case.seed}: {'identical' if outcomes[-1].identical else outcomes[-1].problems or outcomes[-1].refused}")
     write_results(outcomes, args.out, "python experiments/matrix.py " + " ".join(sys.argv[1:]))
 

@@ -10,6 +10,7 @@ import pytest
 
 from baft.cli.launch import launch_env, torchrun
 from baft.cli.runlog import LOG_NAME
+from baft.manager.control import stop
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
 
@@ -71,6 +72,8 @@ def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path
         assert (tmp_path / "run" / f"manager-node{node}.log").exists()
     assert "no snapshot manager reachable" not in proc.stderr
     assert sorted(p.name for p in (tmp_path / "persisted").iterdir()) == ["node0", "node1"]
+    for node in (0, 1):  # started by the ranks, they outlive the job until stopped (baft train stops its own)
+        stop(shm_root / "nodes" / f"node{node}")
 
 
 @pytest.mark.parametrize("part, named", [("scheduler", "lr_scheduler __main__.Halving"),
