@@ -7,8 +7,9 @@ back from its ``client_state``. After a fault baft has already restored a newer 
 loading the older checkpoint over it would drop the steps in between without a word. On a
 protected engine ``load_checkpoint`` therefore:
 
-* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is as new as baft's
-  snapshot or newer (then the checkpoint's state is the run's, RNG states included);
+* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is newer than baft's
+  snapshot (then the checkpoint's state is the run's, RNG states included), or as new and the
+  script gave baft no ``client_state``;
 * otherwise keeps baft's state, says so in one line, and returns the ``client_state`` as of
   baft's step, captured with every snapshot from what the script gave
   ``baft.initialize(client_state=...)``; without it, it stops in one line saying how to give it.
@@ -75,7 +76,10 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         restored = engine.baft_restored
         path, step = checkpoint_step(load_dir, tag)
-        if restored is None or step is None or step >= restored.step:  # None: DeepSpeed finds nothing to load
+        kept_client = client_state is not None and client_state.restored is not None
+        # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
+        # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
+        if restored is None or step is None or step > restored.step or (step == restored.step and not kept_client):
             if restored is not None and step is not None and step > restored.step:
                 if restored.rng is not None:
                     restored.rng.cancel()  # the checkpoint's RNG states are the run's now, not the snapshot's
@@ -83,7 +87,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
                              f"the checkpoint is newer")
             return load(load_dir, tag, *args, **kwargs)
         kept = f"step {restored.step} ({restored.source})"
-        if client_state is None or client_state.restored is None:
+        if not kept_client:
             raise BaftError(f"engine.load_checkpoint({load_dir}) would roll this run back from {kept} to the "
                             f"checkpoint's step {step}: pass baft.initialize client_state=, an object with "
                             f"state_dict()/load_state_dict() or a callable giving what your script saves as "
