@@ -17,7 +17,6 @@ from baft.pipeline.hooks import attach
 from baft.teardown import teardown
 
 
-
 def load_ds_config(config) -> dict:
     """A DeepSpeed config given as a dict or a path to a JSON file."""
     if isinstance(config, (str, Path)):
@@ -136,7 +135,7 @@ def _protect(engine, cfg, data_iterator) -> None:
         from baft.recovery.chaos_hook import ChaosHook
 
         engine.baft_hooks.append(ChaosHook(faults, engine.global_rank, record.restart_count(), cfg.run_dir,
-                                                 node=node_of(cfg, engine.global_rank), node_root=root))
+                                           node=node_of(cfg, engine.global_rank), node_root=root))
 
 
 def _connect_manager(engine, cfg, root):

@@ -105,8 +105,9 @@ def draw_faults(rng: random.Random, ranks: int, period, phases: list[str]) -> li
     faults, after = [], 0
     for phase in phases:
         steps = [step for step in fault_steps(period, phase) if step > after]
+        later = len(phases) - len(faults) - 1  # faults still to place: leave them a step each where it can
         if steps:
-            after = rng.choice(steps[:len(steps) - (len(phases) - len(faults) - 1)] or steps)
+            after = rng.choice(steps[:len(steps) - later] or steps)
             faults.append(Fault(rng.randrange(ranks), after, phase))
     return faults
 
