@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,22 +23,71 @@ TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--vo
 
 def run_ranks(nprocs: int, script: str, args: list[str], timeout: float = 240, max_restarts: int = 0,
               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``tests/scripts/<script>`` on ``nprocs`` local ranks through torchrun."""
-    cmd = torchrun(nprocs, [str(SCRIPTS / script), *args], max_restarts=max_restarts, module=False)
-    proc = subprocess.run(cmd, env=launch_env(env), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{script} failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+    """Run ``tests/scripts/<script>`` on ``nprocs`` local ranks (torchrun when it is to restart them)."""
+    return _launch(nprocs, [str(SCRIPTS / script), *args], False, launch_env(env), timeout, max_restarts,
+                   check, script)
 
 
 def run_worker(nprocs: int, args: list[str], timeout: float = 240, check: bool = True,
-               max_restarts: int = 0) -> subprocess.CompletedProcess:
+               max_restarts: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the example trainer (``baft.examples.worker``) on ``nprocs`` local ranks."""
-    cmd = torchrun(nprocs, ["baft.examples.worker", *args], max_restarts=max_restarts)
-    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    return _launch(nprocs, ["baft.examples.worker", *args], True, launch_env(env), timeout, max_restarts, check,
+                   "worker")
+
+
+def _launch(nprocs, argv, module, env, timeout, max_restarts, check, name) -> subprocess.CompletedProcess:
+    if max_restarts:
+        cmd = torchrun(nprocs, argv, max_restarts=max_restarts, module=module)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = spawn_ranks(nprocs, [sys.executable, *(["-m"] if module else []), *argv], env, timeout)
     if check and proc.returncode != 0:
-        pytest.fail(f"worker failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{name} failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def spawn_ranks(nprocs: int, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """One attempt of ``torchrun --standalone --max-restarts=0`` without its agent (which imports torch
+    before any rank starts: ~2 s of a 2-core machine per launch): the ranks get torchrun's
+    environment, and when one fails the others are stopped, as torchrun stops them. The ranks'
+    output comes back rank by rank; the exit code is 1 when any rank failed, as torchrun's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="baft-ranks-") as logs:
+        procs = []
+        for rank in range(nprocs):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                        "ROLE_RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+                        "ROLE_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+            with open(f"{logs}/{rank}.out", "w") as out, open(f"{logs}/{rank}.err", "w") as err:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=rank_env))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = any(p.returncode not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
+                time.sleep(0.5 if failed else 0)  # torchrun's monitor interval: the others may say why too
+                _stop(procs)
+                if not failed:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        stdout, stderr = ("".join(Path(f"{logs}/{rank}.{kind}").read_text() for rank in range(nprocs))
+                          for kind in ("out", "err"))
+    return subprocess.CompletedProcess(cmd, 0 if all(p.returncode == 0 for p in procs) else 1, stdout, stderr)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, then SIGKILL after 5 s, as torchrun stops the ranks of a failed attempt."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture

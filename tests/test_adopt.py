@@ -1,8 +1,9 @@
 """A job that checkpoints with DeepSpeed adopts baft: its first start loads the newest DeepSpeed checkpoint."""
 
 import json
-import re
+from concurrent.futures import ThreadPoolExecutor
 
+from baft.recovery.digests import DIGESTS_ENV, compare
 from conftest import TINY, run_worker
 
 # bf16 with ZeRO-1 on pp=2 x dp=2, as GPT-NeoX trains (DeepSpeed 0.19 cannot load its own bf16 ZeRO-0 checkpoints)
@@ -13,28 +14,28 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())}
 
 
-def digests(output, step):
-    return dict(re.findall(rf"digest rank (\d+) step {step} ([0-9a-f]{{64}})", output))
-
-
 def test_first_start_under_baft_continues_a_deepspeed_checkpoint_bit_for_bit(tmp_path, shm_root):
-    clean = run_worker(4, [*BF16, "--iters", "8", "--policy", "none", "--digest", "--run-dir", str(tmp_path / "clean")],
-                       timeout=400)
-    # the job so far: DeepSpeed's save_checkpoint every 4 steps, no baft snapshots
-    run_worker(4, [*BF16, "--iters", "4", "--policy", "deepspeed", "--period", "4", "--run-dir", str(tmp_path / "ds")],
-               timeout=400)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run trains beside the job so far
+        clean = pool.submit(run_worker, 4, [*BF16, "--iters", "8", "--policy", "none", "--run-dir",
+                                            str(tmp_path / "clean")],
+                            timeout=400, env={DIGESTS_ENV: str(tmp_path / "clean" / "digests")})
+        # the job so far: DeepSpeed's save_checkpoint every 4 steps, no baft snapshots
+        run_worker(4, [*BF16, "--iters", "4", "--policy", "deepspeed", "--period", "4", "--run-dir",
+                       str(tmp_path / "ds")], timeout=400)
+        clean.result()
     checkpoints = tmp_path / "ds" / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "global_step4"
-    adopted = run_worker(4, [*BF16, "--iters", "8", "--policy", "baft", "--period", "1", "--digest",
-                             "--adopt", str(checkpoints), "--run-dir", str(tmp_path / "baft"),
-                             "--shm-root", str(shm_root)], timeout=400)
+    adopted = run_worker(4, [*BF16, "--iters", "8", "--policy", "baft", "--period", "1", "--adopt", str(checkpoints),
+                             "--run-dir", str(tmp_path / "baft"), "--shm-root", str(shm_root)], timeout=400,
+                         env={DIGESTS_ENV: str(tmp_path / "baft" / "digests")})
     assert "adopted the DeepSpeed checkpoint of step 4" in adopted.stdout
     continued = losses(tmp_path / "baft")
     assert sorted(continued) == [5, 6, 7, 8], "training went on from the checkpoint's step"
     uninterrupted = losses(tmp_path / "clean")
     for step, loss in continued.items():
         assert repr(loss) == repr(uninterrupted[step]), f"step {step} differs"
-    assert len(digests(clean.stdout, 8)) == 4 and digests(adopted.stdout, 8) == digests(clean.stdout, 8)
+    # every part of every rank's state, from the adopted step on
+    assert compare(tmp_path / "clean" / "digests", tmp_path / "baft" / "digests") == []
 
 
 def test_adopting_a_directory_without_a_checkpoint_is_refused_in_one_line(tmp_path, shm_root):

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
+from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.snapshot import slots
 from conftest import TINY
 
@@ -85,7 +86,8 @@ def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
         shutil.rmtree(node.parent, ignore_errors=True)
 
 
-def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
+def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     with training(tmp_path, run_dir, 60, logged=4) as first:
@@ -123,6 +125,7 @@ def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path):
     for r in after:
         if r["step"] in before:
             assert repr(r["loss"]) == repr(before[r["step"]]), f"step {r['step']} differs from the killed launch's"
+    assert redone_differ(tmp_path / "digests") == [], "the steps trained again differ from the killed launch's"
 
     assert left_behind is None, f"a run that ended left its shared-memory directory behind: {left_behind}"
     log = (run_dir / "manager-node0.log").read_text()

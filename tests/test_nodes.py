@@ -13,6 +13,7 @@ import re
 import shlex
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 import nodes
 from baft.cli.launch import launch_env
 from baft.manager import persist
+from baft.recovery.digests import DIGESTS_ENV, compare
 from conftest import run_worker
 
 README = Path(__file__).parent.parent / "README.rst"
@@ -65,10 +67,11 @@ def cluster(tmp_path):
 
 
 def uninterrupted(launch: str, run_dir: Path) -> tuple[dict[int, str], dict[int, str]]:
-    """The same training on one host, never interrupted: losses by step (``repr``) and final digests by rank."""
+    """The same training on one host, never interrupted: losses by step (``repr``) and final digests by rank;
+    its per-step digests in ``run_dir/digests``."""
     args = worker_args(launch, run_dir)
     args[args.index("--policy") + 1] = "none"
-    proc = run_worker(3, args, timeout=300)
+    proc = run_worker(3, args, timeout=300, env={DIGESTS_ENV: str(run_dir / "digests")})
     return ({r["step"]: repr(r["loss"]) for r in nodes.read_jsonl(run_dir / "losses.jsonl")},
             digests(proc.stdout, int(option(args, "--iters"))))
 
@@ -79,28 +82,29 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     stage is rebuilt from the other nodes' parity, and every loss logged, redone steps included, and the final
     state of every rank equal the uninterrupted run's bit for bit."""
     launch = readme_block("torchrun --nnodes")
-    env = {**launch_env(), "RUN": str(tmp_path / "run"),
+    env = {**launch_env(), "RUN": str(tmp_path / "run"), DIGESTS_ENV: str(tmp_path / "digests"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     job = nodes.Job(cluster, launch, env, tmp_path / "run", tmp_path / "logs")
     iters = int(option(worker_args(launch, job.run_dir), "--iters"))
-    losses, final = uninterrupted(launch, tmp_path / "reference")
-    assert len(losses) == iters and len(final) == 3
-
     stop = readme_block("baft manager stop")
     roots = stop.split("--shm-root ")[1].replace("node0", "node{node}")  # every node's manager, as it sees it
 
-    job.start()
-    job.wait_for(step=6, recoveries=0)
-    job.wait_rebuildable(roots)
-    assert job.lose([1]) == {}
-    job.wait_for(step=14, recoveries=1)
-    job.wait_rebuildable(roots)
-    assert job.lose([2]) == {}
-    job.wait_for(step=22, recoveries=2)
-    job.wait_rebuildable(roots)
-    exits = job.lose([0])
-    assert sorted(exits) == [1, 2] and 0 not in exits.values(), f"torchrun went on without its rendezvous: {exits}"
-    assert job.wait_exit([0, 1, 2], timeout=300) == {0: 0, 1: 0, 2: 0}, job.tails()
+    with ThreadPoolExecutor(1) as pool:  # the reference trains beside the job
+        reference = pool.submit(uninterrupted, launch, tmp_path / "reference")
+        job.start()
+        job.wait_for(step=6, recoveries=0)
+        job.wait_rebuildable(roots)
+        assert job.lose([1]) == {}
+        job.wait_for(step=14, recoveries=1)
+        job.wait_rebuildable(roots)
+        assert job.lose([2]) == {}
+        job.wait_for(step=22, recoveries=2)
+        job.wait_rebuildable(roots)
+        exits = job.lose([0])
+        assert sorted(exits) == [1, 2] and 0 not in exits.values(), f"torchrun went on without its rendezvous: {exits}"
+        assert job.wait_exit([0, 1, 2], timeout=300) == {0: 0, 1: 0, 2: 0}, job.tails()
+        losses, final = reference.result()
+    assert len(losses) == iters and len(final) == 3
 
     recoveries = job.recoveries()
     assert [r["source"] for r in recoveries] == ["parity"] * 3, job.tails()
@@ -114,6 +118,7 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     resumed = [now["step"] for before, now in zip(logged, logged[1:]) if now["step"] != before["step"] + 1]
     assert all(step - 1 in {r["restored_step"] for r in recoveries} for step in resumed), (resumed, recoveries)
     assert digests(job.output(), iters) == final
+    assert compare(tmp_path / "reference" / "digests", tmp_path / "digests") == []
 
     for index in range(3):
         done = cluster.nodes[index].run(["sh", "-c", stop.replace("node0", nodes.hostname(index))], env=job.env)

@@ -11,6 +11,7 @@ import pytest
 from baft.cli.launch import launch_env, torchrun
 from baft.cli.runlog import LOG_NAME
 from baft.manager.control import stop
+from baft.recovery.digests import DIGESTS_ENV, redone_differ
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
 
@@ -49,13 +50,15 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     cfg = config(tmp_path, "protected.json", bubble_map=str(bmap))
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT), "--config", str(cfg)],
-                            capture_output=True, text=True, env=launch_env(), timeout=300)
+                            capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}),
+                            timeout=300)
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
     # the screen shows rank 0's lines; every rank's are in the run's log
     assert finals((run_dir / LOG_NAME).read_text()) == finals(clean.stdout) and len(finals(clean.stdout)) == 2
     assert finals(faulty.stdout) == {0: finals(clean.stdout)[0]}
+    assert redone_differ(tmp_path / "digests") == []  # the steps trained again equal their first training
 
 
 def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path, shm_root):

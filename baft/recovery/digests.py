@@ -16,7 +16,8 @@ module weights, the optimizer's ``state_dict()`` (fp32 masters, moments and step
 :func:`compare` reads two such directories, an uninterrupted run's and a faulted one's, and says
 for each rank and part the first step whose digest differs ("rank 1: optimizer.param_groups[0].lr
 differs from step 9"). Both runs must train the same script on the same machine: the digests
-are of exact bits.
+are of exact bits. A run with no uninterrupted twin is checked against itself: :func:`redone_differ`
+says where a step trained again after a restore differs from its first training.
 """
 
 from __future__ import annotations
@@ -144,17 +145,21 @@ def digests_hook(data_iterator=None):
     return StateDigests(directory, data_iterator) if directory else None
 
 
+def _records(directory) -> Iterator[dict]:
+    for path in sorted(Path(directory).glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
 def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
     """(rank, step) -> part -> {digest: the first restart that recorded it} (a step trained twice, before
     and after a fault, has its digests from both)."""
     found: dict = defaultdict(lambda: defaultdict(dict))
-    for path in sorted(Path(directory).glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                for part, digest in rec["parts"].items():
-                    seen = found[rec["rank"], rec["step"]][part]
-                    seen[digest] = min(seen.get(digest, rec["restart"]), rec["restart"])
+    for rec in _records(directory):
+        for part, digest in rec["parts"].items():
+            seen = found[rec["rank"], rec["step"]][part]
+            seen[digest] = min(seen.get(digest, rec["restart"]), rec["restart"])
     return found
 
 
@@ -165,6 +170,9 @@ def compare(reference, run) -> list[str]:
     run recorded. Steps past the reference's last are not compared. Empty: identical in every part at every
     step both ran."""
     ref, got = load(reference), load(run)
+    empty = [f"{directory}: no digests recorded" for directory, found in ((reference, ref), (run, got)) if not found]
+    if empty:
+        return empty
     last = {rank: step for rank, step in sorted(ref)}
     first: dict[tuple[int, str], tuple[int, bool]] = {}
     problems = []
@@ -189,3 +197,23 @@ def compare(reference, run) -> list[str]:
             if before_restart else ""
         problems.append(f"rank {rank}: {part} differs from step {step}{why}")
     return problems
+
+
+def redone_differ(run) -> list[str]:
+    """The check of a run that has no uninterrupted twin: one line per (rank, part) whose digests differ
+    between the records of a step trained more than once (before a fault and again after its restore),
+    naming the first such step, or one line saying no step was trained twice. Empty: every step trained
+    again equal to its first training in every part."""
+    recorded: dict[tuple[int, int, str], list[str]] = defaultdict(list)
+    for rec in _records(run):
+        for part, digest in rec["parts"].items():
+            recorded[rec["rank"], rec["step"], part].append(digest)
+    redone = {key: digests for key, digests in sorted(recorded.items()) if len(digests) > 1}
+    if not redone:
+        return [f"{run}: no step is recorded twice, nothing to compare"]
+    first: dict[tuple[int, str], int] = {}
+    for (rank, step, part), digests in redone.items():
+        if len(set(digests)) > 1:
+            first.setdefault((rank, part), step)
+    return [f"rank {rank}: {part} differs from step {step} when it is trained again"
+            for (rank, part), step in sorted(first.items())]

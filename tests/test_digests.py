@@ -1,0 +1,57 @@
+"""The digest comparison itself: it names the rank, the part and the first step that differ, and an empty or
+unrepeated record is a failure, never a pass."""
+
+import json
+
+from baft.recovery.digests import compare, redone_differ
+
+
+def record(directory, rank, restart, step, **parts):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"rank": rank, "pid": 1, "restart": restart, "step": step, "parts": parts}) + "\n")
+
+
+def uninterrupted(directory, steps=6):
+    for step in range(steps + 1):
+        for rank in (0, 1):
+            record(directory, rank, 0, step, weights=f"w{step}", **{"optimizer.param_groups[0].lr": f"lr{step}"})
+
+
+def test_equal_runs_compare_equal_and_a_differing_part_is_named_at_its_first_step(tmp_path):
+    uninterrupted(tmp_path / "ref")
+    uninterrupted(tmp_path / "same")
+    assert compare(tmp_path / "ref", tmp_path / "same") == []
+
+    faulted = tmp_path / "faulted"
+    for step in range(5):
+        for rank in (0, 1):
+            record(faulted, rank, 0, step, weights=f"w{step}", **{"optimizer.param_groups[0].lr": f"lr{step}"})
+    for step in range(3, 7):  # restored step 3: rank 1's lr is off from step 4 on, its weights equal
+        for rank in (0, 1):
+            lr = f"lr{step}" if rank == 0 or step < 4 else "wrong"
+            record(faulted, rank, 1, step, weights=f"w{step}", **{"optimizer.param_groups[0].lr": lr})
+    assert compare(tmp_path / "ref", faulted) == ["rank 1: optimizer.param_groups[0].lr differs from step 4"]
+
+
+def test_a_difference_before_any_restart_is_the_scripts_own(tmp_path):
+    uninterrupted(tmp_path / "ref")
+    record(tmp_path / "run", 0, 0, 0, weights="unseeded", **{"optimizer.param_groups[0].lr": "lr0"})
+    [line] = compare(tmp_path / "ref", tmp_path / "run")
+    assert line.startswith("rank 0: weights differs from step 0, before any restart")
+
+
+def test_a_run_that_recorded_nothing_fails_the_comparison(tmp_path):
+    uninterrupted(tmp_path / "ref")
+    assert compare(tmp_path / "ref", tmp_path / "none") == [f"{tmp_path / 'none'}: no digests recorded"]
+    assert compare(tmp_path / "none", tmp_path / "ref") == [f"{tmp_path / 'none'}: no digests recorded"]
+
+
+def test_steps_trained_again_must_equal_their_first_training(tmp_path):
+    run = tmp_path / "run"
+    uninterrupted(run, steps=4)
+    assert redone_differ(run) == [f"{run}: no step is recorded twice, nothing to compare"]
+    record(run, 0, 0, 3, weights="w3", **{"optimizer.param_groups[0].lr": "lr3"})  # a second launch from step 3
+    assert redone_differ(run) == []
+    record(run, 1, 0, 3, weights="other", **{"optimizer.param_groups[0].lr": "lr3"})
+    assert redone_differ(run) == ["rank 1: weights differs from step 3 when it is trained again"]
