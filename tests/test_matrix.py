@@ -31,12 +31,10 @@ CASES = {
         # 4 micro-batches of the 12 an epoch holds: epochs end at steps 3 and 6, and a resume lands on one
         dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
         faults=[Fault(1, 4, "outside"), Fault(0, 7, "copy")]),
-    "deepspeed-adam-cosine-zero1-fp32-dp2": Case(
-        seed=14, optimizer="ds-adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
-        # killed sealing step 6's snapshot, resumed from step 5: DeepSpeed's C++ Adam must go on multiplying
-        # beta^t as the uninterrupted run does (beta2^6 by pow rounds otherwise)
-        dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=1, form="path",
-        faults=[Fault(2, 7, "seal")]),
+    "adam-cosine-zero1-fp32-dp2": Case(
+        seed=14, optimizer="adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
+        dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=3, form="path",
+        faults=[Fault(2, 7, "copy")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
         # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
@@ -46,10 +44,12 @@ CASES = {
         seed=16, optimizer="sgd", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
         faults=[Fault(1, 5, "backward")]),
-    "adam-torch-scheduler-fp32-iterator": Case(
-        seed=17, optimizer="adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
-        checkpointing=False, tied=False, frozen=False, micro_batches=8, period=3, form="config_params",
-        faults=[Fault(1, 7, "copy")]),
+    "deepspeed-adam-torch-scheduler-fp32-iterator": Case(
+        seed=17, optimizer="ds-adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
+        # killed sealing step 6's snapshot, resumed from step 5: DeepSpeed's C++ Adam must go on multiplying
+        # beta^t as the uninterrupted run does (beta2^6 by pow rounds otherwise)
+        checkpointing=False, tied=False, frozen=False, micro_batches=8, period=1, form="config_params",
+        faults=[Fault(1, 7, "seal")]),
 }
 
 

@@ -4,15 +4,14 @@ ranks' output goes to the run's log, the screen showing rank 0's iteration lines
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from baft.cli.launch import launch_env
 from baft.cli.runlog import LAUNCHER, LOG_NAME, RANKS, on_screen
-from baft.recovery.digests import DIGESTS_ENV, compare
+from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.snapshot.trace import load_run
-from conftest import TINY, run_worker
+from conftest import TINY
 from test_show import assert_png
 
 RECEIVES = ("RecvActivation", "RecvGrad")
@@ -29,17 +28,13 @@ def baft_cli(*args, timeout=300, env=None):
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """A run under baft, rank 1 killed in step 6 and restarted, every rank traced; beside it the same job
-    uninterrupted (``base/clean``); both record their state digests."""
+    """A run under baft, rank 1 killed in step 6 and restarted, every rank traced, its state digests in
+    ``base/digests``."""
     base = tmp_path_factory.mktemp("traced")
-    run_dir, trace_dir, clean = base / "run", base / "trace", base / "clean"
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(run_worker, 2, [*WIDE, "--iters", "8", "--policy", "none", "--run-dir", str(clean)],
-                                env={DIGESTS_ENV: str(clean / "digests")})
-        proc = baft_cli("train", "--example", "gpt", *WIDE, "--iters", "8", "--policy", "baft", "--period", "1",
-                        "--run-dir", run_dir, "--trace", trace_dir, "--fault", "rank=1,step=6,phase=backward",
-                        "--max-restarts", "1", env={DIGESTS_ENV: str(base / "digests")})
-        reference.result()
+    run_dir, trace_dir = base / "run", base / "trace"
+    proc = baft_cli("train", "--example", "gpt", *WIDE, "--iters", "8", "--policy", "baft", "--period", "1",
+                    "--run-dir", run_dir, "--trace", trace_dir, "--fault", "rank=1,step=6,phase=backward",
+                    "--max-restarts", "1", env={DIGESTS_ENV: str(base / "digests")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc, run_dir, trace_dir
 
@@ -70,8 +65,8 @@ def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit
     """With gradient clipping (DeepSpeed's default) each stage's optimizer step first waits for the other stage
     in the global-norm all_reduce, before its optimizer changes any state: baft copies through that wait and
     fences as the base optimizer starts; what the waits did not hold is copied at the fence (how much depends on
-    this machine's copy speed against its compute). A restart from such snapshots is bit-identical to the
-    uninterrupted run in every part of the state."""
+    this machine's copy speed against its compute). A restart from such snapshots resumes the state it
+    captured, bit for bit in every part: the steps trained again equal their first training."""
     _, run_dir, trace_dir = traced
     in_wait = {}
     for it in traces(trace_dir)[1]["iterations"]:
@@ -79,7 +74,7 @@ def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit
         in_wait[it["step"]] = sum(nbytes for slot, _, _, nbytes in it.get("copies", []) if slot == step)
     assert any(in_wait.values()), f"the last stage copied nothing in its optimizer step's wait: {in_wait}"
     assert [r["step"] for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())][-1] == 8
-    assert compare(run_dir.parent / "clean" / "digests", run_dir.parent / "digests") == []
+    assert redone_differ(run_dir.parent / "digests") == []
 
 
 def test_bubbles_and_flush_copy_the_whole_snapshot_every_step(traced):

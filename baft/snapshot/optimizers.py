@@ -66,7 +66,8 @@ def replay_cpu_adam_steps(optimizer) -> None:
     beta2^t as running products, multiplied once a step, in no state_dict; a fresh process computes them
     with ``pow`` at its first step, which rounds otherwise, and every resumed update would differ. Replaying
     steps 1..t of each group on a one-element tensor puts the products back as the uninterrupted run has
-    them (the update of the dummy tensor is discarded)."""
+    them (the update of the dummy tensor is discarded). A group's step is its largest: DeepSpeed's
+    ``FusedAdam`` counts the step of a group's last parameter only, and gives the kernel that one."""
     fused = getattr(optimizer, "multi_tensor_adam", None)
     cpu_adam = getattr(optimizer, "ds_opt_adam", None)
     if fused is None and cpu_adam is None:
@@ -76,7 +77,7 @@ def replay_cpu_adam_steps(optimizer) -> None:
         if not steps or (fused is not None and group["params"][0].device.type != "cpu"):
             continue  # no step yet; or the CUDA kernel, which takes beta^t from the step it is given
         beta1, beta2 = group["betas"]
-        for step in range(1, int(steps[0]) + 1):
+        for step in range(1, int(max(steps)) + 1):
             p, g, m, v = (torch.zeros(1) for _ in range(4))
             if fused is not None:
                 fused(2048 * 32, optimizer._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"], beta1, beta2,
