@@ -24,10 +24,12 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.errors import BaftError
-from baft.recovery.agree import local_offers, newest_common, slower
+from baft.recovery.agree import GlobalPlan, LocalPlan, global_plan, local_plan, slower
 from baft.recovery.record import Restored, mark
 from baft.snapshot import slots, state
 from baft.snapshot.layout import CommitRecord, model_signature, plan_layout
+
+Shards = dict[int, tuple[CommitRecord, mmap.mmap]]  # data-parallel shard -> its verified record and mapping
 
 
 def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True,
@@ -38,81 +40,101 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     snapshots that exist but cannot be restored stop the job with the reason for each.
     """
     mark("restore_start")
-    stage, rank = engine.stage_id, engine.global_rank
     fingerprint = model_signature(state.tensor_entries(engine))
-    held = {}
-    if client is not None:
-        try:
-            held = client.held()
-        except BaftError as err:
-            log(f"manager did not say what it holds ({err})")
+    held = _held(client, log)
     refused: list[str] = []
     tried: set[int] = set()
-    found_any = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
+    saw_snapshot = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
     while True:
-        offers, notes = local_offers(root, stage, engine.num_stages, fingerprint, held)
-        mine = {step: {"stage": stage, "shards": sorted(o["shards"]), "num_shards": o["num_shards"],
-                       "pending": bool(o.get("pending"))}
-                for step, o in offers.items() if step not in tried}
-        everyone = [None] * dist.get_world_size()
-        saw_snapshot = bool(offers or notes or refused
-                            or any(steps for sources in held.values() for steps in sources.values()))
-        dist.all_gather_object(everyone, (mine, notes, saw_snapshot))
-        found_any = found_any or any(saw for _, _, saw in everyone)
-        fatal = next((text for _, rank_notes, _ in everyone for kind, text in rank_notes if kind == "stages"), None)
-        if fatal:
-            raise BaftError(fatal)  # on every rank alike: they all saw it in the gather
+        mine = local_plan(root, engine.stage_id, engine.num_stages, fingerprint, held, tried, refused)
+        plan = _agree(mine, engine.num_stages)
+        saw_snapshot = saw_snapshot or plan.saw_snapshot
+        if plan.fatal:
+            raise BaftError(plan.fatal)  # on every rank alike: they all saw it in the gather
         if not tried:
-            for kind, text in notes:
-                log(text)
-        step = newest_common([offer for offer, _, _ in everyone], engine.num_stages)
-        if step is None:
+            for note in mine.notes:
+                log(note.text)
+        if plan.step is None:
             break
-        ok, source, shards = _try_load(engine, root, client, step, offers.get(step, {}), fingerprint, refused)
-        flags = torch.tensor([0 if ok else 1], dtype=torch.int64, device=collective_device())
-        dist.all_reduce(flags)
-        if flags.item() == 0:
+        source, shards = _load_shards(engine, root, client, plan.step, mine.offers[plan.step], fingerprint, refused)
+        if _everyone(shards is not None):
             for line in refused:
                 log(line)
             _apply(engine, shards)
-            rng = state.restore_items(engine, shards_items(shards, rank), data_iterator)
-            count = len(shards)
+            rng = state.restore_items(engine, shards_items(shards, engine.global_rank), data_iterator)
+            restored = Restored(plan.step, _slowest(source), len(shards), refused, rng)
             _close(shards)
-            sources = [None] * dist.get_world_size()
-            dist.all_gather_object(sources, source)
             mark("restore_end")
-            return Restored(step, functools.reduce(slower, sources), count, refused, rng)
-        _close(shards)
-        tried.add(step)
+            return restored
+        if shards is not None:
+            _close(shards)
+        tried.add(plan.step)
         held = {}  # what the manager could not materialize, it will not on a second ask
     for line in refused:
         log(line)
     mark("restore_end")
-    if found_any and fresh_start != "always":
+    _fresh_start(engine.global_rank, saw_snapshot, fresh_start, refused, log)
+    return None
+
+
+def _held(client, log) -> dict:
+    """What the node's manager can serve: old rank -> source -> steps ({} without a manager)."""
+    if client is None:
+        return {}
+    try:
+        return client.held()
+    except BaftError as err:
+        log(f"manager did not say what it holds ({err})")
+        return {}
+
+
+def _agree(mine: LocalPlan, stages: int) -> GlobalPlan:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return global_plan(everyone, stages)
+
+
+def _everyone(ok: bool) -> bool:
+    """Whether every rank is ``ok``: one failed load drops the step on all of them."""
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(failed)
+    return failed.item() == 0
+
+
+def _slowest(source: str) -> str:
+    """The slowest of every rank's restore source: where the job's restore time went."""
+    sources = [None] * dist.get_world_size()
+    dist.all_gather_object(sources, source)
+    return functools.reduce(slower, sources)
+
+
+def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str], log) -> None:
+    """The rule for starting from step 0: allowed only where no rank saw a snapshot of this run, or where
+    ``fresh_start`` is ``"always"``; else a one-line error with every reason a snapshot was refused."""
+    if saw_snapshot and fresh_start != "always":
         reasons = "; ".join(refused) or "no step was complete for every pipeline stage"
         raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "
                         f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh, or "
                         f"train under another baft.run_id (baft train: another --run-dir)")
-    if found_any:
+    if saw_snapshot:
         log("fresh_start is \"always\": snapshots of this run exist but none can be restored; starting from step 0")
     elif not fresh_start:
         raise BaftError("no snapshot of this run anywhere, and fresh_start is false")
-    return None
 
 
-def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[bool, str, dict]:
-    """Load and check every reachable shard of this stage at ``step``, changing nothing in the engine.
-
-    Only when every rank succeeds are the shards applied (:func:`_apply`), so a failed attempt
-    leaves no rank with a half-restored state.
-    """
+def _load_shards(engine, root, client, step, offer, fingerprint, refused) -> tuple[str, Optional[Shards]]:
+    """Map and verify every reachable shard of this stage at ``step``: the slowest source it came from, and the
+    shards, or None (the reasons appended to ``refused``). Nothing the engine trains with changes: the
+    shards are only applied (:func:`_apply`) once every rank has loaded its own, so a failed attempt leaves
+    no rank half-restored; the optimizer's empty state tensors are made where it has none yet (a first
+    step not taken), for the shards to be checked against."""
     source = "memory"
-    for old_rank, pending_source in offer.get("pending", []):
+    for old_rank, _ in offer.pending:
         try:
             source = slower(source, client.restore(old_rank, step)["source"])
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
-    shards: dict[int, tuple[CommitRecord, mmap.mmap]] = {}  # verified in place, copied once by _apply
+    shards: Shards = {}  # verified in place, copied once by _apply
 
     def mine(record: CommitRecord) -> bool:
         if record.stage == engine.stage_id and record.model != fingerprint:
@@ -133,7 +155,9 @@ def _try_load(engine, root, client, step, offer, fingerprint, refused) -> tuple[
         problem = _fit_problem(engine, shards)
     if problem is not None:
         refused.append(problem)
-    return problem is None, source, shards
+        _close(shards)
+        return source, None
+    return source, shards
 
 
 def shards_items(shards: dict, rank: int) -> dict:

@@ -1,0 +1,40 @@
+"""The agreement on the step to restore, from every rank's plan: the same answer on every rank."""
+
+from baft.recovery.agree import GlobalPlan, LocalPlan, Note, Offer, global_plan, slower
+
+
+def plan(stage, steps, shards=(0,), num_shards=1, pending=()):
+    return LocalPlan({step: Offer(stage, frozenset(shards), num_shards, tuple(pending)) for step in steps},
+                     saw_snapshot=bool(steps))
+
+
+def test_the_newest_step_every_stage_holds_whole():
+    plans = [plan(0, [3, 4, 5]), plan(1, [3, 4])]
+    assert global_plan(plans, stages=2) == GlobalPlan(4, True)
+
+
+def test_a_stage_whose_replicas_miss_a_shard_is_not_whole():
+    # stage 0 at dp=2: step 5 has shard 0 only (shard 1 was on a lost node); step 4 has both
+    plans = [plan(0, [4], shards=(0,), num_shards=2), plan(0, [4], shards=(1,), num_shards=2),
+             plan(0, [5], shards=(0,), num_shards=2), plan(0, [5], shards=(), num_shards=2)]
+    everyone = [LocalPlan({**a.offers, **b.offers}, saw_snapshot=True) for a, b in zip(plans[:2], plans[2:])]
+    assert global_plan(everyone, stages=1).step == 4
+
+
+def test_a_step_a_manager_can_rebuild_counts_as_whole():
+    plans = [plan(0, [6], shards=(), num_shards=None, pending=[(0, "parity")]), plan(1, [6])]
+    assert global_plan(plans, stages=2).step == 6
+
+
+def test_nothing_in_common_is_no_step_and_a_fresh_start_knows_snapshots_were_seen():
+    assert global_plan([plan(0, [3]), plan(1, [4])], stages=2) == GlobalPlan(None, True)
+    assert global_plan([plan(0, []), plan(1, [])], stages=2) == GlobalPlan(None, False)
+
+
+def test_snapshots_of_another_pipeline_depth_stop_every_rank_alike():
+    deeper = LocalPlan({}, (Note("stages", "taken with 4 pipeline stages, this run has 2"),), True)
+    assert global_plan([plan(0, [3]), deeper], stages=2).fatal == "taken with 4 pipeline stages, this run has 2"
+
+
+def test_the_slower_source_is_where_the_time_went():
+    assert slower("memory", "disk") == "disk" and slower("parity", "memory") == "parity"
