@@ -16,6 +16,7 @@ PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
 TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # every rank writes its run trace there
 
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
+IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots a node's manager keeps
 # how baft copies in a bubble: while the host waits in a receive (CPU), or queued on a copy stream
 # (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU
 EXECUTORS = ("auto", "receive", "stream")

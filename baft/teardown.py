@@ -19,11 +19,12 @@ _GLOO_WORKERS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 
 def teardown(engine) -> None:
-    """At interpreter exit: stop baft's hooks, destroy the process groups, let gloo's workers go idle."""
+    """At interpreter exit: tear baft's protection down, destroy the process groups, let gloo's workers go idle."""
     import torch.distributed as dist
 
-    for hook in getattr(engine, "baft_hooks", ()):  # none when the config has no "baft" section
-        hook.close()
+    protection = getattr(engine, "baft", None)  # none when the config has no "baft" section
+    if protection is not None:
+        protection.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     wait_for_idle_comm_threads()

@@ -38,7 +38,7 @@ from baft.accelerator import collective_device
 from baft.config import POLICIES, BaftConfig
 from baft.errors import BaftError
 from baft.examples import worker
-from baft.pipeline.hook import InstructionHook
+from baft.pipeline.hook import Hooks, InstructionHook
 from baft.pipeline.profiler import sync_device
 from baft.snapshot.baselines import DiskCheckpoint
 from baft.snapshot.build import make_policy
@@ -138,7 +138,7 @@ def snapshots_taken(hook) -> int:
 
 def set_up(engine, data, meter: Meter) -> None:
     """Run the policy untimed until it is ready (baft: planned; its slots are mapped pre-faulted)."""
-    engine.baft_hooks = [meter]
+    engine.baft.hooks = Hooks(policy=meter)
     for _ in range(4):
         engine.train_batch(data_iter=data)
         if getattr(meter.inner, "planned", True):
@@ -250,7 +250,7 @@ def run_rounds(engine, data, meters: dict, periods: dict, names: list[str], ours
         order = block_order(names, ours.none_between, round_ if ours.shuffle else None)
         for block, name in enumerate(order, start=round_ * len(order)):
             meter, saves = meters[name], snapshots_taken(meters[name].inner)
-            engine.baft_hooks = [meter]
+            engine.baft.hooks = Hooks(policy=meter)
             for j in range(ours.block):
                 if periods[name] > 1:
                     meter.inner.period = 1 if j == ours.block - 1 else NEVER
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
            "snapshot_bytes": {**state_bytes(hooks), **disk_bytes}, "plans": plans(engine, hooks), "records": records}
     for hook in hooks.values():
         hook.close()
-    engine.baft_hooks = []
+    engine.baft.hooks = Hooks()
     if engine.global_rank == 0:
         Path(ours.out).write_text(json.dumps(doc))
     return 0

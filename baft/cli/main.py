@@ -11,6 +11,7 @@ from baft.accelerator import quiet_detection
 from baft.cli.demo import demo
 from baft.cli.launch import SHM_ROOT
 from baft.cli.options import example_options, executor_options, user_errors
+from baft.config import IN_MEMORY, POLICIES
 from baft.errors import BaftError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -160,7 +161,7 @@ def plan_cmd(bubble_map, out, budget):
 @example_options
 @click.option("--iters", default=20, show_default=True, help="Train until this optimizer step.")
 @click.option("--policy", default="baft", show_default=True,
-              type=click.Choice(["none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async"]))
+              type=click.Choice(POLICIES))
 @click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
 @executor_options
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
@@ -224,7 +225,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         cmd = torchrun(procs, example_args(args), max_restarts=max_restarts, options=torchrun_options(run))
     else:
         cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False, options=torchrun_options(run))
-    if not (manager and policy in ("baft", "sync-copy", "thread-copy")):
+    if not (manager and policy in IN_MEMORY):
         configs = []
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)

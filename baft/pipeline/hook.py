@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Callable, Optional
+from dataclasses import dataclass, field, fields
+from typing import Callable, Iterator, Optional
 
 
 class InstructionHook:
@@ -28,3 +30,25 @@ class InstructionHook:
 
     def waited(self, engine, index: int, seconds: float) -> None:
         """The optimizer step at ``index`` waited ``seconds`` in its collectives for the other stages."""
+
+
+@dataclass
+class Hooks:
+    """The hooks of a protected engine, each in its named place; they run in the order of these fields:
+    the trace first (its clock starts first), the restored RNG states before any other hook sees an
+    iteration, the state's digests before the policy copies it, the snapshot policy, the recovery report
+    of the first resumed iteration, fault injection after the policy's commit, the profiler (which runs
+    alone), then a caller's own hooks in the order added."""
+
+    trace: Optional[InstructionHook] = None
+    rng: Optional[InstructionHook] = None
+    digests: Optional[InstructionHook] = None
+    policy: Optional[InstructionHook] = None
+    report: Optional[InstructionHook] = None
+    chaos: Optional[InstructionHook] = None
+    profile: Optional[InstructionHook] = None
+    others: list[InstructionHook] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[InstructionHook]:
+        named = (getattr(self, f.name) for f in fields(self) if f.name != "others")
+        return itertools.chain((hook for hook in named if hook is not None), self.others)

@@ -31,19 +31,18 @@ _RECV = (schedule.RecvActivation, schedule.RecvGrad)
 
 
 class BaftPipelineEngine(PipelineEngine):
-    """A ``PipelineEngine`` that runs ``self.baft_schedule`` and calls ``self.baft_hooks``."""
-
-    baft_schedule = "1f1b"
+    """A ``PipelineEngine`` that runs the schedule ``self.baft.schedule`` names and calls ``self.baft.hooks``
+    (``self.baft``: what :func:`attach` was given, in ``baft.initialize`` a :class:`baft.protection.Protection`)."""
 
     def _train_schedule(self):
-        return make_schedule(self.baft_schedule, micro_batches=self.micro_batches, stages=self.num_stages,
+        return make_schedule(self.baft.schedule, micro_batches=self.micro_batches, stages=self.num_stages,
                              stage_id=self.stage_id)
 
     def train_batch(self, data_iter=None):
-        for hook in self.baft_hooks:
+        for hook in self.baft.hooks:
             hook.iteration_start(self)
         loss = super().train_batch(data_iter)
-        for hook in self.baft_hooks:
+        for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss
 
@@ -57,27 +56,27 @@ class BaftPipelineEngine(PipelineEngine):
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                for hook in self.baft_hooks:
+                for hook in self.baft.hooks:
                     hook.before(self, index, cmd)
                 work = self._bubble_work(index, cmd)
                 if isinstance(cmd, schedule.OptimizerStep) and _collectives_block_host():
                     with _collectives_while(work) as waits:
                         handler(self, **cmd.kwargs)
-                    for hook in self.baft_hooks:
+                    for hook in self.baft.hooks:
                         hook.waited(self, index, sum(waits))
                 elif work is None:
                     handler(self, **cmd.kwargs)
                 else:
                     with _receive_while(work):
                         handler(self, **cmd.kwargs)
-                for hook in self.baft_hooks:
+                for hook in self.baft.hooks:
                     hook.after(self, index, cmd)
                 index += 1
 
     def _bubble_work(self, index, cmd):
         if not isinstance(cmd, (*_RECV, schedule.OptimizerStep)):
             return None
-        works = [w for w in (h.bubble(self, index, cmd) for h in self.baft_hooks) if w is not None]
+        works = [w for w in (h.bubble(self, index, cmd) for h in self.baft.hooks) if w is not None]
         if not works:
             return None
 
@@ -105,17 +104,23 @@ class BaftPipelineEngine(PipelineEngine):
     }
 
 
-def attach(engine, schedule_name: str = "1f1b") -> BaftPipelineEngine:
-    """Make a DeepSpeed ``PipelineEngine`` a :class:`BaftPipelineEngine`, in place."""
+def attach(engine, baft) -> BaftPipelineEngine:
+    """Make a DeepSpeed ``PipelineEngine`` a :class:`BaftPipelineEngine`, in place, running ``baft.schedule``
+    (a schedule's name) with ``baft.hooks`` (a :class:`~baft.pipeline.hook.Hooks`)."""
     if not isinstance(engine, PipelineEngine):
         raise TypeError(f"baft needs a DeepSpeed PipelineEngine (a PipelineModule model), got {type(engine).__name__}")
-    make_schedule(schedule_name, micro_batches=engine.micro_batches, stages=engine.num_stages,
+    make_schedule(baft.schedule, micro_batches=engine.micro_batches, stages=engine.num_stages,
                   stage_id=engine.stage_id)  # refuse an unknown name now, not at the first batch
     engine.__class__ = BaftPipelineEngine
-    engine.baft_schedule = schedule_name
-    engine.baft_hooks = []
+    engine.baft = baft
     engine._stashed_loss = {}
     return engine
+
+
+def detach(engine) -> None:
+    """Make a :class:`BaftPipelineEngine` DeepSpeed's ``PipelineEngine`` again (its hooks are the caller's to close)."""
+    engine.__class__ = PipelineEngine
+    del engine.baft
 
 
 _blocking_recv = p2p.recv

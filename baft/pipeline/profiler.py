@@ -150,7 +150,7 @@ def write_trace(path, engine, timer: InstructionTimer, described: StateDescripti
     return write_json_atomic(path, {
         "rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": grid.get_data_parallel_rank(),
         "stages": engine.num_stages, "data_parallel": grid.get_data_parallel_world_size(),
-        "micro_batches": engine.micro_batches, "schedule": engine.baft_schedule, "model": model,
+        "micro_batches": engine.micro_batches, "schedule": engine.baft.schedule, "model": model,
         "state_bytes": dataclasses.asdict(described.state_bytes),
         "copy_bandwidth": described.copy_bandwidth, "iterations": timer.iterations,
         "optimizer_sync": optimizer_syncs(engine),

@@ -93,4 +93,4 @@ class ChaosHook(InstructionHook):
 
 
 def _snapshot_policies(engine) -> list[SnapshotPolicy]:
-    return [hook for hook in engine.baft_hooks if isinstance(hook, SnapshotPolicy)]
+    return [engine.baft.hooks.policy] if isinstance(engine.baft.hooks.policy, SnapshotPolicy) else []

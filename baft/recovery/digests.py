@@ -95,8 +95,8 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
         nested["loss_scaler"] = scaler
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
         nested["data"] = data_iterator.state_dict()
-    if getattr(engine, "baft_client_state", None) is not None:
-        nested["client_state"] = engine.baft_client_state.capture()
+    if engine.baft.client_state is not None:
+        nested["client_state"] = engine.baft.client_state.capture()
     weights = (("weights", data) for _, data in _leaves(engine.module.state_dict(), ""))
     return (_digest_parts(weights) | _digest_parts(generators)
             | _digest_parts((path.lstrip("."), data) for path, data in _leaves(nested, "")))

@@ -74,7 +74,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
     load = engine.load_checkpoint
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        restored = engine.baft_restored
+        restored = engine.baft.restored
         path, step = checkpoint_step(load_dir, tag)
         kept_client = client_state is not None and client_state.restored is not None
         # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16

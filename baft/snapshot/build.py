@@ -37,9 +37,6 @@ def shm_root(cfg: BaftConfig, rank: int) -> str:
     return str(Path(cfg.shm_root) / cfg.run_id / f"node{node_of(cfg, rank)}")
 
 
-IN_MEMORY = ("baft", "sync-copy", "thread-copy")
-
-
 def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> InstructionHook:
     """The hook that takes snapshots as ``cfg.policy`` says; ``link`` tells the manager of commits."""
     period = cfg.period if isinstance(cfg.period, int) else None
@@ -136,9 +133,9 @@ class PlannedExecutor(BubbleExecutor):
             if expected and expected != layout.fingerprint:
                 raise BaftError(f"{cfg.bubble_map}: profiled a different model (stage {engine.stage_id} "
                                 f"layout {expected}, this run's is {layout.fingerprint})")
-            if bmap.schedule != engine.baft_schedule or bmap.micro_batches != engine.micro_batches:
+            if bmap.schedule != engine.baft.schedule or bmap.micro_batches != engine.micro_batches:
                 raise BaftError(f"{cfg.bubble_map}: profiled {bmap.schedule} with {bmap.micro_batches} micro-batches, "
-                                f"this run is {engine.baft_schedule} with {engine.micro_batches}")
+                                f"this run is {engine.baft.schedule} with {engine.micro_batches}")
             profile = bmap.rank_profile(engine.stage_id, engine.grid.get_data_parallel_rank()) \
                 or bmap.rank_profile(engine.stage_id)
             self.plan_source = cfg.bubble_map

@@ -162,7 +162,7 @@ class Snapshot:
         record = CommitRecord(step=self.step, rank=engine.global_rank, stage=engine.stage_id,
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,
                               checksums=list(self.checksums), items=self.items,
-                              topology=self.source.topology(), run_id=getattr(engine, "baft_run_id", ""),
+                              topology=self.source.topology(), run_id=engine.baft.config.run_id,
                               model=model_signature(self.source.layout.tensors), wall_time=time.time())
         self.writer.commit(record)
         return record

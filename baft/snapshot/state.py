@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+import weakref
 from typing import Iterator, Optional
 
 import numpy as np
@@ -39,12 +40,20 @@ from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def optimizer_adapter(engine):
     """The engine's optimizer adapter (made once per engine): where its state lives and what it is called."""
-    adapter = getattr(engine, "baft_optimizer_adapter", None)
+    adapter = _ADAPTERS.get(engine)
     if adapter is None:
-        adapter = engine.baft_optimizer_adapter = adapter_for(engine)
+        adapter = _ADAPTERS[engine] = adapter_for(engine)
     return adapter
+
+
+def _client_state(engine):
+    """The script's own state ``baft.initialize`` was given (``client_state=``), or None."""
+    return getattr(getattr(engine, "baft", None), "client_state", None)
 
 
 def check_capturable(engine, data_iterator=None) -> None:
@@ -129,7 +138,7 @@ def capture_items(engine, data_iterator=None) -> dict:
         items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool, type(None)))}
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
         items["data"] = _torch_blob(data_iterator.state_dict())  # a loader's generator state is a ByteTensor
-    client = getattr(engine, "baft_client_state", None)
+    client = _client_state(engine)
     if client is not None:
         items["client_state"] = _torch_blob(client.capture())
     return _jsonable(items)
@@ -179,7 +188,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "data" in items and data_iterator is not None:
         saved = items["data"]
         data_iterator.load_state_dict(_torch_unblob(saved) if isinstance(saved, str) else saved)
-    client = getattr(engine, "baft_client_state", None)
+    client = _client_state(engine)
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
     return RngRestore(items["rng"])

@@ -75,9 +75,9 @@ class RunTrace(InstructionTimer):
 def start_trace(engine, directory, model_name: str) -> RunTrace:
     """Trace ``engine``'s iterations into ``directory``, first among its hooks (its clock starts first)."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    policy = next((h for h in engine.baft_hooks if isinstance(h, SnapshotPolicy)), None)
-    trace = RunTrace(directory, model_name, policy)
-    engine.baft_hooks.insert(0, trace)
+    policy = engine.baft.hooks.policy
+    trace = RunTrace(directory, model_name, policy if isinstance(policy, SnapshotPolicy) else None)
+    engine.baft.hooks.trace = trace
     return trace
 
 

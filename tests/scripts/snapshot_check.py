@@ -32,7 +32,7 @@ mine, rest = extra.parse_known_args()
 args = parse_args(rest)
 engine, data = build(args)
 rank = engine.global_rank
-root = shm_root(engine.baft_config, rank)
+root = shm_root(engine.baft.config, rank)
 
 if rank == mine.kill_rank and mine.kill_step >= 0:
     original_copy = copy.Snapshot.copy
@@ -54,7 +54,7 @@ class Reference(InstructionHook):
 
     def iteration_end(self, engine):
         step = engine.global_steps
-        engine.baft_hooks[0].drain()  # the snapshot of step - 1 is sealed off the trainer's path
+        engine.baft.hooks.policy.drain()  # the snapshot of step - 1 is sealed off the trainer's path
         self.check(step - 1)
         self.reference[step] = ({k: v.detach().clone().reshape(-1).view(torch.uint8)
                                  for k, v in state.state_tensors(engine).items()},
@@ -79,10 +79,10 @@ class Reference(InstructionHook):
 
 
 ref = Reference()
-engine.baft_hooks.append(ref)
+engine.baft.hooks.others.append(ref)
 for _ in range(args.iters):
     engine.train_batch(data_iter=data)
-policy = engine.baft_hooks[0]
+policy = engine.baft.hooks.policy
 plan = getattr(policy, "plan", None)
 Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
     "placement": {i: [c.nbytes for c in policy.source.layout.chunks[r.start:r.stop]]
@@ -90,9 +90,9 @@ Path(mine.out, f"rank{rank}.json").write_text(json.dumps({
     "leftover_bytes": plan.leftover_bytes if plan else None,
     "bubble_bytes": dict(getattr(policy, "bubble_bytes", {})), "flushed_bytes": getattr(policy, "flushed_bytes", None),
     "checked": ref.checked, "mismatches": ref.mismatches, "root": root,
-    "commits": engine.baft_hooks[0].committed_steps, "stage": engine.stage_id,
+    "commits": policy.committed_steps, "stage": engine.stage_id,
     # a long run must not hold a commit record per step: at most those of the slots and the one in flight
     "live_records": sum(isinstance(o, CommitRecord) for o in gc.get_objects()),
-    "chunks": [c.index for c in engine.baft_hooks[0].source.layout.chunks],
-    "total_chunks": engine.baft_hooks[0].source.layout.total_chunks}))
+    "chunks": [c.index for c in policy.source.layout.chunks],
+    "total_chunks": policy.source.layout.total_chunks}))
 sys.exit(0)

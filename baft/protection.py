@@ -1,0 +1,188 @@
+"""What baft adds to one DeepSpeed pipeline engine, in one object: ``engine.baft``.
+
+A :class:`Protection` holds the run's ``"baft"`` config, the hooks in their named order
+(:class:`~baft.pipeline.hook.Hooks`), the snapshot it restored, the script's own state and the
+link to the node's snapshot manager. Its lifecycle: :meth:`Protection.attach` (the engine runs
+baft's schedule and hooks), :meth:`Protection.restore` (the newest snapshot every rank holds, or
+the disk baseline's checkpoint), :meth:`Protection.protect` (the snapshot policy and what watches
+it), then training; :meth:`Protection.close` tears it all down and gives the engine back as
+DeepSpeed made it, so that a new one can be built in the same process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from baft.config import IN_MEMORY, BaftConfig, node_of
+from baft.errors import BaftError
+from baft.pipeline.hook import Hooks
+from baft.pipeline.hooks import attach, detach
+from baft.recovery.record import Restored
+from baft.snapshot.build import make_policy, shm_root, warn
+
+
+class Protection:
+    """Everything baft adds to one engine (see the module's docstring)."""
+
+    def __init__(self, engine, config: BaftConfig, client_state=None):
+        self.engine, self.config = engine, config
+        self.schedule = config.schedule
+        self.hooks = Hooks()
+        self.client_state = client_state  # a ClientState, or None
+        self.restored: Optional[Restored] = None
+        self.policy = None  # made by restore(): a disk baseline restores through it
+        self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
+
+    @property
+    def root(self) -> str:
+        """The shared-memory root of this rank's node."""
+        return shm_root(self.config, self.engine.global_rank)
+
+    def warn(self, message: str) -> None:
+        warn(self.engine, message)
+
+    def attach(self) -> "Protection":
+        """The engine runs baft's schedule and calls :attr:`hooks` around every instruction."""
+        attach(self.engine, self)
+        return self
+
+    def restore(self, data_iterator=None) -> Optional[Restored]:
+        """Put back the newest snapshot every rank holds (for the in-memory policies; on a first start
+        under ``adopt``, the job's DeepSpeed checkpoint), or None for a fresh start; its RNG states are
+        set as the next iteration starts."""
+        from baft.recovery import record
+        from baft.snapshot import state
+
+        cfg, engine = self.config, self.engine
+        state.check_capturable(engine, data_iterator)  # what baft cannot restore exactly is refused now, in one line
+        if cfg.policy in IN_MEMORY:
+            self.manager = self._connect_manager()
+            if self.manager is None and cfg.require_manager:
+                raise BaftError(f"baft.require_manager: no snapshot manager answers at {self.root}; start one with "
+                                f"'baft manager start' or set require_manager to false")
+            self.restored = self._restore_snapshot(data_iterator)
+        self.policy = self._make_policy(data_iterator)
+        if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
+            record.mark("restore_start")
+            loaded = self.policy.restore(engine)
+            record.mark("restore_end")
+            self.restored = record.Restored(loaded[0], "disk", 1, rng=loaded[1]) if loaded else None
+            if loaded and engine.global_rank == 0:
+                print(f"baft: resumed from step {loaded[0]} (disk, {cfg.policy})", flush=True)
+        if self.restored is not None:
+            self.hooks.rng = self.restored.rng
+        return self.restored
+
+    def protect(self) -> None:
+        """Snapshot as the policy says, report the recovery after the first resumed iteration, and inject
+        the faults ``BAFT_CHAOS`` asks for."""
+        from baft.recovery import chaos, record
+
+        self.hooks.policy = self.policy
+        self.hooks.report = record.RecoveryReport(self.restored, self.config.run_dir)
+        faults = chaos.faults_from_env()
+        if faults:
+            from baft.recovery.chaos_hook import ChaosHook
+
+            rank = self.engine.global_rank
+            self.hooks.chaos = ChaosHook(faults, rank, record.restart_count(), self.config.run_dir,
+                                         node=node_of(self.config, rank), node_root=self.root)
+
+    def close(self) -> None:
+        """Stop every hook (the policy seals and hands over its last snapshot, and closes the manager link) and
+        give the engine back as DeepSpeed made it."""
+        for hook in self.hooks:
+            hook.close()
+        self.hooks = Hooks()
+        if getattr(self.engine, "baft", None) is self:
+            detach(self.engine)
+
+    def _restore_snapshot(self, data_iterator) -> Optional[Restored]:
+        from baft.recovery.restore import restore
+
+        cfg, engine = self.config, self.engine
+        restored = restore(engine, self.root, self.manager, data_iterator, True if cfg.adopt else cfg.fresh_start,
+                           log=self.warn)
+        if restored is None and cfg.adopt:  # the first start under baft: from the job's DeepSpeed checkpoint
+            from baft.recovery.adopt import adopt
+
+            restored = adopt(engine, cfg.adopt, data_iterator, log=self.warn)
+            if engine.global_rank == 0:
+                print(f"baft: adopted the DeepSpeed checkpoint of step {restored.step} in {cfg.adopt}", flush=True)
+        elif restored is not None and engine.global_rank == 0:
+            print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
+        return restored
+
+    def _make_policy(self, data_iterator):
+        return make_policy(self.engine, self.config, data_iterator, link=ManagerLink(self, self.manager))
+
+    def _connect_manager(self):
+        """This node's manager; when the config describes one (parity or persistence) and none answers
+        (a replaced node), the node's first rank starts it before every rank connects."""
+        import torch.distributed as dist
+
+        from baft.manager.control import start
+        from baft.manager.nodes import manager_log
+        from baft.manager.protocol import ManagerClient
+
+        cfg, engine, root = self.config, self.engine, self.root
+        if cfg.parity.group or cfg.persist.dir:
+            node = node_of(cfg, engine.global_rank)
+            nodes = [None] * dist.get_world_size()
+            dist.all_gather_object(nodes, node)  # a config with node_id names its own node only
+            first = nodes.index(node)
+            if engine.global_rank == first and ManagerClient.try_connect(root, warn=lambda m: None) is None:
+                self.warn(f"no manager answers for node {node}; starting one at {root}")
+                # beside the other managers' logs, not in the shared memory it frees when it stops
+                start(manager_config(cfg, node, root),
+                      log_path=manager_log(cfg.run_dir, node) if cfg.run_dir else None)
+            dist.barrier()
+        # a restore may rebuild from parity or read from disk: allow it time
+        return ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: self.warn(m.removeprefix("baft: ")))
+
+
+def manager_config(cfg: BaftConfig, node: int, root):
+    """The manager a config asks for on ``node``."""
+    from baft.manager.config import ManagerConfig, parse_group
+
+    persist_dir = Path(cfg.persist.dir) / f"node{node}" if cfg.persist.dir else None
+    return ManagerConfig(node_id=node, shm_root=Path(root), dir=persist_dir,
+                         group=parse_group(",".join(cfg.parity.group)) if cfg.parity.group else (),
+                         parity_k=cfg.parity.k if cfg.parity.group else None,
+                         persist_every=cfg.persist.every or None,
+                         persist_seconds=cfg.persist.seconds or None, keep=cfg.persist.keep,
+                         memory_limit=cfg.memory_limit).validate()
+
+
+class ManagerLink:
+    """Tells the node's manager about this rank's slots and commits; warns once and trains on if it is gone."""
+
+    def __init__(self, protection: Protection, client):
+        self.protection, self.client = protection, client
+
+    def hello(self, source) -> None:
+        """Announce this rank's snapshot size and identity (the topology its commit records carry)."""
+        if self.client is None:
+            return
+        from baft.snapshot.layout import model_signature
+
+        layout = source.layout
+        self.client.hello(self.protection.engine.global_rank, layout.nbytes, self.protection.config.run_id,
+                          model_signature(layout.tensors), source.topology())
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    def commit(self, record, slot: int) -> None:
+        if self.client is None:
+            return
+        from baft.manager.protocol import ManagerUnavailable
+
+        try:
+            self.client.commit(record.rank, record.step, slot)
+        except ManagerUnavailable as err:
+            self.protection.warn(f"{err}; snapshots stay in shared memory only")
+            self.client = None
+
