@@ -88,7 +88,6 @@ class Snapshot:
         self.pending = dict.fromkeys(range(len(source.layout.chunks)))  # in layout order
         self.checksums: list[Optional[str]] = [None] * len(source.layout.chunks)
         self.stream = stream
-        self.copy_seconds = 0.0
 
     @property
     def done(self) -> bool:
@@ -103,11 +102,9 @@ class Snapshot:
         del self.pending[i]
         chunk = self.source.layout.chunks[i]
         dst = self._slot_view(chunk)
-        start = time.perf_counter()
         dst.copy_(self.source.view(chunk))
         if checksum_now:
             self.checksums[i] = checksum(dst.numpy())
-        self.copy_seconds += time.perf_counter() - start
         return chunk.nbytes
 
     def queue(self, indices) -> int:
