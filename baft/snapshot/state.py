@@ -213,7 +213,7 @@ class RngRestore(InstructionHook):
         self.rng = None
 
 
-def ensure_optimizer_state(engine) -> Optional[str]:
+def optimizer_state_missing(engine) -> Optional[str]:
     """None when every trainable parameter has optimizer state, else why not (before the first step)."""
     optimizer = base_optimizer(engine.optimizer)
     for group in optimizer.param_groups:
