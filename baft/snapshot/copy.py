@@ -60,8 +60,7 @@ class StateSource:
         self.layout: Layout = plan_layout(state.tensor_entries(engine), chunk_bytes,
                                           shard=grid.get_data_parallel_rank(),
                                           num_shards=grid.get_data_parallel_world_size())
-        self.views = {name: t.detach().reshape(-1).view(torch.uint8)
-                      for name, t in state.state_tensors(engine).items()}
+        self.views = state.byte_views(engine)
         self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
 
     def view(self, chunk) -> torch.Tensor:

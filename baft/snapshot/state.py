@@ -86,6 +86,11 @@ def state_tensors(engine) -> dict[str, torch.Tensor]:
     return {name: t for name, _, t in named_state_tensors(engine)}
 
 
+def byte_views(engine) -> dict[str, torch.Tensor]:
+    """:func:`state_tensors` as flat uint8 views of their bytes (what a snapshot copies, and a restore fills)."""
+    return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state_tensors(engine).items()}
+
+
 def _python_rng() -> list:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
