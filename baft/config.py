@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -155,15 +154,3 @@ def node_of(cfg: BaftConfig, rank: int) -> int:
         return cfg.node_id
     per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
     return rank // per_node
-
-
-def defaults_table() -> list[tuple[str, str]]:
-    """(key, default) for every key, for the README and ``baft config``."""
-    rows = []
-    for f in fields(BaftConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if dataclasses.is_dataclass(default):
-            rows += [(f"{f.name}.{k}", repr(v)) for k, v in dataclasses.asdict(default).items()]
-        else:
-            rows.append((f.name, repr(default)))
-    return rows

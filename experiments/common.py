@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
-from baft.cli.machine import command_line, describe, now
 from baft.recovery.record import FILENAME, load_recoveries
+from machine import command_line, describe, now
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -5,8 +5,8 @@
                                           [--render faults.json]
 
 Run ``i`` of ``N`` draws its fault from ``(seed, i)`` alone, so a seed reproduces the same
-faults: a rank (0 or 1), a step (2..K) and a phase (forward, backward, copy, commit,
-optimizer) through :func:`baft.recovery.chaos.random_fault`; every ``J``-th run instead kills a whole
+faults: a rank (0 or 1), a step (2..K) and a phase (forward, backward, copy, seal, commit,
+optimizer) through :func:`random_fault`; every ``J``-th run instead kills a whole
 simulated node (``--nodes 2 --fault node=N,step=S``: its manager, its shared memory and its
 rank), which forces a rebuild from the other node's parity. Each run is
 
@@ -74,13 +74,19 @@ def reference_losses(run_dir: Path) -> dict[int, str]:
 
 # ----------------------------------------------------------------------------- faults
 
+def random_fault(seed: int, ranks: int, first_step: int, last_step: int, restart: int = 0) -> chaos.Fault:
+    """A fault drawn from ``seed``: the same seed gives the same fault."""
+    rng = random.Random(seed)
+    return chaos.Fault(rng.randrange(ranks), rng.randint(first_step, last_step), rng.choice(chaos.PHASES), restart)
+
+
 def draw_fault(seed: int, index: int, iters: int, node_every: int) -> tuple[str, list[str]]:
     """The fault of run ``index`` (text for --fault) and any extra train options, from (seed, index) alone."""
     run_seed = seed * 1_000_003 + index
     if node_every and index % node_every == node_every - 1:
         rng = random.Random(run_seed)
         return f"node={rng.randrange(RANKS)},step={rng.randint(2, iters)}", ["--nodes", str(RANKS)]
-    f = chaos.random_fault(run_seed, RANKS, 2, iters)
+    f = random_fault(run_seed, RANKS, 2, iters)
     return f"rank={f.rank},step={f.step},phase={f.phase}", []
 
 

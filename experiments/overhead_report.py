@@ -20,6 +20,7 @@ import numpy as np
 
 from baft.cli.compare import measured, overhead, worst
 from baft.simulate.units import size as fmt_bytes
+from baft.snapshot.planner import period_within
 from common import header, md_table
 
 MIN_ROUNDS = 10  # a bootstrap over fewer rounds has too few distinct resamples
@@ -226,7 +227,7 @@ def evaluate(how: str, p: int, hold: bool, b: float, b_ci, c: float, c_ci, few_r
           "line": f"{verdict(b <= BUDGET, not open_1)} target 1 [{how}]: baft overhead {b:+.2%}{ci(b_ci)} "
                   f"at its planner's period {p}; target <= 1%{note_1}"}
 
-    needed = max(1, math.ceil(c / BUDGET - 1e-9))
+    needed = period_within(c, BUDGET)
     ok_a, ok_b = (p == 1 if hold else True), 3 * p <= needed
     open_2 = ok_a and (few_rounds or straddles(c_ci, (3 * p - 1) * BUDGET))  # sync's need could fall either side of 3p
     t2 = {"pass": ok_a and ok_b, "resolved": not open_2, "bubbles_hold_state": hold, "period": p,

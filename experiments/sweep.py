@@ -50,6 +50,7 @@ from typing import Optional
 
 from baft.cli.launch import flags
 from baft.pipeline.bubblemap import BubbleMap
+from baft.snapshot.planner import period_within
 from common import RESULTS, header, md_table, provenance
 from overhead_report import AA, BUDGET, analyse
 
@@ -171,7 +172,7 @@ def point_summary(model: dict, m: int, t: int, doc: dict, result: dict, disk: di
                             "seal_cpu_s": r["seal_cpu_s"]}
                      for name, r in rows.items() if name != "none"},
         "baft_predicted": stall / base / period, "baft_period_predicted": period,
-        "baft_period_measured": max(1, math.ceil(rows["baft"]["stall_s"] / (BUDGET * base) - 1e-9)),
+        "baft_period_measured": period_within(rows["baft"]["stall_s"] / base, BUDGET),
         "copy_fits_bubbles": copy_fits,
         "in_bubbles": min((s["copied_in_bubbles_bytes"] / s["state_bytes"] for s in result["stages"]), default=0.0),
         "disk_period_for_1pct": {name: max(1, math.ceil(s / (BUDGET * base))) for name, s in saves.items()},

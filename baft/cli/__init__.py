@@ -8,7 +8,6 @@
 - ``compare``  snapshot policies measured side by side on one engine (launcher and per-rank worker)
 - ``demo``     the whole product on the example in one command
 - ``launch``   starting ranks through torchrun
-- ``machine``  which machine a measurement ran on
 
 The top layer: may import everything; nothing imports it but experiments.
 """

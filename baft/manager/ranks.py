@@ -99,7 +99,7 @@ class NodeRanks:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             for slot in range(slots.SLOTS):
-                slots.map_file(directory / f"slot{slot}.bin", max(nbytes, 1), create=True).close()
+                slots.map_file(slots.slot_path(directory, slot), max(nbytes, 1), create=True).close()
         except OSError as err:
             raise BaftError(f"{directory}: cannot allocate {slots.SLOTS} x {human(nbytes)} of shared memory "
                             f"({err.strerror})") from None
@@ -110,7 +110,7 @@ class NodeRanks:
             state.nbytes, state.identity = nbytes, identity
         log.info("hello from rank %d (%s per snapshot)", rank, human(nbytes))
         return {"node_id": self.config.node_id, "root": str(self.root),
-                "slots": [str(directory / f"slot{s}.bin") for s in range(slots.SLOTS)],
+                "slots": [str(slots.slot_path(directory, s)) for s in range(slots.SLOTS)],
                 "memory": {"reserved": needed, "limit": limit}}
 
     def commit(self, rank: int, step: int) -> None:
@@ -145,7 +145,7 @@ class NodeRanks:
         """The restore reply: where ``rank``'s snapshot of ``step`` now is; what was refused on the way is logged."""
         for line in refused:
             log.warning("%s", line)
-        path = slots.rank_dir(self.root, rank) / f"slot{slot}.bin"
+        path = slots.slot_path(slots.rank_dir(self.root, rank), slot)
         log.info("restore rank %d step %d from %s", rank, step, source)
         return {"source": source, "rank": rank, "step": step, "slot": slot, "path": str(path),
                 "root": str(self.root), "refused": refused}

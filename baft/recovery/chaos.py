@@ -16,7 +16,6 @@ happened. The hook that kills is :class:`baft.recovery.chaos_hook.ChaosHook`.
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,12 +59,6 @@ def parse_fault(text: str) -> Fault:
         return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"], int(fields.get("restart", 0)))
     except (KeyError, ValueError):
         raise ConfigError(f"fault {text!r}: rank, node, step and restart must be integers") from None
-
-
-def random_fault(seed: int, ranks: int, first_step: int, last_step: int, restart: int = 0) -> Fault:
-    """A fault drawn from ``seed``: the same seed gives the same fault."""
-    rng = random.Random(seed)
-    return Fault(rng.randrange(ranks), rng.randint(first_step, last_step), rng.choice(PHASES), restart)
 
 
 def faults_from_env() -> list[Fault]:

@@ -86,7 +86,7 @@ def _shm_rank(path: Path, verify: bool, lines: list[str], failures: list[str]) -
             if problem is None:
                 lines.append(f"      checksums: ok ({len(record.checksums)} chunks)")
             else:
-                message = f"{path}/slot{info.slot}.bin: snapshot of step {record.step} refused: {problem}"
+                message = f"{slots.slot_path(path, info.slot)}: snapshot of step {record.step} refused: {problem}"
                 lines.append(f"      checksums: FAILED: {problem}")
                 failures.append(message)
 

@@ -39,6 +39,7 @@ import psutil
 from baft.errors import BaftError
 from baft.jsonfile import parse_object
 from baft.pipeline.hook import InstructionHook
+from baft.recovery.agree import SOURCES as RESTORE_SOURCES
 
 clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
 FILENAME = "recovery.jsonl"
@@ -50,7 +51,7 @@ PHASE_NAMES = {
     "T3": "T3 state load",
     "T4": "T4 warm-up",
 }
-SOURCES = ("memory", "parity", "disk", "fresh")
+SOURCES = (*RESTORE_SOURCES, "fresh")  # where a restart's state came from: a restore source, or none
 
 
 def mark(name: str) -> None:

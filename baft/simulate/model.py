@@ -68,7 +68,7 @@ from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.timeline import analytic_bubble_map
 from baft.simulate.scenario import Scenario, load_preset, load_scenario
 from baft.simulate.units import duration, size
-from baft.snapshot.planner import RankPlan, choose_period, plan_rank
+from baft.snapshot.planner import RankPlan, choose_period, period_within, plan_rank
 
 DAY = 86400.0
 MAX_CHUNKS = 4096  # per rank: chunks grow past chunk_bytes for huge states, to keep planning fast
@@ -228,7 +228,7 @@ def simulate_scenario(s: Scenario) -> Result:
 
     baft_period = choose_period(plans, s.budget)
     baft_stall = max(p.stall for p in plans)
-    sync_period = max(1, math.ceil((copy / t) / s.budget - 1e-9)) if copy > 0 else 1  # as choose_period
+    sync_period = period_within(copy / t, s.budget)
     policies = [
         _in_memory("baft", s, t, baft_period, baft_stall, flush, True, rate, restart),
         _in_memory("sync-copy", s, t, sync_period, copy, flush, False, rate, restart),

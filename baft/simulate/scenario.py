@@ -363,12 +363,6 @@ def _from_document(doc: dict, where: str) -> Scenario:
     return Scenario.from_dict(body, where)
 
 
-def scenario_sources(name: str) -> dict:
-    """``{key: source note}`` of a preset (empty notes for keys given as plain values)."""
-    body = preset_document(name)["scenario"]
-    return {k: v.get("source", "") if isinstance(v, dict) else "" for k, v in body.items()}
-
-
 # --- command-line overrides ----------------------------------------------------------------
 
 def parse_overrides(items) -> dict:

@@ -60,8 +60,7 @@ class StateSource:
         self.layout: Layout = plan_layout(state.tensor_entries(engine), chunk_bytes,
                                           shard=grid.get_data_parallel_rank(),
                                           num_shards=grid.get_data_parallel_world_size())
-        self.views = {name: t.detach().reshape(-1).view(torch.uint8)
-                      for name, t in state.state_tensors(engine).items()}
+        self.views = state.byte_views(engine)
         self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
 
     def view(self, chunk) -> torch.Tensor:
@@ -88,7 +87,6 @@ class Snapshot:
         self.pending = dict.fromkeys(range(len(source.layout.chunks)))  # in layout order
         self.checksums: list[Optional[str]] = [None] * len(source.layout.chunks)
         self.stream = stream
-        self.copy_seconds = 0.0
 
     @property
     def done(self) -> bool:
@@ -103,11 +101,9 @@ class Snapshot:
         del self.pending[i]
         chunk = self.source.layout.chunks[i]
         dst = self._slot_view(chunk)
-        start = time.perf_counter()
         dst.copy_(self.source.view(chunk))
         if checksum_now:
             self.checksums[i] = checksum(dst.numpy())
-        self.copy_seconds += time.perf_counter() - start
         return chunk.nbytes
 
     def queue(self, indices) -> int:

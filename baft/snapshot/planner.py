@@ -129,10 +129,15 @@ def plan_rank(bubbles: list[Bubble], chunk_sizes: list[int], bandwidth: float, i
                     stall=leftover / bandwidth, bubble_time=sum(b.length for b in bubbles))
 
 
+def period_within(cost: float, budget: float = DEFAULT_BUDGET) -> int:
+    """The smallest period (in iterations) at which a snapshot costing ``cost`` of an iteration, amortized
+    over the period, fits ``budget`` (a fraction of an iteration too)."""
+    return max(1, math.ceil(cost / budget - 1e-9)) if cost > 0 else 1
+
+
 def choose_period(ranks: list[RankPlan], budget: float = DEFAULT_BUDGET) -> int:
     """The smallest period at which every rank's amortized stall fits the budget."""
-    worst = max((r.overhead_per_snapshot for r in ranks), default=0.0)
-    return max(1, math.ceil(worst / budget - 1e-9)) if worst > 0 else 1
+    return period_within(max((r.overhead_per_snapshot for r in ranks), default=0.0), budget)
 
 
 def plan(bmap: BubbleMap, chunk_bytes: int = 1 << 20, budget: float = DEFAULT_BUDGET,

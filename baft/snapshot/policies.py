@@ -63,7 +63,7 @@ class SnapshotPolicy(InstructionHook):
 
     def due(self, engine) -> bool:
         step = engine.global_steps
-        return step > 0 and step % self.period == 0 and state.ensure_optimizer_state(engine) is None
+        return step > 0 and step % self.period == 0 and state.optimizer_state_missing(engine) is None
 
     def prepare(self, engine) -> None:
         """Lay out the state and map the slots (once the optimizer state exists)."""
@@ -123,7 +123,7 @@ class SnapshotPolicy(InstructionHook):
         engine = self.engine
         if engine is None or not self.at_step_boundary or self.snapshot is not None:
             return
-        if engine.global_steps == self.last_step or state.ensure_optimizer_state(engine) is not None:
+        if engine.global_steps == self.last_step or state.optimizer_state_missing(engine) is not None:
             return
         self.sealer.wait()
         self.begin(engine)

@@ -46,7 +46,8 @@ def rank_ids(root) -> list[int]:
     return sorted(rank for p in Path(root).glob("rank*") if (rank := rank_of(p)) is not None)
 
 
-def _slot_path(directory: Path, slot: int) -> Path:
+def slot_path(directory: Path, slot: int) -> Path:
+    """The buffer file of slot ``slot`` in a rank's directory (:func:`rank_dir`)."""
     return directory / f"slot{slot}.bin"
 
 
@@ -122,7 +123,7 @@ class SnapshotWriter:
             raise BaftError(f"{self.directory}: cannot create snapshot directory ({err.strerror})") from None
         nbytes = max(layout.nbytes, 1)
         try:
-            self._maps = [map_file(_slot_path(self.directory, s), nbytes, create=True, populate=True)
+            self._maps = [map_file(slot_path(self.directory, s), nbytes, create=True, populate=True)
                           for s in range(SLOTS)]
         except OSError as err:
             raise BaftError(f"{self.directory}: cannot allocate {SLOTS} x {nbytes} bytes of shared memory "
@@ -167,7 +168,7 @@ def read_slots(directory: Path) -> list[SlotInfo]:
     for slot in range(SLOTS):
         record = None
         path = _commit_path(directory, slot)
-        if path.exists() and _slot_path(directory, slot).exists():
+        if path.exists() and slot_path(directory, slot).exists():
             try:
                 record = CommitRecord.from_json(read_json(path))
             except (BaftError, KeyError, TypeError):
@@ -184,7 +185,7 @@ def committed(root, rank: int) -> list[SlotInfo]:
 
 def open_slot(root, rank: int, slot: int) -> mmap.mmap:
     """Map one slot of ``rank`` for reading."""
-    return map_file(_slot_path(rank_dir(root, rank), slot), 0, create=False)
+    return map_file(slot_path(rank_dir(root, rank), slot), 0, create=False)
 
 
 def map_verified(root, rank: int, step: Optional[int] = None, log=None,

@@ -95,6 +95,11 @@ def state_tensors(engine) -> dict[str, torch.Tensor]:
     return {name: t for name, _, t in named_state_tensors(engine)}
 
 
+def byte_views(engine) -> dict[str, torch.Tensor]:
+    """:func:`state_tensors` as flat uint8 views of their bytes (what a snapshot copies, and a restore fills)."""
+    return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state_tensors(engine).items()}
+
+
 def _python_rng() -> list:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
@@ -222,7 +227,7 @@ class RngRestore(InstructionHook):
         self.rng = None
 
 
-def ensure_optimizer_state(engine) -> Optional[str]:
+def optimizer_state_missing(engine) -> Optional[str]:
     """None when every trainable parameter has optimizer state, else why not (before the first step)."""
     optimizer = base_optimizer(engine.optimizer)
     for group in optimizer.param_groups:

@@ -1,4 +1,4 @@
-"""Which machine a measurement ran on, for the header every experiment and benchmark prints."""
+"""Which machine a measurement ran on, for the header every experiment prints (through common.provenance)."""
 
 from __future__ import annotations
 
