@@ -174,17 +174,13 @@ def _close(shards: dict) -> None:
     shards.clear()
 
 
-def _views(engine) -> dict[str, torch.Tensor]:
-    return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state.state_tensors(engine).items()}
-
-
 def _fit_problem(engine, shards: dict) -> Optional[str]:
     """Why the shards do not fit this rank's tensors, or None.
 
     Partitioned optimizer state (fp32 masters and moments under ZeRO-1 or bf16) is owned by one
     replica: it can only be restored with the same number of replicas, each from its own shard.
     """
-    views = _views(engine)
+    views = state.byte_views(engine)
     dp, me = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     for record, _ in shards.values():
         owners = {t.name: t.owner for t in record.layout.tensors}
@@ -226,7 +222,7 @@ def _coverage_problem(engine, step: int, shards: dict) -> Optional[str]:
 
 def _apply(engine, shards: dict) -> None:
     """Copy the shards into the engine's tensors; replicas broadcast the shards others lack."""
-    views = _views(engine)
+    views = state.byte_views(engine)
     for record, data in shards.values():
         source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
         for chunk in record.layout.chunks:
