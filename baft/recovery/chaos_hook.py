@@ -49,9 +49,9 @@ class ChaosHook(InstructionHook):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def iteration_start(self, engine):
-        if fault := self._due(engine, "seal"):
+        if seal := self._due(engine, "seal"):
             for policy in _snapshot_policies(engine):
-                policy.sealer.before_seal = lambda: self._kill(fault)
+                policy.sealer.before_seal = lambda: self._kill(seal)  # on the sealing thread, later
         if fault := self._due(engine, "manager"):
             self._log(fault)
             self._kill_manager()
