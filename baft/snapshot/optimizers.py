@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,46 +47,103 @@ def before_base_step(optimizer, fn):
 
 class ScalarState:
     """The per-parameter optimizer state that is not a tensor (DeepSpeed's CPU Adam counts its ``step`` in
-    an int): saved with the small items, since the snapshot's layout holds tensors only."""
+    an int), and the running beta products of DeepSpeed's C++ Adam (:class:`CpuAdamProducts`): saved with
+    the small items, since the snapshot's layout holds tensors only."""
+
+    products: Optional["CpuAdamProducts"] = None
+
+    def follow_cpu_adam(self) -> None:
+        """Follow the C++ Adam's calls from now on (at ``baft.initialize``, before the first step)."""
+        self.products = CpuAdamProducts.of(self.optimizer)
 
     def scalars(self) -> dict:
-        """``{"optim/<name>/<key>": value}`` for every non-tensor state value."""
-        return {f"optim/{name}/{key}": value for name, p in self.stateful_params()
-                for key, value in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(value)}
+        """``{"optim/<name>/<key>": value}`` for every non-tensor state value, and ``"cpu_adam"``: the C++ Adam's
+        last call, where there is one."""
+        found = {f"optim/{name}/{key}": value for name, p in self.stateful_params()
+                 for key, value in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(value)}
+        if self.products is not None and self.products.last is not None:
+            found["cpu_adam"] = self.products.last
+        return found
 
     def load_scalars(self, saved: dict) -> None:
+        saved = dict(saved)
+        calls = saved.pop("cpu_adam", None)
         params = dict(self.stateful_params())
         for path, value in saved.items():
             name, key = path[len("optim/"):].rsplit("/", 1)
             self.optimizer.state[params[name]][key] = value
-        replay_cpu_adam_steps(self.optimizer)
+        if self.products is not None:
+            self.products.restore(calls)
 
 
-def replay_cpu_adam_steps(optimizer) -> None:
+class CpuAdamProducts:
     """DeepSpeed's C++ Adam on CPU (its ``FusedAdam`` there, and ``DeepSpeedCPUAdam``) keeps beta1^t and
-    beta2^t as running products, multiplied once a step, in no state_dict; a fresh process computes them
-    with ``pow`` at its first step, which rounds otherwise, and every resumed update would differ. Replaying
-    steps 1..t of each group on a one-element tensor puts the products back as the uninterrupted run has
-    them (the update of the dummy tensor is discarded). A group's step is its largest: DeepSpeed's
-    ``FusedAdam`` counts the step of a group's last parameter only, and gives the kernel that one."""
-    fused = getattr(optimizer, "multi_tensor_adam", None)
-    cpu_adam = getattr(optimizer, "ds_opt_adam", None)
-    if fused is None and cpu_adam is None:
-        return
-    for group in optimizer.param_groups:
-        steps = [optimizer.state[p]["step"] for p in group["params"] if "step" in optimizer.state.get(p, {})]
-        if not steps or (fused is not None and group["params"][0].device.type != "cpu"):
-            continue  # no step yet; or the CUDA kernel, which takes beta^t from the step it is given
-        beta1, beta2 = group["betas"]
-        for step in range(1, int(max(steps)) + 1):
-            p, g, m, v = (torch.zeros(1) for _ in range(4))
-            if fused is not None:
-                fused(2048 * 32, optimizer._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"], beta1, beta2,
-                      group["eps"], step, optimizer.adam_w_mode, 1 if group["bias_correction"] else 0,
-                      group["weight_decay"])
-            else:
-                cpu_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                     group["weight_decay"], group["bias_correction"], p, g, m, v)
+    beta2^t as running products, in no state_dict: a call with other betas than the last (a scheduler
+    cycling momentum), or with a step that is not the next, recomputes them with ``pow``; the next step
+    multiplies. A fresh process recomputes with ``pow`` at its first step, which rounds otherwise, and every
+    resumed update would differ. So this follows the calls from a step pre-hook as the C++ does, keeping the
+    last as (step, beta1, beta2, the step of the last recompute); a restore replays the calls from that
+    recompute on one-element tensors (their update discarded), which leaves the products as the
+    uninterrupted run has them."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.fused = getattr(optimizer, "multi_tensor_adam", None)
+        self.cpu_adam = getattr(optimizer, "ds_opt_adam", None)
+        self.last: Optional[tuple[int, float, float, int]] = None
+        optimizer.register_step_pre_hook(self._before_step)
+
+    @classmethod
+    def of(cls, optimizer) -> Optional["CpuAdamProducts"]:
+        """The follower of ``optimizer``'s C++ Adam, or None where it has none (the CUDA kernel takes beta^t
+        from the step it is given)."""
+        if getattr(optimizer, "ds_opt_adam", None) is not None:
+            return cls(optimizer)
+        on_cpu = all(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"])
+        return cls(optimizer) if getattr(optimizer, "multi_tensor_adam", None) is not None and on_cpu else None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            if any(p.grad is not None for p in group["params"]):
+                self._call(self._next_step(group), *group["betas"])
+
+    def _call(self, step: int, beta1: float, beta2: float) -> None:
+        betas = (float(np.float32(beta1)), float(np.float32(beta2)))  # the kernel takes floats
+        last = self.last
+        same = last is not None and betas == last[1:3] and step in (last[0], last[0] + 1)
+        self.last = (step, *betas, last[3] if same else step)
+
+    def _next_step(self, group) -> int:
+        """The step the kernel is given: one past the group's largest (``FusedAdam`` counts the step of a
+        group's last parameter only; the others keep the group's step at their first)."""
+        steps = [self.optimizer.state[p]["step"] for p in group["params"] if "step" in self.optimizer.state.get(p, {})]
+        return int(max(steps) if steps else group.get("step", 0)) + 1
+
+    def restore(self, last: Optional[tuple]) -> None:
+        """Put the products back as they were after the call ``last``; without it (a snapshot of an older baft,
+        a DeepSpeed checkpoint), as steps 1..t with today's betas."""
+        group = self.optimizer.param_groups[0]
+        if last is None:
+            steps = [self._next_step(g) - 1 for g in self.optimizer.param_groups]
+            if max(steps) == 0:
+                return
+            last = (max(steps), *group["betas"], 1)
+        step, beta1, beta2, recomputed = last
+        force = 0.5 if 0.0 in (beta1, beta2) else 0.0  # betas of no real call: the next recomputes
+        self._kernel(group, 1, force, force)
+        for s in range(int(recomputed), int(step) + 1):
+            self._kernel(group, s, beta1, beta2)
+        self.last = (int(step), float(beta1), float(beta2), int(recomputed))
+
+    def _kernel(self, group, step: int, beta1: float, beta2: float) -> None:
+        p, g, m, v = (torch.zeros(1) for _ in range(4))
+        if self.fused is not None:
+            self.fused(2048 * 32, self.optimizer._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"], beta1, beta2,
+                       group["eps"], step, self.optimizer.adam_w_mode, 1 if group["bias_correction"] else 0,
+                       group["weight_decay"])
+        else:
+            self.cpu_adam.adam_update(self.optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                      group["weight_decay"], group["bias_correction"], p, g, m, v)
 
 
 class NamedOptimizerState(ScalarState):
@@ -102,6 +160,7 @@ class NamedOptimizerState(ScalarState):
         self.wrapper = engine.optimizer
         self.optimizer = base_optimizer(self.wrapper)
         self.params = list(self.named_params(engine))
+        self.follow_cpu_adam()
 
     def named_params(self, engine) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
@@ -192,6 +251,7 @@ class PartitionedMasters(ScalarState):
         groups = self.wrapper.real_dp_process_group
         self.dp_rank = [dist.get_rank(group=g) for g in groups]
         self.replicas = [len(p) for p in getattr(self.wrapper, self.partitions_attr)]
+        self.follow_cpu_adam()
 
     def stateful_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, parameter) for this replica's fp32 master partitions, the base optimizer's parameters."""
