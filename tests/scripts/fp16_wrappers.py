@@ -23,6 +23,12 @@ from baft.snapshot.optimizers import adapter_for
 WRAPPERS = {"FP16_Optimizer": FP16_Optimizer, "FP16_UnfusedOptimizer": FP16_UnfusedOptimizer}
 
 
+class StandIn(SimpleNamespace):
+    """An engine as baft's state capture sees it: hashable by identity, and it takes a weak reference."""
+
+    __hash__ = object.__hash__
+
+
 def build(wrapper_cls):
     """A stand-in for the engine: the two attributes baft's state capture reads (module, optimizer)."""
     torch.manual_seed(0)
@@ -30,7 +36,7 @@ def build(wrapper_cls):
     wrapper = wrapper_cls(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
                           dynamic_loss_args={"init_scale": 2 ** 24, "scale_window": 2, "min_scale": 1,
                                              "delayed_shift": 1}, verbose=False)
-    return SimpleNamespace(module=model, optimizer=wrapper)
+    return StandIn(module=model, optimizer=wrapper)
 
 
 def train(engine, steps: range) -> None:
