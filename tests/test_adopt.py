@@ -3,6 +3,8 @@
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from baft.recovery.digests import DIGESTS_ENV, compare
 from conftest import TINY, run_worker
 
@@ -14,6 +16,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_first_start_under_baft_continues_a_deepspeed_checkpoint_bit_for_bit(tmp_path, shm_root):
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted run trains beside the job so far
         clean = pool.submit(run_worker, 4, [*BF16, "--iters", "8", "--policy", "none", "--run-dir",
@@ -38,6 +41,7 @@ def test_first_start_under_baft_continues_a_deepspeed_checkpoint_bit_for_bit(tmp
     assert compare(tmp_path / "clean" / "digests", tmp_path / "baft" / "digests") == []
 
 
+@pytest.mark.slow
 def test_adopting_a_directory_without_a_checkpoint_is_refused_in_one_line(tmp_path, shm_root):
     empty = tmp_path / "none"
     empty.mkdir()

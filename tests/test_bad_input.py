@@ -72,6 +72,7 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
+@pytest.mark.slow
 def test_plan_for_another_model_is_refused_and_training_plans_from_its_own_receive_waits(tmp_path, shm_root):
     plan = Plan("1f1b", 2, 4, 1, 0.01, [RankPlan(r, r, "0123456789abcdef", 1, 1, 1e9, 1.0) for r in range(2)])
     plan.save(tmp_path / "foreign.plan.json")
@@ -83,6 +84,7 @@ def test_plan_for_another_model_is_refused_and_training_plans_from_its_own_recei
     assert slots.committed(root, 0), "training ran unprotected after refusing the plan"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["example", "script"])
 def test_baft_train_stops_at_a_ranks_error_instead_of_restarting_into_it(tmp_path, how):
     """A rank's BaftError is the user's to fix: torchrun is stopped at the first, not restarted --max-restarts times,

@@ -15,6 +15,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from baft.cli.launch import launch_env
 from baft.cli.runlog import LOG_NAME
 
@@ -31,6 +33,7 @@ def train(job, run_dir):
     return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
 
 
+@pytest.mark.slow
 def test_protected_jobs_exit_cleanly(tmp_path):
     run_dirs = [tmp_path / f"run{i}" for i in range(len(JOBS))]
     with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs at a time: 2 cores, and load widens the race

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from baft.snapshot import slots
 from conftest import TINY, run_worker
 
@@ -12,6 +14,7 @@ def baft_cli(*args, timeout=120):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_manager_commands_and_inspect(shm_root, tmp_path):
     root = shm_root / "default" / "node0"
     started = baft_cli("manager", "start", "--shm-root", root, "--dir", tmp_path / "persisted",
@@ -47,6 +50,7 @@ def test_manager_start_refuses_bad_flags_in_one_line(tmp_path):
     assert "--node-id 7: not a member of --group" in bad.stderr
 
 
+@pytest.mark.slow
 def test_ls_lists_and_clean_frees_snapshots_no_manager_serves(shm_root):
     run_worker(2, [*TINY, "--iters", "3", "--policy", "baft", "--period", "1", "--shm-root", str(shm_root)])
     root = shm_root / "default" / "node0"  # trained with no manager: the ranks' own slots stay
@@ -67,6 +71,7 @@ def test_ls_lists_and_clean_frees_snapshots_no_manager_serves(shm_root):
     assert "0 node root(s)" in baft_cli("manager", "ls", shm_root).stdout
 
 
+@pytest.mark.slow
 def test_clean_empty_removes_only_roots_with_nothing_committed(shm_root):
     from baft.snapshot.slots import rank_dir
 

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from baft.cli.compare import render, summarize
 from conftest import TINY
 
@@ -13,6 +15,7 @@ def compare(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     out = tmp_path / "compare.json"
     proc = compare("--policies", "sync-copy,baft,torch-save/2", "--none-between", "--rounds", "2", "--block", "2",
@@ -93,6 +96,7 @@ def test_shuffled_rounds_keep_none_between_and_draw_the_same_order_on_every_rank
     assert {o[1] for o in orders} == set(names[1:]), "every arm comes first in some round"
 
 
+@pytest.mark.slow
 def test_compare_shuffle_runs_each_rounds_drawn_order_on_every_rank(tmp_path):
     from baft.cli.compare import block_order
 

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from conftest import TINY, run_worker, run_ranks
 
 
+@pytest.mark.slow
 def test_replicas_snapshot_disjoint_shards_that_cover_the_stage(tmp_path, shm_root):
     run_ranks(4, "snapshot_check.py", [*TINY, "--policy", "baft", "--period", "1", "--iters", "4",
                                        "--shm-root", str(shm_root), "--out", str(tmp_path)], timeout=400)
@@ -23,6 +26,7 @@ def losses(run_dir):
     return [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_restart_with_fewer_replicas_resumes_from_the_same_snapshot_and_another_stage_count_is_refused(
         tmp_path, shm_root):
     run_dir = tmp_path / "run"

@@ -3,9 +3,12 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import run_ranks
 
 
+@pytest.mark.slow
 def test_the_deepspeed_pipeline_example_call_shape(tmp_path, shm_root):
     """args with --deepspeed_config, model_parameters=, training_data=, train_batch() with no iterator."""
     config = tmp_path / "ds_config.json"

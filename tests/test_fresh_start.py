@@ -3,6 +3,8 @@ snapshots that exist but none of which can be restored stop the restart."""
 
 import json
 
+import pytest
+
 from baft.snapshot import slots
 from conftest import TINY, run_worker
 
@@ -15,6 +17,7 @@ def flip_byte(rank_dir, info, chunk_index: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_corrupt_snapshot_falls_back_and_unrestorable_ones_stop_the_restart_unless_fresh_start_is_always(
         tmp_path, shm_root):
     run_dir = tmp_path / "run"

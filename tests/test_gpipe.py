@@ -1,10 +1,12 @@
 """GPipe, which DeepSpeed does not ship, trains exactly like DeepSpeed's own 1F1B."""
 
+import pytest
 import torch
 
 from conftest import TINY, run_ranks
 
 
+@pytest.mark.slow
 def test_one_gpipe_step_equals_one_1f1b_step(tmp_path):
     """Bit for bit: both schedules run the same forward and backward of every micro-batch on the
     same weights, and accumulate each gradient over micro-batches in the same order (0..m-1), so

@@ -108,6 +108,7 @@ def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log(tmp_path):
     """The ranks find it (DeepSpeed asserts train_batch_size = micro-batch x accumulation x replicas); torchrun
     restarts them into it, so every rank's traceback is in the log twice, and the screen has its line once."""

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+import pytest
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
@@ -86,6 +87,7 @@ def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
         shutil.rmtree(node.parent, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path, monkeypatch):
     monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
@@ -132,6 +134,7 @@ def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path, m
     assert log.count("node 0 serving") == 2, "both launches' managers log into the run directory"
 
 
+@pytest.mark.slow
 def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(tmp_path):
     """At the end of a run the manager writes the newest snapshot to RUN_DIR/persisted before freeing shared
     memory; when that write fails (here its directory was replaced by a file), it frees nothing, the launch
@@ -159,6 +162,7 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
         assert not node.parent.exists(), "the second launch wrote its snapshot and freed the shared memory"
 
 
+@pytest.mark.slow
 def test_killing_baft_train_alone_stops_its_training_and_keeps_the_snapshots(tmp_path):
     """SIGKILL to the launcher only: torchrun, armed to get SIGTERM when its parent dies, stops the ranks,
     so no training goes on unwatched; the manager keeps the snapshots for the next launch."""

@@ -76,6 +76,7 @@ def uninterrupted(launch: str, run_dir: Path) -> tuple[dict[int, str], dict[int,
             digests(proc.stdout, int(option(args, "--iters"))))
 
 
+@pytest.mark.slow
 def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_path):
     """node1 (a middle stage), then node2 (the last stage), then node0 (rank 0, and the rendezvous endpoint:
     every torchrun exits and the README's launch runs again on every node). Each time the replaced node's

@@ -48,6 +48,7 @@ def test_an_optimizer_without_adapter_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_fp16_wrappers_snapshot_what_they_save_and_resume_bit_for_bit(tmp_path):
     """FP16_Optimizer and FP16_UnfusedOptimizer run on CPU outside a pipeline engine (DeepSpeed's config
     refuses fp16 on CPU; the engine-level kill test of fp16 needs a GPU)."""

@@ -36,6 +36,7 @@ def losses(run_dir):
     return [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=needs_gpus(n)) for n in CONFIGS])
 def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, name, monkeypatch):
     ranks, flags = CONFIGS[name]
@@ -56,6 +57,7 @@ def test_killed_rank_resumes_bit_identical(tmp_path, shm_root, name, monkeypatch
     assert recovery["source"] == "memory" and recovery["restored_step"] == resumed[0]["step"] - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, flags, wrapper", [
     (2, [], "AdamW"),
     (2, ["--precision", "bf16"], "BF16_Optimizer"),

@@ -29,6 +29,7 @@ def uninterrupted(clean_run) -> dict:
     return {r["step"]: r["loss"] for r in losses(clean_run)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor, faults", [
     ("receive", ["rank=0,step=4,phase=copy", "rank=1,step=6,phase=seal", "rank=1,step=8,phase=backward"]),
     ("stream", ["rank=0,step=4,phase=copy"])])
@@ -59,6 +60,7 @@ def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, cle
     assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
+@pytest.mark.slow
 def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, clean_run, uninterrupted):
     """Two simulated nodes (a manager and a rank each, one parity group); node 1 loses its
     manager, its shared memory and its rank. The replaced node's restore rebuilds from parity."""
@@ -88,6 +90,7 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
+@pytest.mark.slow
 def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted,
                                                                            monkeypatch):
     """The disk baseline the benchmarks compare against restarts the usual way: load_checkpoint."""
@@ -105,6 +108,7 @@ def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_p
     assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
+@pytest.mark.slow
 def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted, monkeypatch):
     """It used to restore nothing and train again from step 0 without a word."""
     monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=5,phase=backward")
@@ -125,6 +129,7 @@ def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_
     assert compare(clean_run / "digests", tmp_path / "digests") == []
 
 
+@pytest.mark.slow
 def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_run, uninterrupted):
     """A run that ends (here: a rank dies with no restarts left) frees its shared memory only after its
     manager writes the newest snapshot to RUN_DIR/persisted: launching the run again resumes from that

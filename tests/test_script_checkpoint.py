@@ -39,6 +39,7 @@ def reference(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_a_kill_before_any_save_and_one_after_resume_from_baft_not_the_older_checkpoint(tmp_path, reference):
     proc = train(tmp_path, "--register", "stateful", faults=["rank=1,step=3,phase=backward,restart=0",
                                                  "rank=0,step=8,phase=forward,restart=1"])
@@ -51,6 +52,7 @@ def test_a_kill_before_any_save_and_one_after_resume_from_baft_not_the_older_che
     assert compare(reference / "digests", tmp_path / "digests") == []
 
 
+@pytest.mark.slow
 def test_the_first_start_loads_a_checkpoint_written_without_baft_and_a_newer_one_wins_over_a_snapshot(
         tmp_path, reference):
     (tmp_path / "ckpt").mkdir()
@@ -63,6 +65,7 @@ def test_the_first_start_loads_a_checkpoint_written_without_baft_and_a_newer_one
     assert compare(reference / "digests", tmp_path / "digests") == []
 
 
+@pytest.mark.slow
 def test_a_load_that_would_roll_back_a_snapshot_with_nothing_registered_stops_in_one_line(tmp_path):
     proc = train(tmp_path, faults=["rank=0,step=8,phase=forward"])
     assert proc.returncode == 2

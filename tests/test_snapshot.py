@@ -10,6 +10,7 @@ from baft.snapshot import slots
 from conftest import TINY, run_ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,policy,executor", [("1f1b", "baft", "receive"), ("gpipe", "baft", "receive"),
                                                       ("1f1b", "baft", "stream"), ("1f1b", "thread-copy", "auto")])
 def test_committed_snapshot_equals_synchronous_copy(tmp_path, shm_root, schedule, policy, executor):
@@ -25,6 +26,7 @@ def test_committed_snapshot_equals_synchronous_copy(tmp_path, shm_root, schedule
         assert result["live_records"] <= 2
 
 
+@pytest.mark.slow
 def test_snapshot_torn_by_a_kill_is_never_committed(tmp_path, shm_root):
     proc = run_ranks(2, "snapshot_check.py", [*TINY, "--policy", "baft", "--period", "1", "--iters", "8",
                                               "--shm-root", str(shm_root), "--out", str(tmp_path),
@@ -41,6 +43,7 @@ def test_snapshot_torn_by_a_kill_is_never_committed(tmp_path, shm_root):
     assert 3 in [s.record.step for s in slots.committed(root, 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leftovers", ["fence", "start"])
 def test_stream_executor_queues_each_bubbles_planned_chunks_there_and_the_rest_at_the_fence(tmp_path, shm_root,
                                                                                            leftovers):

@@ -43,6 +43,7 @@ def traces(trace_dir):
     return [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_every_copy_lies_inside_a_wait_before_the_fence(traced):
     """Copies run inside a receive, or inside the optimizer step's wait for the other stage, which comes
     before the fence (the base optimizer's step)."""
@@ -61,6 +62,7 @@ def test_every_copy_lies_inside_a_wait_before_the_fence(traced):
                 assert nbytes > 0
 
 
+@pytest.mark.slow
 def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit(traced):
     """With gradient clipping (DeepSpeed's default) each stage's optimizer step first waits for the other stage
     in the global-norm all_reduce, before its optimizer changes any state: baft copies through that wait and
@@ -77,6 +79,7 @@ def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit
     assert redone_differ(run_dir.parent / "digests") == []
 
 
+@pytest.mark.slow
 def test_bubbles_and_flush_copy_the_whole_snapshot_every_step(traced):
     _, _, trace_dir = traced
     for trace in traces(trace_dir):
@@ -90,6 +93,7 @@ def test_bubbles_and_flush_copy_the_whole_snapshot_every_step(traced):
             assert optimizer[3] <= flush_start <= flush_end <= optimizer[3] + optimizer[4]
 
 
+@pytest.mark.slow
 def test_show_draws_a_traced_iteration_with_its_copies(traced, tmp_path):
     _, _, trace_dir = traced
     run = load_run(trace_dir)
@@ -103,6 +107,7 @@ def test_show_draws_a_traced_iteration_with_its_copies(traced, tmp_path):
     assert_png(png)
 
 
+@pytest.mark.slow
 def test_the_screen_shows_rank_zero_and_baft_the_log_holds_everything(traced):
     proc, run_dir, _ = traced
     screen, log = proc.stdout + proc.stderr, (run_dir / LOG_NAME).read_text()
@@ -115,6 +120,7 @@ def test_the_screen_shows_rank_zero_and_baft_the_log_holds_everything(traced):
         assert noise not in screen and noise in log, noise
 
 
+@pytest.mark.slow
 def test_a_failed_run_shows_the_end_of_its_log(tmp_path):
     run_dir = tmp_path / "run"
     proc = baft_cli("train", "--example", "gpt", *TINY, "--iters", "4", "--run-dir", run_dir,

@@ -9,6 +9,7 @@ from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase,newest", [("copy", 4), ("seal", 4), ("commit", 5), ("optimizer", 5)])
 def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_root, phase, newest, monkeypatch):
     node_root = shm_root / "default" / "node0"
@@ -31,6 +32,7 @@ def test_manager_keeps_newest_committed_snapshot_when_a_trainer_is_killed(shm_ro
         stop(node_root)
 
 
+@pytest.mark.slow
 def test_trainers_outlive_a_killed_manager_and_keep_their_snapshots(shm_root, monkeypatch):
     node_root = shm_root / "default" / "node0"
     start(ManagerConfig(node_id=0, shm_root=node_root).validate())

@@ -29,6 +29,7 @@ def finals(output: str) -> dict[int, str]:
     return {int(m[0]): m[1] for m in re.findall(r"rank (\d) final step 8 loss \S+ params (\w+)", output)}
 
 
+@pytest.mark.slow
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
@@ -61,6 +62,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     assert redone_differ(tmp_path / "digests") == []  # the steps trained again equal their first training
 
 
+@pytest.mark.slow
 def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path, shm_root):
     """Each rank its own node (``node_id`` = rank, as each node's config on a cluster), a persisted run, no
     manager running: the first rank of every node starts that node's manager, so every rank has one."""
@@ -79,6 +81,7 @@ def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path
         stop(shm_root / "nodes" / f"node{node}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part, named", [("scheduler", "lr_scheduler __main__.Halving"),
                                           ("data", "data_iterator builtins.generator")])
 def test_a_part_baft_cannot_save_is_refused_in_one_line_at_initialize(tmp_path, part, named):
