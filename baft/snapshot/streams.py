@@ -17,11 +17,12 @@ the bubble begins, and fences the stream before the optimizer step:
 
 from __future__ import annotations
 
-import queue
 import threading
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
+
+from baft.background import BackgroundThread
 
 
 class CopyStream(Protocol):
@@ -80,32 +81,25 @@ class CudaCopyStream:
 
 
 class ThreadCopyStream:
-    """A copy stream on CPU: one thread runs the queued copies in order."""
+    """A copy stream on CPU: one :class:`~baft.background.BackgroundThread` runs the queued copies in order."""
 
     def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
+        self._thread = BackgroundThread("baft-copy-stream")
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="baft-copy-stream", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if self._error is None:
-                    job()
-            except BaseException as err:  # raised in the caller's thread by synchronize()
-                self._error = err
-            finally:
-                self._queue.task_done()
+    def _run(self, job: Callable[[], None]) -> None:
+        if self._error is not None:
+            return  # the stream failed: what follows is dropped, the error raised by synchronize()
+        try:
+            job()
+        except BaseException as err:  # raised in the caller's thread by synchronize()
+            self._error = err
 
     def after_compute(self) -> None:
         """Nothing to wait for: on CPU the compute queued so far has already run."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._queue.put(lambda: dst.copy_(src))
+        self._thread.submit(lambda: self._run(lambda: dst.copy_(src)))
 
     def fence(self) -> None:
         self.synchronize()
@@ -115,14 +109,15 @@ class ThreadCopyStream:
         return 0.0
 
     def synchronize(self) -> None:
-        self._queue.join()
+        done = threading.Event()
+        self._thread.submit(done.set)  # after every copy queued before it
+        done.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self.synchronize()
 
 
 def copy_stream_for(device: torch.device) -> CopyStream:
