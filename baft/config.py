@@ -154,3 +154,18 @@ def node_of(cfg: BaftConfig, rank: int) -> int:
         return cfg.node_id
     per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
     return rank // per_node
+
+
+def parse_policies(text: str) -> list[tuple[str, str, int | None]]:
+    """``none,deepspeed/10,baft`` as (name, kind, period); period None: baft's planner chooses."""
+    out = []
+    for name in text.split(","):
+        kind, _, period = name.partition("/")
+        if kind not in POLICIES:
+            raise ConfigError(f"--policies: unknown policy {kind!r} (known: {', '.join(POLICIES)})")
+        if period and not (period.isdigit() and int(period) >= 1):
+            raise ConfigError(f"--policies: {name!r}: the period after '/' must be a whole number of steps")
+        out.append((name, kind, int(period) if period else (None if kind == "baft" else 1)))
+    if len({n for n, _, _ in out}) < len(out):
+        raise ConfigError(f"--policies: {text!r} names a policy twice")
+    return out

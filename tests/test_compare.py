@@ -83,7 +83,7 @@ def test_the_table_has_a_device_wait_column_only_where_a_device_waited():
 
 
 def test_shuffled_rounds_keep_none_between_and_draw_the_same_order_on_every_rank():
-    from baft.cli.compare import block_order
+    from baft.benchmark import block_order
 
     names = ["none", "none/1", "sync-copy", "thread-copy", "baft"]
     fixed = block_order(names, none_between=True)
@@ -98,7 +98,7 @@ def test_shuffled_rounds_keep_none_between_and_draw_the_same_order_on_every_rank
 
 @pytest.mark.slow
 def test_compare_shuffle_runs_each_rounds_drawn_order_on_every_rank(tmp_path):
-    from baft.cli.compare import block_order
+    from baft.benchmark import block_order
 
     out = tmp_path / "compare.json"
     proc = compare("--policies", "sync-copy,thread-copy,baft", "--none-between", "--shuffle", "--rounds", "4",

@@ -5,7 +5,7 @@
 - ``show``     bubble maps, plans and traced runs as tables
 - ``figures``  the same as timelines (PNG): instructions, bubbles, copies, the stall
 - ``report``   where the time of every recovery went, as a table and a bar chart
-- ``compare``  snapshot policies measured side by side on one engine (launcher and per-rank worker)
+- ``compare``  launches :mod:`baft.benchmark` (snapshot policies side by side on one engine) and summarizes it
 - ``demo``     the whole product on the example in one command
 - ``launch``   starting ranks through torchrun
 

@@ -185,14 +185,15 @@ def main(argv=None) -> int:
     lead = engine.global_rank == 0
     log = _open_log(args.run_dir) if lead else None
     times = []
-    hooks = getattr(getattr(engine, "baft", None), "hooks", ())  # none without a "baft" section
+    protection = getattr(engine, "baft", None)  # none without a "baft" section
+    policy = protection.hooks.policy if protection is not None else None
     while engine.global_steps < args.iters:  # a restarted run resumes at its restored step
         start = time.perf_counter()
         lr = engine.get_lr()[0]
         loss = engine.train_batch(data_iter=data)
         sync_device()  # a GPU's iteration ends when its queued work does
         elapsed = time.perf_counter() - start
-        stall = torch.tensor([sum(getattr(h, "stall", 0.0) for h in hooks)],
+        stall = torch.tensor([policy.metrics().stall if policy is not None else 0.0],
                              device=collective_device())
         dist.all_reduce(stall, op=dist.ReduceOp.MAX)
         times.append(elapsed)
@@ -210,7 +211,6 @@ def main(argv=None) -> int:
         print(f"baft: the run is already at step {engine.global_steps}: nothing to train until --iters {args.iters}; "
               "give a larger --iters to go on, or a new --run-dir to start over", flush=True)
     if lead and times:
-        policy = getattr(hooks, "policy", None)
         snapshots = ""
         if policy is not None:
             if hasattr(policy, "drain"):

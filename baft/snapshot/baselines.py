@@ -18,6 +18,7 @@ from baft.accelerator import collective_device
 from baft.errors import BaftError
 from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
+from baft.snapshot.metrics import PolicyMetrics
 from baft.snapshot.optimizers import entry
 
 ITEMS_KEY = "baft_items"  # where the deepspeed baseline keeps the small items (RNG, data position) in client_state
@@ -51,13 +52,21 @@ class DiskCheckpoint(InstructionHook):
         # group they would race the pipeline's p2p and abort, so they get a group of their own
         self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
         self.stager = None  # dcp-async: stages into pinned host memory where there is a GPU, kept between saves
+        self.snapshot_now: Optional[bool] = None  # None: the period decides; a benchmark may decide instead
+        self.saved_before = 0  # saved when this iteration started
 
     def iteration_start(self, engine):
         self.stall = 0.0
+        self.saved_before = len(self.saved)
+
+    def metrics(self) -> PolicyMetrics:
+        """This baseline's counters after the latest iteration."""
+        return PolicyMetrics(snapshots=len(self.saved), snapshotted=len(self.saved) > self.saved_before,
+                             stall=self.stall)
 
     def iteration_end(self, engine):
         step = engine.global_steps
-        if step % self.period:
+        if not (step % self.period == 0 if self.snapshot_now is None else self.snapshot_now):
             return
         start = time.perf_counter()
         items = state.capture_items(engine, self.data_iterator)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from deepspeed.runtime.pipe.schedule import OptimizerStep
@@ -34,6 +34,7 @@ from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
+from baft.snapshot.metrics import PolicyMetrics
 from baft.snapshot.optimizers import before_base_step
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
@@ -60,10 +61,18 @@ class SnapshotPolicy(InstructionHook):
         self.engine = None  # the engine of the latest iteration, and whether that iteration ended
         self.at_step_boundary = False
         self.last_step: Optional[int] = None  # of the newest snapshot begun
+        self.snapshot_now: Optional[bool] = None  # None: the period decides; a benchmark may decide instead
+        self.taken_before = 0  # taken when this iteration started
 
     def due(self, engine) -> bool:
         step = engine.global_steps
-        return step > 0 and step % self.period == 0 and state.optimizer_state_missing(engine) is None
+        wanted = step % self.period == 0 if self.snapshot_now is None else self.snapshot_now
+        return step > 0 and wanted and state.optimizer_state_missing(engine) is None
+
+    def metrics(self) -> PolicyMetrics:
+        """This policy's counters after the latest iteration."""
+        return PolicyMetrics(snapshots=self.taken, snapshotted=self.taken > self.taken_before, stall=self.stall,
+                             seal=self.sealer.seconds, seal_cpu=self.sealer.cpu_seconds)
 
     def prepare(self, engine) -> None:
         """Lay out the state and map the slots (once the optimizer state exists)."""
@@ -75,6 +84,7 @@ class SnapshotPolicy(InstructionHook):
 
     def iteration_start(self, engine):
         self.stall = 0.0
+        self.taken_before = self.taken
         self.engine, self.at_step_boundary = engine, False
         if self.due(engine):
             start = time.perf_counter()
@@ -262,6 +272,14 @@ class BubbleExecutor(SnapshotPolicy):
         """Seconds the device waited at the latest fence for the copies (0 without a copy stream, where
         the host waits and :attr:`stall` holds it). Call once that iteration's device work is done."""
         return self.stream.fence_wait() if self.stream is not None else 0.0
+
+    def metrics(self) -> PolicyMetrics:
+        """Also what this iteration's snapshot copied where (on a GPU: call once the iteration's device work
+        is done, for the device's wait at the fence)."""
+        mine = super().metrics()
+        return replace(mine, bubble_bytes=sum(self.bubble_bytes.values()), flushed_bytes=self.flushed_bytes,
+                       fence_wall=self.fence_at_update[0], fence_cpu=self.fence_at_update[1],
+                       fence_wait=self.fence_wait() if mine.snapshotted else 0.0)
 
     def close(self):
         self._disarm()  # an optimizer step that raised left it armed
