@@ -25,11 +25,11 @@ from baft.snapshot.build import make_policy, shm_root, warn
 class Protection:
     """Everything baft adds to one engine (see the module's docstring)."""
 
-    def __init__(self, engine, config: BaftConfig, client_state=None):
+    def __init__(self, engine, config: BaftConfig):
         self.engine, self.config = engine, config
         self.schedule = config.schedule
         self.hooks = Hooks()
-        self.client_state = client_state  # a ClientState, or None
+        self.client_state = None  # the script's own state (a ClientState), where it gave one
         self.restored: Optional[Restored] = None
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
@@ -62,12 +62,12 @@ class Protection:
                 raise BaftError(f"baft.require_manager: no snapshot manager answers at {self.root}; start one with "
                                 f"'baft manager start' or set require_manager to false")
             self.restored = self._restore_snapshot(data_iterator)
-        self.policy = self._make_policy(data_iterator)
+        self.policy = make_policy(engine, cfg, data_iterator, link=ManagerLink(self, self.manager))
         if cfg.policy not in IN_MEMORY:  # the disk baselines restart the usual way: from their newest checkpoint
             record.mark("restore_start")
             loaded = self.policy.restore(engine)
             record.mark("restore_end")
-            self.restored = record.Restored(loaded[0], "disk", 1, rng=loaded[1]) if loaded else None
+            self.restored = Restored(loaded[0], "disk", 1, rng=loaded[1]) if loaded else None
             if loaded and engine.global_rank == 0:
                 print(f"baft: resumed from step {loaded[0]} (disk, {cfg.policy})", flush=True)
         if self.restored is not None:
@@ -113,9 +113,6 @@ class Protection:
         elif restored is not None and engine.global_rank == 0:
             print(f"baft: resumed from step {restored.step} ({restored.source})", flush=True)
         return restored
-
-    def _make_policy(self, data_iterator):
-        return make_policy(self.engine, self.config, data_iterator, link=ManagerLink(self, self.manager))
 
     def _connect_manager(self):
         """This node's manager; when the config describes one (parity or persistence) and none answers
@@ -185,4 +182,3 @@ class ManagerLink:
         except ManagerUnavailable as err:
             self.protection.warn(f"{err}; snapshots stay in shared memory only")
             self.client = None
-
