@@ -71,7 +71,7 @@ class RankRecord:
 class Meter(InstructionHook):
     """Wraps a policy's hook (or none): times its callbacks on the trainer's thread, in wall and
     CPU seconds (which a busy machine does not inflate), and the waits for other stages (receives,
-    the optimizer step's collectives). The same wrapper runs under ``none``, so its own cost is in
+    the optimizer step's wait for them). The same wrapper runs under ``none``, so its own cost is in
     the baseline too."""
 
     def __init__(self, inner=None):
@@ -98,10 +98,10 @@ class Meter(InstructionHook):
     def bubble(self, engine, index, cmd):
         return self.inner.bubble(engine, index, cmd) if self.inner is not None else None
 
-    def waited(self, engine, index, seconds):
-        self.recv_wait += seconds
+    def before_update(self, engine, index, waited):
+        self.recv_wait += waited or 0.0
         if self.inner is not None:
-            self.inner.waited(engine, index, seconds)
+            self._call(self.inner.before_update, engine, index, waited)
 
     def after(self, engine, index, cmd):
         if isinstance(cmd, (RecvActivation, RecvGrad)):
@@ -112,8 +112,6 @@ class Meter(InstructionHook):
     def iteration_end(self, engine):
         if self.inner is not None:
             self._call(self.inner.iteration_end, engine)
-            done = self.inner.metrics()  # the fence inside the optimizer step ran outside any callback
-            self.wall, self.cpu = self.wall + done.fence_wall, self.cpu + done.fence_cpu
 
 
 def make_hook(policy: tuple, engine, data, ours: argparse.Namespace, model: argparse.Namespace):

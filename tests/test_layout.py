@@ -40,3 +40,47 @@ def test_the_simulator_uses_the_same_timeline_and_planner_and_nothing_above():
     for path in (PACKAGE / "simulate").glob("*.py"):
         wrong = imported_packages(path) - BASE - {"pipeline", "snapshot", "simulate"}
         assert not wrong, f"{path.relative_to(PACKAGE.parent)} imports baft.{', baft.'.join(sorted(wrong))}"
+
+
+FOREIGN = ("torch", "deepspeed")
+
+
+def foreign_assignments(source: str) -> list[str]:
+    """Where ``source`` assigns to (or deletes, or ``setattr``s) an attribute of something it imported from torch
+    or DeepSpeed: a module global or class swapped for baft's own, which every user of it would see."""
+    tree = ast.parse(source)
+    foreign = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            foreign |= {(a.asname or a.name.split(".")[0]) for a in node.names if a.name.split(".")[0] in FOREIGN}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FOREIGN:
+            foreign |= {a.asname or a.name for a in node.names}
+
+    def root(expr) -> str:
+        while isinstance(expr, (ast.Attribute, ast.Subscript)):
+            expr = expr.value
+        return expr.id if isinstance(expr, ast.Name) else ""
+
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        found += [f"line {t.lineno}: {ast.unparse(t)}" for t in targets
+                  if isinstance(t, (ast.Attribute, ast.Subscript)) and root(t) in foreign]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and root(node.args[0]) in foreign:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_assigns_to_torch_or_deepspeed():
+    """baft changes DeepSpeed's behaviour only through its own subclass and instruction map, never by
+    swapping a torch or DeepSpeed module's globals (``p2p.recv``, ``torch.distributed.all_reduce``)."""
+    assert sorted(foreign_assignments("import torch.distributed as dist\nfrom deepspeed.runtime.pipe import p2p\n"
+                                      "dist.all_reduce = None\np2p.recv, x = None, 1\nsetattr(dist, 'recv', None)\n"
+                                      "import torch\ntorch.distributed.send = None\n")) == [
+        "line 3: dist.all_reduce", "line 4: p2p.recv", "line 5: setattr(dist, 'recv', None)", "line 7: torch.distributed.send"]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found = foreign_assignments(path.read_text())
+        assert not found, f"{path.relative_to(PACKAGE.parent)} assigns to torch or DeepSpeed: {found}"

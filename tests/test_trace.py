@@ -46,7 +46,7 @@ def traces(trace_dir):
 @pytest.mark.slow
 def test_every_copy_lies_inside_a_wait_before_the_fence(traced):
     """Copies run inside a receive, or inside the optimizer step's wait for the other stage, which comes
-    before the fence (the base optimizer's step)."""
+    before the fence (once the stages met, before the step changes any state)."""
     _, _, trace_dir = traced
     for trace in traces(trace_dir):
         copied = [it for it in trace["iterations"] if it.get("copies")]
@@ -65,8 +65,8 @@ def test_every_copy_lies_inside_a_wait_before_the_fence(traced):
 @pytest.mark.slow
 def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit(traced):
     """With gradient clipping (DeepSpeed's default) each stage's optimizer step first waits for the other stage
-    in the global-norm all_reduce, before its optimizer changes any state: baft copies through that wait and
-    fences as the base optimizer starts; what the waits did not hold is copied at the fence (how much depends on
+    for the global gradient norm, before its optimizer changes any state: baft's engine holds that meeting as
+    one all-reduce, copies through its wait and fences after it; what the waits did not hold is copied at the fence (how much depends on
     this machine's copy speed against its compute). A restart from such snapshots resumes the state it
     captured, bit for bit in every part: the steps trained again equal their first training."""
     _, run_dir, trace_dir = traced

@@ -30,7 +30,7 @@ class Bubble:
 
     ``slot`` is the index, in the stage's instruction stream for one iteration, of the
     instruction that waits through the bubble (on CPU a receive, or the optimizer step waiting
-    in its collectives: kind "optimizer"). ``after`` and ``before`` name the instructions that
+    for the other stages: kind "optimizer"). ``after`` and ``before`` name the instructions that
     close and reopen the stage's work around it.
     """
 
@@ -51,7 +51,7 @@ class Bubble:
 @dataclass(frozen=True)
 class InstructionTiming:
     """One executed instruction: median start and duration over the profiled iterations; ``wait``: the part of
-    the duration an optimizer step spent in its collectives, waiting for the other stages."""
+    the duration an optimizer step spent waiting for the other stages."""
 
     index: int
     name: str

@@ -24,12 +24,13 @@ class InstructionHook:
         """Stop any work still running and release resources (at process exit)."""
 
     def bubble(self, engine, index: int, cmd) -> Optional[Callable[[threading.Event], None]]:
-        """Work to run while this receive (or the optimizer step's collective) waits: called with an event
-        set when the data has landed."""
+        """Work to run, on a thread of its own, while this receive (or the optimizer step's meeting of the
+        stages) waits: called with an event set once the wait is over, and expected to return soon after."""
         return None
 
-    def waited(self, engine, index: int, seconds: float) -> None:
-        """The optimizer step at ``index`` waited ``seconds`` in its collectives for the other stages."""
+    def before_update(self, engine, index: int, waited: Optional[float]) -> None:
+        """Inside the optimizer step at ``index``, the last moment before it changes any state: after the
+        stages met (``waited``: the seconds that took; None where the step holds no meeting)."""
 
 
 @dataclass

@@ -2,32 +2,102 @@
 
 ``attach(engine)`` turns the engine ``deepspeed.initialize`` returned into a
 :class:`BaftPipelineEngine` in place (same object, subclass), so DeepSpeed is used as
-shipped. Hooks see every instruction of ``train_batch`` with its index in the stage's
-stream (the bubble map's ``slot``); a hook may also take over the wait inside a receive
-(:meth:`InstructionHook.bubble`), which is where baft's copies run on CPU. On a backend whose
-collectives block the host (gloo), the optimizer step's collectives are waits too: with gradient
-clipping (DeepSpeed's default) or fp16, every stage's step first reduces the global gradient norm
-or overflow flag with the other stages, so a stage that finished its backward passes early waits
-there, before its optimizer changes any state. Hooks hear how long (:meth:`InstructionHook.waited`)
-and may work through it like a receive.
+shipped: its own ``_exec_schedule`` runs the schedule, through baft's instruction map. Every
+handler there calls the hooks around DeepSpeed's own, with the instruction's index in the
+stage's stream (the bubble map's ``slot``), and two kinds of instruction are bubbles, where a
+hook's work (:meth:`InstructionHook.bubble`, baft's copies on CPU) runs on a thread of its own
+while the engine's thread waits:
+
+* a receive (``RecvActivation``, ``RecvGrad``): DeepSpeed's handler blocks until the data lands;
+* ``OptimizerStep``, where the stages meet. On a backend whose collectives block the host
+  (gloo), DeepSpeed's step first reduces the global gradient norm or the fp16 overflow flag
+  with the other stages (:func:`step_meets_other_stages`), so a stage that finished its
+  backward passes early waits there. baft's handler holds that meeting itself, as one
+  all-reduce before DeepSpeed's step (whose own collectives then find every stage there):
+  post it, run the bubble's work, wait. Hooks then hear :meth:`InstructionHook.before_update`,
+  the last moment before the step changes any state.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as torch_dist
-from deepspeed.runtime.pipe import p2p, schedule
+from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from baft.accelerator import collective_device
 from baft.background import BackgroundThread
 from baft.pipeline.schedules import make_schedule
 
+BubbleWork = Callable[[threading.Event], None]
 
-_RECV = (schedule.RecvActivation, schedule.RecvGrad)
+
+def step_meets_other_stages(engine) -> bool:
+    """Whether DeepSpeed's optimizer step begins with a collective every stage joins: gradient clipping,
+    and DeepSpeed's bf16, fp16 and ZeRO optimizers, reduce the global gradient norm (or the fp16 overflow
+    flag) across the stages before any state changes (``DeepSpeedEngine._take_model_step``)."""
+    return (engine.gradient_clipping() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled()
+            or engine.zero_optimization())
+
+
+class BubbleThread:
+    """Runs a bubble's work on a :class:`~baft.background.BackgroundThread` while the engine's thread waits.
+
+    The work gets an event that is set once the wait is over, and stops soon after; the engine's
+    thread goes on only then, so the work never overlaps what follows the bubble.
+    """
+
+    def __init__(self):
+        self._thread = BackgroundThread("baft-bubble")
+
+    def during(self, work: Optional[BubbleWork], wait: Callable[[], None]) -> float:
+        """Call ``wait()`` here while ``work`` runs on the thread; the seconds ``wait()`` took. An error in
+        either is raised here (the wait's first)."""
+        start = time.perf_counter()
+        if work is None:
+            wait()
+            return time.perf_counter() - start
+        landed, stopped, outcome = threading.Event(), threading.Event(), {}
+        self._thread.submit(lambda: self._run(work, landed, stopped, outcome))
+        try:
+            wait()
+        finally:
+            seconds = time.perf_counter() - start
+            landed.set()
+            stopped.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return seconds
+
+    @staticmethod
+    def _run(work: BubbleWork, landed: threading.Event, stopped: threading.Event, outcome: dict) -> None:
+        try:
+            work(landed)
+        except BaseException as err:  # re-raised in the engine's thread
+            outcome["error"] = err
+        finally:
+            stopped.set()
+
+
+def _with_hooks(kind, handler):
+    """``handler`` (an instruction's handler) with the hooks of a protected engine around it, in ``train_batch``."""
+
+    def run(self, **kwargs):
+        if self._instruction is None:  # not training (eval_batch): DeepSpeed's handler alone
+            return handler(self, **kwargs)
+        index, cmd = self._instruction, kind(**kwargs)
+        for hook in self.baft.hooks:
+            hook.before(self, index, cmd)
+        self._bubble = self._bubble_work(index, cmd)
+        handler(self, **kwargs)
+        for hook in self.baft.hooks:
+            hook.after(self, index, cmd)
+        self._instruction += 1
+    return run
 
 
 class BaftPipelineEngine(PipelineEngine):
@@ -41,40 +111,18 @@ class BaftPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         for hook in self.baft.hooks:
             hook.iteration_start(self)
-        loss = super().train_batch(data_iter)
+        self._instruction, self._stashed_loss = 0, {}
+        try:
+            loss = super().train_batch(data_iter)
+        finally:
+            self._instruction = None
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss
 
-    def _exec_schedule(self, pipe_schedule):
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
-        self._stashed_loss = {}
-        index = 0
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                for hook in self.baft.hooks:
-                    hook.before(self, index, cmd)
-                work = self._bubble_work(index, cmd)
-                if isinstance(cmd, schedule.OptimizerStep) and _collectives_block_host():
-                    with _collectives_while(work) as waits:
-                        handler(self, **cmd.kwargs)
-                    for hook in self.baft.hooks:
-                        hook.waited(self, index, sum(waits))
-                elif work is None:
-                    handler(self, **cmd.kwargs)
-                else:
-                    with _receive_while(work):
-                        handler(self, **cmd.kwargs)
-                for hook in self.baft.hooks:
-                    hook.after(self, index, cmd)
-                index += 1
-
-    def _bubble_work(self, index, cmd):
-        if not isinstance(cmd, (*_RECV, schedule.OptimizerStep)):
+    def _bubble_work(self, index: int, cmd) -> Optional[BubbleWork]:
+        """Every hook's work for the bubble at ``index`` (None where ``cmd`` is no bubble, or no hook has any)."""
+        if not isinstance(cmd, (schedule.RecvActivation, schedule.RecvGrad, schedule.OptimizerStep)):
             return None
         works = [w for w in (h.bubble(self, index, cmd) for h in self.baft.hooks) if w is not None]
         if not works:
@@ -84,6 +132,21 @@ class BaftPipelineEngine(PipelineEngine):
             for w in works:
                 w(landed)
         return run_all
+
+    def _exec_recv_activations(self, buffer_id):
+        self._bubbles.during(self._bubble, lambda: PipelineEngine._exec_recv_activations(self, buffer_id))
+
+    def _exec_recv_grads(self, buffer_id):
+        self._bubbles.during(self._bubble, lambda: PipelineEngine._exec_recv_grads(self, buffer_id))
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        waited = self._bubbles.during(self._bubble, self._meet_other_stages) if self._stages_meet else None
+        for hook in self.baft.hooks:
+            hook.before_update(self, self._instruction, waited)
+        PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+
+    def _meet_other_stages(self) -> None:
+        torch_dist.all_reduce(self._meeting, async_op=True).wait()
 
     # GPipe runs all forwards before the backwards; the last stage's backward reads
     # self.loss, which every forward overwrites, so keep each micro-batch's own loss.
@@ -97,11 +160,14 @@ class BaftPipelineEngine(PipelineEngine):
             self.loss = self._stashed_loss.pop(buffer_id)
         PipelineEngine._exec_backward_pass(self, buffer_id)
 
-    _INSTRUCTION_MAP = {
+    _INSTRUCTION_MAP = {kind: _with_hooks(kind, handler) for kind, handler in {
         **PipelineEngine._INSTRUCTION_MAP,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.OptimizerStep: _exec_optimizer_step,
         schedule.ForwardPass: _exec_forward_pass,
         schedule.BackwardPass: _exec_backward_pass,
-    }
+    }.items()}
 
 
 def attach(engine, baft) -> BaftPipelineEngine:
@@ -113,91 +179,17 @@ def attach(engine, baft) -> BaftPipelineEngine:
                   stage_id=engine.stage_id)  # refuse an unknown name now, not at the first batch
     engine.__class__ = BaftPipelineEngine
     engine.baft = baft
-    engine._stashed_loss = {}
+    engine._instruction, engine._bubble, engine._stashed_loss = None, None, {}
+    engine._bubbles = BubbleThread()
+    # every rank decides alike (one backend, one config), so every rank joins each meeting
+    engine._stages_meet = (torch_dist.get_backend() == "gloo" and torch_dist.get_world_size() > 1
+                           and step_meets_other_stages(engine))
+    engine._meeting = torch.zeros(1, device=collective_device())
     return engine
 
 
 def detach(engine) -> None:
     """Make a :class:`BaftPipelineEngine` DeepSpeed's ``PipelineEngine`` again (its hooks are the caller's to close)."""
     engine.__class__ = PipelineEngine
-    del engine.baft
-
-
-_blocking_recv = p2p.recv
-
-
-def _collectives_block_host() -> bool:
-    return torch_dist.is_initialized() and torch_dist.get_backend() == "gloo"
-
-
-class _Waiter:
-    """Waits for the engine's pending operations on a :class:`~baft.background.BackgroundThread`, one at a time.
-
-    gloo's ``Work.is_completed()`` does not turn true before ``wait()`` is called, so a thread must
-    wait while the engine's thread works.
-    """
-
-    def __init__(self):
-        self._thread = BackgroundThread("baft-wait")
-
-    def wait_while(self, pending, work: Optional[Callable[[threading.Event], None]]) -> float:
-        """Wait for ``pending``, running ``work`` meanwhile (with an event set once it completed); the seconds
-        until it completed."""
-        landed, outcome = threading.Event(), {}
-        start = time.perf_counter()
-        self._thread.submit(lambda: self._wait(pending, landed, outcome))
-        if work is not None:
-            work(landed)
-        landed.wait()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["done"] - start
-
-    @staticmethod
-    def _wait(pending, landed: threading.Event, outcome: dict) -> None:
-        try:
-            pending.wait()
-        except BaseException as err:  # re-raised in the engine's thread
-            outcome["error"] = err
-        finally:
-            outcome["done"] = time.perf_counter()
-            landed.set()
-
-
-_wait_while = _Waiter().wait_while
-
-
-@contextmanager
-def _collectives_while(work: Optional[Callable[[threading.Event], None]]):
-    """Within the block, a blocking ``all_reduce`` (DeepSpeed's go through ``torch.distributed``) runs ``work``
-    while it waits; yields the list of the seconds each one waited."""
-    waits: list[float] = []
-    blocking = torch_dist.all_reduce
-
-    def all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=None, async_op=False):
-        pending = blocking(tensor, op=op, group=group, async_op=True)
-        if async_op:
-            return pending
-        waits.append(_wait_while(pending, work))
-        return None
-
-    torch_dist.all_reduce = all_reduce
-    try:
-        yield waits
-    finally:
-        torch_dist.all_reduce = blocking
-
-
-@contextmanager
-def _receive_while(work: Callable[[threading.Event], None]):
-    """Within the block, DeepSpeed's blocking receives run ``work`` while they wait."""
-
-    def recv(tensor, src_stage, async_op=False):
-        src = p2p._grid.stage_to_global(stage_id=src_stage)
-        _wait_while(torch_dist.irecv(tensor, src), work)
-
-    p2p.recv = recv
-    try:
-        yield
-    finally:
-        p2p.recv = _blocking_recv
+    for name in ("baft", "_instruction", "_bubble", "_stashed_loss", "_bubbles", "_stages_meet", "_meeting"):
+        delattr(engine, name)

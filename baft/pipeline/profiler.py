@@ -5,8 +5,8 @@ instruction of every ``train_batch`` on its rank. Each rank writes a trace;
 :func:`merge_traces` turns the traces of all ranks into one measured bubble map, with the
 analytic prediction from the same per-op costs beside it.
 
-A bubble is time a stage's compute waits in a receive, or in the optimizer step's collectives
-for the other stages (the global gradient norm: see :mod:`baft.pipeline.hooks`). On CPU the host
+A bubble is time a stage's compute waits in a receive, or at the optimizer step for the other
+stages (the meeting before the global gradient norm: see :mod:`baft.pipeline.hooks`). On CPU the host
 blocks there, so the host clock measures it. On a GPU the host does not block (NCCL makes the compute stream
 wait), so every instruction is bracketed by CUDA events on the compute stream instead, and
 a receive's duration is the time the *device* idled in it; the host waits once per
@@ -31,6 +31,7 @@ from baft.errors import BaftError
 from baft.jsonfile import read_json, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
 from baft.pipeline.hook import InstructionHook
+from baft.pipeline.hooks import step_meets_other_stages
 from baft.pipeline.timeline import Costs, analytic_bubble_map
 
 _COMPUTE = ("ForwardPass", "BackwardPass")
@@ -88,15 +89,16 @@ class InstructionTimer(InstructionHook):
     def before(self, engine, index, cmd):
         self._start = self.clock.mark()
 
-    def waited(self, engine, index, seconds):
-        self._waits[index] = seconds
+    def before_update(self, engine, index, waited):
+        if waited is not None:
+            self._waits[index] = waited
 
     def after(self, engine, index, cmd):
         self._current.append((index, repr(cmd), type(cmd).__name__, self._start, self.clock.mark()))
 
     def iteration_end(self, engine):
         """The iteration's record: (index, repr, kind, start, duration[, wait]) per instruction, the wait
-        (seconds in the optimizer step's collectives) only where one was timed."""
+        (seconds the optimizer step waited for the other stages) only where one was timed."""
         end = self.clock.mark()
         self.clock.wait()
         seconds = self.clock.seconds
@@ -153,13 +155,8 @@ def write_trace(path, engine, timer: InstructionTimer, described: StateDescripti
         "micro_batches": engine.micro_batches, "schedule": engine.baft.schedule, "model": model,
         "state_bytes": dataclasses.asdict(described.state_bytes),
         "copy_bandwidth": described.copy_bandwidth, "iterations": timer.iterations,
-        "optimizer_sync": optimizer_syncs(engine),
+        "optimizer_sync": step_meets_other_stages(engine),
     })
-
-
-def optimizer_syncs(engine) -> bool:
-    """Whether the stages' optimizer steps wait for each other (a global gradient norm or overflow check)."""
-    return engine.gradient_clipping() > 0 or engine.fp16_enabled()
 
 
 def median_profile(trace: dict, skip: int) -> RankProfile:
@@ -199,8 +196,8 @@ def _spread(values) -> float:
 
 
 def measured_bubbles(profile: RankProfile) -> list[Bubble]:
-    """The waits of one rank (its receives, its optimizer step's collectives), classified by where they fall
-    in its stream. A collective's wait is placed at the start of its step: the step's own work follows it."""
+    """The waits of one rank (its receives, its optimizer step's wait for the other stages), classified by where
+    they fall in its stream. The optimizer step's wait is placed at its start: the step's own work follows it."""
     instrs = profile.instructions
     compute = [i for i, ins in enumerate(instrs) if ins.name.split("(")[0] in _COMPUTE]
     first, last = (compute[0], compute[-1]) if compute else (0, len(instrs))

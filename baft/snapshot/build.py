@@ -22,10 +22,10 @@ from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.profiler import InstructionTimer, measured_bubbles, median_profile
 from baft.snapshot.baselines import DiskCheckpoint
+from baft.snapshot.copiers import copier_for
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
 from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
 from baft.snapshot.sizes import measure_copy_bandwidth
-from baft.snapshot.streams import copy_stream_for
 
 
 def warn(engine, message: str) -> None:
@@ -43,8 +43,8 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
     common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
     if cfg.policy == "baft":
         root = shm_root(cfg, engine.global_rank)
-        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period, leftovers=cfg.leftovers,
-                               **common)
+        return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period,
+                               copier=copier_for(cfg.executor, engine.device, cfg.leftovers), **common)
     if cfg.policy in ("sync-copy", "thread-copy"):
         cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
         return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
@@ -86,20 +86,15 @@ class PlannedExecutor(BubbleExecutor):
             self.timer.after(engine, index, cmd)
         super().after(engine, index, cmd)
 
-    def waited(self, engine, index, seconds):
+    def before_update(self, engine, index, waited):
         if not self.planned:
-            self.timer.waited(engine, index, seconds)
+            self.timer.before_update(engine, index, waited)
+        super().before_update(engine, index, waited)
 
     def iteration_end(self, engine):
         if not self.planned:
             self.timer.iteration_end(engine)
         super().iteration_end(engine)
-
-    def prepare(self, engine) -> None:
-        super().prepare(engine)
-        executor = self.cfg.executor
-        if self.stream is None and (executor == "stream" or executor == "auto" and self.source.device.type == "cuda"):
-            self.stream = copy_stream_for(self.source.device)
 
     def make_plan(self, engine) -> None:
         self.prepare(engine)

@@ -15,8 +15,6 @@ class PolicyMetrics:
     stall: float = 0.0  # the trainer's thread held by the policy
     bubble_bytes: int = 0  # copied inside the waits for other stages
     flushed_bytes: int = 0  # copied at the fence, before the optimizer changes the state
-    fence_wall: float = 0.0  # the fence inside the optimizer step, where no hook callback times it
-    fence_cpu: float = 0.0
     fence_wait: float = 0.0  # on a GPU: the device's wait at the fence for copies still running
     seal: float = 0.0  # the latest finished seal (copies awaited, checksums, commit record), off the trainer
     seal_cpu: float = 0.0

@@ -5,11 +5,11 @@ before optimizer step k+1 (the last step's, when training stops: :meth:`Snapshot
 they differ in when the chunks are copied:
 
 * :class:`BubbleExecutor` (``baft``): inside the bubbles, whatever is left is flushed before
-  the optimizer step. On CPU it copies while the stage waits in a receive, or in the optimizer
-  step's collectives (the global gradient norm), chunk by chunk, until the data lands, and
-  flushes the rest just before the base optimizer's ``step`` changes the state; with a copy
-  stream (a GPU, where the host does not wait) it queues each bubble's planned chunks on the
-  stream where the bubble begins, and flushes before the ``OptimizerStep`` instruction.
+  the optimizer step changes the state (:meth:`~baft.pipeline.hook.InstructionHook.before_update`).
+  On CPU the host copies while the stage waits in a receive, or for the other stages at the
+  optimizer step, chunk by chunk, until the wait is over; with a copy stream (a GPU, where the
+  host does not wait) each bubble's planned chunks are queued on the stream where the bubble
+  begins (:mod:`baft.snapshot.copiers`).
 * :class:`SyncCopy` (``sync-copy``): everything at the start of the iteration (CheckFreq's
   snapshot phase).
 * :class:`ThreadCopy` (``thread-copy``): a background thread, ignoring bubbles.
@@ -28,14 +28,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from deepspeed.runtime.pipe.schedule import OptimizerStep
-
 from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
+from baft.snapshot.copiers import Copier, HostCopier
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
 from baft.snapshot.metrics import PolicyMetrics
-from baft.snapshot.optimizers import before_base_step
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream
@@ -45,6 +43,7 @@ class SnapshotPolicy(InstructionHook):
     """Takes a snapshot at every ``period``-th step boundary into the rank's shared-memory slots."""
 
     name = "none"
+    stream: Optional[CopyStream] = None  # where snapshots queue their copies; None: the host copies them
 
     def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = 1 << 20, data_iterator=None,
                  link=None):
@@ -54,7 +53,6 @@ class SnapshotPolicy(InstructionHook):
         self.writer: Optional[SnapshotWriter] = None
         self.snapshot: Optional[Snapshot] = None
         self.stall = 0.0  # this iteration's
-        self.stream: Optional[CopyStream] = None  # None: the host copies
         self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``committed_steps``
         self.committed_steps: list[int] = []  # not the records: tens of KB each, one per step of a long run
         self.sealer = Sealer(self._committed)
@@ -106,8 +104,8 @@ class SnapshotPolicy(InstructionHook):
     def started(self) -> None:
         """Called once the snapshot of this iteration has begun."""
 
-    def before(self, engine, index, cmd):
-        if isinstance(cmd, OptimizerStep) and self.snapshot is not None:
+    def before_update(self, engine, index, waited):
+        if self.snapshot is not None:
             self.meet_deadline()
 
     def meet_deadline(self) -> None:
@@ -168,9 +166,9 @@ class CopySpans:
     ``origin`` is ``time.perf_counter()`` at the start of the iteration, so another host clock
     can re-base the spans. ``bubbles`` holds (instruction index, start, end, bytes) for every
     bubble the executor copied in, ``flush`` the (start, end, bytes) of the fence (its time is
-    the stall; None when no snapshot was taken): before the base optimizer's step, inside
-    ``OptimizerStep`` on CPU, before ``OptimizerStep`` with a copy stream. With a copy
-    stream a bubble's span is when its chunks were *queued*: the stream copies them later.
+    the stall; None when no snapshot was taken), inside ``OptimizerStep`` once the stages met,
+    before the step changes any state. With a copy stream a bubble's span is when its chunks
+    were *queued*: the stream copies them later.
     """
 
     origin: float
@@ -184,82 +182,55 @@ class CopySpans:
 class BubbleExecutor(SnapshotPolicy):
     """baft: copy inside the bubbles; flush the rest before the optimizer step.
 
-    Without ``stream`` the host copies while each receive waits, in layout order, as long as
-    the wait lasts. With one, the chunks ``plan`` places in the bubble that begins at an
-    instruction are queued on the stream there; what the plan leaves is queued at the fence, or,
-    with ``leftovers="start"``, at the start of the iteration, to copy beside the compute (a GPU's
-    copy engine runs while its compute stream works).
-    ``spans`` says where this iteration's copies ran (two clock reads per bubble, none per chunk).
+    ``copier`` says how (:mod:`baft.snapshot.copiers`): the host copies while each wait lasts,
+    in layout order; or the chunks ``plan`` places in the bubble that begins at an instruction
+    are queued on a copy stream there. ``spans`` says where this iteration's copies ran (two
+    clock reads per bubble, none per chunk).
     """
 
     name = "baft"
 
-    def __init__(self, *args, plan: Optional[RankPlan] = None, stream: Optional[CopyStream] = None,
-                 leftovers: str = "fence", **kwargs):
+    def __init__(self, *args, plan: Optional[RankPlan] = None, copier: Optional[Copier] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.plan, self.stream, self.leftovers = plan, stream, leftovers
+        self.plan, self.copier = plan, copier or HostCopier()
         self.placement: dict[int, range] = {}
-        self.deadline = None  # the hook that fences before the base optimizer's step, once armed
-        self.fence_at_update = (0.0, 0.0)  # (wall, CPU) seconds of this iteration's fence there, outside any hook
-        self.bubble_bytes: dict[int, int] = defaultdict(int)  # slot -> bytes copied there, this iteration
+        self.bubble_bytes: dict[int, int] = defaultdict(int)  # instruction index -> bytes copied there, this iteration
         self.flushed_bytes = 0
         self.spans = CopySpans(origin=time.perf_counter())
 
+    @property
+    def stream(self) -> Optional[CopyStream]:
+        return self.copier.stream
+
     def iteration_start(self, engine):
         self.spans = CopySpans(origin=time.perf_counter())
-        self.fence_at_update = (0.0, 0.0)
         super().iteration_start(engine)
 
     def started(self):
         self.bubble_bytes.clear()
         self.flushed_bytes = 0
         self.placement = self.plan.placement() if self.plan is not None else {}
-        if self.stream is not None and self.leftovers == "start":
-            placed = {i for chunks in self.placement.values() for i in chunks}
-            self.snapshot.queue([i for i in self.snapshot.pending if i not in placed])
+        self.copier.started(self.snapshot, {i for chunks in self.placement.values() for i in chunks})
 
     def before(self, engine, index, cmd):
-        if self.stream is not None and self.snapshot is not None and index in self.placement:
+        if self.snapshot is not None and index in self.placement:
             start = time.perf_counter()
-            self._copied_in_bubble(index, start, self.snapshot.queue(self.placement[index]))
-        if self.stream is None and self.snapshot is not None and isinstance(cmd, OptimizerStep):
-            # DeepSpeed's step reduces the gradient norm (or overflow flag) across stages before its base
-            # optimizer changes any state: copy through that wait, fence as the base optimizer starts
-            self.deadline = before_base_step(engine.optimizer, self._at_update)
-            if self.deadline is not None:
-                return
+            self._copied_in_bubble(index, start, self.copier.bubble_begins(self.snapshot, self.placement[index]))
         super().before(engine, index, cmd)
 
-    def _at_update(self, *_) -> None:
-        self._disarm()
-        if self.snapshot is not None:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            self.meet_deadline()
-            self.fence_at_update = (time.perf_counter() - wall, time.thread_time() - cpu)
-
-    def _disarm(self) -> None:
-        if self.deadline is not None:
-            self.deadline.remove()
-            self.deadline = None
-
-    def after(self, engine, index, cmd):
-        if self.deadline is not None:  # the step changed nothing (an fp16 overflow skips it): fence now
-            self._at_update()
-        super().after(engine, index, cmd)
-
     def bubble(self, engine, index, cmd):
-        if self.stream is not None or self.snapshot is None or self.snapshot.done:
+        work = self.copier.bubble_work(self.snapshot) if self.snapshot is not None else None
+        if work is None:
             return None
-        snapshot = self.snapshot
 
         def copy_until(landed):
             start = time.perf_counter()
-            self._copied_in_bubble(index, start, snapshot.copy_while(lambda: not landed.is_set()))
+            self._copied_in_bubble(index, start, work(landed))
         return copy_until
 
     def _copied_in_bubble(self, index: int, start: float, nbytes: int) -> None:
-        self.bubble_bytes[index] += nbytes
         if nbytes:
+            self.bubble_bytes[index] += nbytes
             self.spans.bubbles.append((index, *self.spans.since_origin(start, time.perf_counter()), nbytes))
 
     def finish(self):
@@ -268,24 +239,16 @@ class BubbleExecutor(SnapshotPolicy):
         super().finish()
         self.spans.flush = (*self.spans.since_origin(start, time.perf_counter()), self.flushed_bytes)
 
-    def fence_wait(self) -> float:
-        """Seconds the device waited at the latest fence for the copies (0 without a copy stream, where
-        the host waits and :attr:`stall` holds it). Call once that iteration's device work is done."""
-        return self.stream.fence_wait() if self.stream is not None else 0.0
-
     def metrics(self) -> PolicyMetrics:
         """Also what this iteration's snapshot copied where (on a GPU: call once the iteration's device work
         is done, for the device's wait at the fence)."""
         mine = super().metrics()
         return replace(mine, bubble_bytes=sum(self.bubble_bytes.values()), flushed_bytes=self.flushed_bytes,
-                       fence_wall=self.fence_at_update[0], fence_cpu=self.fence_at_update[1],
-                       fence_wait=self.fence_wait() if mine.snapshotted else 0.0)
+                       fence_wait=self.copier.fence_wait() if mine.snapshotted else 0.0)
 
     def close(self):
-        self._disarm()  # an optimizer step that raised left it armed
         super().close()
-        if hasattr(self.stream, "close"):
-            self.stream.close()
+        self.copier.close()
 
 
 class SyncCopy(SnapshotPolicy):

@@ -116,9 +116,6 @@ class ThreadCopyStream:
             error, self._error = self._error, None
             raise error
 
-    def close(self) -> None:
-        self.synchronize()
-
 
 def copy_stream_for(device: torch.device) -> CopyStream:
     """The copy stream for state on ``device``: a CUDA side stream, or a thread on CPU."""
