@@ -1,5 +1,5 @@
-"""``baft train`` itself killed with SIGKILL, alone or with its ranks: the ranks stop, the run's manager, in a
-session of its own, lives on holding the snapshots; the next launch of the run directory stops it, adopts
+"""``baft train`` itself killed with SIGKILL: its ranks stop, the run's manager, in a session of its own,
+lives on holding the snapshots; the next launch of the run directory stops it, adopts
 them and resumes from the newest; a run that ends leaves nothing in shared memory once its newest snapshot
 is on disk, and keeps it in memory where that write fails."""
 
@@ -88,20 +88,30 @@ def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
 
 
 @pytest.mark.slow
-def test_launcher_killed_by_sigkill_resumes_from_the_manager_it_left(tmp_path, monkeypatch):
+def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_manager_it_left(tmp_path, monkeypatch):
+    """SIGKILL to the launcher only: torchrun, armed to get SIGTERM when its parent dies, stops the ranks,
+    so no training goes on unwatched; the manager keeps the snapshots, and the next launch resumes from them."""
     monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
-    with training(tmp_path, run_dir, 60, logged=4) as first:
+    with training(tmp_path, run_dir, 200, logged=4) as first:
         manager = first.manager
         second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(), timeout=60)
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert f"{run_dir}: another `baft train` (pid {first.pid}) is using this run directory" in second.stderr
 
-        kill([first.pid, *(p for p in descendants(first.pid) if p != manager)])  # the launcher, torchrun, the ranks
+        trainers = [p for p in descendants(first.pid) if p != manager]
+        assert len(trainers) >= 3, "torchrun and its two ranks"
+        kill([first.pid])
         first.wait()
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in trainers):
+            assert time.monotonic() < deadline, "torchrun or a rank trains on after its launcher died"
+            time.sleep(0.1)
         assert alive(manager), "the manager runs in a session of its own and outlives the launcher"
+        assert slots.rank_ids(node) == [0, 1] and all(slots.committed(node, r) for r in (0, 1))
         logged = losses(run_dir)
+        assert len(logged) < 200
         before = {r["step"]: r["loss"] for r in logged}
         last = max(before)
 
@@ -160,26 +170,3 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
         assert f"baft: step 10 is kept in {run_dir / 'persisted'}" in resumed.stdout
         assert [r["step"] for r in losses(run_dir)] == list(range(1, 11))
         assert not node.parent.exists(), "the second launch wrote its snapshot and freed the shared memory"
-
-
-@pytest.mark.slow
-def test_killing_baft_train_alone_stops_its_training_and_keeps_the_snapshots(tmp_path):
-    """SIGKILL to the launcher only: torchrun, armed to get SIGTERM when its parent dies, stops the ranks,
-    so no training goes on unwatched; the manager keeps the snapshots for the next launch."""
-    from baft.manager import control
-
-    run_dir = tmp_path / "run"
-    node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
-    with training(tmp_path, run_dir, 200, logged=2) as first:
-        trainers = [p for p in descendants(first.pid) if p != first.manager]
-        assert len(trainers) >= 3, "torchrun and its two ranks"
-        kill([first.pid])
-        first.wait()
-        deadline = time.monotonic() + 60
-        while any(alive(p) for p in trainers):
-            assert time.monotonic() < deadline, "torchrun or a rank trains on after its launcher died"
-            time.sleep(0.1)
-        assert alive(first.manager)
-        assert slots.rank_ids(node) == [0, 1] and all(slots.committed(node, r) for r in (0, 1))
-        assert len(losses(run_dir)) < 200
-        control.stop(node)  # frees the snapshots: nothing here launches again

@@ -1,6 +1,7 @@
 """Kill a rank mid-training: the elastic restart resumes from the newest snapshot, bit for bit."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,35 +30,49 @@ def uninterrupted(clean_run) -> dict:
     return {r["step"]: r["loss"] for r in losses(clean_run)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("executor, faults", [
-    ("receive", ["rank=0,step=4,phase=copy", "rank=1,step=6,phase=seal", "rank=1,step=8,phase=backward"]),
-    ("stream", ["rank=0,step=4,phase=copy"])])
-def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, clean_run, uninterrupted, executor,
-                                                         faults, monkeypatch):
-    """One run killed in each fault in turn, each resumed from the newest snapshot in memory."""
-    monkeypatch.setenv("BAFT_CHAOS", ";".join(f"{fault},restart={i}" for i, fault in enumerate(faults)))
-    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
-    run_dir = tmp_path / "run"
+FAULTS = {"receive": ["rank=0,step=4,phase=copy", "rank=1,step=6,phase=seal", "rank=1,step=8,phase=backward"],
+          "stream": ["rank=0,step=4,phase=copy"]}
+
+
+def killed_run(tmp_path, shm_root, executor: str, faults: list[str]) -> Path:
+    """A run of the job under ``executor``, killed in each fault in turn (its restart's number), its digests in
+    ``tmp_path/executor/digests``: the run directory."""
+    work = tmp_path / executor
+    env = {"BAFT_CHAOS": ";".join(f"{fault},restart={i}" for i, fault in enumerate(faults)),
+           DIGESTS_ENV: str(work / "digests")}
     run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--executor", executor,
-                   "--run-dir", str(run_dir), "--shm-root", str(shm_root)], max_restarts=len(faults))
-    records, recoveries = losses(run_dir), load_recoveries(run_dir)
-    assert [r.source for r in recoveries] == ["memory"] * len(faults), recoveries
-    for restart, (fault, recovery) in enumerate(zip(faults, recoveries)):
-        killed_step = int(fault.split("step=")[1].split(",")[0])
-        cut = [r["step"] for r in records if r["restart"] == restart]
-        resumed = [r["step"] for r in records if r["restart"] == restart + 1]
-        # died during the iteration of killed_step; a seal runs beside the trainer, which may finish that step
-        assert max(cut) in ((killed_step - 1, killed_step) if "seal" in fault else (killed_step - 1,)), fault
-        # snapshot of step k is committed during iteration k+1, so the newest one is killed_step - 2 or - 1;
-        # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank
-        assert resumed[0] in ((killed_step - 1,) if "seal" in fault else (killed_step - 1, killed_step)), fault
-        assert recovery.restored_step == resumed[0] - 1
-        assert all(getattr(recovery, t) >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
-    assert records[-1]["step"] == 10
-    for r in records:
-        assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
-    assert compare(clean_run / "digests", tmp_path / "digests") == []
+                   "--run-dir", str(work / "run"), "--shm-root", str(shm_root / executor)],
+               max_restarts=len(faults), env=env)
+    return work / "run"
+
+
+@pytest.mark.slow
+def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, clean_run, uninterrupted):
+    """One run per executor (side by side), killed in each fault in turn, each resumed from the newest
+    snapshot in memory."""
+    with ThreadPoolExecutor(len(FAULTS)) as pool:
+        runs = {executor: pool.submit(killed_run, tmp_path, shm_root, executor, faults)
+                for executor, faults in FAULTS.items()}
+        runs = {executor: run.result() for executor, run in runs.items()}
+    for executor, faults in FAULTS.items():
+        run_dir = runs[executor]
+        records, recoveries = losses(run_dir), load_recoveries(run_dir)
+        assert [r.source for r in recoveries] == ["memory"] * len(faults), (executor, recoveries)
+        for restart, (fault, recovery) in enumerate(zip(faults, recoveries)):
+            killed_step = int(fault.split("step=")[1].split(",")[0])
+            cut = [r["step"] for r in records if r["restart"] == restart]
+            resumed = [r["step"] for r in records if r["restart"] == restart + 1]
+            # died during the iteration of killed_step; a seal runs beside the trainer, which may finish that step
+            assert max(cut) in ((killed_step - 1, killed_step) if "seal" in fault else (killed_step - 1,)), fault
+            # snapshot of step k is committed during iteration k+1, so the newest one is killed_step - 2 or - 1;
+            # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank
+            assert resumed[0] in ((killed_step - 1,) if "seal" in fault else (killed_step - 1, killed_step)), fault
+            assert recovery.restored_step == resumed[0] - 1
+            assert all(getattr(recovery, t) >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
+        assert records[-1]["step"] == 10
+        for r in records:
+            assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"{executor}: step {r['step']} differs"
+        assert compare(clean_run / "digests", run_dir.parent / "digests") == [], executor
 
 
 @pytest.mark.slow
@@ -90,55 +105,57 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
+def baseline_run(tmp_path, policy: str, iters: int, period: int, fault: str) -> Path:
+    """A run of the job under a disk baseline, killed once (``fault``): its run directory."""
+    work = tmp_path / policy
+    run_worker(2, [*TINY, "--iters", str(iters), "--policy", policy, "--period", str(period),
+                   "--run-dir", str(work / "run")], max_restarts=1,
+               env={"BAFT_CHAOS": fault, DIGESTS_ENV: str(work / "digests")})
+    return work / "run"
+
+
 @pytest.mark.slow
-def test_deepspeed_checkpoint_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted,
-                                                                           monkeypatch):
-    """The disk baseline the benchmarks compare against restarts the usual way: load_checkpoint."""
-    monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=8,phase=backward")
-    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
-    run_dir = tmp_path / "run"
-    run_worker(2, [*TINY, "--iters", "10", "--policy", "deepspeed", "--period", "3", "--run-dir", str(run_dir)],
-               max_restarts=1)
-    resumed = [r for r in losses(run_dir) if r["restart"] == 1]
+def test_the_disk_baselines_restart_from_their_newest_checkpoint(tmp_path, clean_run, uninterrupted):
+    """The disk baselines the benchmarks compare against restart the usual way (DeepSpeed's: load_checkpoint).
+    dcp-async used to restore nothing and train again from step 0 without a word. The two run side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        deepspeed = pool.submit(baseline_run, tmp_path, "deepspeed", 10, 3, "rank=1,step=8,phase=backward")
+        dcp = pool.submit(baseline_run, tmp_path, "dcp-async", 6, 2, "rank=1,step=5,phase=backward")
+        deepspeed, dcp = deepspeed.result(), dcp.result()
+
+    resumed = [r for r in losses(deepspeed) if r["restart"] == 1]
     assert [r["step"] for r in resumed] == [7, 8, 9, 10]  # checkpoints at 3 and 6: resumes after 6
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
-    recovery = json.loads((run_dir / "recovery.jsonl").read_text().splitlines()[0])
+    recovery = json.loads((deepspeed / "recovery.jsonl").read_text().splitlines()[0])
     assert recovery["source"] == "disk" and recovery["restored_step"] == 6
-    assert compare(clean_run / "digests", tmp_path / "digests") == []
+    assert compare(clean_run / "digests", deepspeed.parent / "digests") == []
 
-
-@pytest.mark.slow
-def test_dcp_async_baseline_restarts_from_its_newest_checkpoint(tmp_path, clean_run, uninterrupted, monkeypatch):
-    """It used to restore nothing and train again from step 0 without a word."""
-    monkeypatch.setenv("BAFT_CHAOS", "rank=1,step=5,phase=backward")
-    monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
-    run_dir = tmp_path / "run"
-    run_worker(2, [*TINY, "--iters", "6", "--policy", "dcp-async", "--period", "2", "--run-dir", str(run_dir)],
-               max_restarts=1)
-    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    saved = sorted(p.name for p in (dcp / "checkpoints").iterdir())
     assert saved == ["step2", "step4", "step6"]
-    assert all((run_dir / "checkpoints" / s / ".metadata").exists() for s in saved)
-    recovery = json.loads((run_dir / "recovery.jsonl").read_text().splitlines()[0])
+    assert all((dcp / "checkpoints" / s / ".metadata").exists() for s in saved)
+    recovery = json.loads((dcp / "recovery.jsonl").read_text().splitlines()[0])
     # step 4's save is written in the background during step 5: the kill may find it incomplete
     assert recovery["source"] == "disk" and recovery["restored_step"] in (2, 4)
-    resumed = [r for r in losses(run_dir) if r["restart"] == 1]
+    resumed = [r for r in losses(dcp) if r["restart"] == 1]
     assert [r["step"] for r in resumed] == list(range(recovery["restored_step"] + 1, 7))
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
-    assert compare(clean_run / "digests", tmp_path / "digests") == []
+    assert compare(clean_run / "digests", dcp.parent / "digests") == []
 
 
 @pytest.mark.slow
 def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_run, uninterrupted):
-    """A run that ends (here: a rank dies with no restarts left) frees its shared memory only after its
-    manager writes the newest snapshot to RUN_DIR/persisted: launching the run again resumes from that
-    step, bit for bit, instead of starting over; once at --iters, a launch trains nothing and says so."""
+    """A run that ends (here: a rank dies with no restarts left) shows the end of its log, and frees its shared
+    memory only after its manager writes the newest snapshot to RUN_DIR/persisted: launching the run again
+    resumes from that step, bit for bit, instead of starting over; once at --iters, a launch trains nothing
+    and says so."""
     import re
     import subprocess
     import sys
 
     from baft.cli.launch import launch_env
+    from baft.cli.runlog import LAUNCHER, LOG_NAME, RANKS
 
     run_dir = tmp_path / "run"
 
@@ -149,7 +166,12 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
                               env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}), timeout=300)
 
     failed = train("--fault", "rank=1,step=6,phase=backward")
-    assert failed.returncode != 0 and "training failed" in failed.stderr, failed.stdout[-2000:]
+    assert failed.returncode == 2 and "Traceback" not in failed.stdout, failed.stdout[-2000:]
+    # the screen shows the end of the log: the survivor's error (gloo words it by what the socket saw: closed,
+    # reset, ...) and torchrun's summary, the rank that failed first
+    ranks, launcher = (failed.stderr.split(f"the last lines of {source}:\n")[1] for source in (RANKS, LAUNCHER))
+    assert "[0] [rank0]:" in ranks and "Signal 9 (SIGKILL) received" in launcher, failed.stderr[-3000:]
+    assert f"training failed (exit code 1); every rank's output is in {run_dir / LOG_NAME}" in failed.stderr
     assert max(r["step"] for r in losses(run_dir)) == 5
     assert sorted(p.name for p in (run_dir / "persisted" / "node0").glob("step-*")), "nothing persisted at the end"
 

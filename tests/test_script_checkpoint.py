@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,47 +31,63 @@ def train(directory: Path, *args, faults=(), policy="baft") -> subprocess.Comple
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run, without baft: checkpoints at steps 5 and 10 of 12, and its digests."""
-    directory = tmp_path_factory.mktemp("reference")
-    proc = train(directory, "--register", "stateful", policy="none")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert (directory / "ckpt" / "latest").read_text().strip() == "global_step10"
-    return directory
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every run of this module, side by side (their restarts leave the cores idle), by name: its directory and
+    its ``baft train``. ``reference`` is the uninterrupted run, without baft: checkpoints at steps 5 and 10 of
+    12; ``first start`` begins from the reference's checkpoint of step 5, so it waits for that run."""
+    def run(name, *args, **kwargs):
+        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        return directory, train(directory, *args, **kwargs)
+
+    def first_start():
+        directory, proc = reference.result()
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert (directory / "ckpt" / "latest").read_text().strip() == "global_step10"
+        mine = tmp_path_factory.mktemp("first-start")
+        shutil.copytree(directory / "ckpt" / "global_step5", mine / "ckpt" / "global_step5")
+        (mine / "ckpt" / "latest").write_text("global_step5")
+        # snapshots every 3 steps: killed in step 11, the newest is step 9, the script's own checkpoint step 10
+        return mine, train(mine, "--register", "callable", "--period", "3", faults=["rank=1,step=11,phase=backward"])
+
+    with ThreadPoolExecutor(3) as pool:
+        reference = pool.submit(run, "reference", "--register", "stateful", policy="none")
+        jobs = {"reference": reference,
+                "kills": pool.submit(run, "kills", "--register", "stateful",
+                                     faults=["rank=1,step=3,phase=backward,restart=0",
+                                             "rank=0,step=8,phase=forward,restart=1"]),
+                "rollback": pool.submit(run, "rollback", faults=["rank=0,step=8,phase=forward"])}
+        jobs["first start"] = pool.submit(first_start)
+        return {name: job.result() for name, job in jobs.items()}
 
 
 @pytest.mark.slow
-def test_a_kill_before_any_save_and_one_after_resume_from_baft_not_the_older_checkpoint(tmp_path, reference):
-    proc = train(tmp_path, "--register", "stateful", faults=["rank=1,step=3,phase=backward,restart=0",
-                                                 "rank=0,step=8,phase=forward,restart=1"])
+def test_a_kill_before_any_save_and_one_after_resume_from_baft_not_the_older_checkpoint(runs):
+    reference, _ = runs["reference"]
+    directory, proc = runs["kills"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    before_save, after_save = load_recoveries(tmp_path / "run")  # a step's snapshot commits in the next step
+    before_save, after_save = load_recoveries(directory / "run")  # a step's snapshot commits in the next step
     assert before_save.source == after_save.source == "memory" and before_save.restored_step in (1, 2)
     assert after_save.restored_step in (6, 7), after_save
-    assert (f"baft: kept step {after_save.restored_step} (memory) over step 5 in {tmp_path / 'ckpt' / 'global_step5'}"
+    assert (f"baft: kept step {after_save.restored_step} (memory) over step 5 in {directory / 'ckpt' / 'global_step5'}"
             in proc.stdout), proc.stdout[-2000:]
-    assert compare(reference / "digests", tmp_path / "digests") == []
+    assert compare(reference / "digests", directory / "digests") == []
 
 
 @pytest.mark.slow
-def test_the_first_start_loads_a_checkpoint_written_without_baft_and_a_newer_one_wins_over_a_snapshot(
-        tmp_path, reference):
-    (tmp_path / "ckpt").mkdir()
-    shutil.copytree(reference / "ckpt" / "global_step5", tmp_path / "ckpt" / "global_step5")
-    (tmp_path / "ckpt" / "latest").write_text("global_step5")
-    # snapshots every 3 steps: killed in step 11, the newest is step 9, the script's own checkpoint step 10
-    proc = train(tmp_path, "--register", "callable", "--period", "3", faults=["rank=1,step=11,phase=backward"])
+def test_the_first_start_loads_a_checkpoint_written_without_baft_and_a_newer_one_wins_over_a_snapshot(runs):
+    reference, _ = runs["reference"]
+    directory, proc = runs["first start"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "baft: loaded step 10 from" in proc.stdout and "over step 9 (memory): the checkpoint is newer" in proc.stdout
-    assert compare(reference / "digests", tmp_path / "digests") == []
+    assert compare(reference / "digests", directory / "digests") == []
 
 
 @pytest.mark.slow
-def test_a_load_that_would_roll_back_a_snapshot_with_nothing_registered_stops_in_one_line(tmp_path):
-    proc = train(tmp_path, faults=["rank=0,step=8,phase=forward"])
+def test_a_load_that_would_roll_back_a_snapshot_with_nothing_registered_stops_in_one_line(runs):
+    directory, proc = runs["rollback"]
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("baft: error:")]
-    assert errors and re.search(rf"engine\.load_checkpoint\({re.escape(str(tmp_path / 'ckpt'))}\) would roll this run "
+    assert errors and re.search(rf"engine\.load_checkpoint\({re.escape(str(directory / 'ckpt'))}\) would roll this run "
                                 rf"back from step [67] \(memory\) to the checkpoint's step 5: pass baft\.initialize "
                                 rf"client_state=", errors[0]), proc.stderr
     assert "Traceback" not in proc.stderr

@@ -37,7 +37,7 @@ def profile(example, out, iters, command, dp, **model):
     """
     from baft.cli.launch import example_args, launch_env, run_command
     from baft.cli.runlog import Outcome, run_example_logged
-    from baft.pipeline.profiler import merge_traces, trace_paths
+    from baft.pipeline.merge import merge_traces, trace_paths
     from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV
 
     if bool(example) == bool(command):
@@ -289,7 +289,7 @@ def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:
 
 def _fresh_trace_dir(trace_dir) -> Path:
     """The trace directory, emptied of an earlier run's traces (a rank writes its own at exit)."""
-    from baft.pipeline.profiler import trace_paths
+    from baft.pipeline.merge import trace_paths
 
     path = Path(trace_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)

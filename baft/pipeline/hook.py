@@ -33,6 +33,14 @@ class InstructionHook:
         stages met (``waited``: the seconds that took; None where the step holds no meeting)."""
 
 
+def step_meets_other_stages(engine) -> bool:
+    """Whether DeepSpeed's optimizer step begins with a collective every stage joins: gradient clipping,
+    and DeepSpeed's bf16, fp16 and ZeRO optimizers, reduce the global gradient norm (or the fp16 overflow
+    flag) across the stages before any state changes (``DeepSpeedEngine._take_model_step``)."""
+    return (engine.gradient_clipping() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled()
+            or engine.zero_optimization())
+
+
 @dataclass
 class Hooks:
     """The hooks of a protected engine, each in its named place; they run in the order of these fields:

@@ -31,17 +31,10 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from baft.accelerator import collective_device
 from baft.background import BackgroundThread
+from baft.pipeline.hook import step_meets_other_stages
 from baft.pipeline.schedules import make_schedule
 
 BubbleWork = Callable[[threading.Event], None]
-
-
-def step_meets_other_stages(engine) -> bool:
-    """Whether DeepSpeed's optimizer step begins with a collective every stage joins: gradient clipping,
-    and DeepSpeed's bf16, fp16 and ZeRO optimizers, reduce the global gradient norm (or the fp16 overflow
-    flag) across the stages before any state changes (``DeepSpeedEngine._take_model_step``)."""
-    return (engine.gradient_clipping() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled()
-            or engine.zero_optimization())
 
 
 class BubbleThread:

@@ -2,8 +2,8 @@
 
 :class:`InstructionTimer` is an engine hook that records the start and duration of every
 instruction of every ``train_batch`` on its rank. Each rank writes a trace;
-:func:`merge_traces` turns the traces of all ranks into one measured bubble map, with the
-analytic prediction from the same per-op costs beside it.
+:func:`baft.pipeline.merge.merge_traces` turns the traces of all ranks into one measured bubble
+map, with the analytic prediction from the same per-op costs beside it.
 
 A bubble is time a stage's compute waits in a receive, or at the optimizer step for the other
 stages (the meeting before the global gradient norm: see :mod:`baft.pipeline.hooks`). On CPU the host
@@ -16,23 +16,20 @@ iteration, at its end, to read the events.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from baft.errors import BaftError
-from baft.jsonfile import read_json, write_json_atomic
-from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
-from baft.pipeline.hook import InstructionHook
-from baft.pipeline.hooks import step_meets_other_stages
-from baft.pipeline.timeline import Costs, analytic_bubble_map
+from baft.jsonfile import write_json_atomic
+from baft.pipeline.bubblemap import Bubble, InstructionTiming, RankProfile, StateBytes
+from baft.pipeline.hook import InstructionHook, step_meets_other_stages
 
 _COMPUTE = ("ForwardPass", "BackwardPass")
 _RECEIVE = ("RecvActivation", "RecvGrad")
@@ -216,68 +213,3 @@ def measured_bubbles(profile: RankProfile) -> list[Bubble]:
                               slot=ins.index, after=instrs[i - 1].name if i else "iteration start",
                               before=then, kind=kind))
     return bubbles
-
-
-_FORWARD_SIDE = ("LoadMicroBatch", "ForwardPass", "SendActivation")
-_BACKWARD_SIDE = ("BackwardPass", "SendGrad")
-_OPTIMIZER_SIDE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
-
-
-def measured_costs(profiles: list[RankProfile], stages: int, optimizer_sync: bool = False) -> Costs:
-    """Per-stage costs for the analytic model: everything a stage does per micro-batch, minus waits.
-
-    A forward costs its micro-batch's load, forward pass and (blocking) send; a backward,
-    its backward pass and send; the optimizer, the reductions and the step, less the step's
-    wait for the other stages. Transfers between processes on one host are part of the send,
-    so p2p latency is zero.
-    """
-    def stage_costs(stage):
-        rank = next(p for p in profiles if p.stage == stage and p.dp_rank == 0)
-        spent, forwards = defaultdict(float), 0
-        for ins in rank.instructions:
-            name = ins.name.split("(")[0]
-            spent[name] += ins.duration - ins.wait
-            forwards += name == "ForwardPass"
-        m = max(forwards, 1)
-        return (sum(spent[n] for n in _FORWARD_SIDE) / m, sum(spent[n] for n in _BACKWARD_SIDE) / m,
-                sum(spent[n] for n in _OPTIMIZER_SIDE))
-
-    forward, backward, optimizer = zip(*(stage_costs(s) for s in range(stages)))
-    return Costs(forward=list(forward), backward=list(backward), optimizer=list(optimizer), p2p=0.0,
-                 optimizer_sync=optimizer_sync)
-
-
-def merge_traces(paths: list, skip: int = 1) -> BubbleMap:
-    """All ranks' traces as one measured bubble map, with the analytic fractions beside it."""
-    if not paths:
-        raise BaftError("no profiler traces were written; did the run call baft.initialize?")
-    return merge_trace_docs([read_json(p) for p in paths], skip)
-
-
-def merge_trace_docs(traces: list[dict], skip: int = 1) -> BubbleMap:
-    """:func:`merge_traces` of traces already read: medians over each trace's iterations after the first ``skip``."""
-    head = traces[0]
-    profiles = sorted((median_profile(t, skip) for t in traces), key=lambda p: p.rank)
-    stages = head["stages"]
-    analytic = analytic_bubble_map(head["schedule"], stages, head["micro_batches"],
-                                   measured_costs(profiles, stages, head.get("optimizer_sync", False)))
-    return BubbleMap(
-        schedule=head["schedule"], stages=stages, micro_batches=head["micro_batches"], source="measured",
-        bubbles=[b for p in profiles if p.dp_rank == 0 for b in measured_bubbles(p)], ranks=profiles,
-        data_parallel=head["data_parallel"], iterations=len(head["iterations"][skip:]),
-        optimizer_sync=head.get("optimizer_sync", False),
-        makespan=max(p.iteration_time for p in profiles),
-        model={**head["model"], **{key: {k: v for t in traces for k, v in t["model"][key].items()}
-                                   for key in ("layout", "chunk_sizes")}},
-        analytic_bubble_fraction=dict(analytic.analytic_bubble_fraction))
-
-
-def trace_paths(directory) -> list[Path]:
-    return sorted(Path(directory).glob("trace-rank*.json"))
-
-
-def agreement(bmap: BubbleMap, stage: int) -> Optional[float]:
-    """Measured minus analytic bubble fraction of ``stage`` (None without an analytic figure)."""
-    if stage not in bmap.analytic_bubble_fraction:
-        return None
-    return bmap.bubble_fraction(stage) - bmap.analytic_bubble_fraction[stage]

@@ -63,7 +63,7 @@ class Comparison:
 
 
 def _measured_inputs(bmap: BubbleMap):
-    from baft.pipeline.profiler import measured_costs  # imports torch: only when comparing
+    from baft.pipeline.merge import measured_costs  # imports torch: only when comparing
 
     if not bmap.ranks:
         raise ConfigError("compare_to_measured: the bubble map has no per-rank profiles; give one `baft profile` wrote")

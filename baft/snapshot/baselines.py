@@ -18,7 +18,7 @@ from baft.accelerator import collective_device
 from baft.errors import BaftError
 from baft.pipeline.hook import InstructionHook
 from baft.snapshot import state
-from baft.snapshot.metrics import PolicyMetrics
+from baft.snapshot.metrics import Periodic, PolicyMetrics
 from baft.snapshot.optimizers import entry
 
 ITEMS_KEY = "baft_items"  # where the deepspeed baseline keeps the small items (RNG, data position) in client_state
@@ -40,7 +40,7 @@ def own_items(engine, saved: dict) -> dict:
     return saved["replicas"][engine.grid.get_data_parallel_rank()]
 
 
-class DiskCheckpoint(InstructionHook):
+class DiskCheckpoint(InstructionHook, Periodic):
     """The usual practice: a full checkpoint to disk every ``period`` steps, after the step."""
 
     def __init__(self, kind: str, save_dir: str, period: int, data_iterator=None):
@@ -52,7 +52,6 @@ class DiskCheckpoint(InstructionHook):
         # group they would race the pipeline's p2p and abort, so they get a group of their own
         self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
         self.stager = None  # dcp-async: stages into pinned host memory where there is a GPU, kept between saves
-        self.snapshot_now: Optional[bool] = None  # None: the period decides; a benchmark may decide instead
         self.saved_before = 0  # saved when this iteration started
 
     def iteration_start(self, engine):
@@ -66,7 +65,7 @@ class DiskCheckpoint(InstructionHook):
 
     def iteration_end(self, engine):
         step = engine.global_steps
-        if not (step % self.period == 0 if self.snapshot_now is None else self.snapshot_now):
+        if not self.wanted(step):
             return
         start = time.perf_counter()
         items = state.capture_items(engine, self.data_iterator)

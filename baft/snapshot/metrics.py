@@ -1,9 +1,21 @@
-"""What a snapshot policy did, as data: the benchmark (``baft compare``) and the example's summary read
-this, never the policy's attributes."""
+"""What a snapshot policy did, as data (the benchmark, ``baft compare``, and the example's summary read this,
+never the policy's attributes), and when it snapshots."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+
+class Periodic:
+    """Snapshots every ``period``-th step, unless ``snapshot_now`` decides instead (a benchmark does, block by
+    block, so that every policy snapshots the same iterations)."""
+
+    period: int = 1
+    snapshot_now: Optional[bool] = None
+
+    def wanted(self, step: int) -> bool:
+        return step % self.period == 0 if self.snapshot_now is None else self.snapshot_now
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ from baft.snapshot import state
 from baft.snapshot.copiers import Copier, HostCopier
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
-from baft.snapshot.metrics import PolicyMetrics
+from baft.snapshot.metrics import Periodic, PolicyMetrics
 from baft.snapshot.planner import RankPlan
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream
 
 
-class SnapshotPolicy(InstructionHook):
+class SnapshotPolicy(InstructionHook, Periodic):
     """Takes a snapshot at every ``period``-th step boundary into the rank's shared-memory slots."""
 
     name = "none"
@@ -59,13 +59,11 @@ class SnapshotPolicy(InstructionHook):
         self.engine = None  # the engine of the latest iteration, and whether that iteration ended
         self.at_step_boundary = False
         self.last_step: Optional[int] = None  # of the newest snapshot begun
-        self.snapshot_now: Optional[bool] = None  # None: the period decides; a benchmark may decide instead
         self.taken_before = 0  # taken when this iteration started
 
     def due(self, engine) -> bool:
         step = engine.global_steps
-        wanted = step % self.period == 0 if self.snapshot_now is None else self.snapshot_now
-        return step > 0 and wanted and state.optimizer_state_missing(engine) is None
+        return step > 0 and self.wanted(step) and state.optimizer_state_missing(engine) is None
 
     def metrics(self) -> PolicyMetrics:
         """This policy's counters after the latest iteration."""

@@ -26,7 +26,8 @@ from typing import Optional
 from baft.errors import BaftError
 from baft.jsonfile import read_json
 from baft.pipeline.bubblemap import BubbleMap
-from baft.pipeline.profiler import HostClock, InstructionTimer, merge_trace_docs, trace_paths, write_trace
+from baft.pipeline.merge import merge_trace_docs, trace_paths
+from baft.pipeline.profiler import HostClock, InstructionTimer, write_trace
 from baft.snapshot import sizes
 from baft.snapshot.policies import SnapshotPolicy
 

@@ -38,7 +38,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--node-per-rank", action="store_true", help="each rank its own node: node_id = rank")
-parser.add_argument("--stateless", choices=("scheduler", "data"), help="hand baft a part it cannot save")
+parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", default=(),
+                    help="hand baft parts it cannot save")
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -62,8 +63,8 @@ class Halving:
             group["lr"] /= 2
 
 
-extra = {"lr_scheduler": Halving} if args.stateless == "scheduler" else {}
-if args.stateless == "data":
+extra = {"lr_scheduler": Halving} if "scheduler" in args.stateless else {}
+if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 while engine.global_steps < args.steps:
