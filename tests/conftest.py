@@ -21,6 +21,40 @@ TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--vo
         "--micro-batches", "4", "--micro-batch-size", "2"]
 
 
+# DeepSpeed builds its C++ ops the first time a process needs them, once per Python environment (the build's
+# hash holds the environment's paths, so a fresh one, as CI's, builds again): the shared-memory communication
+# op every run on the CPU accelerator loads, and the Adam of tests/test_matrix.py's DeepSpeed-Adam case.
+BUILD_OPS = """
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+
+if get_accelerator().device_name() == "cpu":
+    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            builder.load()
+"""
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that train no pipeline first: quick feedback, while DeepSpeed's ops build beside them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops(request):
+    """In a session that trains pipelines, build DeepSpeed's ops in a process of their own from its start, as
+    the tests that train none run (~40 s and ~70 s on 2 cores where nothing is built yet; a second of loading
+    where it is): the first pipeline tests would otherwise stand still while the ops build inside them."""
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield
+        return
+    build = subprocess.Popen([sys.executable, "-c", BUILD_OPS], env=launch_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    yield
+    build.wait()  # never killed: a build stopped halfway leaves its lock, and every later build waits on it
+
+
 def run_ranks(nprocs: int, script: str, args: list[str], timeout: float = 240, max_restarts: int = 0,
               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<script>`` on ``nprocs`` local ranks (torchrun when it is to restart them)."""

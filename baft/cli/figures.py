@@ -16,10 +16,10 @@ from matplotlib.patches import Patch
 from baft.cli.show import copies_line, ms, pct
 from baft.pipeline.bubblemap import Bubble, BubbleMap, RankProfile
 from baft.snapshot.planner import Plan, RankPlan
-from baft.snapshot.trace import RunTimeline
 
 if TYPE_CHECKING:
     from baft.pipeline.timeline import Timeline
+    from baft.snapshot.trace import RunTimeline
 
 # Instruction kinds, their colours in figures, and their legend names.
 KIND_COLOURS = {

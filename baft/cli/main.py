@@ -97,7 +97,6 @@ def show(file, png, stages):
     FILE may also be the trace directory of a run (``baft train --trace DIR``): one typical
     iteration of it, with baft's copies inside the bubbles and the flush before the optimizer step.
     """
-    from baft.cli.figures import draw_timeline
     from baft.cli.show import render_plan_text, render_text
     from baft.pipeline.bubblemap import BubbleMap
     from baft.snapshot.planner import Plan
@@ -116,6 +115,8 @@ def show(file, png, stages):
     assert isinstance(obj, BubbleMap)
     click.echo(render_text(obj))
     if png:
+        from baft.cli.figures import draw_timeline  # matplotlib: only to draw
+
         draw_timeline(obj, png, title=f"{Path(file).name}: {obj.schedule}, {obj.stages} stages, "
                                       f"{obj.micro_batches} micro-batches")
         click.echo(f"wrote {png}")

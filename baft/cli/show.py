@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from baft.cli.text import to_text
 from baft.pipeline.bubblemap import BubbleMap, RankProfile
 from baft.snapshot.planner import Plan, RankPlan
-from baft.snapshot.trace import RankCopies, RunTimeline
+
+if TYPE_CHECKING:
+    from baft.snapshot.trace import RankCopies, RunTimeline
 
 DASH = "—"
 _ROUNDING = 1e-9  # bubble lengths are differences of floats: 120 ms / 40 ms must be 3 iterations
