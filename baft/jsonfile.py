@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -69,8 +70,13 @@ def parse_object(text: str, where: str) -> dict:
     return doc
 
 
-def load_versioned(path, schema: str, version: int, schema_file: str) -> dict:
-    """Read a baft JSON document, check its kind and version, and validate it against its schema."""
+def load_versioned(path, schema: str, version: int, schema_file: str,
+                   upgrade: Callable[[dict], dict] | None = None) -> dict:
+    """Read a baft JSON document, check its kind and version, and validate it against its schema.
+
+    ``upgrade`` turns a document of the previous version (``version - 1``) into one of ``version``; older
+    documents are refused, and the previous version's too where there is no ``upgrade``.
+    """
     doc = read_json(path)
     kind = doc.get("schema")
     if kind != schema:
@@ -80,7 +86,9 @@ def load_versioned(path, schema: str, version: int, schema_file: str) -> dict:
         raise ConfigError(f"{path}: missing integer 'version'")
     if found > version:
         raise ConfigError(f"{path}: {schema} version {found} is newer than this baft reads ({version}); upgrade baft")
-    if found < version:
+    if found == version - 1 and upgrade is not None:
+        doc = {**upgrade(doc), "version": version}
+    elif found < version:
         raise ConfigError(f"{path}: {schema} version {found} is older than this baft reads ({version}); profile again")
     try:
         jsonschema.validate(doc, _schema(schema_file))
@@ -88,3 +96,12 @@ def load_versioned(path, schema: str, version: int, schema_file: str) -> dict:
         where = "/".join(str(p) for p in err.absolute_path) or "top level"
         raise ConfigError(f"{path}: {where}: {err.message}") from None
     return doc
+
+
+def renamed(value, names: dict):
+    """``value`` with every field, at any depth, whose name is a key of ``names`` renamed to its value (order kept)."""
+    if isinstance(value, dict):
+        return {names.get(k, k): renamed(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renamed(v, names) for v in value]
+    return value

@@ -27,7 +27,7 @@ from baft.pipeline.schedules import (
     micro_batch_ops,
 )
 
-# (schedule, stages, micro_batches, chunks) that every schedule accepts
+# (schedule, stages, micro_batches, model_chunks) that every schedule accepts
 SHAPES = [
     ("gpipe", 1, 3, 1), ("gpipe", 3, 2, 1), ("gpipe", 4, 7, 1),
     ("1f1b", 1, 3, 1), ("1f1b", 3, 2, 1), ("1f1b", 4, 7, 1),
@@ -70,14 +70,14 @@ def run_blocking(streams):
     return pairs
 
 
-def streams_of(name, stages, micro_batches, chunks=1):
-    return [instruction_stream(name, micro_batches, stages, s, chunks) for s in range(stages)]
+def streams_of(name, stages, micro_batches, model_chunks=1):
+    return [instruction_stream(name, micro_batches, stages, s, model_chunks) for s in range(stages)]
 
 
 def test_registry():
     assert SCHEDULES["1f1b"] is TrainSchedule
     assert SCHEDULES["gpipe"] is GPipeSchedule
-    assert isinstance(make_schedule("interleaved", 4, 2, 1, chunks=2), InterleavedSchedule)
+    assert isinstance(make_schedule("interleaved", 4, 2, 1, model_chunks=2), InterleavedSchedule)
 
 
 @pytest.mark.parametrize("name", ["pipedream", "GPIPE", ""])
@@ -86,31 +86,31 @@ def test_unknown_schedule(name):
         make_schedule(name, 4, 2, 0)
 
 
-@pytest.mark.parametrize("name, micro_batches, stages, stage_id, chunks, problem", [
+@pytest.mark.parametrize("name, micro_batches, stages, stage_id, model_chunks, problem", [
     ("interleaved", 5, 2, 0, 2, "divisible"),
-    ("interleaved", 4, 2, 0, 0, "chunks >= 1"),
+    ("interleaved", 4, 2, 0, 0, "model_chunks >= 1"),
     ("dualpipev", 3, 2, 0, 1, "at least"),
     ("1f1b", 4, 2, 0, 2, "no model chunks"),
     ("gpipe", 4, 2, 2, 1, "stage_id"),
     ("gpipe", 0, 2, 0, 1, "micro_batches"),
 ])
-def test_bad_arguments(name, micro_batches, stages, stage_id, chunks, problem):
+def test_bad_arguments(name, micro_batches, stages, stage_id, model_chunks, problem):
     with pytest.raises(ConfigError, match=problem):
-        make_schedule(name, micro_batches, stages, stage_id, chunks)
+        make_schedule(name, micro_batches, stages, stage_id, model_chunks)
 
 
-@pytest.mark.parametrize("name, stages, micro_batches, chunks", SHAPES)
-def test_every_micro_batch_once_per_chunk(name, stages, micro_batches, chunks):
-    n_chunks = 2 if name == "dualpipev" else chunks
-    for stage, stream in enumerate(streams_of(name, stages, micro_batches, chunks)):
+@pytest.mark.parametrize("name, stages, micro_batches, model_chunks", SHAPES)
+def test_every_micro_batch_once_per_model_chunk(name, stages, micro_batches, model_chunks):
+    n_model_chunks = 2 if name == "dualpipev" else model_chunks
+    for stage, stream in enumerate(streams_of(name, stages, micro_batches, model_chunks)):
         ops = micro_batch_ops(stream)
-        assert Counter((o.kind, o.chunk) for o in ops) == {
-            (k, c): micro_batches for k in "FB" for c in range(n_chunks)}
-        first_slot = {(o.kind, o.chunk, o.micro_batch): o.slot for o in ops}
-        assert len(first_slot) == len(ops)
-        for (kind, chunk, mb), slot in first_slot.items():
+        assert Counter((o.kind, o.model_chunk) for o in ops) == {
+            (k, c): micro_batches for k in "FB" for c in range(n_model_chunks)}
+        position = {(o.kind, o.model_chunk, o.micro_batch): o.instruction for o in ops}
+        assert len(position) == len(ops)
+        for (kind, model_chunk, mb), instruction in position.items():
             if kind == "B":
-                assert first_slot["F", chunk, mb] < slot
+                assert position["F", model_chunk, mb] < instruction
         assert isinstance(stream[-1], OptimizerStep)
 
 
@@ -124,17 +124,17 @@ def test_micro_batch_ops_follow_buffers():
     assert [o.micro_batch for o in micro_batch_ops(gpipe) if o.kind == "B"] == list(range(5))
 
 
-def test_interleaved_carries_chunks():
-    stream = instruction_stream("interleaved", 4, 2, 0, chunks=2)
-    assert all(instr.chunk in (0, 1) for instr in stream if hasattr(instr, "buffer_id"))
+def test_interleaved_carries_model_chunks():
+    stream = instruction_stream("interleaved", 4, 2, 0, model_chunks=2)
+    assert all(instr.model_chunk in (0, 1) for instr in stream if hasattr(instr, "buffer_id"))
     assert [repr(i) for i in stream[:3]] == [
-        "LoadMicroBatch(buffer_id=0, chunk=0)",
-        "ForwardPass(buffer_id=0, chunk=0)",
-        "SendActivation(buffer_id=0, chunk=0)",
+        "LoadMicroBatch(buffer_id=0, model_chunk=0)",
+        "ForwardPass(buffer_id=0, model_chunk=0)",
+        "SendActivation(buffer_id=0, model_chunk=0)",
     ]
     # rank 0 holds the first virtual stage (loads data) and virtual stage 2 (receives)
-    assert any(isinstance(i, RecvActivation) and i.chunk == 1 for i in stream)
-    assert not any(isinstance(i, RecvActivation) and i.chunk == 0 for i in stream)
+    assert any(isinstance(i, RecvActivation) and i.model_chunk == 1 for i in stream)
+    assert not any(isinstance(i, RecvActivation) and i.model_chunk == 0 for i in stream)
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(1, 3), (2, 1), (2, 4), (3, 5), (4, 8)])

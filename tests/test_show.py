@@ -6,7 +6,7 @@ import pytest
 from matplotlib.image import imread
 
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
-from baft.snapshot.planner import plan
+from baft.snapshot.planner import Plan, plan
 from baft.cli.figures import draw_plan, draw_run, draw_timeline, instruction_kind, timeline_lanes
 from baft.cli.show import fit_verdict, render_plan_text, render_run_text, render_text, snapshot_bytes, stage_rows
 from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
@@ -151,6 +151,22 @@ def test_plan_that_fits():
     assert "note:" not in text
 
 
+def test_version_1_bubble_map_loads():
+    # as baft wrote this map before version 2: a bubble's instruction was its "slot", model_chunks was "chunks"
+    old = BubbleMap.load(DATA / "bubblemap-v1.json")
+    now = analytic_bubble_map("interleaved", 2, 4, Costs(0.5, 1.0, 0.05, 0.2), model_chunks=2)
+    assert old.model_chunks == 2
+    assert [(b.instruction, b.start, b.end, b.kind) for b in old.bubbles] == [
+        (b.instruction, b.start, b.end, b.kind) for b in now.bubbles]
+
+
+def test_version_1_plan_loads():
+    # schedules/gpt-2x8-1f1b.plan.json as baft wrote it before version 2: a rank's bubbles were its "slots",
+    # each one's instruction its "slot"
+    old = Plan.load(DATA / "plan-v1.json")
+    assert [r.placement() for r in old.ranks] == [{5: range(0, 275)}, {0: range(0, 279)}]
+
+
 # --- figures ------------------------------------------------------------------------------
 
 
@@ -176,7 +192,7 @@ def test_measured_lanes_label_micro_batches():
     lanes = timeline_lanes(hand_map())
     assert [lane.rank for lane in lanes] == [0, 1]
     assert [text for _, _, _, text in lanes[1].bars if text] == ["F0", "B0", "F1", "B1"]
-    assert [b.slot for b in lanes[0].bubbles] == [4, 6]
+    assert [b.instruction for b in lanes[0].bubbles] == [4, 6]
 
 
 def test_draw_measured_timeline(tmp_path):
@@ -185,7 +201,7 @@ def test_draw_measured_timeline(tmp_path):
 
 
 def test_draw_analytic_timelines(tmp_path):
-    timeline = simulate("interleaved", 2, 4, UNIFORM, chunks=2)
+    timeline = simulate("interleaved", 2, 4, UNIFORM, model_chunks=2)
     assert_png(draw_timeline(timeline.bubble_map(), tmp_path / "ops.png", timeline=timeline))
     assert_png(draw_timeline(analytic_bubble_map("1f1b", 4, 8, UNIFORM), tmp_path / "sub" / "busy.png",
                              title="1F1B, 4 stages"))

@@ -39,7 +39,7 @@ def test_uniform_stages_match_closed_form(schedule, p, m):
 
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (3, 6, 2), (4, 8, 3), (2, 6, 4)])
 def test_interleaved_matches_closed_form(p, m, v):
-    # forward_s is a whole stage's time: each of its v chunks takes 1/v of it.
+    # forward_s is a whole stage's time: each of its v model chunks takes 1/v of it.
     result = simulate_scenario(scenario(schedule="interleaved", p=p, m=m, v=v))
     for stage in result.stages:
         assert stage.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
@@ -250,7 +250,8 @@ def fake_measured(schedule="1f1b", stages=2, micro_batches=4, costs=None, stretc
                                  instructions=tuple(instrs), state_bytes=StateBytes(parameters=1_000_000, optimizer=2_000_000),
                                  copy_bandwidth=1e6))
         for b in timeline.bubbles(stage):
-            bubbles.append(type(b)(b.stage, b.start * stretch, b.end * stretch, b.slot, b.after, b.before, b.kind, stage))
+            bubbles.append(type(b)(b.stage, b.start * stretch, b.end * stretch, b.instruction, b.after, b.before,
+                                   b.kind, stage))
     return BubbleMap(schedule, stages, micro_batches, "measured", bubbles=bubbles, ranks=ranks,
                      makespan=timeline.makespan * stretch)
 

@@ -25,18 +25,18 @@ def test_uniform_bubble_fraction(name, stages, micro_batches):
     assert_every_stage_idle(timeline, (stages - 1) / (micro_batches + stages - 1))
 
 
-@pytest.mark.parametrize("stages, micro_batches, chunks", [
+@pytest.mark.parametrize("stages, micro_batches, model_chunks", [
     (p, m, v) for v in (2, 3, 4) for p in range(2, 6) for m in range(p, 13, p)])
-def test_uniform_interleaved_bubble_fraction(stages, micro_batches, chunks):
-    per_chunk = Costs(forward=1 / chunks, backward=1 / chunks, p2p=0.0, optimizer=0.0)
-    timeline = simulate("interleaved", stages, micro_batches, per_chunk, chunks=chunks)
-    assert_every_stage_idle(timeline, (stages - 1) / (chunks * micro_batches + stages - 1))
+def test_uniform_interleaved_bubble_fraction(stages, micro_batches, model_chunks):
+    per_model_chunk = Costs(forward=1 / model_chunks, backward=1 / model_chunks, p2p=0.0, optimizer=0.0)
+    timeline = simulate("interleaved", stages, micro_batches, per_model_chunk, model_chunks=model_chunks)
+    assert_every_stage_idle(timeline, (stages - 1) / (model_chunks * micro_batches + stages - 1))
 
 
 @pytest.mark.parametrize("stages, micro_batches", [
     (p, m) for p in range(2, 6) for m in (2 * p, 2 * p + 1, 3 * p + 2)])
 def test_dualpipev_beats_1f1b(stages, micro_batches):
-    # DualPipeV cuts the model into 2p stages: each of a rank's two chunks is half the work.
+    # DualPipeV cuts the model into 2p stages: each of a rank's two model chunks is half the work.
     half = Costs(forward=0.5, backward=0.5, p2p=0.0, optimizer=0.0)
     dualpipev = simulate("dualpipev", stages, micro_batches, half)
     one_f_one_b = simulate("1f1b", stages, micro_batches, UNIFORM)
@@ -67,7 +67,7 @@ def test_optimizer_bubbles():
     tail = synced.bubbles(0)[-1]
     assert (tail.kind, tail.start, tail.end, tail.after, tail.before) == (
         "optimizer", 11.0, 13.0, "OptimizerStep()", "iteration end")
-    assert tail.slot == len(synced.streams[0]) - 1
+    assert tail.instruction == len(synced.streams[0]) - 1
     assert synced.bubbles(1)[-1].kind == "cool-down"
     independent = simulate("1f1b", 2, 4, Costs(1.0, 1.0, 0.0, 0.0, optimizer_sync=False))
     assert [b.kind for b in independent.bubbles(1)] == ["warm-up", "optimizer"]
@@ -77,12 +77,12 @@ def test_dualpipev_waits_in_commit():
     timeline = simulate("dualpipev", 2, 4, Costs(1.0, 1.0, p2p=0.1))
     warm_up = timeline.bubbles(1)[0]
     assert warm_up.kind == "warm-up"
-    assert repr(timeline.streams[1][warm_up.slot]) == "CommitP2P()"
+    assert repr(timeline.streams[1][warm_up.instruction]) == "CommitP2P()"
     assert timeline.busy(0)[0].label == "F0/0"
 
 
 def test_bubble_map_round_trips_through_schema(tmp_path):
-    bmap = analytic_bubble_map("interleaved", 2, 4, Costs(0.5, 1.0, 0.05, 0.2), chunks=2)
+    bmap = analytic_bubble_map("interleaved", 2, 4, Costs(0.5, 1.0, 0.05, 0.2), model_chunks=2)
     loaded = BubbleMap.load(bmap.save(tmp_path / "analytic.json"), stages=2)
     assert loaded == bmap
 
@@ -101,7 +101,7 @@ def test_bad_costs(costs, problem):
 def scenarios(draw):
     name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "dualpipev"]))
     stages = draw(st.integers(1, 4))
-    chunks = draw(st.integers(1, 3)) if name == "interleaved" else 1
+    model_chunks = draw(st.integers(1, 3)) if name == "interleaved" else 1
     if name == "interleaved":
         micro_batches = stages * draw(st.integers(1, 3))
     elif name == "dualpipev":
@@ -117,14 +117,14 @@ def scenarios(draw):
         optimizer=draw(st.lists(st.floats(0.0, 5.0), min_size=stages, max_size=stages)),
         optimizer_sync=draw(st.booleans()),
     )
-    return name, stages, micro_batches, costs, chunks
+    return name, stages, micro_batches, costs, model_chunks
 
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_timeline_invariants(scenario):
-    name, stages, micro_batches, costs, chunks = scenario
-    timeline = simulate(name, stages, micro_batches, costs, chunks)
+    name, stages, micro_batches, costs, model_chunks = scenario
+    timeline = simulate(name, stages, micro_batches, costs, model_chunks)
     graph, makespan = timeline.graph, timeline.makespan
 
     for u, v, lag in graph.edges(data="lag"):
@@ -143,7 +143,7 @@ def test_timeline_invariants(scenario):
         for b in bubbles:
             assert 0 <= b.start < b.end <= makespan
             assert b.kind in BUBBLE_KINDS
-            assert 0 <= b.slot < len(timeline.streams[stage])
+            assert 0 <= b.instruction < len(timeline.streams[stage])
             assert not any(start < b.end and b.start < end for start, end, _ in busy if end > start)
 
     fractions = timeline.bubble_map().analytic_bubble_fraction

@@ -53,9 +53,9 @@ def test_every_copy_lies_inside_a_wait_before_the_fence(traced):
         for it in copied:
             instructions = {index: (kind, start, start + duration)
                             for index, _, kind, start, duration, *_ in it["instructions"]}
-            for slot, start, end, nbytes in it["copies"]:
-                kind, wait_start, wait_end = instructions[slot]
-                where = (trace["rank"], it["step"], slot)
+            for instruction, start, end, nbytes in it["copies"]:
+                kind, wait_start, wait_end = instructions[instruction]
+                where = (trace["rank"], it["step"], instruction)
                 assert kind in (*RECEIVES, "OptimizerStep") and wait_start <= start < end <= wait_end, where
                 assert kind in RECEIVES or end <= it["flush"][0], where
                 assert nbytes > 0
@@ -72,7 +72,7 @@ def test_a_snapshot_copied_through_the_optimizer_steps_wait_restores_bit_for_bit
     in_wait = {}
     for it in traces(trace_dir)[1]["iterations"]:
         step = next(ins[0] for ins in it["instructions"] if ins[2] == "OptimizerStep")
-        in_wait[it["step"]] = sum(nbytes for slot, _, _, nbytes in it.get("copies", []) if slot == step)
+        in_wait[it["step"]] = sum(nbytes for instruction, _, _, nbytes in it.get("copies", []) if instruction == step)
     assert any(in_wait.values()), f"the last stage copied nothing in its optimizer step's wait: {in_wait}"
     assert [r["step"] for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())][-1] == 8
     assert redone_differ(run_dir.parent / "digests") == []

@@ -138,9 +138,9 @@ def draw_plan(plan: Plan, bmap: BubbleMap, path, title: str | None = None,
         rank_plan = _plan_for_lane(plan, lane)
         if rank_plan is None:
             continue
-        by_slot = {b.slot: b for b in lane.bubbles}
-        copies[i] = [(by_slot[s.slot].start, s.nbytes / rank_plan.bandwidth) for s in rank_plan.slots
-                     if s.slot in by_slot]
+        by_instruction = {b.instruction: b for b in lane.bubbles}
+        copies[i] = [(by_instruction[b.instruction].start, b.nbytes / rank_plan.bandwidth)
+                     for b in rank_plan.bubbles if b.instruction in by_instruction]
         if rank_plan.stall > 0:
             lane.label += f"\nstall {ms(rank_plan.stall)} ms"
     title = title or (_figure_title(bmap) + f" + plan (every {plan.period} it., "

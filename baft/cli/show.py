@@ -140,12 +140,12 @@ def summarize(bmap: BubbleMap) -> Table:
 
 
 def _map_title(bmap: BubbleMap) -> str:
-    chunks = f", {bmap.chunks} chunks/stage" if bmap.chunks > 1 else ""
+    model_chunks = f", {bmap.model_chunks} model chunks/stage" if bmap.model_chunks > 1 else ""
     dp = f", {bmap.data_parallel} data-parallel replicas" if bmap.data_parallel > 1 else ""
     runs = f", median of {bmap.iterations} iterations" if bmap.iterations > 1 else \
         ", one iteration" if bmap.iterations == 1 else ""
     return f"{bmap.source} bubble map: {bmap.schedule}, {bmap.stages} stages x {bmap.micro_batches} micro-batches" \
-           f"{chunks}{dp}{runs}"
+           f"{model_chunks}{dp}{runs}"
 
 
 def _stage_cells(row: StageRow) -> list[str]:
@@ -180,7 +180,7 @@ def summarize_plan(plan: Plan) -> Table:
 
 
 def _rank_plan_cells(r: RankPlan) -> list[str]:
-    planned = sum(s.nbytes for s in r.slots)
+    planned = sum(b.nbytes for b in r.bubbles)
     return [str(r.rank), str(r.stage), mb(r.nbytes), ms(r.bubble_time), mb(planned), pct(r.bubble_used),
             mb(r.leftover_bytes), ms(r.stall), f"{r.overhead_per_snapshot:.2%}"]
 

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
 
 def describe(engine, loader) -> str:
     """What this rank trains, read back from the engine: the optimizer, scheduler and clipping it
-    runs, its tied modules, frozen parameters, checkpointed layer chunks, and the loader's class."""
+    runs, its tied modules, frozen parameters, activation-checkpointed layer groups, and the loader's class."""
     from baft.snapshot.optimizers import base_optimizer
     module, optimizer = engine.module, base_optimizer(engine.optimizer)
     frozen = sum(not p.requires_grad for p in module.parameters())
@@ -232,7 +232,7 @@ def describe(engine, loader) -> str:
     return (f"optimizer {type(optimizer).__name__} weight decay {optimizer.param_groups[0]['weight_decay']}, "
             f"scheduler {type(engine.lr_scheduler).__name__}, clip {engine.gradient_clipping()}, "
             f"tied {','.join(sorted(module.tied_modules)) or '-'}, frozen {frozen} parameters, "
-            f"checkpointed {checkpointed} chunks, loader {type(loader).__name__}")
+            f"checkpointed {checkpointed} layer groups, loader {type(loader).__name__}")
 
 
 def state_digest(engine) -> str:

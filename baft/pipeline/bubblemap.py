@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from baft.errors import ConfigError
-from baft.jsonfile import load_versioned, write_json_atomic
+from baft.jsonfile import load_versioned, renamed, write_json_atomic
 
 SCHEMA = "baft.bubblemap"
-VERSION = 1
+VERSION = 2
 
 BUBBLE_KINDS = ("warm-up", "steady", "cool-down", "optimizer")
 
@@ -28,7 +28,7 @@ BUBBLE_KINDS = ("warm-up", "steady", "cool-down", "optimizer")
 class Bubble:
     """One idle interval of one stage.
 
-    ``slot`` is the index, in the stage's instruction stream for one iteration, of the
+    ``instruction`` is the index, in the stage's instruction stream for one iteration, of the
     instruction that waits through the bubble (on CPU a receive, or the optimizer step waiting
     for the other stages: kind "optimizer"). ``after`` and ``before`` name the instructions that
     close and reopen the stage's work around it.
@@ -37,7 +37,7 @@ class Bubble:
     stage: int
     start: float
     end: float
-    slot: int
+    instruction: int
     after: str
     before: str
     kind: str
@@ -104,7 +104,7 @@ class BubbleMap:
     source: str  # "measured" or "analytic"
     bubbles: list[Bubble] = field(default_factory=list)
     ranks: list[RankProfile] = field(default_factory=list)
-    chunks: int = 1  # virtual chunks per stage (interleaved schedules)
+    model_chunks: int = 1  # model chunks per stage (interleaved schedules)
     data_parallel: int = 1
     iterations: int = 0
     makespan: float = 0.0
@@ -154,11 +154,17 @@ class BubbleMap:
     @classmethod
     def load(cls, path, stages: Optional[int] = None) -> "BubbleMap":
         """Read and validate a bubble map; ``stages`` checks it fits the running pipeline."""
-        doc = load_versioned(path, SCHEMA, VERSION, "bubblemap.schema.json")
+        doc = load_versioned(path, SCHEMA, VERSION, "bubblemap.schema.json", upgrade=_from_version_1)
         bmap = cls.from_json(doc)
         if stages is not None and bmap.stages != stages:
             raise ConfigError(f"{path}: bubble map is for {bmap.stages} pipeline stages, this run has {stages}")
         return bmap
+
+
+def _from_version_1(doc: dict) -> dict:
+    """A version-1 map in version 2's field names: a bubble's ``slot`` is its ``instruction``, the map's ``chunks``
+    its ``model_chunks`` (no other field baft wrote in version 1 has either name)."""
+    return renamed(doc, {"slot": "instruction", "chunks": "model_chunks"})
 
 
 def _rank_from_json(doc: dict) -> RankProfile:

@@ -4,7 +4,7 @@
 :class:`BaftPipelineEngine` in place (same object, subclass), so DeepSpeed is used as
 shipped: its own ``_exec_schedule`` runs the schedule, through baft's instruction map. Every
 handler there calls the hooks around DeepSpeed's own, with the instruction's index in the
-stage's stream (the bubble map's ``slot``), and two kinds of instruction are bubbles, where a
+stage's stream (the bubble map's ``instruction``), and two kinds of instruction are bubbles, where a
 hook's work (:meth:`InstructionHook.bubble`, baft's copies on CPU) runs on a thread of its own
 while the engine's thread waits:
 

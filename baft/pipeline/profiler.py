@@ -210,6 +210,6 @@ def measured_bubbles(profile: RankProfile) -> list[Bubble]:
         else:
             kind, then = "optimizer", ins.name
         bubbles.append(Bubble(stage=profile.stage, rank=profile.rank, start=ins.start, end=ins.start + length,
-                              slot=ins.index, after=instrs[i - 1].name if i else "iteration start",
+                              instruction=ins.index, after=instrs[i - 1].name if i else "iteration start",
                               before=then, kind=kind))
     return bubbles

@@ -1,6 +1,6 @@
 """The analytic timeline: a pipeline schedule as a DAG of ops, and the bubble map it implies.
 
-Nodes are the forward and backward passes of every (stage, micro-batch, chunk) plus one
+Nodes are the forward and backward passes of every (stage, micro-batch, model chunk) plus one
 optimizer op per stage (``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``). Edges are
 each stage's execution order (from :func:`baft.pipeline.schedules.instruction_stream`) and the data
 dependencies between virtual stages: the forward of virtual stage k+1 needs the forward of
@@ -73,12 +73,12 @@ class Costs:
 
 
 class Op(NamedTuple):
-    """A node of the timeline DAG: kind "F", "B" or "opt" (micro_batch and chunk are None)."""
+    """A node of the timeline DAG: kind "F", "B" or "opt" (micro_batch and model_chunk are None)."""
 
     stage: int
     kind: str
     micro_batch: int | None = None
-    chunk: int | None = None
+    model_chunk: int | None = None
 
 
 class Interval(NamedTuple):
@@ -93,15 +93,15 @@ class Interval(NamedTuple):
 class Timeline:
     """Earliest-start times of every op of one iteration.
 
-    ``graph`` holds the DAG: node attributes ``slot`` and ``last`` (first and last index in
-    the stage's stream), ``duration``, ``start``, ``end``, ``label``; edge attribute
-    ``lag`` (p2p latency or 0).
+    ``graph`` holds the DAG: node attributes ``first`` and ``last`` (the index in the
+    stage's stream of the op's first and last instruction), ``duration``, ``start``, ``end``,
+    ``label``; edge attribute ``lag`` (p2p latency or 0).
     """
 
     schedule: str
     stages: int
     micro_batches: int
-    chunks: int
+    model_chunks: int
     costs: Costs
     streams: list[list[PipeInstruction]]
     graph: nx.DiGraph
@@ -109,7 +109,7 @@ class Timeline:
 
     def ops(self, stage: int) -> list[Op]:
         """The stage's ops in execution order."""
-        return sorted((n for n in self.graph if n.stage == stage), key=lambda n: self.graph.nodes[n]["slot"])
+        return sorted((n for n in self.graph if n.stage == stage), key=lambda n: self.graph.nodes[n]["first"])
 
     def busy(self, stage: int) -> list[Interval]:
         """The stage's ops as ``(start, end, label)``, in execution order (for plots)."""
@@ -122,15 +122,15 @@ class Timeline:
         tol = _ROUNDING * self.makespan
         bubbles, cursor, prev = [], 0.0, None
         for op in self.ops(stage):
-            start, slot = nodes[op]["start"], nodes[op]["slot"]
+            start, first = nodes[op]["start"], nodes[op]["first"]
             if start - cursor > tol:
                 if prev is None:
                     kind = "warm-up"
                 else:
                     kind = "cool-down" if op.kind == "opt" else "steady"
                 after = "iteration start" if prev is None else repr(stream[nodes[prev]["last"]])
-                wait = self._wait_slot(stream, -1 if prev is None else nodes[prev]["last"], slot)
-                bubbles.append(Bubble(stage, cursor, start, wait, after, repr(stream[slot]), kind))
+                wait = self._waiting_instruction(stream, -1 if prev is None else nodes[prev]["last"], first)
+                bubbles.append(Bubble(stage, cursor, start, wait, after, repr(stream[first]), kind))
             cursor, prev = nodes[op]["end"], op
         if self.makespan - cursor > tol:
             last = nodes[prev]["last"]
@@ -138,12 +138,12 @@ class Timeline:
         return bubbles
 
     @staticmethod
-    def _wait_slot(stream, prev_last: int, slot: int) -> int:
-        """The last waiting instruction between the previous op and this one, else the op."""
-        for i in range(slot - 1, prev_last, -1):
+    def _waiting_instruction(stream, prev_last: int, first: int) -> int:
+        """The index of the last waiting instruction between the previous op and this one, else of the op's first."""
+        for i in range(first - 1, prev_last, -1):
             if isinstance(stream[i], _WAITS):
                 return i
-        return slot
+        return first
 
     def idle_time(self, stage: int) -> float:
         return sum(b.length for b in self.bubbles(stage))
@@ -159,27 +159,27 @@ class Timeline:
             micro_batches=self.micro_batches,
             source="analytic",
             bubbles=[b for s in range(self.stages) for b in self.bubbles(s)],
-            chunks=self.chunks,
+            model_chunks=self.model_chunks,
             makespan=self.makespan,
             analytic_bubble_fraction={s: min(1.0, self.idle_fraction(s)) for s in range(self.stages)},
         )
 
 
-def _virtual_stage(schedule: str, stages: int, stage: int, chunk: int) -> int:
+def _virtual_stage(schedule: str, stages: int, stage: int, model_chunk: int) -> int:
     if schedule == "dualpipev":
-        return stage if chunk == 0 else 2 * stages - 1 - stage
-    return chunk * stages + stage
+        return stage if model_chunk == 0 else 2 * stages - 1 - stage
+    return model_chunk * stages + stage
 
 
-def simulate(schedule: str, stages: int, micro_batches: int, costs: Costs = Costs(), chunks: int = 1) -> Timeline:
+def simulate(schedule: str, stages: int, micro_batches: int, costs: Costs = Costs(), model_chunks: int = 1) -> Timeline:
     """Build the DAG of one iteration of ``schedule`` and give every op its earliest start."""
     forward = costs.per_stage("forward", stages)
     backward = costs.per_stage("backward", stages)
     optimizer = costs.per_stage("optimizer", stages)
     if costs.p2p < 0:
         raise ConfigError(f"costs: p2p must not be negative, got {costs.p2p}")
-    streams = [instruction_stream(schedule, micro_batches, stages, s, chunks) for s in range(stages)]
-    multi_chunk = schedule == "dualpipev" or chunks > 1
+    streams = [instruction_stream(schedule, micro_batches, stages, s, model_chunks) for s in range(stages)]
+    several_model_chunks = schedule == "dualpipev" or model_chunks > 1
 
     graph = nx.DiGraph()
     compute = {}  # (kind, virtual stage, micro-batch) -> Op
@@ -187,15 +187,15 @@ def simulate(schedule: str, stages: int, micro_batches: int, costs: Costs = Cost
     for stage, stream in enumerate(streams):
         order = []
         for c in micro_batch_ops(stream):
-            op = Op(stage, c.kind, c.micro_batch, c.chunk)
+            op = Op(stage, c.kind, c.micro_batch, c.model_chunk)
             duration = forward[stage] if c.kind == "F" else backward[stage]
-            label = f"{c.kind}{c.micro_batch}" + (f"/{c.chunk}" if multi_chunk else "")
-            graph.add_node(op, slot=c.slot, last=c.slot, duration=duration, label=label)
-            compute[c.kind, _virtual_stage(schedule, stages, stage, c.chunk), c.micro_batch] = op
+            label = f"{c.kind}{c.micro_batch}" + (f"/{c.model_chunk}" if several_model_chunks else "")
+            graph.add_node(op, first=c.instruction, last=c.instruction, duration=duration, label=label)
+            compute[c.kind, _virtual_stage(schedule, stages, stage, c.model_chunk), c.micro_batch] = op
             order.append(op)
         step = [i for i, instr in enumerate(stream) if isinstance(instr, _STEP)]
         opt = Op(stage, "opt")
-        graph.add_node(opt, slot=step[0], last=step[-1], duration=optimizer[stage], label="opt")
+        graph.add_node(opt, first=step[0], last=step[-1], duration=optimizer[stage], label="opt")
         last_compute.append(order[-1])
         optimizers.append(opt)
         nx.add_path(graph, order + [opt], lag=0.0)
@@ -217,17 +217,18 @@ def simulate(schedule: str, stages: int, micro_batches: int, costs: Costs = Cost
         start = max((nodes[p]["end"] + graph.edges[p, op]["lag"] for p in graph.predecessors(op)), default=0.0)
         nodes[op]["start"], nodes[op]["end"] = start, start + nodes[op]["duration"]
     makespan = max(nodes[op]["end"] for op in graph)
-    return Timeline(schedule, stages, micro_batches, chunks, costs, streams, graph, makespan)
+    return Timeline(schedule, stages, micro_batches, model_chunks, costs, streams, graph, makespan)
 
 
-def analytic_bubble_map(schedule: str, stages: int, micro_batches: int, costs: Costs, chunks: int = 1) -> BubbleMap:
+def analytic_bubble_map(schedule: str, stages: int, micro_batches: int, costs: Costs,
+                        model_chunks: int = 1) -> BubbleMap:
     """The bubble map the schedule implies for these per-op costs (measured or assumed).
 
     Bubble kinds: "warm-up" before a stage's first forward, "steady" between two compute
     ops, "cool-down" after its last compute op and before its optimizer op, "optimizer"
-    after its optimizer op until the makespan (the slowest stage's end). ``slot`` is the
+    after its optimizer op until the makespan (the slowest stage's end). ``instruction`` is the
     index of the instruction the stage waits in: the last receive (or DualPipeV
     ``CommitP2P``) before the op that starts late, else that op itself; for "optimizer"
     bubbles, the stage's ``OptimizerStep``.
     """
-    return simulate(schedule, stages, micro_batches, costs, chunks).bubble_map()
+    return simulate(schedule, stages, micro_batches, costs, model_chunks).bubble_map()

@@ -82,7 +82,7 @@ def compare_to_measured(bmap: BubbleMap, measured_overhead: float | None = None,
     time a baft run actually lost) is shown beside the predicted one when given.
     """
     costs, profiles = _measured_inputs(bmap)
-    pred = analytic_bubble_map(bmap.schedule, bmap.stages, bmap.micro_batches, costs, chunks=bmap.chunks)
+    pred = analytic_bubble_map(bmap.schedule, bmap.stages, bmap.micro_batches, costs, model_chunks=bmap.model_chunks)
     t = pred.makespan
     rows, plans = [], []
     dp = max(1, bmap.data_parallel)
@@ -107,7 +107,7 @@ def compare_to_measured(bmap: BubbleMap, measured_overhead: float | None = None,
 def scenario_from_measured(bmap: BubbleMap, base: Scenario) -> Scenario:
     """``base`` with the layout, per-op costs, state size and copy bandwidth a profile measured."""
     costs, profiles = _measured_inputs(bmap)
-    v = max(1, bmap.chunks)
+    v = max(1, bmap.model_chunks)
     doc = base.to_dict()
     doc.update({
         "p": bmap.stages, "m": bmap.micro_batches, "v": v, "schedule": bmap.schedule,

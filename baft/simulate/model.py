@@ -24,7 +24,7 @@ Model (all per iteration unless said otherwise)
 - forward of one micro-batch through one stage
   ``t_f = 2 · (params / p) · (seq_len · micro_batch_size) / (tp · peak_flops · utilization)``;
   backward ``t_b = backward_factor · t_f`` (2 by default; 3 with activation recomputation);
-  with ``v`` interleaved chunks each chunk op takes ``t_f / v`` and ``t_b / v``.
+  with ``v`` model chunks per stage (interleaved) each takes ``t_f / v`` and ``t_b / v``.
   Alternatively ``forward_s`` / ``backward_s`` give per-stage times directly.
 - state per rank ``= params / p / tp · bytes_per_param / dp`` (ZeRO-1-style: the ``dp``
   replicas of a stage each snapshot a ``1/dp`` shard, DESIGN "Shards"). ``bytes_per_param``
@@ -210,7 +210,7 @@ def _disk(name: str, s: Scenario, t: float, period_s: float, rule: str, flush: f
 
 def simulate_scenario(s: Scenario) -> Result:
     """Bubble map, periods, overheads and expected losses of ``s`` under each policy."""
-    bmap = analytic_bubble_map(s.schedule, s.p, s.m, s.costs(), chunks=s.v)
+    bmap = analytic_bubble_map(s.schedule, s.p, s.m, s.costs(), model_chunks=s.v)
     t = bmap.makespan
     if t <= 0:
         raise ConfigError("scenario: key 'forward_s': the iteration takes no time; give positive compute times")

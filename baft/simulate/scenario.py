@@ -114,20 +114,20 @@ class Scenario:
         return self.nodes * 24.0 / self.mtbf_node_hours
 
     def stage_forward(self) -> list[float]:
-        """Forward time of one micro-batch through each whole stage (all its chunks)."""
+        """Forward time of one micro-batch through each whole stage (all its model chunks)."""
         if self.forward_s is not None:
             return _per_stage(self.forward_s, self.p, "forward_s")
         flops = 2.0 * (self.params / self.p) * self.tokens_per_microbatch
         return [flops / (self.tp * self.peak_flops * self.utilization)] * self.p
 
     def stage_backward(self) -> list[float]:
-        """Backward time of one micro-batch through each whole stage (all its chunks)."""
+        """Backward time of one micro-batch through each whole stage (all its model chunks)."""
         if self.backward_s is not None:
             return _per_stage(self.backward_s, self.p, "backward_s")
         return [self.backward_factor * f for f in self.stage_forward()]
 
     def costs(self) -> Costs:
-        """Per-op costs for the timeline: one chunk of one stage, one micro-batch."""
+        """Per-op costs for the timeline: one model chunk of one stage, one micro-batch."""
         return Costs(forward=[f / self.v for f in self.stage_forward()],
                      backward=[b / self.v for b in self.stage_backward()],
                      p2p=self.p2p_s, optimizer=_per_stage(self.optimizer_s, self.p, "optimizer_s"))
@@ -199,18 +199,18 @@ class Scenario:
         _per_stage(self.optimizer_s, self.p, "optimizer_s", where)
         if self.schedule == "interleaved":
             if self.v < 2:
-                bad("v", f"the interleaved schedule needs at least 2 chunks per stage, got {self.v}")
+                bad("v", f"the interleaved schedule needs at least 2 model chunks per stage, got {self.v}")
             if self.m % self.p:
                 bad("m", f"the interleaved schedule needs m a multiple of p={self.p}, got {self.m}")
         elif self.schedule == "dualpipev":
             if self.v != 1:
-                bad("v", "dualpipev has its two chunks built in; leave v at 1")
+                bad("v", "dualpipev has its two model chunks built in; leave v at 1")
             if self.m < 2 * self.p:
                 bad("m", f"dualpipev needs m >= 2·p = {2 * self.p}, got {self.m}")
         elif self.v != 1:
-            bad("v", f"schedule {self.schedule} has one chunk per stage; use schedule=interleaved for v={self.v}")
+            bad("v", f"schedule {self.schedule} has one model chunk per stage; use schedule=interleaved for v={self.v}")
         if self.layers is not None and self.layers % (self.p * self.v):
-            bad("layers", f"{self.layers} layers do not split evenly over p·v = {self.p * self.v} chunks")
+            bad("layers", f"{self.layers} layers do not split evenly over p·v = {self.p * self.v} model chunks")
         if (self.failures_per_day is None) == (self.mtbf_node_hours is None):
             bad("failures_per_day", "give exactly one of failures_per_day and mtbf_node_hours")
         if self.host_bw <= 0:

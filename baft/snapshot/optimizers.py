@@ -286,9 +286,9 @@ class PartitionedMasters(ScalarState):
                 _allocate(self.optimizer.state[self.masters[i]], key, e, self.masters[i].device)
 
 
-def _allocate(slot: dict, key: str, e: TensorEntry, device) -> None:
-    if key not in slot:
-        slot[key] = torch.zeros(e.shape, dtype=getattr(torch, e.dtype), device=device)
+def _allocate(param_state: dict, key: str, e: TensorEntry, device) -> None:
+    if key not in param_state:
+        param_state[key] = torch.zeros(e.shape, dtype=getattr(torch, e.dtype), device=device)
 
 
 class BF16Masters(PartitionedMasters):

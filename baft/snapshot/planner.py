@@ -18,20 +18,20 @@ from pathlib import Path
 from typing import Optional
 
 from baft.errors import ConfigError
-from baft.jsonfile import load_versioned, write_json_atomic
+from baft.jsonfile import load_versioned, renamed, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap
 
 SCHEMA = "baft.plan"
-VERSION = 1
+VERSION = 2
 DEFAULT_BUDGET = 0.01
 DEFAULT_MARGIN = 0.8  # use 80% of a profiled bubble: bubbles jitter
 
 
 @dataclass(frozen=True)
-class SlotPlan:
-    """The chunks to copy while the instruction at ``slot`` waits."""
+class BubblePlan:
+    """The chunks to copy in one bubble: while the instruction at index ``instruction`` of the stage's stream waits."""
 
-    slot: int
+    instruction: int
     bubble: float  # profiled length, seconds
     first_chunk: int
     chunks: int
@@ -49,7 +49,7 @@ class RankPlan:
     nbytes: int
     bandwidth: float
     iteration_time: float
-    slots: list[SlotPlan] = field(default_factory=list)
+    bubbles: list[BubblePlan] = field(default_factory=list)  # the bubbles that hold chunks, in time order
     leftover_chunks: int = 0
     leftover_bytes: int = 0
     stall: float = 0.0  # predicted seconds of copy before the optimizer step
@@ -61,12 +61,12 @@ class RankPlan:
 
     def placement(self) -> dict[int, range]:
         """Instruction index -> the chunks copied in the bubble that begins there (the rest: at the fence)."""
-        return {s.slot: range(s.first_chunk, s.first_chunk + s.chunks) for s in self.slots}
+        return {b.instruction: range(b.first_chunk, b.first_chunk + b.chunks) for b in self.bubbles}
 
     @property
     def bubble_used(self) -> float:
         """Fraction of the profiled bubble time the plan fills with copies."""
-        planned = sum(s.nbytes for s in self.slots) / self.bandwidth if self.bandwidth else 0.0
+        planned = sum(b.nbytes for b in self.bubbles) / self.bandwidth if self.bandwidth else 0.0
         return planned / self.bubble_time if self.bubble_time else 0.0
 
 
@@ -97,7 +97,7 @@ class Plan:
     @classmethod
     def from_json(cls, doc: dict) -> "Plan":
         body = {k: v for k, v in doc.items() if k not in ("schema", "version")}
-        body["ranks"] = [RankPlan(**{**r, "slots": [SlotPlan(**s) for s in r["slots"]]}) for r in body["ranks"]]
+        body["ranks"] = [RankPlan(**{**r, "bubbles": [BubblePlan(**b) for b in r["bubbles"]]}) for r in body["ranks"]]
         return cls(**body)
 
     def save(self, path) -> Path:
@@ -105,7 +105,13 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> "Plan":
-        return cls.from_json(load_versioned(path, SCHEMA, VERSION, "plan.schema.json"))
+        return cls.from_json(load_versioned(path, SCHEMA, VERSION, "plan.schema.json", upgrade=_from_version_1))
+
+
+def _from_version_1(doc: dict) -> dict:
+    """A version-1 plan in version 2's field names: a rank's ``slots`` are its ``bubbles``, a bubble's ``slot`` its
+    ``instruction`` (no other field baft wrote in version 1 has either name)."""
+    return renamed(doc, {"slots": "bubbles", "slot": "instruction"})
 
 
 def plan_rank(bubbles: list[Bubble], chunk_sizes: list[int], bandwidth: float, iteration_time: float,
@@ -113,7 +119,7 @@ def plan_rank(bubbles: list[Bubble], chunk_sizes: list[int], bandwidth: float, i
     """Fill ``bubbles`` (in time order) with chunks, in order; the rest is the stall."""
     if bandwidth <= 0:
         raise ConfigError(f"rank {rank}: copy bandwidth must be positive to plan, got {bandwidth}")
-    slots, next_chunk = [], 0
+    filled, next_chunk = [], 0
     for bubble in sorted(bubbles, key=lambda b: b.start):
         capacity = bubble.length * margin * bandwidth
         first, used = next_chunk, 0
@@ -121,10 +127,10 @@ def plan_rank(bubbles: list[Bubble], chunk_sizes: list[int], bandwidth: float, i
             used += chunk_sizes[next_chunk]
             next_chunk += 1
         if next_chunk > first:
-            slots.append(SlotPlan(bubble.slot, bubble.length, first, next_chunk - first, used))
+            filled.append(BubblePlan(bubble.instruction, bubble.length, first, next_chunk - first, used))
     leftover = sum(chunk_sizes[next_chunk:])
     return RankPlan(rank=rank, stage=stage, layout=layout, total_chunks=len(chunk_sizes), nbytes=sum(chunk_sizes),
-                    bandwidth=bandwidth, iteration_time=iteration_time, slots=slots,
+                    bandwidth=bandwidth, iteration_time=iteration_time, bubbles=filled,
                     leftover_chunks=len(chunk_sizes) - next_chunk, leftover_bytes=leftover,
                     stall=leftover / bandwidth, bubble_time=sum(b.length for b in bubbles))
 

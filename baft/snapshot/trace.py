@@ -6,8 +6,8 @@ none; its restarted successor does). The file is the profiler's trace
 ``keep`` iterations; each iteration also holds ``step``, the optimizer step it ended with,
 and, when baft's :class:`~baft.snapshot.policies.BubbleExecutor` took a snapshot in it:
 
-* ``copies``: ``[slot, start, end, bytes]`` for every bubble it copied in (``slot`` is the
-  receive's index in the iteration's instructions);
+* ``copies``: ``[instruction, start, end, bytes]`` for every bubble it copied in (``instruction``
+  is the receive's index in the iteration's instructions);
 * ``flush``: ``[start, end, bytes]``, what was left, copied before ``OptimizerStep`` (the stall).
 
 Times are seconds since the iteration's start, on the clock of its instructions (the host's
@@ -64,7 +64,8 @@ class RunTrace(InstructionTimer):
         if spans is None or spans.flush is None:
             return {}
         shift = spans.origin - self._host_t0
-        return {"copies": [[slot, start + shift, end + shift, nbytes] for slot, start, end, nbytes in spans.bubbles],
+        return {"copies": [[instruction, start + shift, end + shift, nbytes]
+                           for instruction, start, end, nbytes in spans.bubbles],
                 "flush": [spans.flush[0] + shift, spans.flush[1] + shift, spans.flush[2]]}
 
     def close(self) -> None:
@@ -87,7 +88,7 @@ class RankCopies:
     """One rank's snapshot copies in one iteration: inside bubbles, and the flush before the optimizer step."""
 
     rank: int
-    bubbles: tuple[tuple[int, float, float, int], ...]  # slot, start, end, bytes
+    bubbles: tuple[tuple[int, float, float, int], ...]  # instruction, start, end, bytes
     flush: Optional[tuple[float, float, int]]  # start, end, bytes; None: no snapshot in this iteration
     snapshot_bytes: int  # what one snapshot copies: the rank's chunks
 

@@ -36,8 +36,8 @@ if "base_optimizer_state" in saved:  # BF16_Optimizer, DeepSpeedZeroOptimizer: f
 else:  # a torch optimizer: state by parameter index, in param-group order
     names = {id(p): n for n, p in engine.module.named_parameters()}
     params = [p for g in wrapper.param_groups for p in g["params"]]
-    for index, slot in saved["state"].items():
-        for key, value in slot.items():
+    for index, param_state in saved["state"].items():
+        for key, value in param_state.items():
             expected[f"optim/{names[id(params[index])]}/{key}"] = value
 
 
