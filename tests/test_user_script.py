@@ -42,17 +42,20 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     show = subprocess.run([*cli, "show", str(bmap)], capture_output=True, text=True)
     assert show.returncode == 0 and "stage" in show.stdout.lower()
 
-    # no "baft" section: DeepSpeed's own engine class, nothing attached (only the clean exit)
-    clean = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
-                           capture_output=True, text=True, env=launch_env(), timeout=300)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    assert clean.stdout.count("engine PipelineEngine") == 2
+    # no "baft" section: DeepSpeed's own engine class, nothing attached (only the clean exit); it runs beside
+    # the protected run, whose restart leaves the cores idle
+    plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
     cfg = config(tmp_path, "protected.json", bubble_map=str(bmap))
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT), "--config", str(cfg)],
                             capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}),
                             timeout=300)
+    out, err = plain.communicate(timeout=300)
+    clean = subprocess.CompletedProcess(plain.args, plain.returncode, out, err)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert clean.stdout.count("engine PipelineEngine") == 2
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
