@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, OptimizerStep, RecvActivation, RecvGrad
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, RecvActivation, RecvGrad
 
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.chaos import Fault
@@ -74,16 +74,19 @@ class ChaosHook(InstructionHook):
             self._kill(fault)
         elif isinstance(cmd, BackwardPass) and (fault := self._due(engine, "backward")):
             self._kill(fault)
-        elif isinstance(cmd, OptimizerStep):
-            fault = self._due(engine, "commit") or self._due(engine, "optimizer")
-            if fault is not None:
-                def commit_then_kill(*_):
-                    for policy in _snapshot_policies(engine):
-                        policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
-                    self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
-                # after the fence a policy armed there (hooks, and their pre-hooks, run in order)
-                if before_base_step(engine.optimizer, commit_then_kill) is None:
-                    commit_then_kill()
+
+    def before_update(self, engine, index, waited):
+        fault = self._due(engine, "commit") or self._due(engine, "optimizer")
+        if fault is None:
+            return
+
+        def commit_then_kill(*_):
+            for policy in _snapshot_policies(engine):
+                policy.drain()  # snapshots are sealed off the trainer's path: let the commit land
+            self._kill(fault, delay=0.002 if fault.phase == "optimizer" else 0.0)
+        # the policy, an earlier hook, has fenced: kill as the base optimizer's step begins, or now
+        if before_base_step(engine.optimizer, commit_then_kill) is None:
+            commit_then_kill()
 
     def bubble(self, engine, index, cmd):
         fault = self._due(engine, "copy")  # the host copies while this receive waits
