@@ -108,7 +108,7 @@ class BaftPipelineEngine(PipelineEngine):
         try:
             loss = super().train_batch(data_iter)
         finally:
-            self._instruction = None
+            self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss
