@@ -27,8 +27,8 @@ class Copier(Protocol):
 
     stream: Optional[CopyStream]  # where a snapshot queues its copies; None: the host copies them
 
-    def started(self, snapshot: Snapshot, placed: set[int]) -> None:
-        """``snapshot`` has begun; ``placed``: the chunks a plan puts in some bubble."""
+    def started(self, snapshot: Snapshot, placement: dict[int, range]) -> None:
+        """``snapshot`` has begun; ``placement``: the chunks the plan puts in the bubble at each instruction."""
 
     def bubble_begins(self, snapshot: Snapshot, chunks: range) -> int:
         """A bubble the plan gives ``chunks`` begins: the bytes this starts copying."""
@@ -48,7 +48,7 @@ class HostCopier:
 
     stream = None
 
-    def started(self, snapshot, placed):
+    def started(self, snapshot, placement):
         pass
 
     def bubble_begins(self, snapshot, chunks):
@@ -74,8 +74,9 @@ class StreamCopier:
     def __init__(self, stream: CopyStream, leftovers: str = "fence"):
         self.stream, self.leftovers = stream, leftovers
 
-    def started(self, snapshot, placed):
+    def started(self, snapshot, placement):
         if self.leftovers == "start":
+            placed = {i for chunks in placement.values() for i in chunks}
             snapshot.queue([i for i in snapshot.pending if i not in placed])
 
     def bubble_begins(self, snapshot, chunks):

@@ -208,7 +208,7 @@ class BubbleExecutor(SnapshotPolicy):
         self.bubble_bytes.clear()
         self.flushed_bytes = 0
         self.placement = self.plan.placement() if self.plan is not None else {}
-        self.copier.started(self.snapshot, {i for chunks in self.placement.values() for i in chunks})
+        self.copier.started(self.snapshot, self.placement)
 
     def before(self, engine, index, cmd):
         if self.snapshot is not None and index in self.placement:

@@ -60,15 +60,16 @@ def check_capturable(engine, data_iterator=None) -> None:
     """A ``BaftError`` naming every part of the state baft cannot save and restore exactly, each with the way
     out: a resumed run would diverge from the uninterrupted one without a word."""
     optimizer_adapter(engine)
-    scheduler = getattr(engine, "lr_scheduler", None)
-    problems = [f"{what} {type(obj).__module__}.{type(obj).__qualname__}: baft cannot save its state, so a resumed "
-                f"run would silently differ; {way_out}" for what, obj, way_out in (
-                    ("lr_scheduler", scheduler, "give it state_dict() and load_state_dict(), as torch's schedulers "
-                                                "have"),
-                    ("data_iterator", data_iterator, "give it state_dict() and load_state_dict(), or pass "
-                                                     "torchdata's StatefulDataLoader"))
-                if obj is not None and not (callable(getattr(obj, "state_dict", None))
-                                            and callable(getattr(obj, "load_state_dict", None)))]
+    parts = (("lr_scheduler", getattr(engine, "lr_scheduler", None),
+              "give it state_dict() and load_state_dict(), as torch's schedulers have"),
+             ("data_iterator", data_iterator,
+              "give it state_dict() and load_state_dict(), or pass torchdata's StatefulDataLoader"))
+    problems = []
+    for what, obj, way_out in parts:
+        if obj is not None and not (callable(getattr(obj, "state_dict", None))
+                                    and callable(getattr(obj, "load_state_dict", None))):
+            problems.append(f"{what} {type(obj).__module__}.{type(obj).__qualname__}: baft cannot save its state, "
+                            f"so a resumed run would silently differ; {way_out}")
     if problems:
         raise BaftError(" | ".join(problems))
 
