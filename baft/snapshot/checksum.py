@@ -13,7 +13,7 @@ over the weights. Its blind spot is that of every such sum: a change whose words
 in bits k and up is checked on 64 - k bits (two sign bits flipped cancel) — it guards against
 stale, torn and overwritten chunks, not against an adversary.
 
-On CPU the dot product runs at about two thirds of xxh3's speed and releases the GIL
+On CPU torch's dot product runs at about half xxh3's speed and releases the GIL
 (``experiments/checksum_throughput.py``); on a GPU it costs the device a read of the source.
 """
 

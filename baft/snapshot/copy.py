@@ -186,15 +186,16 @@ class Snapshot:
                               checksums=checksums, items=self.items,
                               topology=self.source.topology(), run_id=engine.baft.config.run_id,
                               model=model_signature(self.source.layout.tensors), wall_time=time.time())
-        self.writer.commit(record)
+        self.writer.commit(record, self.slot)
         return record
 
 
 class Sealer:
-    """Seals fenced snapshots on a :class:`~baft.background.BackgroundThread`, one at a time, and reports each commit.
+    """Seals fenced snapshots on a :class:`~baft.background.BackgroundThread`, in turn, and reports each commit.
 
-    ``committed(record, slot)`` runs on that thread once the commit record is written. A
-    snapshot's slot is reused only after its seal: :meth:`wait` before the next ``begin``.
+    ``committed(record, slot)`` runs on that thread once the commit record is written.
+    :meth:`submit` does not wait: the next snapshot is copied while this one seals, as far as the
+    slots allow (the policy calls :meth:`wait` with what its slots leave before it begins one).
     An error while sealing is raised by the next :meth:`wait`, in the trainer's thread.
     """
 
@@ -204,13 +205,13 @@ class Sealer:
         self.seconds = 0.0  # how long the latest finished seal took (copies awaited, checksums, commit)
         self.cpu_seconds = 0.0  # and the CPU time it took on its thread
         self._thread = BackgroundThread("baft-seal")
-        self._idle = threading.Event()
-        self._idle.set()
+        self._changed = threading.Condition()
+        self._outstanding = 0  # submitted, not yet sealed
         self._error: Optional[BaseException] = None
 
     def submit(self, snapshot: Snapshot) -> None:
-        self.wait()
-        self._idle.clear()
+        with self._changed:
+            self._outstanding += 1
         self._thread.submit(lambda: self._seal(snapshot))
 
     def _seal(self, snapshot: Snapshot) -> None:
@@ -223,11 +224,15 @@ class Sealer:
         except BaseException as err:  # re-raised in the trainer's thread by wait()
             self._error = err
         finally:
-            self._idle.set()
+            with self._changed:
+                self._outstanding -= 1
+                self._changed.notify_all()
 
-    def wait(self) -> None:
-        """Until the snapshot being sealed is committed (or its error raised here)."""
-        self._idle.wait()
+    def wait(self, leave: int = 0) -> None:
+        """Until at most ``leave`` submitted snapshots are still sealing (0: every one committed), or a seal's
+        error is raised here."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._outstanding <= leave or self._error is not None)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
