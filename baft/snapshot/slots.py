@@ -131,6 +131,7 @@ class SnapshotWriter:
             raise BaftError(f"{self.directory}: cannot create snapshot directory ({err.strerror})") from None
         if not FEWEST_SLOTS <= slots <= SLOTS:
             raise ValueError(f"{slots} snapshot slots: baft uses {FEWEST_SLOTS} to {SLOTS}")
+        self.slots = slots
         nbytes = max(layout.nbytes, 1)
         try:
             self._maps = [map_file(slot_path(self.directory, s), nbytes, create=True, populate=True)
@@ -148,13 +149,13 @@ class SnapshotWriter:
     @property
     def in_flight(self) -> int:
         """How many snapshots may be begun and not yet committed at once."""
-        return len(self.buffers) - 2
+        return self.slots - 2
 
     def begin(self, step: int) -> torch.Tensor:
         """Choose a slot for ``step``'s snapshot, drop its old commit record, return its buffer (its index is
         :attr:`slot`). Raises when :attr:`in_flight` snapshots are already begun and not committed."""
         if len(self._begun) >= self.in_flight:
-            raise RuntimeError(f"begin() with {len(self._begun)} snapshots in flight in {len(self.buffers)} slots")
+            raise RuntimeError(f"begin() with {len(self._begun)} snapshots in flight in {self.slots} slots")
         free = [s for s in self._steps if s not in self._begun]
         self.slot = min(free, key=lambda s: -1 if self._steps[s] is None else self._steps[s])
         self._steps[self.slot] = None  # empty or oldest committed: never the two newest
