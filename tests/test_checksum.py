@@ -1,5 +1,7 @@
 """The chunk checksum: one pure function of the bytes, the same from torch (as a GPU computes it) and numpy."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -97,3 +99,14 @@ def test_a_gpu_computes_the_hosts_checksum():
     chunks = sums.of_chunks(device, 1 << 20).cpu()
     assert [cs.hexdigest(int(s)) for s in chunks] == [cs.digest(data[i:i + (1 << 20)].tobytes())
                                                       for i in range(0, data.size, 1 << 20)]
+
+
+def test_the_definition_in_the_persisted_format_doc_is_this_checksum():
+    text = (Path(__file__).parent.parent / "docs" / "persisted-format.rst").read_text()
+    code = text[text.index("    MASK = 2**64 - 1"):text.index("``baft.snapshot.checksum.digest``")]
+    namespace = {}
+    exec("\n".join(line[4:] for line in code.splitlines()), namespace)
+    rng = np.random.default_rng(4)
+    for n in (0, 1, 7, 8, 9, 1000, 8 * cs.BLOCK_WORDS + 13):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert namespace["chunk_checksum"](data) == cs.digest(data)
