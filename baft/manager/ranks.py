@@ -164,7 +164,10 @@ class NodeRanks:
         """Write rebuilt or persisted snapshots of this node into its shm slots, as committed snapshots."""
         found = None
         for record, buffer in snapshots:
-            writer = slots.SnapshotWriter(self.root, record.rank, record.layout)
+            with self._lock:
+                known = self.ranks.get(record.rank)
+            writer = slots.SnapshotWriter(self.root, record.rank, record.layout,
+                                          known.slots if known else slots.SLOTS)
             try:
                 target = writer.begin(record.step)
                 target.numpy()[:record.layout.nbytes] = np.frombuffer(buffer, dtype=np.uint8, count=record.layout.nbytes)

@@ -154,10 +154,10 @@ class Snapshot:
         """Every chunk's checksum computed as it was copied (one device-to-host copy of all of them), None for
         the rest. Call once the stream has run them."""
         checksums: list[Optional[str]] = [None] * len(self.source.layout.chunks)
-        parts = [run for run in self.sums if run.chunks]
-        if parts:
-            values = torch.cat([run.sums.to(parts[0].sums.device) for run in parts]).tolist()
-            for i, value in zip((i for run in parts for i in run.chunks), values):
+        if self.sums:
+            device = self.sums[0].sums.device
+            values = torch.cat([run.sums.to(device) for run in self.sums]).tolist()
+            for i, value in zip((i for run in self.sums for i in run.chunks), values):
                 checksums[i] = hexdigest(value)
         return checksums
 
