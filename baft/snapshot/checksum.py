@@ -109,8 +109,9 @@ class TorchSums:
         full = n // 8
         if n % 8 or data.data_ptr() % 8:
             # the last word zero-padded; an unaligned view cannot be read as int64 words in place
-            padded = torch.zeros(full * 8 + (8 if n % 8 else 0), dtype=torch.uint8, device=data.device)
-            padded[:n] = data
+            padded = torch.empty(full * 8 + (8 if n % 8 else 0), dtype=torch.uint8, device=data.device)
+            padded[:n].copy_(data)
+            padded[n:].zero_()
             data = padded
         words = data.view(torch.int64)
         return _dot(words, self._weights_on(data.device, words.numel())) + n
