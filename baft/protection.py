@@ -11,6 +11,7 @@ DeepSpeed made it, so that a new one can be built in the same process.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -169,8 +170,10 @@ class ManagerLink:
         from baft.snapshot.layout import model_signature
 
         layout = source.layout
-        reply = self.client.hello(self.protection.engine.global_rank, layout.nbytes, self.protection.config.run_id,
-                                  model_signature(layout.tensors), source.topology())
+        cfg = self.protection.config
+        node_ranks = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        reply = self.client.hello(self.protection.engine.global_rank, layout.nbytes, cfg.run_id,
+                                  model_signature(layout.tensors), source.topology(), node_ranks)
         count = len(reply["slots"])
         if count < SLOTS:
             self.protection.warn(f"memory_limit allows {count} snapshot slots, not {SLOTS}: each snapshot waits "

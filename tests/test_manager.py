@@ -352,8 +352,10 @@ def test_memory_limit_gives_three_slots_where_four_do_not_fit_and_is_refused_bel
     try:
         assert len(m.hello(0, 2 << 20)["slots"]) == 4  # 4 slots x 2 MB fit
         with caplog.at_level("WARNING", logger="baft.manager"):
+            # a node of two such ranks would not fit with four slots each (16 MB): this one takes three
+            assert len(m.hello(0, 2 << 20, node_ranks=2)["slots"]) == 3
             assert len(m.hello(0, 3 << 20)["slots"]) == 3  # 3 slots x 3 MB fit, 4 do not
-        assert [r.message for r in caplog.records] == [
+        assert [r.message for r in caplog.records] == 2 * [
             "rank 0: --memory-limit 10.0 MB allows 3 snapshot slots, not 4: each of its snapshots waits for the "
             "previous one's seal"]
         with pytest.raises(BaftError, match=r"rank 1: node 0 needs 15\.0 MB .*over --memory-limit 10\.0 MB") as err:

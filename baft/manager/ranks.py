@@ -73,8 +73,14 @@ class NodeRanks:
 
     # ---- trainers' requests -----------------------------------------------------------------
 
-    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None) -> dict:
-        """Register ``rank`` and create its slot files; refused over --memory-limit or for another run."""
+    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None,
+              node_ranks: int = 1) -> dict:
+        """Register ``rank`` and create its slot files; refused over --memory-limit or for another run.
+
+        Four slots where every rank of the node (``node_ranks``; those not yet said hello taken to be this
+        one's size) fits with four beside the slots the others have; three where not, refused where even
+        three do not fit beside them.
+        """
         if not isinstance(rank, int) or rank < 0:
             raise BaftError(f"hello: rank {rank!r} must be a non-negative integer")
         if not isinstance(nbytes, int) or nbytes < 0:
@@ -87,14 +93,17 @@ class NodeRanks:
                                     f"manager from run {other.identity.run_id!r}; 'baft manager stop' drops the old run")
             others = [r for r in self.ranks.values() if r.rank != rank]
             sizes = [r.nbytes for r in others] + [nbytes]
+            counts = [r.slots for r in others]
             limit = self.config.memory_limit
+            coming = max(0, node_ranks - len(sizes))
             # four slots let a snapshot be copied while the previous one seals; three are the fewest that keep
-            # the two newest committed snapshots through a crash mid-copy
-            for count in (slots.SLOTS, slots.FEWEST_SLOTS):
-                needed = memory_needed(sizes, self.config.k, self.config.n, [r.slots for r in others] + [count])
-                if limit is None or needed <= limit:
-                    break
-            else:
+            # the two newest committed snapshots through a crash mid-copy. Four only where the ranks still to
+            # come can have four too: the node's ranks wait alike, and a rank served first leaves them room
+            roomy = memory_needed(sizes + [nbytes] * coming, self.config.k, self.config.n,
+                                  counts + [slots.SLOTS] * (1 + coming))
+            count = slots.SLOTS if limit is None or roomy <= limit else slots.FEWEST_SLOTS
+            needed = memory_needed(sizes, self.config.k, self.config.n, counts + [count])
+            if limit is not None and needed > limit:
                 raise BaftError(f"rank {rank}: node {self.config.node_id} needs {human(needed)} of host memory "
                                 f"({len(sizes)} ranks x {slots.FEWEST_SLOTS} slots"
                                 f"{' + parity shares' if self.config.k else ''}), over --memory-limit {human(limit)}")
