@@ -52,7 +52,8 @@ class RankRecord:
     receives and the optimizer step's collectives (the bubbles, with any copy run inside them); time the
     trainer's thread was runnable but waited for a CPU (other load on the machine); on a GPU, the device's
     wait at the fence for copies still running (the host's stall does not see it); the latest finished
-    seal's time, and its CPU time, off the trainer's path."""
+    seal's time, and its CPU time, off the trainer's path; the part of the stall spent waiting for a slot a
+    seal still held."""
 
     wall: float
     stall: float
@@ -66,6 +67,7 @@ class RankRecord:
     fence_wait: float
     seal: float
     seal_cpu: float
+    seal_wait: float
 
 
 class Meter(InstructionHook):
@@ -162,7 +164,7 @@ def measure(engine, data, meter: Meter) -> list[dict]:
                       bubble_bytes=float(done.bubble_bytes) if fired else 0.0,
                       flushed_bytes=float(done.flushed_bytes) if fired else 0.0, recv_wait=meter.recv_wait,
                       run_delay=schedstat() - delay, fence_wait=done.fence_wait, seal=done.seal,
-                      seal_cpu=done.seal_cpu)
+                      seal_cpu=done.seal_cpu, seal_wait=done.seal_wait)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, asdict(mine))
     return gathered

@@ -11,6 +11,7 @@ DeepSpeed made it, so that a new one can be built in the same process.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -158,15 +159,26 @@ class ManagerLink:
     def __init__(self, protection: Protection, client):
         self.protection, self.client = protection, client
 
-    def hello(self, source) -> None:
-        """Announce this rank's snapshot size and identity (the topology its commit records carry)."""
+    def hello(self, source) -> int:
+        """Announce this rank's snapshot size and identity (the topology its commit records carry); the number
+        of snapshot slots the manager made for it (said in one line when its memory limit allows only the
+        fewest)."""
+        from baft.snapshot.slots import SLOTS
+
         if self.client is None:
-            return
+            return SLOTS
         from baft.snapshot.layout import model_signature
 
         layout = source.layout
-        self.client.hello(self.protection.engine.global_rank, layout.nbytes, self.protection.config.run_id,
-                          model_signature(layout.tensors), source.topology())
+        cfg = self.protection.config
+        node_ranks = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        reply = self.client.hello(self.protection.engine.global_rank, layout.nbytes, cfg.run_id,
+                                  model_signature(layout.tensors), source.topology(), node_ranks)
+        count = len(reply["slots"])
+        if count < SLOTS:
+            self.protection.warn(f"memory_limit allows {count} snapshot slots, not {SLOTS}: each snapshot waits "
+                                 f"for the previous one's seal")
+        return count
 
     def close(self) -> None:
         if self.client is not None:

@@ -2,7 +2,7 @@
 
     python experiments/erasure_throughput.py [--sizes 64,128,256] [--codes 1/2,2/3,3/4,4/6] [--runs 5]
 
-A node snapshot of SIZE MB (two ranks, 1 MB chunks with xxh3 checksums, as the manager sees
+A node snapshot of SIZE MB (two ranks, 1 MB chunks with their checksums, as the manager sees
 them in shared memory) is coded with each k/n:
 
 * encode   ``baft.manager.erasure.encode`` of the bundle into n shares;

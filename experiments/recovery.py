@@ -130,7 +130,7 @@ def load_floor(checkpoints: Path) -> dict:
     """The same bytes loaded three ways in this process, one thread: the lower bounds of T3.
 
     ``torch.load`` of every file of DeepSpeed's checkpoint from the page cache and after dropping
-    it, against reading as many bytes from shared memory (/dev/shm), checksumming them (xxh3, as
+    it, against reading as many bytes from shared memory (/dev/shm), checksumming them (as
     baft's commit records do) and copying them into a tensor.
     """
     import torch
@@ -156,7 +156,7 @@ def load_floor(checkpoints: Path) -> dict:
 
 
 def shm_verify_copy(nbytes: int) -> float:
-    """Seconds to checksum (xxh3, as baft's commit records) and copy ``nbytes`` out of shared memory."""
+    """Seconds to checksum (as baft's commit records) and copy ``nbytes`` out of shared memory."""
     fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="baft-floor-")
     try:
         os.ftruncate(fd, nbytes)
@@ -169,12 +169,13 @@ def shm_verify_copy(nbytes: int) -> float:
 
 def _verify_copy(m) -> float:
     import torch
-    import xxhash
+
+    from baft.snapshot.layout import checksum
 
     src = torch.frombuffer(m, dtype=torch.uint8)  # gone when this returns, before the map closes
     src.fill_(7)
     dst = torch.empty_like(src)
-    return best(lambda: (xxhash.xxh3_64_hexdigest(m), dst.copy_(src)))
+    return best(lambda: (checksum(m), dst.copy_(src)))
 
 
 def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
@@ -199,11 +200,11 @@ def memory_restore(stage_bytes: int, ranks_on_node: int = 2) -> dict:
         for rank in range(ranks_on_node):
             writer = slots.SnapshotWriter(root, rank, layout)
             buf = writer.begin(1)
-            buf[:n].fill_(rank + 1)  # xxh3 and memcpy run at the same speed whatever the bytes
+            buf[:n].fill_(rank + 1)  # the checksum and memcpy run at the same speed whatever the bytes
             view = memoryview(buf.numpy())
             sums = [checksum(view[c.offset:c.offset + c.nbytes]) for c in layout.chunks]
             del view
-            writer.commit(CommitRecord(1, rank, rank, layout, sums))
+            writer.commit(CommitRecord(1, rank, rank, layout, sums), writer.slot)
             writer.close()
             del buf
         target = torch.zeros(n, dtype=torch.uint8)
@@ -504,7 +505,7 @@ def floor_tables(floors: dict) -> list[str]:
     lines = [
         "## Lower bounds of T3 on this machine (one process, one thread, no training running)", "",
         ("The newest DeepSpeed checkpoint of each size, loaded file by file with `torch.load` (page cache warm, and "
-         "after dropping it), against the same number of bytes checksummed (xxh3, as baft's commit records) and "
+         "after dropping it), against the same number of bytes checksummed (as baft's commit records) and "
          "copied out of shared memory: what a restore from memory costs at least."), "",
         *md_table(["model", "checkpoint", "torch.load, warm", "torch.load, cold", "shm checksum + copy", "warm / shm",
                    "cold / shm"],

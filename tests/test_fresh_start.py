@@ -36,8 +36,9 @@ def test_a_corrupt_snapshot_falls_back_and_unrestorable_ones_stop_the_restart_un
     for info in slots.committed(rank1.parent, 1):  # flip one byte of every committed snapshot of rank 1
         flip_byte(rank1, info, 0)
         corrupted.append(info.record.step)
-    # one per slot: the resumed run's steps 4 and 5 (the last at exit), and the corrupt step 4 it skipped
-    assert sorted(corrupted) == [4, 4, 5]
+    # one per slot (four): the first run's step 3, the resumed run's 4 and 5 (the last at exit), and the corrupt
+    # step 4 it skipped
+    assert sorted(corrupted) == [3, 4, 4, 5]
 
     refused = run_worker(2, [*common, "--iters", "6"], check=False)
     assert refused.returncode != 0

@@ -59,7 +59,7 @@ class Trainer:
         if corrupt_chunk is not None:
             buffer[self.layout.chunks[corrupt_chunk].offset + 7] ^= 1
         slot = self.writer.slot
-        self.writer.commit(record)
+        self.writer.commit(record, slot)
         self.client.commit(self.rank, step, slot)
         return record, data
 
@@ -346,11 +346,18 @@ def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
 # ---- memory and directory checks before training -------------------------------------------------
 
 
-def test_memory_limit_is_refused_at_hello(tmp_path):
+def test_memory_limit_gives_three_slots_where_four_do_not_fit_and_is_refused_below(tmp_path, caplog):
     m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", memory_limit=10 << 20))
     m.open()
     try:
-        m.hello(0, 3 << 20)  # 3 slots x 3 MB fit
+        assert len(m.hello(0, 2 << 20)["slots"]) == 4  # 4 slots x 2 MB fit
+        with caplog.at_level("WARNING", logger="baft.manager"):
+            # a node of two such ranks would not fit with four slots each (16 MB): this one takes three
+            assert len(m.hello(0, 2 << 20, node_ranks=2)["slots"]) == 3
+            assert len(m.hello(0, 3 << 20)["slots"]) == 3  # 3 slots x 3 MB fit, 4 do not
+        assert [r.message for r in caplog.records] == 2 * [
+            "rank 0: --memory-limit 10.0 MB allows 3 snapshot slots, not 4: each of its snapshots waits for the "
+            "previous one's seal"]
         with pytest.raises(BaftError, match=r"rank 1: node 0 needs 15\.0 MB .*over --memory-limit 10\.0 MB") as err:
             m.hello(1, 2 << 20)
         assert "\n" not in str(err.value)

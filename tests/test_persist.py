@@ -51,7 +51,7 @@ def test_round_trip_is_the_store_form(tmp_path):
     # the same (CommitRecord, bytes) form the shared-memory store returns
     writer = SnapshotWriter(tmp_path / "shm", 0, snaps[0][0].layout)
     writer.begin(5)[:] = torch.frombuffer(bytearray(snaps[0][1]), dtype=torch.uint8)
-    writer.commit(snaps[0][0])
+    writer.commit(snaps[0][0], writer.slot)
     from_shm = load_verified(tmp_path / "shm", 0)
     assert from_shm[0].to_json() == persist.read_snapshot(path, ranks=[0])[0][0].to_json()
     assert from_shm[1] == persist.read_snapshot(path, ranks=[0])[0][1]
@@ -256,7 +256,7 @@ def test_inspect_persisted_and_shared_memory_snapshots(tmp_path):
 
     writer = SnapshotWriter(tmp_path / "shm", 0, snaps[0][0].layout)
     writer.begin(6)[:] = torch.frombuffer(bytearray(snaps[0][1]), dtype=torch.uint8)
-    writer.commit(snaps[0][0])
+    writer.commit(snaps[0][0], writer.slot)
     writer.close()
     shm_text = inspect(tmp_path / "shm" / "rank0")
     assert "slot 0: step 6" in shm_text and "checksums: ok" in shm_text
@@ -279,3 +279,4 @@ def test_inspect_persisted_and_shared_memory_snapshots(tmp_path):
 
     with pytest.raises(BaftError, match="not a baft snapshot"):
         inspect(tmp_path)
+

@@ -132,10 +132,10 @@ def test_parity_rebuild_for_node_failures():
 # --- presets --------------------------------------------------------------------------------
 
 def test_presets_listed():
-    assert {"gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine"} <= set(preset_names())
+    assert {"gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine", "h100-1gpu"} <= set(preset_names())
 
 
-@pytest.mark.parametrize("name", ["gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine"])
+@pytest.mark.parametrize("name", ["gpt3-175b-1024", "gpt3-3b-8", "gpt3-15b-8", "this-machine", "h100-1gpu"])
 def test_every_preset_figure_has_a_source(name):
     doc = preset_document(name)
     assert doc["source"]
@@ -161,6 +161,30 @@ def test_gpt3_175b_preset_matches_megatron_estimate():
     assert result.iteration_time == pytest.approx(paper, rel=0.15)
     assert result.policy("baft").overhead < 0.01
     assert result.policy("baft").lost_per_day < result.policy("disk").lost_per_day
+
+
+def test_h100_preset_reproduces_the_measured_iterations_and_copy():
+    """results/gpu.md: 'none' iterations of 321 ms (m=8) and 1136 ms (m=32); 11.5 GB at 53.1 GB/s."""
+    for m, measured in ((8, 0.321), (32, 1.136)):
+        result = run(preset="h100-1gpu", overrides={"m": m})
+        assert result.iteration_time == pytest.approx(measured, rel=0.01)
+        assert result.copy_time == pytest.approx(11.48e9 / 53.1e9)
+        assert result.stages[0].bubble_time == 0  # one stage: no pipeline bubble, the whole copy is stall
+
+
+def test_a_nodes_ranks_share_its_host_memory_and_pcie_switches():
+    alone = scenario(p=2, dp=4, accelerators_per_node=8, host_bw=50e9)
+    assert alone.copy_bw == 50e9
+    assert scenario(p=2, dp=4, host_bw=50e9, node_host_bw=320e9).copy_bw == 40e9  # 8 ranks share 320 GB/s
+    assert scenario(p=2, dp=4, host_bw=50e9, node_host_bw=800e9, switch_bw=60e9, ranks_per_switch=2).copy_bw == 30e9
+    assert scenario(p=1, host_bw=50e9, switch_bw=60e9, ranks_per_switch=2).copy_bw == 50e9  # alone behind its switch
+    shared = simulate_scenario(scenario(p=2, dp=4, host_bw=50e9, node_host_bw=100e9))
+    free = simulate_scenario(scenario(p=2, dp=4, host_bw=50e9))
+    assert shared.copy_time == pytest.approx(4 * free.copy_time)
+    assert max(r.stall for r in shared.rank_plans) >= max(r.stall for r in free.rank_plans)
+    assert any("share the host" in note for note in shared.notes)
+    with pytest.raises(ConfigError, match="node_host_bw"):
+        scenario(node_host_bw=-1)
 
 
 def test_this_machine_preset_matches_design_figures():

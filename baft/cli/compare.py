@@ -57,6 +57,7 @@ def summarize(doc: dict) -> list[dict]:
                     "fence_wait_s": statistics.median(worst(r, "fence_wait") for r in snaps),
                     "seal_s": statistics.median(worst(r, "seal") for r in snaps),
                     "seal_cpu_s": statistics.median(worst(r, "seal_cpu") for r in snaps),
+                    "seal_wait_s": statistics.median(worst(r, "seal_wait") for r in snaps),
                     "overhead": overhead([w / base for w in wall], fired, policy["period"]) if base else None})
     return out
 

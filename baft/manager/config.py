@@ -163,16 +163,19 @@ class ManagerConfig:
         return {"k": self.k, "n": self.n, "members": [str(m) for m in self.group]}
 
 
-def memory_needed(rank_bytes: Iterable[int], k: Optional[int] = None, n: int = 0) -> int:
+def memory_needed(rank_bytes: Iterable[int], k: Optional[int] = None, n: int = 0,
+                  slot_counts: Optional[Iterable[int]] = None) -> int:
     """Host memory a manager needs for ranks of these snapshot sizes.
 
-    ``SLOTS`` slot files per rank; with parity, the shares it keeps of every member's bundle
-    for its ``SHARE_STEPS_KEPT`` newest steps and as many steps common to the group (members'
-    bundles taken to be as large as its own), plus one encode in flight (the bundle and its
-    ``n`` shares).
+    ``slot_counts`` slot files per rank (``SLOTS`` each by default); with parity, the shares it
+    keeps of every member's bundle for its ``SHARE_STEPS_KEPT`` newest steps and as many steps
+    common to the group (members' bundles taken to be as large as its own), plus one encode in
+    flight (the bundle and its ``n`` shares).
     """
+    rank_bytes = list(rank_bytes)
+    counts = list(slot_counts) if slot_counts is not None else [slots.SLOTS] * len(rank_bytes)
     local = sum(rank_bytes)
-    total = slots.SLOTS * local
+    total = sum(c * b for c, b in zip(counts, rank_bytes))
     if k:
         share = erasure.share_size(local, k)
         total += 2 * SHARE_STEPS_KEPT * n * share + local + n * share

@@ -17,7 +17,7 @@ range is stored as a flat ``uint8`` tensor keyed ``"<name>#bytes=<start>:<end>"`
 
 ``manifest.json`` holds the step, run id, model fingerprint (its first rank's), topology and node id, and per
 rank the file name and size, where each tensor is in the file, and the rank's full commit
-record (layout, per-chunk xxh3 checksums, and the small state in ``items``: RNG states, LR
+record (layout, per-chunk checksums, and the small state in ``items``: RNG states, LR
 scheduler, loss scaler, data-loader position, step counters).
 
 Loading without baft (see also docs/persisted-format.rst)::

@@ -200,10 +200,11 @@ class ManagerClient:
         return reply, data
 
     def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "",
-              topology: Optional[dict] = None) -> dict:
-        """Announce a rank and its snapshot size: the manager sizes its slot files or refuses."""
+              topology: Optional[dict] = None, node_ranks: int = 1) -> dict:
+        """Announce a rank and its snapshot size (and how many ranks the node runs): the manager sizes its slot
+        files or refuses."""
         reply, _ = self.request("hello", rank=rank, nbytes=nbytes, run_id=run_id, model=model,
-                                topology=topology or {})
+                                topology=topology or {}, node_ranks=node_ranks)
         return reply
 
     def commit(self, rank: int, step: int, slot: Optional[int] = None) -> None:

@@ -38,6 +38,7 @@ class RankState:
     rank: int
     nbytes: int
     identity: Identity
+    slots: int = slots.SLOTS
     results: dict[tuple[int, int], Optional[str]] = field(default_factory=dict)  # (slot, step) → None or why refused
     last_commit: Optional[int] = None
 
@@ -72,8 +73,14 @@ class NodeRanks:
 
     # ---- trainers' requests -----------------------------------------------------------------
 
-    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None) -> dict:
-        """Register ``rank`` and create its slot files; refused over --memory-limit or for another run."""
+    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None,
+              node_ranks: int = 1) -> dict:
+        """Register ``rank`` and create its slot files; refused over --memory-limit or for another run.
+
+        Four slots where every rank of the node (``node_ranks``; those not yet said hello taken to be this
+        one's size) fits with four beside the slots the others have; three where not, refused where even
+        three do not fit beside them.
+        """
         if not isinstance(rank, int) or rank < 0:
             raise BaftError(f"hello: rank {rank!r} must be a non-negative integer")
         if not isinstance(nbytes, int) or nbytes < 0:
@@ -84,13 +91,25 @@ class NodeRanks:
                 if other.rank != rank and run_id and other.identity.run_id and other.identity.run_id != run_id:
                     raise BaftError(f"hello: rank {rank} is from run {run_id!r}, rank {other.rank} on this "
                                     f"manager from run {other.identity.run_id!r}; 'baft manager stop' drops the old run")
-            sizes = [r.nbytes for r in self.ranks.values() if r.rank != rank] + [nbytes]
-            needed = memory_needed(sizes, self.config.k, self.config.n)
+            others = [r for r in self.ranks.values() if r.rank != rank]
+            sizes = [r.nbytes for r in others] + [nbytes]
+            counts = [r.slots for r in others]
             limit = self.config.memory_limit
+            coming = max(0, node_ranks - len(sizes))
+            # four slots let a snapshot be copied while the previous one seals; three are the fewest that keep
+            # the two newest committed snapshots through a crash mid-copy. Four only where the ranks still to
+            # come can have four too: the node's ranks wait alike, and a rank served first leaves them room
+            roomy = memory_needed(sizes + [nbytes] * coming, self.config.k, self.config.n,
+                                  counts + [slots.SLOTS] * (1 + coming))
+            count = slots.SLOTS if limit is None or roomy <= limit else slots.FEWEST_SLOTS
+            needed = memory_needed(sizes, self.config.k, self.config.n, counts + [count])
             if limit is not None and needed > limit:
                 raise BaftError(f"rank {rank}: node {self.config.node_id} needs {human(needed)} of host memory "
-                                f"({len(sizes)} ranks x {slots.SLOTS} slots{' + parity shares' if self.config.k else ''}), "
-                                f"over --memory-limit {human(limit)}")
+                                f"({len(sizes)} ranks x {slots.FEWEST_SLOTS} slots"
+                                f"{' + parity shares' if self.config.k else ''}), over --memory-limit {human(limit)}")
+            if count < slots.SLOTS:
+                log.warning("rank %d: --memory-limit %s allows %d snapshot slots, not %d: each of its snapshots "
+                            "waits for the previous one's seal", rank, human(limit), count, slots.SLOTS)
         if self.config.dir is not None:
             newest = persist.list_steps(self.config.dir)
             if newest:
@@ -98,19 +117,19 @@ class NodeRanks:
         directory = slots.rank_dir(self.root, rank)
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            for slot in range(slots.SLOTS):
+            for slot in range(count):
                 slots.map_file(slots.slot_path(directory, slot), max(nbytes, 1), create=True).close()
         except OSError as err:
-            raise BaftError(f"{directory}: cannot allocate {slots.SLOTS} x {human(nbytes)} of shared memory "
+            raise BaftError(f"{directory}: cannot allocate {count} x {human(nbytes)} of shared memory "
                             f"({err.strerror})") from None
         with self._lock:
             state = self.ranks.get(rank)
             if state is None:
                 self.ranks[rank] = state = RankState(rank, nbytes, identity)
-            state.nbytes, state.identity = nbytes, identity
-        log.info("hello from rank %d (%s per snapshot)", rank, human(nbytes))
+            state.nbytes, state.identity, state.slots = nbytes, identity, count
+        log.info("hello from rank %d (%s per snapshot, %d slots)", rank, human(nbytes), count)
         return {"node_id": self.config.node_id, "root": str(self.root),
-                "slots": [str(slots.slot_path(directory, s)) for s in range(slots.SLOTS)],
+                "slots": [str(slots.slot_path(directory, s)) for s in range(count)],
                 "memory": {"reserved": needed, "limit": limit}}
 
     def commit(self, rank: int, step: int) -> None:
@@ -154,12 +173,15 @@ class NodeRanks:
         """Write rebuilt or persisted snapshots of this node into its shm slots, as committed snapshots."""
         found = None
         for record, buffer in snapshots:
-            writer = slots.SnapshotWriter(self.root, record.rank, record.layout)
+            with self._lock:
+                known = self.ranks.get(record.rank)
+            writer = slots.SnapshotWriter(self.root, record.rank, record.layout,
+                                          known.slots if known else slots.SLOTS)
             try:
                 target = writer.begin(record.step)
                 target.numpy()[:record.layout.nbytes] = np.frombuffer(buffer, dtype=np.uint8, count=record.layout.nbytes)
                 slot = writer.slot
-                writer.commit(record)
+                writer.commit(record, slot)
                 del target
             finally:
                 writer.close()
@@ -263,7 +285,8 @@ class NodeRanks:
     def reserved_bytes(self) -> int:
         """Host memory reserved for the ranks said hello (:func:`baft.manager.config.memory_needed`)."""
         with self._lock:
-            return memory_needed([r.nbytes for r in self.ranks.values()], self.config.k, self.config.n)
+            return memory_needed([r.nbytes for r in self.ranks.values()], self.config.k, self.config.n,
+                                 [r.slots for r in self.ranks.values()])
 
     def status(self) -> dict:
         """Per rank, its size, last commit, run and each committed slot with its verdict."""

@@ -157,9 +157,10 @@ class Manager:
 
     # ---- requests that span the parts --------------------------------------------------------
 
-    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None) -> dict:
+    def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None,
+              node_ranks: int = 1) -> dict:
         """Register ``rank`` and create its slots; the reply says where they are and how parity and disk stand."""
-        reply = self.ranks.hello(rank, nbytes, run_id, model, topology)
+        reply = self.ranks.hello(rank, nbytes, run_id, model, topology, node_ranks)
         return {**reply, "parity": self.parity.line(), "persist": self.persister.line()}
 
     def held(self) -> dict:
@@ -288,7 +289,7 @@ class Manager:
             raise BaftError(f"unknown or not allowed request {op!r}")
         if op == "hello":
             return self.hello(msg.get("rank"), msg.get("nbytes"), msg.get("run_id", ""), msg.get("model", ""),
-                              msg.get("topology")), None
+                              msg.get("topology"), msg.get("node_ranks", 1)), None
         if op == "commit":
             self.ranks.commit(msg.get("rank"), msg.get("step"))
             self._wake.set()

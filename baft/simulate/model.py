@@ -30,7 +30,13 @@ Model (all per iteration unless said otherwise)
   replicas of a stage each snapshot a ``1/dp`` shard, DESIGN "Shards"). ``bytes_per_param``
   defaults to 16: 2 (fp16/bf16 weights) + 4 (fp32 master weights) + 4 + 4 (Adam moments).
   Checkpoint bytes of the whole job ``= state per rank · p · tp · dp``.
-- copy time ``= state per rank / host_bw``.
+- copy time ``= state per rank / copy_bw``, where ``copy_bw`` is what one rank gets while every
+  rank of its node copies at once: ``min(host_bw, switch_bw / ranks_per_switch,
+  node_host_bw / ranks per node)`` (its own device-to-host link, its share of a PCIe switch's
+  uplink, its share of the node's host memory; the last two only where the scenario gives them).
+  All of a node's ranks copying at once is exact for the replicas of one stage (the same
+  bubbles) and for copies beside the compute; ranks of different stages whose bubbles do not
+  overlap would get more.
 - failures per day ``λ`` (given, or nodes · 24 / ``mtbf_node_hours``); MTBF of the job
   ``M = 86400 / λ`` seconds. A fraction ``node_failure_fraction`` of failures loses the
   node (its host memory with it); the rest are software faults the node's snapshot survives.
@@ -40,7 +46,7 @@ Model (all per iteration unless said otherwise)
   * disk: ``T0 = period / 2``, ``T3 = checkpoint bytes / disk_read_bw``;
   * sync-copy (period P iterations of time t): ``T0 = P·t / 2``; baft: ``T0 = (P/2 + 1)·t``
     (the snapshot of step k is copied during iteration k+1 and commits at its end, so about
-    one period when P = 1); ``T3 = state per rank / host_bw`` from local memory;
+    one period when P = 1); ``T3 = state per rank / copy_bw`` from local memory;
   * node failure, with parity group (k, n): the manager encodes its node's bundle
     ``B = state per rank · ranks per node`` into n shares of B/k and sends n-1 of them,
     taking ``τ = (n-1)/k · B / net_bw`` in the background; the parity copy is at most every
@@ -67,7 +73,7 @@ from baft.errors import ConfigError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.timeline import analytic_bubble_map
 from baft.simulate.scenario import Scenario, load_preset, load_scenario
-from baft.simulate.units import duration, size
+from baft.simulate.units import bandwidth, duration, size
 from baft.snapshot.planner import RankPlan, choose_period, period_within, plan_rank
 
 DAY = 86400.0
@@ -164,7 +170,7 @@ def _in_memory(name: str, s: Scenario, t: float, period: int, stall: float, flus
                bubble_aware: bool, rate: float, restart: float, explore: bool = True) -> PolicyResult:
     overhead = stall / (period * t) if t > 0 else 0.0
     sw_t0 = _memory_t0(period, t, bubble_aware)
-    mem_load = s.state_per_rank / s.host_bw
+    mem_load = s.state_per_rank / s.copy_bw
     detail = {"software": {"t0": sw_t0, "t3": mem_load, "source": "local host memory"}}
     if s.parity is not None:
         k, n = s.parity
@@ -215,7 +221,7 @@ def simulate_scenario(s: Scenario) -> Result:
     if t <= 0:
         raise ConfigError("scenario: key 'forward_s': the iteration takes no time; give positive compute times")
     chunks = state_chunks(s.state_per_rank, s.chunk_bytes)
-    plans = [plan_rank(bmap.stage_bubbles(stage), chunks, s.host_bw, t, rank=stage, stage=stage, margin=s.margin)
+    plans = [plan_rank(bmap.stage_bubbles(stage), chunks, s.copy_bw, t, rank=stage, stage=stage, margin=s.margin)
              for stage in range(s.p)]
     closed = (s.p - 1) / (s.v * s.m + s.p - 1)
     stages = [StageResult(stage, bmap.bubble_time(stage), bmap.bubble_time(stage) / t if t else 0.0, closed,
@@ -223,7 +229,7 @@ def simulate_scenario(s: Scenario) -> Result:
 
     rate = s.failure_rate
     restart = s.restart_s + s.nccl_init_s + s.warmup_s
-    copy = sum(chunks) / s.host_bw  # the bytes the planner packs (whole bytes)
+    copy = sum(chunks) / s.copy_bw  # the bytes the planner packs (whole bytes)
     flush = s.checkpoint_bytes / s.disk_write_bw
 
     baft_period = choose_period(plans, s.budget)
@@ -234,6 +240,9 @@ def simulate_scenario(s: Scenario) -> Result:
         _in_memory("sync-copy", s, t, sync_period, copy, flush, False, rate, restart),
     ]
     notes = []
+    if s.copy_bw < s.host_bw:
+        notes.append(f"the {s.ranks_per_node} ranks of a node copying at once share the host: each copies at "
+                     f"{bandwidth(s.copy_bw)}, not its link's {bandwidth(s.host_bw)}")
     if rate > 0:
         young = math.sqrt(2 * flush * DAY / rate)
         policies.append(_disk("disk", s, t, young, "Young sqrt(2·δ·MTBF)", flush, rate, restart))

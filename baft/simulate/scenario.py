@@ -59,6 +59,9 @@ class Scenario:
     p2p_s: float = 0.0
     # copies, network, disk
     host_bw: float = 0.0
+    node_host_bw: float | None = None  # the node's host memory bandwidth that its ranks' copies share
+    switch_bw: float | None = None  # a PCIe switch's uplink to the host, shared by ranks_per_switch ranks
+    ranks_per_switch: int = 1
     net_bw: float | None = None
     parity: tuple | None = None  # (k, n)
     disk_write_bw: float = 0.0
@@ -89,6 +92,17 @@ class Scenario:
     @property
     def nodes(self) -> int:
         return math.ceil(self.accelerators / self.accelerators_per_node)
+
+    @property
+    def copy_bw(self) -> float:
+        """Bytes/s one rank copies to the host while every rank of its node copies at once: its own link
+        (``host_bw``), its share of its PCIe switch's uplink and its share of the node's host memory."""
+        shares = [self.host_bw]
+        if self.switch_bw is not None:
+            shares.append(self.switch_bw / min(self.ranks_per_switch, self.ranks_per_node))
+        if self.node_host_bw is not None:
+            shares.append(self.node_host_bw / self.ranks_per_node)
+        return min(shares)
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -312,7 +326,8 @@ _VALIDATORS = {
     "accelerators_per_node": _INT_POS,
     "peak_flops": _POS_OPT, "utilization": _number(positive=True, maximum=1, optional=True),
     "forward_s": _times, "backward_s": _times, "backward_factor": _POS, "optimizer_s": _times, "p2p_s": _NONNEG,
-    "host_bw": _POS, "net_bw": _POS_OPT, "parity": _parity,
+    "host_bw": _POS, "node_host_bw": _POS_OPT, "switch_bw": _POS_OPT, "ranks_per_switch": _INT_POS,
+    "net_bw": _POS_OPT, "parity": _parity,
     "disk_write_bw": _POS, "disk_read_bw": _POS, "disk_period_s": _POS_OPT,
     "failures_per_day": _number(minimum=0, optional=True), "mtbf_node_hours": _POS_OPT,
     "node_failure_fraction": _number(minimum=0, maximum=1),

@@ -25,7 +25,8 @@ def tables(result: Result):
                                        f"(stage 0)")
     summary.add_row("iteration", duration(result.iteration_time))
     summary.add_row("state per rank", f"{size(result.state_per_rank)} (checkpoint {size(result.checkpoint_bytes)})")
-    summary.add_row("copy per snapshot", f"{duration(result.copy_time)} at {bandwidth(s.host_bw)}")
+    shared = f" (the node's ranks at once; {bandwidth(s.host_bw)} alone)" if s.copy_bw < s.host_bw else ""
+    summary.add_row("copy per snapshot", f"{duration(result.copy_time)} at {bandwidth(s.copy_bw)}{shared}")
     summary.add_row("disk flush", f"{duration(result.flush_time)} at {bandwidth(s.disk_write_bw)}")
     summary.add_row("failures", f"{result.failures_per_day:.3g} per day "
                                 f"({s.node_failure_fraction:.0%} lose a node)")

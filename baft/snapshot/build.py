@@ -107,6 +107,7 @@ class PlannedExecutor(BubbleExecutor):
         if mine is None:
             mine = self._plan_from_measured_waits(engine, layout)
             self.plan_source = f"receive waits timed in this run's iteration {len(self.timer.iterations)}"
+        mine.seal, mine.slots = self.sealer.seconds, self.writer.slots
         self.plan = mine
         period = self.fixed_period or choose_period([mine], DEFAULT_BUDGET)
         agreed = torch.tensor([period], dtype=torch.int64, device=collective_device())

@@ -1,13 +1,15 @@
 """Copying one snapshot of a rank's state into a shared-memory slot, chunk by chunk.
 
 A :class:`Snapshot` is taken at a step boundary: it captures the small items and picks a
-slot; ``copy`` moves one chunk (and checksums it, when the trainer has time to spare);
-``fence`` is the deadline: every chunk out of the live tensors before the optimizer step
-changes them; ``seal`` checksums what is left and writes the commit record. Only the fence
-is on the trainer's path: a :class:`Sealer` seals on a thread of its own, and a snapshot
-counts only once its commit record, with every chunk's checksum, exists. The policies
-(bubble-aware executor, synchronous copy, background thread) differ only in *when* they
-call ``copy``.
+slot; ``copy`` moves one chunk (and checksums its source, when the trainer has time to
+spare); ``queue`` puts runs of chunks on a copy stream, each run's checksums computed there
+from the same source bytes (on a GPU by the device); ``fence`` is the deadline: every chunk
+out of the live tensors before the optimizer step changes them; ``seal`` gathers the
+checksums, computes those not yet done from the slot, and writes the commit record. Only the
+fence is on the trainer's path: a :class:`Sealer` seals on a thread of its own, and a
+snapshot counts only once its commit record, with every chunk's checksum, exists. The
+policies (bubble-aware executor, synchronous copy, background thread) differ only in *when*
+they call ``copy``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from typing import Callable, Optional
 import torch
 
 from baft.snapshot import state
-from baft.snapshot.layout import CommitRecord, Layout, checksum, model_signature, plan_layout
+from baft.snapshot.checksum import TorchSums, hexdigest
+from baft.snapshot.layout import CommitRecord, Layout, model_signature, plan_layout
 from baft.snapshot.slots import SnapshotWriter
-from baft.snapshot.streams import CopyStream
+from baft.snapshot.streams import CopyStream, RunSums
 from baft.background import BackgroundThread
 
 
@@ -56,7 +59,8 @@ class StateSource:
 
     def __init__(self, engine, chunk_bytes: int):
         grid = engine.grid
-        self.engine = engine
+        self.engine, self.chunk_bytes = engine, chunk_bytes
+        self.sums = TorchSums()
         self.layout: Layout = plan_layout(state.tensor_entries(engine), chunk_bytes,
                                           shard=grid.get_data_parallel_rank(),
                                           num_shards=grid.get_data_parallel_world_size())
@@ -85,7 +89,7 @@ class Snapshot:
         self.buffer = writer.begin(step)
         self.slot = writer.slot
         self.pending = dict.fromkeys(range(len(source.layout.chunks)))  # in layout order
-        self.checksums: list[Optional[str]] = [None] * len(source.layout.chunks)
+        self.sums: list[RunSums] = []  # computed from the source as the chunks were copied
         self.stream = stream
 
     @property
@@ -100,10 +104,10 @@ class Snapshot:
         i = next(iter(self.pending))
         del self.pending[i]
         chunk = self.source.layout.chunks[i]
-        dst = self._slot_view(chunk)
-        dst.copy_(self.source.view(chunk))
+        src = self.source.view(chunk)
+        self._slot_view(chunk).copy_(src)
         if checksum_now:
-            self.checksums[i] = checksum(dst.numpy())
+            self.sums.append(RunSums([i], self.source.sums.of(src).reshape(1)))
         return chunk.nbytes
 
     def queue(self, indices) -> int:
@@ -114,9 +118,17 @@ class Snapshot:
         self.stream.after_compute()
         for i in chosen:
             del self.pending[i]
-        runs = copy_runs(self.source.layout.chunks, sorted(chosen))
+        chosen.sort()
+        runs = copy_runs(self.source.layout.chunks, chosen)
+        first = 0
         for run in runs:
-            self.stream.copy(self._slot_view(run), self.source.view(run))
+            src = self.source.view(run)
+            self.stream.copy(self._slot_view(run), src)
+            count = -(-run.nbytes // self.source.chunk_bytes)
+            sums = RunSums(chosen[first:first + count])
+            first += count
+            self.stream.checksum(sums, src, self.source.chunk_bytes)
+            self.sums.append(sums)
         return sum(run.nbytes for run in runs)
 
     def copy_while(self, keep_going: Callable[[], bool]) -> int:
@@ -138,37 +150,52 @@ class Snapshot:
         self.queue(list(self.pending))
         self.stream.fence()
 
-    def _checksum_all(self, indices: list[int]) -> None:
-        for i in indices:  # xxh3 releases the GIL: the threads hash side by side
-            self.checksums[i] = checksum(self._slot_view(self.source.layout.chunks[i]).numpy())
+    def _gathered(self) -> list[Optional[str]]:
+        """Every chunk's checksum computed as it was copied (one device-to-host copy of all of them), None for
+        the rest. Call once the stream has run them."""
+        checksums: list[Optional[str]] = [None] * len(self.source.layout.chunks)
+        if self.sums:
+            device = self.sums[0].sums.device
+            values = torch.cat([run.sums.to(device) for run in self.sums]).tolist()
+            for i, value in zip((i for run in self.sums for i in run.chunks), values):
+                checksums[i] = hexdigest(value)
+        return checksums
+
+    def _checksum_slot(self, checksums: list[Optional[str]], indices: list[int]) -> None:
+        for i in indices:  # torch's dot releases the GIL: the threads sum side by side
+            checksums[i] = hexdigest(int(self.source.sums.of(self._slot_view(self.source.layout.chunks[i]))))
 
     def seal(self, threads: Optional[int] = None) -> CommitRecord:
-        """After the fence, off the trainer's path: checksum every chunk not yet done, on ``threads`` threads
-        (default :func:`seal_threads`; 1: this one, as at interpreter exit, where no pool starts), then commit."""
+        """After the fence, off the trainer's path: gather the checksums computed as the chunks were copied,
+        compute the rest from the slot on ``threads`` threads (default :func:`seal_threads`; 1: this one, as
+        at interpreter exit, where no pool starts), then commit."""
         if self.stream is not None:
             self.stream.synchronize()
-        todo = [i for i, digest in enumerate(self.checksums) if digest is None]
+        checksums = self._gathered()
+        todo = [i for i, digest in enumerate(checksums) if digest is None]
         threads = min(threads or seal_threads(), len(todo)) or 1
         if threads == 1:
-            self._checksum_all(todo)
+            self._checksum_slot(checksums, todo)
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="baft-checksum") as pool:
-                list(pool.map(self._checksum_all, [todo[k::threads] for k in range(threads)]))
+                list(pool.map(lambda part: self._checksum_slot(checksums, part),
+                              [todo[k::threads] for k in range(threads)]))
         engine = self.source.engine
         record = CommitRecord(step=self.step, rank=engine.global_rank, stage=engine.stage_id,
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,
-                              checksums=list(self.checksums), items=self.items,
+                              checksums=checksums, items=self.items,
                               topology=self.source.topology(), run_id=engine.baft.config.run_id,
                               model=model_signature(self.source.layout.tensors), wall_time=time.time())
-        self.writer.commit(record)
+        self.writer.commit(record, self.slot)
         return record
 
 
 class Sealer:
-    """Seals fenced snapshots on a :class:`~baft.background.BackgroundThread`, one at a time, and reports each commit.
+    """Seals fenced snapshots on a :class:`~baft.background.BackgroundThread`, in turn, and reports each commit.
 
-    ``committed(record, slot)`` runs on that thread once the commit record is written. A
-    snapshot's slot is reused only after its seal: :meth:`wait` before the next ``begin``.
+    ``committed(record, slot)`` runs on that thread once the commit record is written.
+    :meth:`submit` does not wait: the next snapshot is copied while this one seals, as far as the
+    slots allow (the policy calls :meth:`wait` with what its slots leave before it begins one).
     An error while sealing is raised by the next :meth:`wait`, in the trainer's thread.
     """
 
@@ -178,13 +205,13 @@ class Sealer:
         self.seconds = 0.0  # how long the latest finished seal took (copies awaited, checksums, commit)
         self.cpu_seconds = 0.0  # and the CPU time it took on its thread
         self._thread = BackgroundThread("baft-seal")
-        self._idle = threading.Event()
-        self._idle.set()
+        self._changed = threading.Condition()
+        self._outstanding = 0  # submitted, not yet sealed
         self._error: Optional[BaseException] = None
 
     def submit(self, snapshot: Snapshot) -> None:
-        self.wait()
-        self._idle.clear()
+        with self._changed:
+            self._outstanding += 1
         self._thread.submit(lambda: self._seal(snapshot))
 
     def _seal(self, snapshot: Snapshot) -> None:
@@ -197,11 +224,15 @@ class Sealer:
         except BaseException as err:  # re-raised in the trainer's thread by wait()
             self._error = err
         finally:
-            self._idle.set()
+            with self._changed:
+                self._outstanding -= 1
+                self._changed.notify_all()
 
-    def wait(self) -> None:
-        """Until the snapshot being sealed is committed (or its error raised here)."""
-        self._idle.wait()
+    def wait(self, leave: int = 0) -> None:
+        """Until at most ``leave`` submitted snapshots are still sealing (0: every one committed), or a seal's
+        error is raised here."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._outstanding <= leave or self._error is not None)
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -18,19 +18,19 @@ from typing import Iterable, Optional
 
 import xxhash
 
-FORMAT_VERSION = 1
+from baft.snapshot.checksum import digest
+
+FORMAT_VERSION = 2  # 2: chunk checksums are baft.snapshot.checksum's weighted sums; 1: xxh3-64
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
-def checksum(data) -> str:
-    """xxh3-64 of a bytes-like object, as hex: fast enough to run inside a bubble.
-
-    Through the hasher object, whose ``update`` releases the GIL (the one-shot
-    ``xxh3_64_hexdigest`` holds it), so a background checksum does not stall the trainer.
-    """
-    return xxhash.xxh3_64(data).hexdigest()
+def checksum(data, version: int = FORMAT_VERSION) -> str:
+    """The checksum of a bytes-like object as a commit record of format ``version`` holds it: the weighted
+    sum of :mod:`baft.snapshot.checksum` (what a GPU computes from the source tensors), or for records
+    written before it, xxh3-64."""
+    return digest(data) if version >= 2 else xxhash.xxh3_64(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class CommitRecord:
         if view.nbytes < self.layout.nbytes:
             return f"buffer holds {view.nbytes} bytes, the layout needs {self.layout.nbytes}"
         for chunk, expected in zip(self.layout.chunks, self.checksums):
-            if checksum(view[chunk.offset:chunk.offset + chunk.nbytes]) != expected:
+            if checksum(view[chunk.offset:chunk.offset + chunk.nbytes], self.version) != expected:
                 return f"chunk {chunk.index} ({chunk.tensor} bytes {chunk.start}..{chunk.start + chunk.nbytes}) fails its checksum"
         return None
 

@@ -30,3 +30,4 @@ class PolicyMetrics:
     fence_wait: float = 0.0  # on a GPU: the device's wait at the fence for copies still running
     seal: float = 0.0  # the latest finished seal (copies awaited, checksums, commit record), off the trainer
     seal_cpu: float = 0.0
+    seal_wait: float = 0.0  # the trainer's wait, in the stall, for a slot still held by a snapshot sealing

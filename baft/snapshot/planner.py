@@ -7,6 +7,12 @@ bubbles in time order, at the measured copy bandwidth with a safety margin; what
 fit is copied just before the next optimizer step (the *stall*). When the stall would
 cost more than the overhead budget every iteration, the planner snapshots every
 ``period``-th iteration instead: the smallest period whose stall, amortized, fits the budget.
+
+The stall also counts the wait for a slot: a snapshot is sealed (checksums gathered, commit
+record written) after its fence, and with four slots the next one is copied meanwhile, so the
+trainer waits only for a seal longer than the snapshot period; with three slots (all that
+``memory_limit`` allows) the next snapshot waits for the seal, which has only the time left of
+the period after the fence.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Optional
 from baft.errors import ConfigError
 from baft.jsonfile import load_versioned, renamed, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap
+from baft.snapshot.slots import SLOTS
 
 SCHEMA = "baft.plan"
 VERSION = 2
@@ -54,10 +61,25 @@ class RankPlan:
     leftover_bytes: int = 0
     stall: float = 0.0  # predicted seconds of copy before the optimizer step
     bubble_time: float = 0.0
+    seal: float = 0.0  # seconds a seal takes (measured), after the fence
+    slots: int = SLOTS  # the rank's snapshot slots
 
     @property
     def overhead_per_snapshot(self) -> float:
-        return self.stall / self.iteration_time if self.iteration_time else 0.0
+        """The stall of a snapshot taken every iteration, as a fraction of an iteration (its wait for a slot
+        included)."""
+        return self.cost(1)
+
+    def seal_wait(self, period: int = 1) -> float:
+        """Seconds a snapshot begun every ``period`` iterations waits for a slot a seal still holds. With two
+        snapshots in flight the seals keep pace unless one takes longer than a period; with one, a seal that
+        starts at the fence (taken as the iteration's end) has ``period - 1`` iterations before the next begin."""
+        lag = period if self.slots - 2 >= 2 else period - 1
+        return max(0.0, self.seal - lag * self.iteration_time)
+
+    def cost(self, period: int) -> float:
+        """A snapshot's stall, its wait for a slot included, as a fraction of an iteration, at ``period``."""
+        return (self.stall + self.seal_wait(period)) / self.iteration_time if self.iteration_time else 0.0
 
     def placement(self) -> dict[int, range]:
         """Instruction index -> the chunks copied in the bubble that begins there (the rest: at the fence)."""
@@ -86,7 +108,7 @@ class Plan:
     @property
     def predicted_overhead(self) -> float:
         """Iteration-time overhead averaged over a period, for the worst rank."""
-        return max((r.overhead_per_snapshot for r in self.ranks), default=0.0) / self.period
+        return max((r.cost(self.period) for r in self.ranks), default=0.0) / self.period
 
     def for_rank(self, rank: int) -> Optional[RankPlan]:
         return next((r for r in self.ranks if r.rank == rank), None)
@@ -142,8 +164,13 @@ def period_within(cost: float, budget: float = DEFAULT_BUDGET) -> int:
 
 
 def choose_period(ranks: list[RankPlan], budget: float = DEFAULT_BUDGET) -> int:
-    """The smallest period at which every rank's amortized stall fits the budget."""
-    return period_within(max((r.overhead_per_snapshot for r in ranks), default=0.0), budget)
+    """The smallest period at which every rank's amortized stall, its wait for a slot included, fits the budget.
+
+    A longer period leaves a seal more time, so the cost per snapshot only falls with it: the period that fits
+    the cost at period 1 is an upper bound."""
+    worst = lambda period: max((r.cost(period) for r in ranks), default=0.0)  # noqa: E731
+    bound = period_within(worst(1), budget)
+    return next((p for p in range(1, bound) if worst(p) / p <= budget), bound)
 
 
 def plan(bmap: BubbleMap, chunk_bytes: int = 1 << 20, budget: float = DEFAULT_BUDGET,
@@ -171,6 +198,9 @@ def finish_plan(bmap: BubbleMap, ranks: list[RankPlan], budget: float, period: O
             notes.append(f"rank {r.rank} (stage {r.stage}): bubbles hold {_mb(r.nbytes - r.leftover_bytes)} of "
                          f"{_mb(r.nbytes)}; {_mb(r.leftover_bytes)} is copied before the optimizer step "
                          f"({r.stall * 1e3:.1f} ms stall per snapshot)")
+        if r.seal_wait(chosen):
+            notes.append(f"rank {r.rank} (stage {r.stage}): each snapshot waits {r.seal_wait(chosen) * 1e3:.1f} ms "
+                         f"for a slot the previous one's seal ({r.seal * 1e3:.1f} ms) holds ({r.slots} slots)")
     if chosen > 1:
         notes.append(f"a snapshot must be copied within one iteration (the optimizer step changes the state), "
                      f"so baft snapshots every {chosen} iterations to stay within {budget:.1%}")

@@ -17,7 +17,8 @@ they differ in when the chunks are copied:
 Each records, per iteration, the *stall*: seconds the trainer spent in the policy outside
 bubbles (flush, synchronous copy, join); the bubble executor also records where its copies
 ran (:class:`CopySpans`). Checksums and the commit record are written after the fence, by a
-:class:`~baft.snapshot.copy.Sealer` thread, off the trainer's path.
+:class:`~baft.snapshot.copy.Sealer` thread, off the trainer's path; with four slots the next
+snapshot is copied while one seals, with three it waits for the seal (``seal_wait``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
 from baft.snapshot.metrics import Periodic, PolicyMetrics
 from baft.snapshot.planner import RankPlan
-from baft.snapshot.slots import SnapshotWriter
+from baft.snapshot.slots import SLOTS, SnapshotWriter
 from baft.snapshot.streams import CopyStream
 
 
@@ -53,6 +54,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.writer: Optional[SnapshotWriter] = None
         self.snapshot: Optional[Snapshot] = None
         self.stall = 0.0  # this iteration's
+        self.seal_wait = 0.0  # this iteration's wait for a slot the previous snapshots' seals held (in the stall)
         self.taken = 0  # snapshots fenced (their copies done); committed ones are in ``committed_steps``
         self.committed_steps: list[int] = []  # not the records: tens of KB each, one per step of a long run
         self.sealer = Sealer(self._committed)
@@ -68,24 +70,27 @@ class SnapshotPolicy(InstructionHook, Periodic):
     def metrics(self) -> PolicyMetrics:
         """This policy's counters after the latest iteration."""
         return PolicyMetrics(snapshots=self.taken, snapshotted=self.taken > self.taken_before, stall=self.stall,
-                             seal=self.sealer.seconds, seal_cpu=self.sealer.cpu_seconds)
+                             seal=self.sealer.seconds, seal_cpu=self.sealer.cpu_seconds, seal_wait=self.seal_wait)
 
     def prepare(self, engine) -> None:
         """Lay out the state and map the slots (once the optimizer state exists)."""
         if self.source is None:
             self.source = StateSource(engine, self.chunk_bytes)
+            count = SLOTS
             if self.link is not None:
-                self.link.hello(self.source)  # the manager sizes the slots, or refuses
-            self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout)
+                count = self.link.hello(self.source)  # the manager sizes the slots, or refuses
+            self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout, count)
 
     def iteration_start(self, engine):
-        self.stall = 0.0
+        self.stall = self.seal_wait = 0.0
         self.taken_before = self.taken
         self.engine, self.at_step_boundary = engine, False
         if self.due(engine):
+            self.prepare(engine)
             start = time.perf_counter()
-            self.sealer.wait()  # the previous snapshot's slot may be reused only once it is committed
-            self.stall += time.perf_counter() - start
+            self.sealer.wait(leave=self.writer.in_flight - 1)  # a slot for this snapshot, beside those sealing
+            self.seal_wait = time.perf_counter() - start
+            self.stall += self.seal_wait
             self.begin(engine)
             self.started()
 

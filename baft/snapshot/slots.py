@@ -1,13 +1,18 @@
 """Host snapshot buffers in shared memory, with commit records written last.
 
 Each rank owns a directory ``<root>/rank<R>/`` holding ``SLOTS`` buffer files
-(``slot<i>.bin``) and, for each committed one, a commit record (``slot<i>.commit.json``).
-The files live in shared memory (``/dev/shm`` by default), so a trainer killed with
-SIGKILL loses nothing already committed: the node's manager, or the restarted trainer,
-reads them back. A slot being filled never is the newest committed one, nor the one
-before it, so the two newest snapshots survive a crash in the middle of a copy. A slot's
-old commit record is deleted before the slot is overwritten, and a reader that finds no
-commit record, or one whose checksums fail, ignores that slot.
+(``slot<i>.bin``; ``FEWEST_SLOTS`` where memory allows no more) and, for each committed one, a
+commit record (``slot<i>.commit.json``). The files live in shared memory (``/dev/shm`` by
+default), so a trainer killed with SIGKILL loses nothing already committed: the node's
+manager, or the restarted trainer, reads them back. A slot being filled or sealed never is
+the newest committed one, nor the one before it, so the two newest snapshots survive a crash
+in the middle of a copy. A slot's old commit record is deleted before the slot is
+overwritten, and a reader that finds no commit record, or one whose checksums fail, ignores
+that slot.
+
+Why four: snapshot k+1 is copied while snapshot k is still being sealed (its checksums
+gathered, its record written), so both are in flight beside the two newest committed. With
+three, snapshot k+1 cannot begin until k is committed: the trainer waits for the seal.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from baft.snapshot.layout import CommitRecord, Layout
 if TYPE_CHECKING:
     import torch
 
-SLOTS = 3
+SLOTS = 4  # the two newest committed, the one being sealed, the one being filled
+FEWEST_SLOTS = 3  # the two newest committed and one in flight: each snapshot waits for the previous seal
 DEFAULT_ROOT = "/dev/shm/baft"
 
 
@@ -108,11 +114,13 @@ class SlotInfo:
 class SnapshotWriter:
     """The trainer's side: fill a slot chunk by chunk, then commit it.
 
-    ``begin(step)`` picks the slot to fill and invalidates it; ``buffer`` is a uint8 tensor
-    view of that slot's shared memory; ``commit(record)`` writes the commit record.
+    ``begin(step)`` picks a slot to fill, invalidates it and returns a uint8 tensor view of its
+    shared memory; ``commit(record, slot)`` writes the commit record. Of ``slots`` slots, two hold
+    the newest committed snapshots; the others (:attr:`in_flight`) may be begun and not yet
+    committed at once.
     """
 
-    def __init__(self, root, rank: int, layout: Layout):
+    def __init__(self, root, rank: int, layout: Layout, slots: int = SLOTS):
         import torch  # here, not at the top: the manager process reads slots without loading torch
 
         self.directory = rank_dir(root, rank)
@@ -121,33 +129,47 @@ class SnapshotWriter:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise BaftError(f"{self.directory}: cannot create snapshot directory ({err.strerror})") from None
+        if not FEWEST_SLOTS <= slots <= SLOTS:
+            raise ValueError(f"{slots} snapshot slots: baft uses {FEWEST_SLOTS} to {SLOTS}")
+        self.slots = slots
         nbytes = max(layout.nbytes, 1)
         try:
             self._maps = [map_file(slot_path(self.directory, s), nbytes, create=True, populate=True)
-                          for s in range(SLOTS)]
+                          for s in range(slots)]
         except OSError as err:
-            raise BaftError(f"{self.directory}: cannot allocate {SLOTS} x {nbytes} bytes of shared memory "
+            raise BaftError(f"{self.directory}: cannot allocate {slots} x {nbytes} bytes of shared memory "
                             f"({err.strerror})") from None
         self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._registered = [b for b in self.buffers if register_with_cuda(b)]
-        self.slot: Optional[int] = None
         # this writer is its rank's only writer: read the slots' steps once, then keep them here
-        self._steps = {info.slot: info.record.step if info.record else None for info in read_slots(self.directory)}
+        self._steps = {info.slot: info.record.step if info.record else None
+                       for info in read_slots(self.directory)[:slots]}
+        self._begun: set[int] = set()  # being filled or sealed
+
+    @property
+    def in_flight(self) -> int:
+        """How many snapshots may be begun and not yet committed at once."""
+        return self.slots - 2
 
     def begin(self, step: int) -> torch.Tensor:
-        """Choose the slot for ``step``'s snapshot, drop its old commit record, return its buffer."""
-        self.slot = min(self._steps, key=lambda s: -1 if self._steps[s] is None else self._steps[s])
+        """Choose a slot for ``step``'s snapshot, drop its old commit record, return its buffer (its index is
+        :attr:`slot`). Raises when :attr:`in_flight` snapshots are already begun and not committed."""
+        if len(self._begun) >= self.in_flight:
+            raise RuntimeError(f"begin() with {len(self._begun)} snapshots in flight in {self.slots} slots")
+        free = [s for s in self._steps if s not in self._begun]
+        self.slot = min(free, key=lambda s: -1 if self._steps[s] is None else self._steps[s])
         self._steps[self.slot] = None  # empty or oldest committed: never the two newest
+        self._begun.add(self.slot)
         _commit_path(self.directory, self.slot).unlink(missing_ok=True)
         return self.buffers[self.slot]
 
-    def commit(self, record: CommitRecord) -> Path:
-        """Make the filled slot a committed snapshot. Must be called after every chunk is copied."""
-        if self.slot is None:
-            raise RuntimeError("commit() without begin()")
-        path = write_text_atomic(_commit_path(self.directory, self.slot), record.to_text())
-        self._steps[self.slot] = record.step
-        self.slot = None
+    def commit(self, record: CommitRecord, slot: int) -> Path:
+        """Make the filled ``slot`` a committed snapshot. Must be called after every chunk is copied."""
+        if slot not in self._begun:
+            raise RuntimeError(f"commit() of slot {slot}, which is not begun")
+        path = write_text_atomic(_commit_path(self.directory, slot), record.to_text())
+        self._steps[slot] = record.step
+        self._begun.discard(slot)
         return path
 
     def close(self) -> None:

@@ -7,22 +7,35 @@ the bubble begins, and fences the stream before the optimizer step:
 
 - :class:`CudaCopyStream` — a CUDA side stream. ``after_compute`` makes it wait on an event
   recorded on the compute stream (the copies read the state the last optimizer step wrote),
-  ``copy`` is an asynchronous device-to-host DMA into pinned memory, ``fence`` makes the
-  compute stream wait on the copy stream's last event. The host never waits on the hot path.
-- :class:`ThreadCopyStream` — the same contract played by one thread on CPU: copies run in
-  queue order beside the trainer, and ``fence`` blocks the host until they are done (a CPU
-  has no device queue the optimizer step could wait in). It runs the device executor's
-  logic in the suite, on real DeepSpeed pipelines, without a GPU.
+  ``copy`` is an asynchronous device-to-host DMA into pinned memory, ``checksum`` a few kernels
+  that sum the same source bytes into a small int64 tensor on the device, ``fence`` makes the
+  compute stream wait on the copy stream's last event. The host never waits on the hot path,
+  and never reads the copied bytes: the seal gathers the checksums in one small copy.
+- :class:`ThreadCopyStream` — the same contract played by one thread on CPU: copies and
+  checksums run in queue order beside the trainer, and ``fence`` blocks the host until they
+  are done (a CPU has no device queue the optimizer step could wait in). It runs the device
+  executor's logic in the suite, on real DeepSpeed pipelines, without a GPU.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
 
 from baft.background import BackgroundThread
+from baft.snapshot.checksum import TorchSums
+
+
+@dataclass
+class RunSums:
+    """The checksums of a run of chunks (``chunks``: their layout indices), set once the stream has computed
+    them: read ``sums`` only after :meth:`CopyStream.synchronize`."""
+
+    chunks: list[int]
+    sums: Optional[torch.Tensor] = None
 
 
 class CopyStream(Protocol):
@@ -33,6 +46,9 @@ class CopyStream(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)``."""
+
+    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
+        """Queue the checksums of ``src`` cut into chunks of ``chunk_bytes``, into ``run.sums``."""
 
     def fence(self) -> None:
         """Compute queued from now on runs only after every copy queued so far."""
@@ -50,6 +66,7 @@ class CudaCopyStream:
 
     def __init__(self, device: Optional[torch.device] = None):
         self.stream = torch.cuda.Stream(device=device)
+        self.sums = TorchSums()
         self.last: Optional[torch.cuda.Event] = None
         self.waited: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None  # around the last fence
 
@@ -59,6 +76,10 @@ class CudaCopyStream:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
+
+    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
+        with torch.cuda.stream(self.stream):  # after the compute the copies follow, beside them
+            run.sums = self.sums.of_chunks(src, chunk_bytes)
 
     def fence(self) -> None:
         self.last = self.stream.record_event()
@@ -85,6 +106,7 @@ class ThreadCopyStream:
 
     def __init__(self):
         self._thread = BackgroundThread("baft-copy-stream")
+        self.sums = TorchSums()
         self._error: Optional[BaseException] = None
 
     def _run(self, job: Callable[[], None]) -> None:
@@ -100,6 +122,11 @@ class ThreadCopyStream:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._thread.submit(lambda: self._run(lambda: dst.copy_(src)))
+
+    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
+        def job():
+            run.sums = self.sums.of_chunks(src, chunk_bytes)
+        self._thread.submit(lambda: self._run(job))
 
     def fence(self) -> None:
         self.synchronize()
