@@ -3,7 +3,7 @@
 import pytest
 
 from baft.snapshot.layout import CommitRecord, TensorEntry, plan_layout
-from baft.snapshot.slots import SnapshotWriter, committed, map_verified
+from baft.snapshot.slots import SnapshotWriter, committed
 
 LAYOUT = plan_layout([TensorEntry("w", "uint8", (64,), 64, "parameters")], chunk_bytes=32)
 
