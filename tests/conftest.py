@@ -87,7 +87,7 @@ _forks: list[Forks] = []
 def forks() -> Forks:
     """The suite's warm fork server (:mod:`warm`), started at the first launch that uses it."""
     if not _forks:
-        _forks.append(Forks(Path(tempfile.mkdtemp(prefix="baft-warm-")), launch_env()))
+        _forks.append(Forks(launch_env()))
     return _forks[0]
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -77,8 +79,9 @@ class WarmProcess:
 class Forks:
     """The fork server's client: :meth:`start` runs a command in a child forked from the warm server."""
 
-    def __init__(self, directory: Path, env: dict):
-        self.socket = str(directory / "warm.sock")
+    def __init__(self, env: dict):
+        self.directory = tempfile.mkdtemp(prefix="baft-warm-")
+        self.socket = os.path.join(self.directory, "warm.sock")
         self.server = subprocess.Popen([sys.executable, __file__, self.socket], env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL)
         while not os.path.exists(self.socket):  # bound once the imports are done
@@ -98,6 +101,7 @@ class Forks:
     def close(self) -> None:
         self.server.terminate()
         self.server.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _run_child(request: dict) -> None:
