@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from baft.cli.launch import launch_env, torchrun
-from warm import Forks
+from baft.warm import WarmServer
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -71,37 +71,37 @@ def run_worker(nprocs: int, args: list[str], timeout: float = 240, check: bool =
 
 
 def _launch(nprocs, argv, module, env, timeout, max_restarts, check, name) -> subprocess.CompletedProcess:
-    if max_restarts:
-        cmd = torchrun(nprocs, argv, max_restarts=max_restarts, module=module)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    program = [*(["-m"] if module else []), *argv]
+    if max_restarts:  # torchrun's ranks forked warm, as under `baft train`
+        cmd = torchrun(nprocs, warm().program(program), max_restarts=max_restarts, module=False)
+        proc = subprocess.run(cmd, env={**env, **warm().env()}, capture_output=True, text=True, timeout=timeout)
     else:
-        proc = spawn_ranks(nprocs, [sys.executable, *(["-m"] if module else []), *argv], env, timeout)
+        proc = spawn_ranks(nprocs, [sys.executable, *program], env, timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{name} failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
-_forks: list[Forks] = []
+_WARM = WarmServer()
 
 
-def forks() -> Forks:
-    """The suite's warm fork server (:mod:`warm`), started at the first launch that uses it."""
-    if not _forks:
-        _forks.append(Forks(launch_env()))
-    return _forks[0]
+def warm() -> WarmServer:
+    """The suite's warm fork server (:mod:`baft.warm`), started at the first launch that uses it."""
+    if _WARM.process is None:
+        _WARM.start(launch_env())
+    return _WARM
 
 
 @pytest.fixture(scope="session", autouse=True)
-def stop_forks():
+def stop_warm():
     yield
-    for server in _forks:
-        server.close()
+    _WARM.close()
 
 
 def spawn_ranks(nprocs: int, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """One attempt of ``torchrun --standalone --max-restarts=0`` without its agent (which imports torch
     before any rank starts: ~2 s of a 2-core machine per launch), each rank forked from the warm
-    server (:func:`forks`: torch and DeepSpeed imported once, ~6 s of CPU a rank saved): the ranks
+    server (:func:`warm`: torch and DeepSpeed imported once, ~6 s of CPU a rank saved): the ranks
     get torchrun's environment, and when one fails the others are stopped, as torchrun stops them.
     The ranks' output comes back rank by rank; the exit code is 1 when any rank failed, as torchrun's."""
     with socket.socket() as s:
@@ -114,7 +114,9 @@ def spawn_ranks(nprocs: int, cmd: list[str], env: dict, timeout: float) -> subpr
                         "ROLE_RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
                         "ROLE_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
-            procs.append(forks().start(cmd, rank_env, f"{logs}/{rank}.out", f"{logs}/{rank}.err"))
+            with open(f"{logs}/{rank}.out", "w") as out, open(f"{logs}/{rank}.err", "w") as err:
+                procs.append(subprocess.Popen([cmd[0], *warm().program(cmd[1:])], env={**rank_env, **warm().env()},
+                                              stdin=subprocess.DEVNULL, stdout=out, stderr=err))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             failed = any(p.returncode not in (None, 0) for p in procs)

@@ -173,6 +173,8 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--nprocs", type=int, help="Processes for a script (default: stages x data-parallel).")
 @click.option("--manager/--no-manager", default=True, show_default=True,
               help="Start this node's snapshot manager for the run (stopped at the end).")
+@click.option("--warm/--cold", default=True, show_default=True,
+              help="Fork every rank, and every restarted rank, from a process that has imported torch and DeepSpeed.")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")
@@ -182,11 +184,12 @@ def plan_cmd(bubble_map, out, budget):
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
-          manager, persist_every, nodes, faults, trace_dir, command, dp, **model):
+          manager, warm, persist_every, nodes, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
-    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``. Every rank's
+    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``, each rank forked from a
+    warm process of the node (``--cold``: started afresh, as plain torchrun starts it). Every rank's
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
@@ -202,6 +205,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.recovery import chaos
+    from baft.warm import WarmServer, warmable
 
     for fault in faults:
         chaos.parse_fault(fault)
@@ -214,7 +218,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
-    configs = []
+    server = WarmServer()
+    configs, program = [], list(command)
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
                 "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
@@ -223,20 +228,25 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
             configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
             args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
                         parity_k=configs[0].parity_k, persist_every=persist_every, persist_dir=str(run / "persisted"))
-        cmd = torchrun(procs, example_args(args), max_restarts=max_restarts, options=torchrun_options(run))
-    else:
-        cmd = torchrun(procs, list(command), max_restarts=max_restarts, module=False, options=torchrun_options(run))
+        program = ["-m", *example_args(args)]
+    warm = warm and warmable(program)
+    if warm:
+        program = server.program(program)
+        env.update(server.env())
+    cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if not (manager and policy in IN_MEMORY):
         configs = []
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
     log = run / LOG_NAME
-    with exclusive_run(run):
+    with exclusive_run(run), server:
         for pid in retire_all(configs):
             click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
                        "this launch's managers adopt its snapshots")
         _warn_unserved_snapshots(shm, run_id)
         trim_run_logs(run)
+        if warm:
+            server.start(env)
         start_all(configs, log_dir=run)
         try:
             outcome = run_logged(cmd, env, log)

@@ -1,0 +1,79 @@
+"""Warm rank processes: torch and DeepSpeed imported once per node, every rank a fork of that process.
+
+A rank started as ``python train.py`` spends seconds of CPU importing torch, DeepSpeed and
+``torch._dynamo`` before it runs a line of the script; after a fault torchrun starts every rank
+again and each pays it again (issue 33's T1). Under ``baft train`` the node runs one
+:mod:`~baft.warm.server` that has imported them, and torchrun starts each rank as
+:mod:`~baft.warm.client` (a few milliseconds of plain Python), which hands the rank's command,
+environment and standard streams to the server and mirrors the forked rank: signals go to it,
+its exit status comes back as the client's own. To torchrun, to ``ps`` and to anything that kills a
+rank from outside, the client *is* the rank (its command line and environment are the rank's; the
+rank dies with it). Where no server answers, the client becomes the rank by ``exec``, as plain
+torchrun would have started it.
+
+The client is a file of the standard library only (run by path, it imports nothing of baft).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SOCKET_ENV = "BAFT_WARM_SOCKET"  # the server's Unix socket, for the clients
+CLIENT = str(Path(__file__).with_name("client.py"))
+
+
+class WarmServer:
+    """The node's warm fork server, started by :meth:`start` and stopped by :meth:`close` (or ``with``)."""
+
+    def __init__(self):
+        self.directory = os.path.join(tempfile.gettempdir(), f"baft-warm-{os.getpid()}-{os.urandom(4).hex()}")
+        self.socket = os.path.join(self.directory, "warm.sock")
+        self.process: subprocess.Popen | None = None
+
+    def start(self, env: dict) -> "WarmServer":
+        """Start the server in ``env`` (the ranks' launch environment: what a process reads as it starts,
+        ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it listens; its imports go on
+        in the background, and a rank that asks before they are done waits for them."""
+        os.mkdir(self.directory, 0o700)
+        self.process = subprocess.Popen([sys.executable, "-m", "baft.warm.server", self.socket, str(os.getpid())],
+                                        env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        start_new_session=True)
+        while not os.path.exists(self.socket):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"baft's warm fork server exited with {self.process.returncode} before it listened")
+            time.sleep(0.01)
+        return self
+
+    def env(self) -> dict:
+        """What the clients need to find the server."""
+        return {SOCKET_ENV: self.socket}
+
+    @staticmethod
+    def program(argv: list[str]) -> list[str]:
+        """The program torchrun runs for a rank whose own is ``python ARGV`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``)."""
+        return [CLIENT, *argv]
+
+    def close(self) -> None:
+        """Stop the server (a rank still running is killed with it) and remove its socket."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> "WarmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def warmable(argv: list[str]) -> bool:
+    """Whether ``python ARGV`` can be forked from the server: a script, or ``-m MODULE``; torchrun's other
+    options (``--no-python``) start something else."""
+    return bool(argv) and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))

@@ -1,0 +1,65 @@
+"""A rank as torchrun starts it under ``baft train``: ``python client.py ARGV`` runs ``python ARGV`` warm.
+
+Standard library only, run by path. It asks the node's warm server (:mod:`baft.warm.server`, at
+``$BAFT_WARM_SOCKET``) to fork the rank with this process's standard streams, environment, working
+directory and ``ARGV``, passes every signal torchrun sends on to the rank, and ends as the rank
+ended: with its exit code, or killed by its signal. Where the server does not answer it runs
+``python ARGV`` in its own place (``exec``), as torchrun would have, and says so.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def cold(argv: list, why: str) -> None:
+    print(f"baft: {why}; this rank starts without it", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def forward(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # the rank has just exited; its status is on the way
+        pass
+
+
+def main(argv: list) -> None:
+    path = os.environ.get("BAFT_WARM_SOCKET")
+    if not path:
+        cold(argv, "no warm fork server (BAFT_WARM_SOCKET is not set)")
+    conn, why = socket.socket(socket.AF_UNIX), "did not answer"
+    try:
+        conn.connect(path)
+        socket.send_fds(conn, [b"F"], [0, 1, 2])
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        replies = conn.makefile("rb")
+        started = replies.readline()
+    except OSError as err:
+        started, why = b"", f"cannot be reached ({err})"
+    if not started:
+        cold(argv, f"the warm fork server at {path} {why}")
+    rank = json.loads(started)["pid"]
+    for sig in FORWARDED:
+        signal.signal(sig, lambda sig, _: forward(rank, sig))
+    ended = replies.readline()
+    if not ended:  # the server died, and the rank with it
+        print(f"baft: the warm fork server at {path} died; rank pid {rank} was killed with it",
+              file=sys.stderr, flush=True)
+        ended = b'{"exit": -9}'
+    code = json.loads(ended)["exit"]
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal that does not end a process: the shell's convention
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,162 @@
+"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID``): imports once, forks every rank.
+
+It listens first, then imports :data:`PRELOAD` single-threaded (a client that connects meanwhile
+waits in the listen queue), then answers each client by forking a child that becomes the rank:
+its own session (as torchrun starts a rank), the client's standard streams (passed over the socket),
+environment, working directory and ``argv``, generators seeded afresh as a new interpreter's are, and
+``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and
+exits through the interpreter's own shutdown (``atexit``, non-daemon threads). The server writes
+the child's pid, then its exit status (negative: the signal) on the client's connection, and kills
+the child when the client goes away (torchrun killed it), so rank and client live and die together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import sys
+from pathlib import Path
+
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int, sig: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+
+
+def preload() -> None:
+    """Import what every rank imports."""
+    import importlib
+
+    import torch
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1 or torch.cuda.is_initialized():  # a fork would copy another thread's locks, or a CUDA context
+        raise SystemExit(f"baft: the warm fork server cannot fork after importing torch and DeepSpeed "
+                         f"({threads} threads, CUDA initialised: {torch.cuda.is_initialized()}); ranks start cold")
+
+
+def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """In the forked child: become the requested process and run it to the end (raises SystemExit)."""
+    import runpy
+
+    os.setsid()
+    _die_with_parent(request["server"], signal.SIGKILL)
+    conn.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _as_started()
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+    raise SystemExit(0)
+
+
+def _as_started() -> None:
+    """What a new interpreter would have: torch's and numpy's global generators seeded from the OS, as each
+    process's are (``random`` reseeds itself at every fork), and the rank's ``OMP_NUM_THREADS`` (the server
+    imports with one thread: OpenMP would start its pool, and a fork copies no threads)."""
+    import numpy
+    import torch
+
+    torch.seed()
+    numpy.random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def serve(path: str, parent: int) -> None:
+    """Answer fork requests on the Unix socket ``path`` until SIGTERM (or ``parent``'s death)."""
+    _die_with_parent(parent, signal.SIGTERM)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".new")
+    listener.listen(256)
+    os.rename(path + ".new", path)  # the launcher starts torchrun once the path exists
+    preload()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
+    while True:
+        watched = [c for pid, c in children.items() if pid not in orphans]
+        for ready in select.select([listener, wake_r, *watched], [], [])[0]:
+            if ready is listener:
+                pid, client = _fork(listener, [listener, *children.values()], [wake_r, wake_w])
+                if pid:
+                    children[pid] = client
+            elif ready is wake_r:
+                os.read(wake_r, 512)
+            elif not ready.recv(1):  # the client is gone (torchrun killed it): so is its rank
+                pid = next(p for p, c in children.items() if c is ready)
+                os.kill(pid, signal.SIGKILL)
+                orphans.add(pid)
+        _reap(children)
+        orphans &= children.keys()
+
+
+def _fork(listener: socket.socket, sockets: list[socket.socket], pipe: list[int]):
+    """Accept a client and fork its rank; the child closes the server's ``sockets`` and ``pipe`` (closed
+    through their objects: a socket object closed by number would close, when collected as the child
+    exits, whatever the rank has opened under that number since)."""
+    conn, _ = listener.accept()
+    try:
+        _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+        request = json.loads(conn.makefile("rb").readline())
+    except (OSError, ValueError):
+        conn.close()
+        return 0, None
+    request["server"] = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for other in sockets:
+            other.close()
+        for fd in pipe:
+            os.close(fd)
+        become_rank(conn, fds, request)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    return pid, conn
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        try:
+            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,136 @@
+"""Warm ranks (:mod:`baft.warm`): a rank forked from the warm server behaves as the process torchrun would start."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from baft.cli.launch import launch_env
+from baft.warm import WarmServer, warmable
+from conftest import SCRIPTS, warm
+
+RANK = str(SCRIPTS / "warm_rank.py")
+
+
+def start(*args, env=None, server=None, **popen) -> subprocess.Popen:
+    server = server or warm()
+    return subprocess.Popen([sys.executable, *server.program([RANK, *args])], text=True,
+                            env={**launch_env(), "RANK": "3", "OMP_NUM_THREADS": "2", **server.env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether process ``pid`` ends (or is a zombie) within ``timeout`` seconds: a kill is delivered, not instant."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def report(proc: subprocess.Popen) -> dict:
+    return json.loads(proc.stdout.readline())
+
+
+def test_a_warm_rank_has_the_clients_argv_cwd_environment_streams_and_exit_code(tmp_path):
+    proc = start("exit", "7", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    got = json.loads(out.splitlines()[0])
+    assert proc.returncode == 7
+    assert got["argv"] == [RANK, "exit", "7"] and got["cwd"] == str(tmp_path) and got["rank"] == "3"
+    assert got["threads"] == 2  # the rank's OMP_NUM_THREADS, not the server's one thread
+    assert err.strip() == "to stderr"
+    assert got["pid"] != proc.pid  # forked: the client stands in for it
+
+
+def test_warm_ranks_draw_fresh_random_numbers_as_new_processes_do():
+    first, second = (start("exit", "0") for _ in range(2))
+    a, b = report(first), report(second)
+    assert a["torch"] != b["torch"] and a["numpy"] != b["numpy"]
+    assert first.wait(60) == 0 and second.wait(60) == 0
+
+
+def test_a_module_runs_as_python_m_runs_it():
+    proc = subprocess.run([sys.executable, *warm().program(["-m", "json.tool", "--sort-keys"])], input='{"b": 1, "a": 2}',
+                          env={**launch_env(), **warm().env()}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["{", '"a":', "2,", '"b":', "1", "}"]
+
+
+def test_signals_to_the_client_reach_the_rank():
+    proc = start("sleep")
+    report(proc)
+    proc.send_signal(signal.SIGTERM)  # what torchrun sends to stop a rank
+    assert proc.wait(30) == 42  # the rank's own SIGTERM handler ran
+
+
+def test_killing_the_client_kills_the_rank_and_killing_the_rank_ends_the_client_alike():
+    client = start("sleep")
+    rank = report(client)["pid"]
+    client.kill()  # torchrun's SIGKILL after its grace period, or a user's kill of what ps shows
+    assert client.wait(30) == -signal.SIGKILL
+    assert gone(rank)
+
+    client = start("sleep")
+    os.kill(report(client)["pid"], signal.SIGKILL)  # the rank itself dies: torchrun sees the same death
+    assert client.wait(30) == -signal.SIGKILL
+
+
+def test_what_ps_shows_of_a_rank_is_its_own_command_and_environment():
+    client = start("sleep")
+    report(client)
+    shown = psutil.Process(client.pid)
+    assert RANK in shown.cmdline() and shown.environ()["RANK"] == "3"
+    client.kill()
+    client.wait(30)
+
+
+def test_descriptors_of_the_rank_survive_its_exit_while_other_ranks_are_connected():
+    others = [start("sleep") for _ in range(3)]  # the server holds their connections as the rank is forked
+    for other in others:
+        report(other)
+    proc = start("pipes")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "pipes intact at exit" in out
+    for other in others:
+        other.terminate()
+        other.wait(30)
+
+
+def test_without_a_server_the_client_becomes_the_rank_and_says_so(tmp_path):
+    server = WarmServer()  # never started: nothing listens at its socket
+    proc = start("exit", "3", server=server)
+    got, (_, err) = report(proc), proc.communicate(timeout=120)
+    assert proc.returncode == 3 and got["pid"] == proc.pid  # exec'd in place
+    assert "warm fork server" in err and "this rank starts without it" in err
+
+
+def test_a_stopped_server_ends_its_ranks_and_the_next_start_is_cold():
+    server = WarmServer().start(launch_env())
+    try:
+        client = start("sleep", server=server)
+        rank = report(client)["pid"]
+        server.close()
+        assert client.wait(30) == -signal.SIGKILL  # the rank died with its server: nothing left unwatched
+        assert gone(rank)
+        late = start("exit", "0", server=server)
+        assert late.wait(120) == 0 and "starts without it" in late.stderr.read()
+    finally:
+        server.close()
+    assert not Path(server.directory).exists()
+
+
+@pytest.mark.parametrize("argv, expected", [(["train.py", "--x"], True), (["-m", "pkg.train"], True),
+                                            (["--no-python", "./a.out"], False), (["-m"], False), ([], False)])
+def test_only_python_scripts_and_modules_are_forked(argv, expected):
+    assert warmable(argv) is expected
