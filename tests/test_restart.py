@@ -1,11 +1,17 @@
 """Kill a rank mid-training: the elastic restart resumes from the newest snapshot, bit for bit."""
 
 import json
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
+from baft.manager.heartbeat import beat_path, read_beat
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
 from conftest import TINY, run_worker
@@ -103,6 +109,64 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     # the replacement manager, started by the replaced node's rank, logs beside the first one
     assert "rebuilt node 1" in (run_dir / "manager-node1.log").read_text()
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
+
+
+def stop_rank_when(beat_file: Path, step: int, stopped: dict, done: threading.Event) -> None:
+    """SIGSTOP the rank whose heartbeat is ``beat_file`` once it says the first attempt finished ``step``; its pid
+    and the time in ``stopped``."""
+    while not done.wait(0.05):
+        beat = read_beat(beat_file)
+        if beat is not None and beat.restart == 0 and beat.step >= step:
+            os.kill(beat.pid, signal.SIGSTOP)
+            stopped.update(pid=beat.pid, started=beat.started, at=time.time())
+            return
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identical(tmp_path, shm_root, clean_run,
+                                                                                 uninterrupted):
+    """Rank 1 is SIGSTOPped mid-run: rank 0 blocks in a receive from it, the node's manager sees rank 1's heartbeat
+    fall silent for hang_timeout, kills it, and torchrun restarts both from the newest snapshot."""
+    from baft.manager.config import ManagerConfig
+    from baft.manager.control import start, stop
+
+    node_root, run_dir = shm_root / "default" / "node0", tmp_path / "run"
+    start(ManagerConfig(node_id=0, shm_root=node_root).validate(), log_path=run_dir / "manager-node0.log")
+    stopped, done = {}, threading.Event()
+    watcher = threading.Thread(target=stop_rank_when, args=(beat_path(node_root, 1), 5, stopped, done))
+    watcher.start()
+    try:
+        run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
+                       "--run-dir", str(run_dir), "--shm-root", str(shm_root)],
+                   max_restarts=1, env={DIGESTS_ENV: str(tmp_path / "digests")})
+    finally:
+        done.set()
+        watcher.join()
+        stop(node_root)
+        if stopped and (proc := live(stopped)) is not None:
+            proc.kill()  # a watchdog that failed must not leave a stopped process behind
+    assert stopped, "rank 1 never reached step 5"
+    assert live(stopped) is None, "the stopped rank is still there"
+    recovery, = load_recoveries(run_dir)
+    assert recovery.fault.startswith(f"hang: rank 1 (pid {stopped['pid']}) silent for 3."), recovery
+    # silent for hang_timeout by the manager's clock: stopped at least that long, less the beat it last saw
+    assert recovery.source == "memory" and 3 - 0.6 - 0.1 < recovery.killed_at - stopped["at"] < 10, (recovery, stopped)
+    assert "hang: rank 1" in (run_dir / "manager-node0.log").read_text()
+    records = losses(run_dir)
+    resumed = [r["step"] for r in records if r["restart"] == 1]
+    assert resumed == list(range(recovery.restored_step + 1, 11))
+    for r in records:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
+
+
+def live(stopped: dict):
+    """The process ``stopped`` names, if it still exists (a zombie or a reused pid is not it)."""
+    try:
+        proc = psutil.Process(stopped["pid"])
+        return None if abs(proc.create_time() - stopped["started"]) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.NoSuchProcess:
+        return None
 
 
 def baseline_run(tmp_path, policy: str, iters: int, period: int, fault: str) -> Path:
