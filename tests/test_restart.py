@@ -136,22 +136,23 @@ def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identic
     watcher = threading.Thread(target=stop_rank_when, args=(beat_path(node_root, 1), 5, stopped, done))
     watcher.start()
     try:
-        run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
-                       "--run-dir", str(run_dir), "--shm-root", str(shm_root)],
-                   max_restarts=1, env={DIGESTS_ENV: str(tmp_path / "digests")})
+        proc = run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
+                              "--run-dir", str(run_dir), "--shm-root", str(shm_root)],
+                          max_restarts=1, env={DIGESTS_ENV: str(tmp_path / "digests")})
     finally:
         done.set()
         watcher.join()
         stop(node_root)
-        if stopped and (proc := live(stopped)) is not None:
-            proc.kill()  # a watchdog that failed must not leave a stopped process behind
+        if stopped and (left := live(stopped)) is not None:
+            left.kill()  # a watchdog that failed must not leave a stopped process behind
     assert stopped, "rank 1 never reached step 5"
     assert live(stopped) is None, "the stopped rank is still there"
     recovery, = load_recoveries(run_dir)
     assert recovery.fault.startswith(f"hang: rank 1 (pid {stopped['pid']}) silent for 3."), recovery
     # silent for hang_timeout by the manager's clock: stopped at least that long, less the beat it last saw
     assert recovery.source == "memory" and 3 - 0.6 - 0.1 < recovery.killed_at - stopped["at"] < 10, (recovery, stopped)
-    assert "hang: rank 1" in (run_dir / "manager-node0.log").read_text()
+    assert f"{recovery.fault} (hang_timeout 3 s): killed it" in (run_dir / "manager-node0.log").read_text()
+    assert f"baft: {recovery.fault}; killed by the manager of node 0" in proc.stdout
     records = losses(run_dir)
     resumed = [r["step"] for r in records if r["restart"] == 1]
     assert resumed == list(range(recovery.restored_step + 1, 11))

@@ -9,7 +9,7 @@ fault and restart::
      "T0": 0.41, "T1": 3.2, "T2": 1.1, "T3": 0.08, "T4": 0.9, "total": 5.69}
 
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
-  launch); ``fault``: what was injected or what failed (text);
+  launch); ``fault``: what was injected, the hang a manager killed, or what failed (text);
   ``killed_at``: unix time of the fault, or null when unknown.
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
   after it and redone (int); ``source``: where the state came from, one of ``memory``
