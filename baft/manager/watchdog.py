@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import psutil
 
@@ -115,14 +115,12 @@ class Detector:
                                f"no rank of its node finished a step for {stalled:.1f} s", "progress_timeout")
 
 
-@dataclass
 class Watchdog:
-    """Watches the beats under a node root and kills what hangs (see the module's docstring)."""
+    """Watches the beats under the root of node ``node_id`` and kills what hangs (see the module's docstring)."""
 
-    root: Path
-    node_id: int
-    clock: Callable[[], float] = time.monotonic
-    detector: Detector = field(default_factory=Detector)
+    def __init__(self, root, node_id: int):
+        self.root, self.node_id = Path(root), node_id
+        self.detector = Detector()
 
     def run(self, stopping: threading.Event) -> None:
         """Look every :data:`POLL_SECONDS` until ``stopping`` is set."""
@@ -135,7 +133,7 @@ class Watchdog:
     def look(self) -> list[Hung]:
         """Read the node's beats once and kill the ranks that hang; those killed."""
         live = {rank: beat for rank, beat in read_beats(self.root).items() if _process(beat) is not None}
-        hung = self.detector.observe(live, self.clock())
+        hung = self.detector.observe(live, time.monotonic())
         return [h for h in hung if self._kill(h)]
 
     def _kill(self, hung: Hung) -> bool:
