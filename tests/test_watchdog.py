@@ -71,6 +71,10 @@ def test_a_stuck_collective_kills_the_rank_furthest_behind_once():
     hung = watch(detector, 160, r0=rank(0, 5), r1=rank(1, 4))  # rank 1 is stuck at step 4, rank 0 at 5
     assert [(r, at) for r, at, _ in hung] == [(1, 50 + 60)], hung  # the last step finished at t=50
     assert hung[0][2] == "no progress: rank 1 (pid 101) at step 4; no rank of its node finished a step for 60.0 s"
+    # hang_timeout off, rank 1 stopped: at the same step as rank 0, which waits for it, it is the one named
+    hung = watch(Detector(), 100, r0=lambda t: beat(rank=0, count=int(t), step=min(int(t // 10), 3), hang=None),
+                 r1=lambda t: beat(count=min(int(t), 35), step=min(int(t // 10), 3), hang=None))
+    assert [(r, at) for r, at, _ in hung] == [(1, 30 + 60)], hung
 
 
 def test_no_progress_counts_only_inside_training_steps_and_after_a_first_step():

@@ -105,11 +105,12 @@ class Detector:
 
     @staticmethod
     def _stuck(watched) -> Optional[Hung]:
-        """The rank furthest behind where no rank of the node finished a training step for its progress timeout."""
+        """Where no rank of the node finished a training step for its progress timeout, the rank furthest behind
+        (the most silent of those)."""
         timed = [w for w in watched if w.beat.progress_timeout]
         if not timed or not all(w.advanced and w.stalled >= w.beat.progress_timeout for w in timed):
             return None
-        last = min(timed, key=lambda w: (w.beat.step, w.beat.rank))
+        last = min(timed, key=lambda w: (w.beat.step, -w.silent, w.beat.rank))  # behind, then silent (hang_timeout off)
         stalled = min(w.stalled for w in timed)
         return Hung(last.beat, f"no progress: rank {last.beat.rank} (pid {last.beat.pid}) at step {last.beat.step}; "
                                f"no rank of its node finished a step for {stalled:.1f} s", "progress_timeout")
