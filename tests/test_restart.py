@@ -165,7 +165,8 @@ def live(stopped: dict):
     """The process ``stopped`` names, if it still exists (a zombie or a reused pid is not it)."""
     try:
         proc = psutil.Process(stopped["pid"])
-        return None if abs(proc.create_time() - stopped["started"]) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE else proc
+        gone = abs(proc.create_time() - stopped["started"]) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE
+        return None if gone else proc
     except psutil.NoSuchProcess:
         return None
 

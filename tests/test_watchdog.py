@@ -14,8 +14,8 @@ from baft.manager.watchdog import MAX_GAP, Detector, Watchdog
 
 
 def beat(rank=1, count=0, step=3, training=True, pid=None, hang=5.0, progress=60.0):
-    return Beat(rank=rank, pid=100 + rank if pid is None else pid, started=1.0, restart=0, run_dir=None, hang_timeout=hang,
-                progress_timeout=progress, step=step, training=training, count=count)
+    return Beat(rank=rank, pid=100 + rank if pid is None else pid, started=1.0, restart=0, run_dir=None,
+                hang_timeout=hang, progress_timeout=progress, step=step, training=training, count=count)
 
 
 def watch(detector, seconds, every=0.5, start=0.0, **rank_beats):
