@@ -11,7 +11,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from baft.manager.heartbeat import beat_path, read_beat
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
 from conftest import TINY, run_worker
@@ -111,14 +110,17 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
-def stop_rank_when(beat_file: Path, step: int, stopped: dict, done: threading.Event) -> None:
-    """SIGSTOP the rank whose heartbeat is ``beat_file`` once it says the first attempt finished ``step``; its pid
-    and the time in ``stopped``."""
-    while not done.wait(0.05):
-        beat = read_beat(beat_file)
-        if beat is not None and beat.restart == 0 and beat.step >= step:
-            os.kill(beat.pid, signal.SIGSTOP)
-            stopped.update(pid=beat.pid, started=beat.started, at=time.time())
+def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Event) -> None:
+    """SIGSTOP the rank whose state digests are ``digests`` once it starts the iteration after ``step`` in the first
+    attempt (it records a digest line, with its pid, as each iteration starts); its pid, start time and the time
+    of the stop in ``stopped``."""
+    while not done.wait(0.01):
+        text = digests.read_text() if digests.exists() else ""
+        lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
+        last = json.loads(lines[-1]) if lines else None
+        if last is not None and last["restart"] == 0 and last["step"] >= step:
+            os.kill(last["pid"], signal.SIGSTOP)
+            stopped.update(pid=last["pid"], started=psutil.Process(last["pid"]).create_time(), at=time.time())
             return
 
 
@@ -133,7 +135,7 @@ def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identic
     node_root, run_dir = shm_root / "default" / "node0", tmp_path / "run"
     start(ManagerConfig(node_id=0, shm_root=node_root).validate(), log_path=run_dir / "manager-node0.log")
     stopped, done = {}, threading.Event()
-    watcher = threading.Thread(target=stop_rank_when, args=(beat_path(node_root, 1), 5, stopped, done))
+    watcher = threading.Thread(target=stop_rank_when, args=(tmp_path / "digests" / "rank1.jsonl", 4, stopped, done))
     watcher.start()
     try:
         proc = run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
@@ -145,7 +147,7 @@ def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identic
         stop(node_root)
         if stopped and (left := live(stopped)) is not None:
             left.kill()  # a watchdog that failed must not leave a stopped process behind
-    assert stopped, "rank 1 never reached step 5"
+    assert stopped, "rank 1 never reached step 4"
     assert live(stopped) is None, "the stopped rank is still there"
     recovery, = load_recoveries(run_dir)
     assert recovery.fault.startswith(f"hang: rank 1 (pid {stopped['pid']}) silent for 3."), recovery
