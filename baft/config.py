@@ -20,6 +20,8 @@ IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots
 # (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU
 EXECUTORS = ("auto", "receive", "stream")
 LEFTOVERS = ("fence", "start")
+TIMEOUTS = ("hang_timeout", "progress_timeout")  # what a rank's heartbeat asks its node's manager to enforce
+MIN_TIMEOUT = 1.0  # a rank beats about once a second and the manager looks twice a second: less would kill on noise
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class BaftConfig:
     run_dir: Optional[str] = None  # where restarts append recovery.jsonl
     save_dir: Optional[str] = None  # checkpoint directory of the disk baselines (deepspeed, torch-save, dcp-async)
     adopt: Optional[str] = None  # a DeepSpeed checkpoint directory the run's first start loads (no snapshot yet)
+    # seconds a rank's heartbeat may be silent (stopped, frozen) before its node's manager kills it (None: never)
+    hang_timeout: Optional[float] = 60.0
+    # seconds every rank of a node may spend in training steps none of them finishes (a stuck collective)
+    progress_timeout: Optional[float] = 600.0
 
 
 def _check_type(key: str, value, expected) -> None:
@@ -122,6 +128,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
             if value not in (True, False, "always"):
                 raise ConfigError(f"baft.fresh_start: expected true, false or \"always\", got {value!r}")
             values[key] = value
+        elif key in TIMEOUTS:
+            values[key] = _timeout(key, value)
         elif key == "memory_limit":
             if value is not None:
                 _check_type(key, value, int)
@@ -145,6 +153,17 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
     if cfg.persist.keep < 1:
         raise ConfigError(f"baft.persist.keep: must be at least 1, got {cfg.persist.keep}")
     return cfg
+
+
+def _timeout(key: str, value) -> Optional[float]:
+    """A timeout in seconds: 0 or null turn it off (None), anything else must be at least a second."""
+    if value is not None:
+        _check_type(key, value, float)
+    if not value:
+        return None
+    if value < MIN_TIMEOUT:
+        raise ConfigError(f"baft.{key}: expected 0 or null (off) or at least {MIN_TIMEOUT:g} second, got {value!r}")
+    return float(value)
 
 
 def node_of(cfg: BaftConfig, rank: int) -> int:

@@ -76,19 +76,25 @@ class Protection:
         return self.restored
 
     def protect(self) -> None:
-        """Snapshot as the policy says, report the recovery after the first resumed iteration, and inject
-        the faults ``BAFT_CHAOS`` asks for."""
+        """Snapshot as the policy says, report the recovery after the first resumed iteration, inject
+        the faults ``BAFT_CHAOS`` asks for, and beat for the node's manager to see this rank hang."""
         from baft.recovery import chaos, record
 
+        cfg = self.config
         self.hooks.policy = self.policy
-        self.hooks.report = record.RecoveryReport(self.restored, self.config.run_dir)
+        self.hooks.report = record.RecoveryReport(self.restored, cfg.run_dir)
         faults = chaos.faults_from_env()
         if faults:
             from baft.recovery.chaos_hook import ChaosHook
 
             rank = self.engine.global_rank
-            self.hooks.chaos = ChaosHook(faults, rank, record.restart_count(), self.config.run_dir,
-                                         node=node_of(self.config, rank), node_root=self.root)
+            self.hooks.chaos = ChaosHook(faults, rank, record.restart_count(), cfg.run_dir,
+                                         node=node_of(cfg, rank), node_root=self.root)
+        if self.manager is not None and (cfg.hang_timeout or cfg.progress_timeout):
+            from baft.manager.heartbeat import Heartbeat
+
+            self.hooks.liveness = Heartbeat(self.root, self.engine.global_rank, record.restart_count(), cfg.run_dir,
+                                            cfg.hang_timeout, cfg.progress_timeout).start(self.engine)
 
     def close(self) -> None:
         """Stop every hook (the policy seals and hands over its last snapshot, and closes the manager link) and

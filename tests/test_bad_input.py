@@ -72,6 +72,22 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
+def test_a_bad_timeout_names_the_key():
+    from baft.config import parse_config
+    from baft.errors import ConfigError
+
+    expected = r"expected 0 or null \(off\) or at least 1 second"
+    with pytest.raises(ConfigError, match=rf"^baft\.hang_timeout: {expected}, got -5$"):
+        parse_config({"baft": {"hang_timeout": -5}})
+    with pytest.raises(ConfigError, match=rf"^baft\.progress_timeout: {expected}, got 0.2$"):
+        parse_config({"baft": {"progress_timeout": 0.2}})
+    with pytest.raises(ConfigError, match=r"^baft\.hang_timeout: expected a number, got '60s'$"):
+        parse_config({"baft": {"hang_timeout": "60s"}})
+    assert (parse_config({"baft": {}}).hang_timeout, parse_config({"baft": {}}).progress_timeout) == (60.0, 600.0)
+    off = parse_config({"baft": {"hang_timeout": 0, "progress_timeout": None}})
+    assert (off.hang_timeout, off.progress_timeout) == (None, None)
+
+
 @pytest.mark.slow
 def test_plan_for_another_model_is_refused_and_training_plans_from_its_own_receive_waits(tmp_path, shm_root):
     plan = Plan("1f1b", 2, 4, 1, 0.01, [RankPlan(r, r, "0123456789abcdef", 1, 1, 1e9, 1.0) for r in range(2)])

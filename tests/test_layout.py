@@ -6,7 +6,7 @@ from pathlib import Path
 import baft
 
 PACKAGE = Path(baft.__file__).parent
-BASE = {"errors", "jsonfile", "config", "teardown", "accelerator", "background"}
+BASE = {"errors", "jsonfile", "config", "teardown", "accelerator", "background", "faults"}
 LAYERS = ["pipeline", "snapshot", "manager", "recovery"]  # bottom to top; cli, simulate, examples, plugin on top
 
 

@@ -1,9 +1,14 @@
 """Kill a rank mid-training: the elastic restart resumes from the newest snapshot, bit for bit."""
 
 import json
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from baft.recovery.digests import DIGESTS_ENV, compare
@@ -103,6 +108,69 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     # the replacement manager, started by the replaced node's rank, logs beside the first one
     assert "rebuilt node 1" in (run_dir / "manager-node1.log").read_text()
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
+
+
+def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Event) -> None:
+    """SIGSTOP the rank whose state digests are ``digests`` once it starts the iteration after ``step`` in the first
+    attempt (it records a digest line, with its pid, as each iteration starts); its pid, start time and the time
+    of the stop in ``stopped``."""
+    while not done.wait(0.01):
+        text = digests.read_text() if digests.exists() else ""
+        lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
+        last = json.loads(lines[-1]) if lines else None
+        if last is not None and last["restart"] == 0 and last["step"] >= step:
+            os.kill(last["pid"], signal.SIGSTOP)
+            stopped.update(pid=last["pid"], started=psutil.Process(last["pid"]).create_time(), at=time.time())
+            return
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identical(tmp_path, shm_root, clean_run,
+                                                                                 uninterrupted):
+    """Rank 1 is SIGSTOPped mid-run: rank 0 blocks in a receive from it, the node's manager sees rank 1's heartbeat
+    fall silent for hang_timeout, kills it, and torchrun restarts both from the newest snapshot."""
+    from baft.manager.config import ManagerConfig
+    from baft.manager.control import start, stop
+
+    node_root, run_dir = shm_root / "default" / "node0", tmp_path / "run"
+    start(ManagerConfig(node_id=0, shm_root=node_root).validate(), log_path=run_dir / "manager-node0.log")
+    stopped, done = {}, threading.Event()
+    watcher = threading.Thread(target=stop_rank_when, args=(tmp_path / "digests" / "rank1.jsonl", 4, stopped, done))
+    watcher.start()
+    try:
+        proc = run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
+                              "--run-dir", str(run_dir), "--shm-root", str(shm_root)],
+                          max_restarts=1, env={DIGESTS_ENV: str(tmp_path / "digests")})
+    finally:
+        done.set()
+        watcher.join()
+        stop(node_root)
+        if stopped and (left := live(stopped)) is not None:
+            left.kill()  # a watchdog that failed must not leave a stopped process behind
+    assert stopped, "rank 1 never reached step 4"
+    assert live(stopped) is None, "the stopped rank is still there"
+    recovery, = load_recoveries(run_dir)
+    assert recovery.fault.startswith(f"hang: rank 1 (pid {stopped['pid']}) silent for 3."), recovery
+    # silent for hang_timeout by the manager's clock: stopped at least that long, less the beat it last saw
+    assert recovery.source == "memory" and 3 - 0.6 - 0.1 < recovery.killed_at - stopped["at"] < 10, (recovery, stopped)
+    assert f"{recovery.fault} (hang_timeout 3 s): killed it" in (run_dir / "manager-node0.log").read_text()
+    assert f"baft: {recovery.fault}; killed by the manager of node 0" in proc.stdout
+    records = losses(run_dir)
+    resumed = [r["step"] for r in records if r["restart"] == 1]
+    assert resumed == list(range(recovery.restored_step + 1, 11))
+    for r in records:
+        assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
+    assert compare(clean_run / "digests", tmp_path / "digests") == []
+
+
+def live(stopped: dict):
+    """The process ``stopped`` names, if it still exists (a zombie or a reused pid is not it)."""
+    try:
+        proc = psutil.Process(stopped["pid"])
+        gone = abs(proc.create_time() - stopped["started"]) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE
+        return None if gone else proc
+    except psutil.NoSuchProcess:
+        return None
 
 
 def baseline_run(tmp_path, policy: str, iters: int, period: int, fault: str) -> Path:

@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fresh-start", choices=("true", "false", "always"), default="true",
                    help="may a start that finds no restorable snapshot begin at step 0 (see baft.fresh_start)")
     p.add_argument("--adopt", default=None, help="a DeepSpeed checkpoint directory to start from (see baft.adopt)")
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="seconds a rank may be silent before its node's manager kills it (0: never; default 60)")
+    p.add_argument("--progress-timeout", type=float, default=None,
+                   help="seconds a node's ranks may train without finishing a step (0: never; default 600)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--layers", type=int, default=8)
@@ -102,6 +106,9 @@ def ds_config(args, dp: int) -> dict:
         section["adopt"] = args.adopt
     if args.ranks_per_node:
         section["ranks_per_node"] = args.ranks_per_node
+    for key in ("hang_timeout", "progress_timeout"):
+        if getattr(args, key) is not None:
+            section[key] = getattr(args, key)
     if args.parity_group:
         section["parity"] = {"group": args.parity_group.split(","), "k": args.parity_k}
     if args.persist_dir:

@@ -304,6 +304,6 @@ class NodeRanks:
             return out
 
     def unlink(self) -> None:
-        """Remove every rank's slot files."""
-        for rank in self.ids():
+        """Remove every rank's directory: its slot files, and the heartbeat of a rank that never said hello."""
+        for rank in slots.rank_ids(self.root):
             shutil.rmtree(slots.rank_dir(self.root, rank), ignore_errors=True)

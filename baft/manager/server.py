@@ -22,6 +22,8 @@ One manager runs per node, started before the trainers and outliving them::
   (with ``--dir`` alone, only then: the newest step, for the next launch to go on from).
 * ``restore`` answers where a rank's snapshot is in shared memory, after re-verifying it,
   rebuilding it there from the group's shares or from disk when memory does not hold it.
+* It watches its ranks' heartbeats and kills a rank that hangs (:mod:`baft.manager.watchdog`), so
+  that torchrun relaunches the job as after a death.
 
 This module is the process: its sockets, the dispatch of requests to those parts, the
 background loop that verifies commits and hands bundles to parity and disk, and ``main``.
@@ -50,6 +52,7 @@ from baft.manager.persister import Persister
 from baft.manager.protocol import (ManagerClient, ManagerUnavailable, check_version, read_message, socket_path,
                                    write_message)
 from baft.manager.ranks import NodeRanks
+from baft.manager.watchdog import Watchdog
 
 __all__ = ["Manager", "main"]
 
@@ -62,7 +65,8 @@ class Manager:
     """The manager of one node. ``open()`` binds its sockets, ``serve()`` runs until stopped.
 
     Its parts share one lock: ``ranks`` (the node's ranks and their slots), ``parity`` (the
-    parity group) and ``persister`` (persistence to ``--dir``).
+    parity group) and ``persister`` (persistence to ``--dir``); ``watchdog`` (the ranks' heartbeats)
+    needs none.
     """
 
     def __init__(self, config: ManagerConfig):
@@ -76,6 +80,7 @@ class Manager:
         self.ranks = NodeRanks(self.config, self._lock)
         self.parity = ParityGroup(self.config, self._lock, self.ranks)
         self.persister = Persister(self.config, self._lock, self.started, self._stopping)
+        self.watchdog = Watchdog(self.root, self.config.node_id)
         self._servers: list[socketserver.BaseServer] = []
         self._threads: list[threading.Thread] = []
 
@@ -122,6 +127,7 @@ class Manager:
             self._spawn(lambda server=server: server.serve_forever(poll_interval=0.05), f"serve-{type(server).__name__}")
         self._spawn(self._work_loop, "verify-encode")
         self._spawn(self.persister.run, "persist")
+        self._spawn(lambda: self.watchdog.run(self._stopping), "watchdog")
         self._stopping.wait()
         for server in self._servers:
             server.shutdown()

@@ -46,8 +46,8 @@ class Hooks:
     """The hooks of a protected engine, each in its named place; they run in the order of these fields:
     the trace first (its clock starts first), the restored RNG states before any other hook sees an
     iteration, the state's digests before the policy copies it, the snapshot policy, the recovery report
-    of the first resumed iteration, fault injection after the policy's commit, the profiler (which runs
-    alone), then a caller's own hooks in the order added."""
+    of the first resumed iteration, fault injection after the policy's commit, the heartbeat the node's
+    manager watches, the profiler (which runs alone), then a caller's own hooks in the order added."""
 
     trace: Optional[InstructionHook] = None
     rng: Optional[InstructionHook] = None
@@ -55,6 +55,7 @@ class Hooks:
     policy: Optional[InstructionHook] = None
     report: Optional[InstructionHook] = None
     chaos: Optional[InstructionHook] = None
+    liveness: Optional[InstructionHook] = None
     profile: Optional[InstructionHook] = None
     others: list[InstructionHook] = field(default_factory=list)
 

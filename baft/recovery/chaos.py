@@ -9,7 +9,7 @@ after the snapshot is committed, before the optimizer step) or ``optimizer`` (wh
 optimizer step runs, the snapshot committed). ``node=N,step=S`` kills
 a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
 (deleted) and all its ranks. ``manager=N,step=S`` kills only node N's manager. Each fault
-is logged to ``RUN_DIR/chaos.jsonl`` before the kill, so recovery reports know when it
+is logged to ``RUN_DIR/chaos.jsonl`` (:mod:`baft.faults`) before the kill, so recovery reports know when it
 happened. The hook that kills is :class:`baft.recovery.chaos_hook.ChaosHook`.
 """
 

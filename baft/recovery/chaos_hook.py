@@ -13,6 +13,7 @@ from typing import Optional
 
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, RecvActivation, RecvGrad
 
+from baft import faults as fault_log
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.chaos import Fault
 from baft.snapshot.optimizers import before_base_step
@@ -36,10 +37,7 @@ class ChaosHook(InstructionHook):
             return
         what = (f"kill {fault.phase} {fault.node} at step {fault.step}" if fault.node is not None
                 else f"kill rank {fault.rank} at step {fault.step} ({fault.phase})")
-        with open(Path(self.run_dir) / "chaos.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time() + delay, "restart": fault.restart, "what": what}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        fault_log.append(self.run_dir, what, fault.restart, at=time.time() + delay)
 
     def _kill(self, fault: Fault, delay: float = 0.0) -> None:
         self._log(fault, delay)

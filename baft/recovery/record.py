@@ -9,7 +9,7 @@ fault and restart::
      "T0": 0.41, "T1": 3.2, "T2": 1.1, "T3": 0.08, "T4": 0.9, "total": 5.69}
 
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
-  launch); ``fault``: what was injected or what failed (text);
+  launch); ``fault``: what was injected, the hang a manager killed, or what failed (text);
   ``killed_at``: unix time of the fault, or null when unknown.
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
   after it and redone (int); ``source``: where the state came from, one of ``memory``
@@ -36,6 +36,7 @@ from typing import Optional
 
 import psutil
 
+from baft import faults as fault_log
 from baft.errors import BaftError
 from baft.jsonfile import parse_object
 from baft.pipeline.hook import InstructionHook
@@ -87,6 +88,9 @@ class RecoveryReport(InstructionHook):
         if engine.global_rank != 0 or self.run_dir is None or restart_count() == 0 and self.restored is None:
             return  # a run's first launch recovers nothing
         record = recovery_record(self.restored, Path(self.run_dir))
+        fault = _fault(Path(self.run_dir)) if restart_count() else {}
+        if "by" in fault:  # detected, not injected: the ranks' output has not said it yet
+            print(f"baft: {fault['what']}; killed by {fault['by']}", flush=True)
         with open(Path(self.run_dir) / FILENAME, "a") as f:
             f.write(json.dumps(record) + "\n")
         print("baft: recovered " + "  ".join(f"{k} {record[k]:.2f}s" for k in ("T0", "T1", "T2", "T3", "T4", "total"))
@@ -108,10 +112,9 @@ def _last_progress(run_dir: Path) -> dict[int, float]:
 
 
 def _fault(run_dir: Path) -> dict:
-    """The newest injected fault (chaos.jsonl), if the run has one for this restart."""
-    path = run_dir / "chaos.jsonl"
-    faults = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    faults = [f for f in faults if f.get("restart") == restart_count() - 1]
+    """The newest fault (injected, or a hang a manager detected: :mod:`baft.faults`) that ended the attempt before
+    this one, if the run logged one."""
+    faults = [f for f in fault_log.read(run_dir) if f.get("restart") == restart_count() - 1]
     return faults[-1] if faults else {}
 
 
