@@ -40,9 +40,10 @@ def test_sample_run_table_and_median():
     text = render_recovery_text(recs)
     row = next(line for line in text.splitlines() if "parity" in line)
     assert [c.strip() for c in row.strip("│").split("│")] == [
-        "2", "kill node 1 at step 6", "4 (lost 1)", "parity", "0.11", "6.18", "5.70", "2.48", "0.11", "14.58"]
+        "2", "kill node 1 at step 6", "warm relaunch", "4 (lost 1)", "parity", "0.11", "6.18", "5.70", "2.48", "0.11", "14.58"]
     median = next(line for line in text.splitlines() if "median" in line)
-    assert median.split("│")[5:11] == [" 3.62 ", " 6.18 ", " 5.70 ", " 0.62 ", " 3.94 ", " 19.62 "]
+    assert "cold relaunch" in text and "—" in text  # a record from before kinds were recorded has none
+    assert median.split("│")[6:12] == [" 3.62 ", " 6.18 ", " 5.70 ", " 0.62 ", " 3.94 ", " 19.62 "]
 
 
 def test_single_recovery_has_no_median_row(tmp_path):
@@ -72,6 +73,7 @@ def test_unknown_keys_ignored_blank_lines_skipped_total_defaults_to_sum(tmp_path
     (json.dumps({**RECORD, "source": "tape"}), "'source' is 'tape', expected one of memory, parity, disk, fresh"),
     (json.dumps({**RECORD, "restored_step": 6.5}), "'restored_step' must be a non-negative integer, got 6.5"),
     (json.dumps({**RECORD, "killed_at": "noon"}), "'killed_at' must be a unix time or null, got 'noon'"),
+    (json.dumps({**RECORD, "kind": "hot"}), "'kind' is 'hot', expected one of warm relaunch, cold relaunch"),
 ])
 def test_malformed_line_is_named(tmp_path, line, problem):
     run = write_run(tmp_path, json.dumps(RECORD), "", line)

@@ -92,7 +92,7 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
                            "--policy", "baft", "--period", "1", "--nodes", "2", "--fault", "node=1,step=7",
-                           "--max-restarts", "1", "--run-dir", str(run_dir)],
+                           "--max-restarts", "1", "--run-dir", str(run_dir), "--cold"],
                           capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}),
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -100,6 +100,7 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     # parity is encoded in the background, newest committed step first: under load the newest
     # snapshot's parity (step 5) may not have landed when the node dies, and an older one is rebuilt
     assert recovery[0]["source"] == "parity" and 1 <= recovery[0]["restored_step"] <= 5
+    assert recovery[0]["kind"] == "cold relaunch"  # new interpreters, against the clean run's forked ones
     resumed = [r for r in losses(run_dir) if r["restart"] == 1]
     assert [r["step"] for r in resumed] == list(range(recovery[0]["restored_step"] + 1, 11))
     for r in resumed:

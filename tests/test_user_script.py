@@ -59,6 +59,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
+    assert recovery[0]["kind"] == "warm relaunch"  # forked ranks, against the plain torchrun's new interpreters
     # the screen shows rank 0's lines; every rank's are in the run's log
     assert finals((run_dir / LOG_NAME).read_text()) == finals(clean.stdout) and len(finals(clean.stdout)) == 2
     assert finals(faulty.stdout) == {0: finals(clean.stdout)[0]}

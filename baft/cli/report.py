@@ -25,16 +25,18 @@ def recovery_table(recs: list[Recovery]) -> Table:
                   caption_justify="left")
     table.add_column("restart", justify="right")
     table.add_column("fault")
+    table.add_column("kind")
     table.add_column("restored step", justify="right")
     table.add_column("source")
     for name in (*PHASES, "total"):
         table.add_column(name, justify="right")
     for r in recs:
-        table.add_row(str(r.restart), r.fault, _restored(r), r.source or "—", *map(_s, r.phases), _s(r.total))
+        table.add_row(str(r.restart), r.fault, r.kind or "—", _restored(r), r.source or "—", *map(_s, r.phases),
+                      _s(r.total))
     if len(recs) > 1:
         medians = [statistics.median(getattr(r, p) for r in recs) for p in (*PHASES, "total")]
         table.add_section()
-        table.add_row("median", "", "", "", *map(_s, medians))
+        table.add_row("median", "", "", "", "", *map(_s, medians))
     return table
 
 

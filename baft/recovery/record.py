@@ -5,12 +5,14 @@ A run directory holds ``recovery.jsonl``, written by the restart hook
 fault and restart::
 
     {"restart": 1, "fault": "kill rank 1 at step 7 (backward)", "killed_at": 1763769600.5,
-     "restored_step": 6, "source": "memory", "lost_steps": 1,
+     "kind": "warm relaunch", "restored_step": 6, "source": "memory", "lost_steps": 1,
      "T0": 0.41, "T1": 3.2, "T2": 1.1, "T3": 0.08, "T4": 0.9, "total": 5.69}
 
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
   launch); ``fault``: what was injected, the hang a manager killed, or what failed (text);
-  ``killed_at``: unix time of the fault, or null when unknown.
+  ``killed_at``: unix time of the fault, or null when unknown; ``kind``: how the job came back,
+  ``warm relaunch`` (torchrun restarted every rank, each forked from the node's warm server:
+  :mod:`baft.warm`) or ``cold relaunch`` (each a new interpreter, as plain torchrun starts it).
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
   after it and redone (int); ``source``: where the state came from, one of ``memory``
   (the node's snapshot manager), ``parity`` (rebuilt from peers' erasure-coded shares),
@@ -52,6 +54,8 @@ PHASE_NAMES = {
     "T3": "T3 state load",
     "T4": "T4 warm-up",
 }
+KINDS = ("warm relaunch", "cold relaunch")
+WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (baft.warm.server sets it)
 SOURCES = (*RESTORE_SOURCES, "fresh")  # where a restart's state came from: a restore source, or none
 
 
@@ -118,6 +122,11 @@ def _fault(run_dir: Path) -> dict:
     return faults[-1] if faults else {}
 
 
+def relaunch_kind() -> str:
+    """How this rank's process started: forked from the node's warm server, or a new interpreter."""
+    return "warm relaunch" if os.environ.get(WARM_RANK_ENV) == "1" else "cold relaunch"
+
+
 def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
     """This restart's record; restart 0 is a new launch that resumed the run (its T1 starts with the launch:
     how long the run stood still before it is not baft's to know)."""
@@ -136,7 +145,7 @@ def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
         "T4": clock["first_iteration_end"] - clock["restore_end"],
     }
     what = "a new launch" if relaunch else fault.get("what", "process exit")
-    return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"),
+    return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"), "kind": relaunch_kind(),
             "restored_step": step, "source": restored.source if restored else "fresh",
             "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}
 
@@ -148,6 +157,7 @@ class Recovery:
     restart: int
     fault: str
     killed_at: float | None
+    kind: str | None
     restored_step: int | None
     source: str | None
     lost_steps: int | None
@@ -196,8 +206,11 @@ def _parse_line(text: str, where: str, position: int) -> Recovery:
     killed_at = doc.get("killed_at")
     if killed_at is not None and not _is_number(killed_at):
         raise BaftError(f"{where}: 'killed_at' must be a unix time or null, got {killed_at!r}")
+    kind = doc.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise BaftError(f"{where}: 'kind' is {kind!r}, expected one of {', '.join(KINDS)}")
     return Recovery(restart=_count(doc, "restart", where, default=position), fault=str(doc.get("fault", "")),
-                    killed_at=killed_at, restored_step=_count(doc, "restored_step", where),
+                    killed_at=killed_at, kind=kind, restored_step=_count(doc, "restored_step", where),
                     source=source, lost_steps=_count(doc, "lost_steps", where), total=total, **phases)
 
 

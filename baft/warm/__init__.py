@@ -26,6 +26,10 @@ from pathlib import Path
 
 SOCKET_ENV = "BAFT_WARM_SOCKET"  # the server's Unix socket, for the clients
 CLIENT = str(Path(__file__).with_name("client.py"))
+# The server's own environment over the ranks': one OpenMP thread (a pool's threads are not forked), and
+# torch asks NVML, not the CUDA driver, whether a GPU is there (DeepSpeed's import asks): a driver
+# initialised before a fork is unusable in the child. Each rank's own values come back with its environment.
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
 class WarmServer:
@@ -42,7 +46,7 @@ class WarmServer:
         in the background, and a rank that asks before they are done waits for them."""
         os.mkdir(self.directory, 0o700)
         self.process = subprocess.Popen([sys.executable, "-m", "baft.warm.server", self.socket, str(os.getpid())],
-                                        env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        env={**env, **SERVER_ENV}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         start_new_session=True)
         while not os.path.exists(self.socket):
             if self.process.poll() is not None:

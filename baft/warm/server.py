@@ -57,7 +57,7 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request["env"], BAFT_WARM_RANK="1")  # the recovery record's "warm relaunch"
     _as_started()
     argv = request["argv"]
     if argv[0] == "-m":

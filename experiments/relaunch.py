@@ -1,0 +1,135 @@
+"""Kill to resumed step: the relaunch of every rank, cold (torchrun starts fresh processes) against warm (forked).
+
+    python experiments/relaunch.py [--runs 3] [--jobs fp32,bf16,zero1] [--out experiments/results]
+
+Issue 33 measures a recovery from the kill to the end of the first resumed iteration (T1..T4 of
+``recovery.jsonl``). ``baft train`` relaunches every rank after a fault; ``--cold`` starts each
+as plain ``torchrun`` does (a new interpreter importing torch and DeepSpeed), the default forks
+it from the node's warm server (:mod:`baft.warm`). For every job, ``--runs`` runs of each arm,
+alternating cold and warm run by run so that both see the same drift of the machine, each run
+killing rank 1 three times (backward pass of steps 5, 9 and 13, one per attempt). Per arm: the
+median and range of kill-to-resumed and the median of each phase; the ratio warm/cold of
+kill-to-resumed as a geometric mean over the pairs (the i-th fault of a warm run with the i-th of
+the cold run beside it) with its 95% bootstrap interval. Writes ``relaunch.md`` and
+``relaunch.json`` under ``--out``, with machine, command and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from baft.recovery.record import PHASES, load_recoveries
+from common import RESULTS, clean_shm, geometric_mean_ratio, header, md_table, provenance, train
+
+MODEL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq", "64", "--vocab", "512",
+         "--micro-batches", "4", "--micro-batch-size", "2"]
+JOBS = {
+    "fp32": ["--stages", "2"],
+    "bf16": ["--stages", "2", "--precision", "bf16"],
+    "zero1": ["--stages", "2", "--dp", "2", "--precision", "bf16", "--zero-stage", "1"],
+}
+JOB_NAMES = {"fp32": "fp32, pp=2", "bf16": "bf16, pp=2", "zero1": "ZeRO-1 bf16, pp=2 x dp=2"}
+FAULT_STEPS = (5, 9, 13)
+ITERS = 16
+ARMS = ("cold", "warm")
+RESUMED = PHASES[1:]  # T1..T4: from the kill to the end of the first resumed iteration
+
+
+def one_run(job: str, arm: str, run_dir: Path) -> list[dict]:
+    """One ``baft train`` of ``job`` with three kills; its recoveries (one dict per fault)."""
+    faults = [arg for restart, step in enumerate(FAULT_STEPS)
+              for arg in ("--fault", f"rank=1,step={step},phase=backward,restart={restart}")]
+    args = [*MODEL, *JOBS[job], "--iters", str(ITERS), "--period", "1", "--max-restarts", str(len(FAULT_STEPS)),
+            *faults, "--warm" if arm == "warm" else "--cold"]
+    code, _ = train(run_dir, args)
+    clean_shm(run_dir)
+    if code != 0:
+        raise SystemExit(f"{job} {arm}: baft train failed (exit code {code}); see {run_dir / 'train.log'}")
+    recoveries = [r for r in load_recoveries(run_dir) if r.restart > 0]
+    if len(recoveries) != len(FAULT_STEPS):
+        raise SystemExit(f"{job} {arm}: {len(recoveries)} recoveries recorded, {len(FAULT_STEPS)} expected")
+    return [{"source": r.source, "lost_steps": r.lost_steps, **{p: getattr(r, p) for p in PHASES},
+             "resumed": sum(getattr(r, p) for p in RESUMED)} for r in recoveries]
+
+
+def summarize(faults: list[dict]) -> dict:
+    resumed = [f["resumed"] for f in faults]
+    return {"faults": len(faults), "median": statistics.median(resumed), "min": min(resumed), "max": max(resumed),
+            **{p: statistics.median(f[p] for f in faults) for p in RESUMED}}
+
+
+def render(doc: dict) -> str:
+    lines = [*header(doc["provenance"], doc["wall_s"]),
+             f"- model: the example GPT, {' '.join(MODEL)}; {ITERS} steps, a snapshot every step (`--period 1`)",
+             f"- faults: rank 1 SIGKILLed in the backward pass of steps {', '.join(map(str, FAULT_STEPS))} "
+             f"(one per attempt, `--max-restarts {len(FAULT_STEPS)}`); runs alternate cold and warm",
+             "- kill to resumed = T1 + T2 + T3 + T4 of recovery.jsonl (the kill to the end of the first resumed "
+             "iteration); T1 process restart, T2 process-group init (deepspeed.initialize), T3 state load, "
+             "T4 the first resumed iteration", ""]
+    rows = []
+    for job, arms in doc["jobs"].items():
+        for arm in ARMS:
+            s = arms[arm]["summary"]
+            rows.append([JOB_NAMES[job], arm, s["faults"], f"{s['median']:.2f}", f"{s['min']:.2f}–{s['max']:.2f}",
+                         *(f"{s[p]:.2f}" for p in RESUMED)])
+    lines += md_table(["job", "relaunch", "faults", "kill to resumed s (median)", "range s",
+                       *(f"{p} s" for p in RESUMED)], rows)
+    lines += ["", "## Warm against cold", ""]
+    for job, arms in doc["jobs"].items():
+        ratio, (low, high) = arms["ratio"], arms["interval"]
+        saved = arms["cold"]["summary"]["median"] - arms["warm"]["summary"]["median"]
+        lines.append(f"- {JOB_NAMES[job]}: kill to resumed warm/cold {ratio:.2f}x (95% interval {low:.2f}–{high:.2f}), "
+                     f"{saved:.2f} s less at the median")
+    lines += ["", "## Issue 33's target", "",
+              "- kill to first resumed step at most 1 s (median) for the pp=2 jobs: "
+              + ", ".join(f"{JOB_NAMES[job]} warm {arms['warm']['summary']['median']:.2f} s: "
+                          f"{'PASS' if arms['warm']['summary']['median'] <= 1.0 else 'FAIL'}"
+                          for job, arms in doc["jobs"].items()),
+              "- a relaunch restarts every rank; the target is for the in-process recovery of the issue "
+              "(survivors stay), which this table is the baseline for."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs of each arm per job (three faults each)")
+    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)}")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    jobs = args.jobs.split(",")
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        parser.error(f"--jobs: unknown job {unknown[0]!r}; choose from {', '.join(JOBS)}")
+    prov, start = provenance(), time.time()
+    doc = {"provenance": prov, "jobs": {}}
+    with tempfile.TemporaryDirectory(prefix="baft-relaunch-") as tmp:
+        for job in jobs:
+            faults = {arm: [] for arm in ARMS}
+            for run in range(args.runs):
+                for arm in ARMS if run % 2 == 0 else reversed(ARMS):
+                    got = one_run(job, arm, Path(tmp) / f"{job}-{arm}-{run}")
+                    faults[arm] += got
+                    print(f"{job} {arm} run {run}: kill to resumed " + ", ".join(f"{f['resumed']:.2f}" for f in got)
+                          + " s", file=sys.stderr, flush=True)
+            logs = [math.log(w["resumed"] / c["resumed"]) for w, c in zip(faults["warm"], faults["cold"])]
+            ratio, interval = geometric_mean_ratio(logs)
+            doc["jobs"][job] = {**{arm: {"faults": faults[arm], "summary": summarize(faults[arm])} for arm in ARMS},
+                                "ratio": ratio, "interval": interval}
+    doc["wall_s"] = time.time() - start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "relaunch.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "relaunch.md").write_text(render(doc))
+    print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
