@@ -66,7 +66,7 @@ def summarize(faults: list[dict]) -> dict:
 
 
 def render(doc: dict) -> str:
-    lines = [*header(doc["provenance"], doc["wall_s"]),
+    lines = ["# Kill to resumed step: cold against warm relaunch", "", *header(doc["provenance"], doc["wall_s"]),
              f"- model: the example GPT, {' '.join(MODEL)}; {ITERS} steps, a snapshot every step (`--period 1`)",
              f"- faults: rank 1 SIGKILLed in the backward pass of steps {', '.join(map(str, FAULT_STEPS))} "
              f"(one per attempt, `--max-restarts {len(FAULT_STEPS)}`); runs alternate cold and warm",

@@ -52,6 +52,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def described(pids: list[int]) -> list[str]:
+    """The processes of ``pids`` still alive: pid, state, parent and command line."""
+    found = []
+    for pid in filter(alive, pids):
+        try:
+            p = psutil.Process(pid)
+            found.append(f"{pid} ({p.status()}, parent {p.ppid()}): {' '.join(p.cmdline())[:200]}")
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def kill(pids: list[int]) -> None:
     """SIGKILL every process of ``pids`` and wait until none is left."""
     for pid in pids:
@@ -106,7 +118,7 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
         first.wait()
         deadline = time.monotonic() + 60
         while any(alive(p) for p in trainers):
-            assert time.monotonic() < deadline, "torchrun or a rank trains on after its launcher died"
+            assert time.monotonic() < deadline, f"torchrun or a rank trains on after its launcher died: {described(trainers)}"
             time.sleep(0.1)
         assert alive(manager), "the manager runs in a session of its own and outlives the launcher"
         assert slots.rank_ids(node) == [0, 1] and all(slots.committed(node, r) for r in (0, 1))
