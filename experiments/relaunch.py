@@ -33,7 +33,7 @@ MODEL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq", "64", "--
 JOBS = {
     "fp32": ["--stages", "2"],
     "bf16": ["--stages", "2", "--precision", "bf16"],
-    "zero1": ["--stages", "2", "--dp", "2", "--precision", "bf16", "--zero-stage", "1"],
+    "zero1": ["--stages", "2", "--data-parallel", "2", "--precision", "bf16", "--zero-stage", "1"],
 }
 JOB_NAMES = {"fp32": "fp32, pp=2", "bf16": "bf16, pp=2", "zero1": "ZeRO-1 bf16, pp=2 x dp=2"}
 FAULT_STEPS = (5, 9, 13)
@@ -51,7 +51,8 @@ def one_run(job: str, arm: str, run_dir: Path) -> list[dict]:
     code, _ = train(run_dir, args)
     clean_shm(run_dir)
     if code != 0:
-        raise SystemExit(f"{job} {arm}: baft train failed (exit code {code}); see {run_dir / 'train.log'}")
+        tail = (run_dir / "train.log").read_text()[-3000:]
+        raise SystemExit(f"{job} {arm}: baft train failed (exit code {code}); the end of its output:\n{tail}")
     recoveries = [r for r in load_recoveries(run_dir) if r.restart > 0]
     if len(recoveries) != len(FAULT_STEPS):
         raise SystemExit(f"{job} {arm}: {len(recoveries)} recoveries recorded, {len(FAULT_STEPS)} expected")

@@ -99,6 +99,12 @@ def serve(path: str, parent: int) -> None:
     signal.set_wakeup_fd(wake_w)
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
     orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
+
+    def stop(*_) -> None:  # the ranks die with the server (and by their death signal, should it be SIGKILLed)
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
     while True:
         watched = [c for pid, c in children.items() if pid not in orphans]
         for ready in select.select([listener, wake_r, *watched], [], [])[0]:
@@ -131,7 +137,8 @@ def _fork(listener: socket.socket, sockets: list[socket.socket], pipe: list[int]
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         for other in sockets:
             other.close()
         for fd in pipe:
