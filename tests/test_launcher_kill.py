@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -121,6 +122,7 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
             assert time.monotonic() < deadline, f"torchrun or a rank trains on after its launcher died: {described(trainers)}"
             time.sleep(0.1)
         assert alive(manager), "the manager runs in a session of its own and outlives the launcher"
+        assert not list(Path(tempfile.gettempdir()).glob(f"baft-warm-{first.pid}-*")), "the warm server's socket"
         assert slots.rank_ids(node) == [0, 1] and all(slots.committed(node, r) for r in (0, 1))
         logged = losses(run_dir)
         assert len(logged) < 200

@@ -16,15 +16,19 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Optional
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
-# rank's T2 on a 2-core VM. Where this DeepSpeed has no such module, nothing is lost but the time.
-PRELOAD_IF_THERE = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+# rank's T2 on a 2-core VM. Imported once the server is idle (a first launch's ranks do not wait for it);
+# where this DeepSpeed has no such module, nothing is lost but the time.
+PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+IDLE = 1.0  # seconds without a request after which the server imports PRELOAD_LATER
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -35,22 +39,34 @@ def _die_with_parent(parent: int, sig: int) -> None:
 
 
 def preload() -> None:
-    """Import what every rank imports."""
+    """Import what every rank imports (a SystemExit, with one line, where the server could not fork after it)."""
     import importlib
-
-    import torch
 
     for name in PRELOAD:
         importlib.import_module(name)
-    for name in PRELOAD_IF_THERE:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    refusal = unforkable()
+    if refusal:
+        raise SystemExit(refusal)
+
+
+def import_if_there(name: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+
+
+def unforkable() -> Optional[str]:
+    """Why a fork of this process would not make a working rank (one line), or None."""
+    import torch
+
     threads = len(os.listdir("/proc/self/task"))
     if threads > 1 or torch.cuda.is_initialized():  # a fork would copy another thread's locks, or a CUDA context
-        raise SystemExit(f"baft: the warm fork server cannot fork after importing torch and DeepSpeed "
-                         f"({threads} threads, CUDA initialised: {torch.cuda.is_initialized()}); ranks start cold")
+        return (f"baft: the warm fork server cannot fork after its imports ({threads} threads, CUDA initialised: "
+                f"{torch.cuda.is_initialized()}); ranks start cold")
+    return None
 
 
 def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
@@ -111,19 +127,31 @@ def serve(path: str, parent: int) -> None:
     def stop(*_) -> None:  # the ranks die with the server (and by their death signal, should it be SIGKILLed)
         for pid in children:
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the launcher's, made for this server alone
         os._exit(0)
     signal.signal(signal.SIGTERM, stop)
+    later = list(PRELOAD_LATER)
     while True:
         watched = [c for pid, c in children.items() if pid not in orphans]
-        for ready in select.select([listener, wake_r, *watched], [], [])[0]:
-            if ready is listener:
+        ready = select.select([*([listener] if listener else []), wake_r, *watched], [], [], IDLE if later else None)[0]
+        if not ready and later:
+            import_if_there(later.pop(0))
+            refusal = unforkable()
+            if refusal:  # the ranks already forked go on; new ones start cold
+                print(refusal, file=sys.stderr, flush=True)
+                listener.close()
+                os.unlink(path)
+                listener = None
+            continue
+        for conn in ready:
+            if conn is listener:
                 pid, client = _fork(listener, [listener, *children.values()], [wake_r, wake_w])
                 if pid:
                     children[pid] = client
-            elif ready is wake_r:
+            elif conn is wake_r:
                 os.read(wake_r, 512)
-            elif not ready.recv(1):  # the client is gone (torchrun killed it): so is its rank
-                pid = next(p for p, c in children.items() if c is ready)
+            elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
+                pid = next(p for p, c in children.items() if c is conn)
                 os.kill(pid, signal.SIGKILL)
                 orphans.add(pid)
         _reap(children)
