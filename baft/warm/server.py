@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +30,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepsp
 # where this DeepSpeed has no such module, nothing is lost but the time.
 PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 IDLE = 1.0  # seconds without a request after which the server imports PRELOAD_LATER
+ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -110,8 +112,12 @@ def _as_started() -> None:
 
 
 def serve(path: str, parent: int) -> None:
-    """Answer fork requests on the Unix socket ``path`` until SIGTERM (or ``parent``'s death)."""
-    _die_with_parent(parent, signal.SIGTERM)
+    """Answer fork requests on the Unix socket ``path`` until SIGTERM, or until ``parent`` (the launcher) is dead
+    and no rank is left. A dead launcher's torchrun stops the ranks through their clients, as it stops
+    ranks it started itself: killing them here as well would race torchrun's own shutdown (a torchrun
+    that saw its workers fail as its SIGTERM came stayed alive, tailing their logs, after the launcher
+    was SIGKILLed). Ranks still there :data:`ORPHAN_GRACE` seconds after the launcher's death are killed."""
+    _die_with_parent(parent, signal.SIGHUP)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".new")
     listener.listen(256)
@@ -130,10 +136,15 @@ def serve(path: str, parent: int) -> None:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the launcher's, made for this server alone
         os._exit(0)
     signal.signal(signal.SIGTERM, stop)
+    launcher_died: list[float] = []
+    signal.signal(signal.SIGHUP, lambda *_: launcher_died.append(time.monotonic()))
     later = list(PRELOAD_LATER)
     while True:
+        if launcher_died and (not children or time.monotonic() - launcher_died[0] > ORPHAN_GRACE):
+            stop()
         watched = [c for pid, c in children.items() if pid not in orphans]
-        ready = select.select([*([listener] if listener else []), wake_r, *watched], [], [], IDLE if later else None)[0]
+        timeout = IDLE if later or launcher_died else None
+        ready = select.select([*([listener] if listener else []), wake_r, *watched], [], [], timeout)[0]
         if not ready and later:
             import_if_there(later.pop(0))
             refusal = unforkable()
@@ -173,7 +184,7 @@ def _fork(listener: socket.socket, sockets: list[socket.socket], pipe: list[int]
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         for other in sockets:
             other.close()
