@@ -22,7 +22,7 @@ from deepspeed.runtime.utils import set_random_seed
 
 import baft
 from baft.accelerator import collective_device
-from baft.config import EXECUTORS, LEFTOVERS, POLICIES
+from baft.config import EXECUTORS, LEFTOVERS, POLICIES, TIMEOUTS
 from baft.errors import BaftError
 from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
 from baft.manager.protocol import ManagerUnavailable
@@ -106,7 +106,7 @@ def ds_config(args, dp: int) -> dict:
         section["adopt"] = args.adopt
     if args.ranks_per_node:
         section["ranks_per_node"] = args.ranks_per_node
-    for key in ("hang_timeout", "progress_timeout"):
+    for key in TIMEOUTS:
         if getattr(args, key) is not None:
             section[key] = getattr(args, key)
     if args.parity_group:

@@ -91,8 +91,8 @@ class RecoveryReport(InstructionHook):
         mark("first_iteration_end")
         if engine.global_rank != 0 or self.run_dir is None or restart_count() == 0 and self.restored is None:
             return  # a run's first launch recovers nothing
-        record = recovery_record(self.restored, Path(self.run_dir))
         fault = _fault(Path(self.run_dir)) if restart_count() else {}
+        record = recovery_record(self.restored, Path(self.run_dir), fault)
         if "by" in fault:  # detected, not injected: the ranks' output has not said it yet
             print(f"baft: {fault['what']}; killed by {fault['by']}", flush=True)
         with open(Path(self.run_dir) / FILENAME, "a") as f:
@@ -127,12 +127,12 @@ def relaunch_kind() -> str:
     return "warm relaunch" if os.environ.get(WARM_RANK_ENV) == "1" else "cold relaunch"
 
 
-def recovery_record(restored: Optional[Restored], run_dir: Path) -> dict:
-    """This restart's record; restart 0 is a new launch that resumed the run (its T1 starts with the launch:
-    how long the run stood still before it is not baft's to know)."""
+def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) -> dict:
+    """This restart's record, ``fault`` the logged fault that ended the attempt before (:func:`_fault`; none for
+    restart 0, a new launch that resumed the run: its T1 starts with the launch, how long the run stood still
+    before it is not baft's to know)."""
     progress = _last_progress(run_dir)
     relaunch = restart_count() == 0
-    fault = {} if relaunch else _fault(run_dir)
     failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
     step = restored.step if restored else 0
     since = progress.get(step, failed_at)
