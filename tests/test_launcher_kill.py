@@ -21,7 +21,10 @@ import pytest
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.snapshot import slots
+from baft.warm import SOCKET_ENV
 from conftest import TINY
+
+OWN_SERVER = {SOCKET_ENV: ""}  # each launch starts its own warm server, which dies with it
 
 
 def baft_train(run_dir: Path, iters: int) -> list[str]:
@@ -84,7 +87,8 @@ def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     out = tmp_path / "first.out"
     with open(out, "w") as sink:
-        proc = subprocess.Popen(baft_train(run_dir, iters), stdout=sink, stderr=subprocess.STDOUT, env=launch_env())
+        proc = subprocess.Popen(baft_train(run_dir, iters), stdout=sink, stderr=subprocess.STDOUT,
+                                env=launch_env(OWN_SERVER))
     proc.manager, proc.out = None, out
     try:
         deadline = time.monotonic() + 180
@@ -109,7 +113,8 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     with training(tmp_path, run_dir, 200, logged=4) as first:
         manager = first.manager
-        second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(), timeout=60)
+        second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(OWN_SERVER),
+                                timeout=60)
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert f"{run_dir}: another `baft train` (pid {first.pid}) is using this run directory" in second.stderr
 
@@ -135,7 +140,7 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
         assert refused.returncode == 2 and f"a manager (pid {manager}) serves it" in refused.stderr
         assert (node / "rank1").is_dir(), "a refused clean removed nothing"
 
-        resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(),
+        resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(OWN_SERVER),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert f"stopped the manager an earlier launch of {run_dir} left running (pid {manager})" in resumed.stdout
@@ -177,7 +182,7 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
         assert "is not on disk: its shared-memory snapshots stay" in (run_dir / "manager-node0.log").read_text()
 
         target.unlink()
-        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(),
+        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(OWN_SERVER),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert "baft: resumed from step 8 (memory)" in resumed.stdout, resumed.stdout[-2000:]

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import launch_env
-from baft.warm import WarmServer, warmable
+from baft.warm import SOCKET_ENV, WarmServer, warmable
 from conftest import SCRIPTS, warm
 
 RANK = str(SCRIPTS / "warm_rank.py")
@@ -128,6 +128,27 @@ def test_a_stopped_server_ends_its_ranks_and_the_next_start_is_cold():
     finally:
         server.close()
     assert not Path(server.directory).exists()
+
+
+@pytest.mark.slow
+def test_baft_train_forks_from_a_running_server_it_is_named_and_starts_its_own_where_none_answers(tmp_path):
+    """``BAFT_WARM_SOCKET`` of a live server: the launch's ranks are its children and it runs on after the launch;
+    a path where nothing answers (a server gone): the launch starts and stops its own, and no rank starts cold."""
+    shared = WarmServer().start(launch_env())
+    try:
+        for name, socket_path in (("shared", shared.socket), ("gone", str(tmp_path / "nothing.sock"))):
+            run_dir = tmp_path / name
+            proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "1", "--no-manager",
+                                   "--max-restarts", "0", "--run-dir", str(run_dir), "--", RANK, "exit", "0"],
+                                  capture_output=True, text=True, env=launch_env({SOCKET_ENV: socket_path}), timeout=120)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            log = (run_dir / "output.log").read_text()
+            got = json.loads(next(line[line.index("{"):] for line in log.splitlines() if '"parent"' in line))
+            assert (got["parent"] == shared.process.pid) is (name == "shared"), (name, got)
+            assert "starts without it" not in log + proc.stderr
+        assert shared.process.poll() is None, "a launch leaves a server it did not start running"
+    finally:
+        shared.close()
 
 
 @pytest.mark.parametrize("argv, expected", [(["train.py", "--x"], True), (["-m", "pkg.train"], True),

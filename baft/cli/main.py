@@ -218,7 +218,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
-    server = WarmServer()
+    server = WarmServer.running(env) or WarmServer()
     configs, program = [], list(command)
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 SOCKET_ENV = "BAFT_WARM_SOCKET"  # the server's Unix socket, for the clients
 CLIENT = str(Path(__file__).with_name("client.py"))
@@ -33,17 +35,37 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
 class WarmServer:
-    """The node's warm fork server, started by :meth:`start` and stopped by :meth:`close` (or ``with``)."""
+    """The node's warm fork server, started by :meth:`start` and stopped by :meth:`close` (or ``with``);
+    or, from :meth:`running`, one that runs already, which both leave alone."""
 
-    def __init__(self):
-        self.directory = os.path.join(tempfile.gettempdir(), f"baft-warm-{os.getpid()}-{os.urandom(4).hex()}")
-        self.socket = os.path.join(self.directory, "warm.sock")
+    def __init__(self, socket_path: Optional[str] = None):
+        self.shared = socket_path is not None
+        self.directory = None if self.shared else \
+            os.path.join(tempfile.gettempdir(), f"baft-warm-{os.getpid()}-{os.urandom(4).hex()}")
+        self.socket = socket_path or os.path.join(self.directory, "warm.sock")
         self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def running(cls, env: dict) -> Optional["WarmServer"]:
+        """The server ``env`` names in ``BAFT_WARM_SOCKET``, where one answers there: a node that launches
+        many short runs (a sweep, a test suite) keeps one server for all of them, and each launch's ranks
+        fork from it at once instead of waiting for a new server's imports."""
+        path = env.get(SOCKET_ENV)
+        if not path:
+            return None
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                return None
+        return cls(path)
 
     def start(self, env: dict) -> "WarmServer":
         """Start the server in ``env`` (the ranks' launch environment: what a process reads as it starts,
         ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it listens; its imports go on
         in the background, and a rank that asks before they are done waits for them."""
+        if self.shared:
+            return self
         os.mkdir(self.directory, 0o700)
         self.process = subprocess.Popen([sys.executable, "-m", "baft.warm.server", self.socket, str(os.getpid())],
                                         env={**env, **SERVER_ENV}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -64,7 +86,10 @@ class WarmServer:
         return [CLIENT, *argv]
 
     def close(self) -> None:
-        """Stop the server (a rank still running is killed with it) and remove its socket."""
+        """Stop the server (a rank still running is killed with it) and remove its socket; a shared server
+        (:meth:`running`) runs on."""
+        if self.shared:
+            return
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait()

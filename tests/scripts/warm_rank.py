@@ -15,7 +15,8 @@ if what == "sleep":  # until a signal: SIGTERM ends it with its own handler's ex
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
 
 report = {"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
-          "torch": torch.rand(2).tolist(), "numpy": numpy.random.rand(2).tolist(), "pid": os.getpid()}
+          "torch": torch.rand(2).tolist(), "numpy": numpy.random.rand(2).tolist(), "pid": os.getpid(),
+          "parent": os.getppid()}
 print(json.dumps(report), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if what == "exit":
