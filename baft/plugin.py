@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import inspect
 import os
 from pathlib import Path
@@ -38,6 +39,35 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     snapshot, and after a restore the script's own ``load_checkpoint`` of an older checkpoint
     keeps baft's state and returns it as of the restored step (:mod:`baft.recovery.script_checkpoint`).
     """
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)  # DeepSpeed's own TypeError
+    if bound.arguments.get("model_parameters") is not None:  # a generator, as often, is used up by the first call
+        bound.arguments["model_parameters"] = list(bound.arguments["model_parameters"])
+    args, kwargs = bound.args, bound.kwargs
+    returned = _initialize(args, kwargs, data_iterator, client_state)
+    engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
+    # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
+    wrapped = given_optimizer is not None and not callable(given_optimizer) and engine.optimizer is not given_optimizer
+    if getattr(engine, "baft", None) is not None and not wrapped:
+        engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned)
+    return returned
+
+
+def _again(args, kwargs, data_iterator, client_state, first: tuple) -> None:
+    """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
+    did, again, on the same model; the engine, optimizer, loader and scheduler the script holds from the
+    first call take the state of the new ones."""
+    from baft.recovery.world import regroup
+
+    regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"))
+    fresh = _initialize(args, kwargs, data_iterator, client_state)
+    for held, new in zip(first, fresh):
+        if held is not None and new is not None and held is not new:
+            # one state: what baft's hooks and DeepSpeed's hold is the new object (the engine's class: baft's again)
+            held.__class__, held.__dict__ = type(new), new.__dict__
+    first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first)
+
+
+def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     from baft.recovery.record import mark
     mark("init_start")
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError

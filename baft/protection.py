@@ -34,6 +34,7 @@ class Protection:
         self.restored: Optional[Restored] = None
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
+        self.again = None  # what baft.initialize did, to do again in place after a peer was killed
 
     @property
     def root(self) -> str:

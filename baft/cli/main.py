@@ -175,6 +175,9 @@ def plan_cmd(bubble_map, out, budget):
               help="Start this node's snapshot manager for the run (stopped at the end).")
 @click.option("--warm/--cold", default=True, show_default=True,
               help="Fork every rank, and every restarted rank, from a process that has imported torch and DeepSpeed.")
+@click.option("--in-place/--relaunch", "in_place", default=True, show_default=True,
+              help="A killed rank of a one-node warm job is replaced and its peers recover in their own processes "
+                   "(--relaunch: torchrun starts every rank again).")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")
@@ -184,7 +187,7 @@ def plan_cmd(bubble_map, out, budget):
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
-          manager, warm, persist_every, nodes, faults, trace_dir, command, dp, **model):
+          manager, warm, in_place, persist_every, nodes, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
@@ -205,7 +208,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.recovery import chaos
-    from baft.warm import WarmServer, warmable
+    from baft.warm import REPLACE_ENV, WarmServer, warmable
 
     for fault in faults:
         chaos.parse_fault(fault)
@@ -233,6 +236,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     if warm:
         program = server.program(program)
         env.update(server.env())
+        if in_place:  # each killed rank is replaced in place while torchrun's restarts are left
+            env[REPLACE_ENV] = str(max_restarts)
     cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if not (manager and policy in IN_MEMORY):
         configs = []

@@ -102,6 +102,16 @@ class BaftPipelineEngine(PipelineEngine):
                              stage_id=self.stage_id)
 
     def train_batch(self, data_iter=None):
+        try:
+            return self._protected_batch(data_iter)
+        except Exception as err:
+            from baft.recovery.in_place import recover
+
+            if not recover(self, err):
+                raise
+        return self.train_batch(data_iter)  # the iteration again, from the restored step
+
+    def _protected_batch(self, data_iter):
         for hook in self.baft.hooks:
             hook.iteration_start(self)
         self._instruction, self._stashed_loss = 0, {}

@@ -11,6 +11,8 @@ fault and restart::
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
   launch); ``fault``: what was injected, the hang a manager killed, or what failed (text);
   ``killed_at``: unix time of the fault, or null when unknown; ``kind``: how the job came back,
+  ``in place`` (the survivors kept their processes, the killed rank was replaced:
+  :mod:`baft.recovery.in_place`; its T1 is the wait for the replacement, T2 the engine built again),
   ``warm relaunch`` (torchrun restarted every rank, each forked from the node's warm server:
   :mod:`baft.warm`) or ``cold relaunch`` (each a new interpreter, as plain torchrun starts it).
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
@@ -54,8 +56,9 @@ PHASE_NAMES = {
     "T3": "T3 state load",
     "T4": "T4 warm-up",
 }
-KINDS = ("warm relaunch", "cold relaunch")
+KINDS = ("in place", "warm relaunch", "cold relaunch")
 WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (baft.warm.server sets it)
+GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is in (baft.recovery.world)
 SOURCES = (*RESTORE_SOURCES, "fresh")  # where a restart's state came from: a restore source, or none
 
 
@@ -65,7 +68,17 @@ def mark(name: str) -> None:
 
 
 def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Recoveries of this job so far: torchrun's restarts, and the recoveries in place since the latest
+    (:mod:`baft.recovery.in_place`)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(GENERATION_ENV, "0"))
+
+
+def restart_in_place(seen: float) -> None:
+    """Start this rank's clock again for a recovery in place, whose failure it saw at unix time ``seen``: its
+    process started long before, and its phases are marked anew."""
+    start = clock["process_start"]
+    clock.clear()
+    clock.update(process_start=start, failure_seen=seen)
 
 
 @dataclass
@@ -123,7 +136,10 @@ def _fault(run_dir: Path) -> dict:
 
 
 def relaunch_kind() -> str:
-    """How this rank's process started: forked from the node's warm server, or a new interpreter."""
+    """How the job came back: in place (the survivors kept their processes), or every rank started again,
+    forked from the node's warm server or as a new interpreter."""
+    if int(os.environ.get(GENERATION_ENV, "0")):
+        return "in place"
     return "warm relaunch" if os.environ.get(WARM_RANK_ENV) == "1" else "cold relaunch"
 
 

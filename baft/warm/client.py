@@ -44,15 +44,18 @@ def main(argv: list) -> None:
         started, why = b"", f"cannot be reached ({err})"
     if not started:
         cold(argv, f"the warm fork server at {path} {why}")
-    rank = json.loads(started)["pid"]
+    rank = [json.loads(started)["pid"]]
     for sig in FORWARDED:
-        signal.signal(sig, lambda sig, _: forward(rank, sig))
-    ended = replies.readline()
-    if not ended:  # the server died, and the rank with it
-        print(f"baft: the warm fork server at {path} died; rank pid {rank} was killed with it",
+        signal.signal(sig, lambda sig, _: forward(rank[0], sig))
+    while True:  # a "pid" line: the rank died and the server forked its replacement, which this client now is
+        reply = json.loads(replies.readline() or b'{"exit": -9, "server_died": true}')  # the rank died with it
+        if "pid" not in reply:
+            break
+        rank[0] = reply["pid"]
+    code = reply["exit"]
+    if reply.get("server_died"):
+        print(f"baft: the warm fork server at {path} died; rank pid {rank[0]} was killed with it",
               file=sys.stderr, flush=True)
-        ended = b'{"exit": -9}'
-    code = json.loads(ended)["exit"]
     if code < 0:
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)

@@ -21,8 +21,11 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from baft.warm import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
@@ -85,6 +88,10 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"], BAFT_WARM_RANK="1")  # the recovery record's "warm relaunch"
     _as_started()
+    if os.environ.get(REPLACEMENT_ENV):  # it joins the survivors' new world before the script runs
+        from baft.recovery.world import join
+
+        join(replacement=True)
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = argv[1:]
@@ -127,7 +134,8 @@ def serve(path: str, parent: int) -> None:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
-    children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    children: dict[int, Rank] = {}  # pid -> the rank's request and its client's connection
+    store: list[str] = []  # the address of the store the ranks of a job that recovers in place meet at, once kept
     orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
 
     def stop(*_) -> None:  # the ranks die with the server (and by their death signal, should it be SIGKILLed)
@@ -142,7 +150,7 @@ def serve(path: str, parent: int) -> None:
     while True:
         if launcher_died and (not children or time.monotonic() - launcher_died[0] > ORPHAN_GRACE):
             stop()
-        watched = [c for pid, c in children.items() if pid not in orphans]
+        watched = [r.conn for pid, r in children.items() if pid not in orphans]
         timeout = IDLE if later or launcher_died else None
         ready = select.select([*([listener] if listener else []), wake_r, *watched], [], [], timeout)[0]
         if not ready and later:
@@ -156,60 +164,127 @@ def serve(path: str, parent: int) -> None:
             continue
         for conn in ready:
             if conn is listener:
-                pid, client = _fork(listener, [listener, *children.values()], [wake_r, wake_w])
-                if pid:
-                    children[pid] = client
+                rank = _accept(listener, store)
+                if rank is not None:
+                    children[_fork(rank, [listener, *(r.conn for r in children.values())], [wake_r, wake_w])] = rank
             elif conn is wake_r:
                 os.read(wake_r, 512)
             elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
-                pid = next(p for p, c in children.items() if c is conn)
+                pid = next(p for p, r in children.items() if r.conn is conn)
                 os.kill(pid, signal.SIGKILL)
                 orphans.add(pid)
-        _reap(children)
+        _reap(children, orphans, lambda rank: _fork(rank, [listener, *(r.conn for r in children.values())],
+                                                     [wake_r, wake_w]))
         orphans &= children.keys()
 
 
-def _fork(listener: socket.socket, sockets: list[socket.socket], pipe: list[int]):
-    """Accept a client and fork its rank; the child closes the server's ``sockets`` and ``pipe`` (closed
-    through their objects: a socket object closed by number would close, when collected as the child
-    exits, whatever the rank has opened under that number since)."""
+@dataclass
+class Rank:
+    """A forked rank: its client's connection and request; while it may be replaced in place, the client's
+    standard streams (the replacement's) and how many replacements are left."""
+
+    conn: socket.socket
+    request: dict
+    fds: list[int]
+    replacements: int = 0
+
+
+def _accept(listener: socket.socket, store: list[str]) -> Optional[Rank]:
+    """The next client's request, or None where it sent none (it died, or only asked whether a server listens)."""
     conn, _ = listener.accept()
     try:
         _, fds, _, _ = socket.recv_fds(conn, 1, 3)
         request = json.loads(conn.makefile("rb").readline())
     except (OSError, ValueError):
         conn.close()
-        return 0, None
+        return None
     request["server"] = os.getpid()
+    env = request["env"]
+    rank = Rank(conn, request, fds, replaceable(env))
+    if rank.replacements:
+        if not store:
+            store.append(_keep_store())
+        env[STORE_ENV] = store[0]
+    return rank
+
+
+def replaceable(env: dict) -> int:
+    """How many times a rank started with ``env`` is replaced in place when killed: its launcher's budget
+    (``BAFT_REPLACE_RANKS``) where the whole job runs on this node (its survivors meet the replacement at
+    this server's store); 0 elsewhere."""
+    budget = env.get(REPLACE_ENV, "0")
+    one_node = env.get("WORLD_SIZE") is not None and env.get("WORLD_SIZE") == env.get("LOCAL_WORLD_SIZE")
+    return int(budget) if budget.isdigit() and one_node else 0
+
+
+def _keep_store() -> str:
+    """Fork the process that keeps the c10d store (``torch.distributed.TCPStore``) where the ranks of a job
+    that recovers in place meet again; its address. It outlives any rank, and dies with the server."""
+    import torch.distributed as dist
+
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        _die_with_parent(os.getppid(), signal.SIGKILL)
+        keeper = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
+        os.write(w, str(keeper.port).encode())
+        os.close(w)
+        while True:
+            signal.pause()
+    os.close(w)
+    with os.fdopen(r) as port:
+        return f"127.0.0.1:{port.read()}"
+
+
+def _fork(rank: Rank, sockets: list[socket.socket], pipe: list[int]) -> int:
+    """Fork ``rank``'s process; the child closes the server's ``sockets`` and ``pipe`` (closed through their
+    objects: a socket object closed by number would close, when collected as the child exits, whatever the
+    rank has opened under that number since). The client hears the pid."""
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         for other in sockets:
-            other.close()
+            if other is not rank.conn:
+                other.close()
         for fd in pipe:
             os.close(fd)
-        become_rank(conn, fds, request)
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    return pid, conn
+        become_rank(rank.conn, list(rank.fds), rank.request)
+    if not rank.replacements:
+        for fd in rank.fds:
+            os.close(fd)
+        rank.fds = []
+    try:
+        rank.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:
+        pass
+    return pid
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, Rank], orphans: set[int], fork) -> None:
+    """Collect the ranks that ended: a rank killed by a signal whose client is still there is replaced in
+    place where it may be (:func:`replaceable`), one generation on; any other end goes to its client."""
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
-        conn = children.pop(pid, None)
-        if conn is None:
+        rank = children.pop(pid, None)
+        if rank is None:
             continue
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0 and rank.replacements and pid not in orphans:
+            rank.request["env"][REPLACEMENT_ENV] = "1"
+            rank.replacements -= 1
+            children[fork(rank)] = rank
+            continue
+        for fd in rank.fds:
+            os.close(fd)
         try:
-            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            rank.conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
         except OSError:
             pass
-        conn.close()
+        rank.conn.close()
 
 
 if __name__ == "__main__":

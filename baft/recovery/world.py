@@ -1,0 +1,93 @@
+"""The process groups of a job that recovers in place: the survivors of a killed rank and its replacement
+meet in a new world, and the survivors rebuild their model's groups the way DeepSpeed built them.
+
+Under ``baft train`` every rank of a one-node job is forked by the node's warm server
+(:mod:`baft.warm.server`), which replaces a rank killed by a signal with a new fork of the same
+command. Worlds are numbered: torchrun's is generation 0; each recovery joins the next one, at the
+server's c10d store (``BAFT_STORE``) under a prefix of the job and the generation. The store
+remembers each rank's generation, so a replacement joins the one after its predecessor's, as
+the survivors do. Group names are counters that restart with the default group
+(``destroy_process_group``), so the groups the survivors make again, in the order a new process
+makes them (:func:`regroup`, then ``deepspeed.initialize``), meet the replacement's.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from baft.accelerator import collective_device
+from baft.recovery.record import GENERATION_ENV
+from baft.warm import STORE_ENV
+
+JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
+
+
+def available() -> bool:
+    """Whether a killed rank of this job is replaced in place (its launcher allows it and the job runs on one
+    node: the warm server then names its store)."""
+    return STORE_ENV in os.environ
+
+
+def generation() -> int:
+    return int(os.environ.get(GENERATION_ENV, "0"))
+
+
+def _job() -> str:
+    """Keys of this job's attempt, apart from other jobs forked by the same server."""
+    env = os.environ
+    return (f"baft/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+            f"/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
+def _store() -> dist.TCPStore:
+    host, port = os.environ[STORE_ENV].rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=JOIN_TIMEOUT, use_libuv=False)
+
+
+def join(replacement: bool = False, backend: str | None = None) -> int:
+    """Initialise the default process group as the next generation's world (a replacement: the one after its
+    predecessor's); the number of replacements in it. Raises when not every rank joins within
+    :data:`JOIN_TIMEOUT`."""
+    store = _store()
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    key = f"{_job()}/rank{rank}/generation"
+    previous = (int(store.get(key)) if store.check([key]) else 0) if replacement else generation()
+    nxt = previous + 1
+    if backend is None:
+        from deepspeed.accelerator import get_accelerator
+
+        backend = get_accelerator().communication_backend_name()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{_job()}/gen{nxt}", store), rank=rank,
+                            world_size=size, timeout=dist.default_pg_timeout)
+    store.set(key, str(nxt))
+    os.environ[GENERATION_ENV] = str(nxt)
+    replaced = torch.tensor([int(replacement)], device=collective_device())
+    dist.all_reduce(replaced)
+    return int(replaced.item())
+
+
+def rejoin() -> int:
+    """In a survivor: leave the broken world (its groups' connections close, so a rank still waiting on this
+    one hears of the fault too) and join the next; the number of replacements in it (0: no rank was killed)."""
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    return join(backend=backend)
+
+
+def regroup(model) -> None:
+    """The process groups a ``PipelineModule`` makes in its constructor, made again in the new world in the
+    same order, with its tied weights synchronised as the constructor does (a replacement's constructor
+    runs meanwhile); nothing for another model."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    if not isinstance(model, PipelineModule):
+        return
+    model.world_group = dist.new_group(ranks=range(dist.get_world_size()))
+    model._grid = PipelineParallelGrid(process_group=model.world_group, topology=model._topo)
+    model.tied_comms = model._index_tied_modules()
+    model._synchronize_tied_weights()
