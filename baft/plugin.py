@@ -13,6 +13,7 @@ import deepspeed
 
 from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.jsonfile import read_json
+from baft.recovery import world
 from baft.teardown import teardown
 
 
@@ -47,7 +48,8 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
     # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
     wrapped = given_optimizer is not None and not callable(given_optimizer) and engine.optimizer is not given_optimizer
-    if getattr(engine, "baft", None) is not None and not wrapped:
+    if getattr(engine, "baft", None) is not None and not wrapped and world.available():
+        world.register()
         engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned)
     return returned
 
@@ -56,9 +58,7 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple) -> None:
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
     did, again, on the same model; the engine, optimizer, loader and scheduler the script holds from the
     first call take the state of the new ones."""
-    from baft.recovery.world import regroup
-
-    regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"))
+    world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"))
     fresh = _initialize(args, kwargs, data_iterator, client_state)
     for held, new in zip(first, fresh):
         if held is not None and new is not None and held is not new:

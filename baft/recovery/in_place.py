@@ -48,8 +48,12 @@ def recover(engine, error: BaseException) -> bool:
 
 
 def _stop(engine) -> None:
-    """DeepSpeed's engine, done with: its optimizer's hooks (``destroy``) and the ones it put on the module."""
+    """DeepSpeed's engine, done with: its optimizer's hooks (``destroy``) and the ones it put on the module; the
+    gradients the failed iteration left in the model go too (a new process has none, and the restore puts
+    back state, not gradients)."""
     engine.destroy()
     for value in vars(engine).values():
         if isinstance(value, RemovableHandle):
             value.remove()
+    for param in engine.module.parameters():
+        param.grad = None

@@ -14,6 +14,8 @@ makes them (:func:`regroup`, then ``deepspeed.initialize``), meet the replacemen
 from __future__ import annotations
 
 import os
+import signal
+import time
 from datetime import timedelta
 
 import torch
@@ -24,6 +26,7 @@ from baft.recovery.record import GENERATION_ENV
 from baft.warm import STORE_ENV
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
+STRAGGLER_GRACE = 1.0  # seconds a survivor has to notice a fault before it is replaced too (see _meet)
 
 
 def available() -> bool:
@@ -48,6 +51,12 @@ def _store() -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=JOIN_TIMEOUT, use_libuv=False)
 
 
+def register() -> None:
+    """Say at the store which process is this rank (a survivor that never comes to a new world is killed by
+    its pid, and replaced: :func:`_meet`)."""
+    _store().set(f"{_job()}/rank{os.environ['RANK']}/pid", str(os.getpid()))
+
+
 def join(replacement: bool = False, backend: str | None = None) -> int:
     """Initialise the default process group as the next generation's world (a replacement: the one after its
     predecessor's); the number of replacements in it. Raises when not every rank joins within
@@ -57,17 +66,48 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
     key = f"{_job()}/rank{rank}/generation"
     previous = (int(store.get(key)) if store.check([key]) else 0) if replacement else generation()
     nxt = previous + 1
+    world = dist.PrefixStore(f"{_job()}/gen{nxt}", store)
+    store.set(f"{_job()}/rank{rank}/pid", str(os.getpid()))
+    _meet(world, store, rank, size)
     if backend is None:
         from deepspeed.accelerator import get_accelerator
 
         backend = get_accelerator().communication_backend_name()
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{_job()}/gen{nxt}", store), rank=rank,
-                            world_size=size, timeout=dist.default_pg_timeout)
+    dist.init_process_group(backend, store=world, rank=rank, world_size=size, timeout=dist.default_pg_timeout)
     store.set(key, str(nxt))
     os.environ[GENERATION_ENV] = str(nxt)
     replaced = torch.tensor([int(replacement)], device=collective_device())
     dist.all_reduce(replaced)
     return int(replaced.item())
+
+
+def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
+    """Wait until every rank of the new world has come. A rank whose process still runs the old world
+    :data:`STRAGGLER_GRACE` seconds on is blocked in a collective with a peer that left it (gloo keeps the
+    connections of groups that something still holds): it is killed, and the warm server replaces it. A rank
+    whose process is gone is being replaced: its replacement is awaited."""
+    world.set(f"arrived/{rank}", "1")
+    start = time.monotonic()
+    while True:
+        missing = [r for r in range(size) if not world.check([f"arrived/{r}"])]
+        if not missing:
+            return
+        waited = time.monotonic() - start
+        if waited > JOIN_TIMEOUT.total_seconds():
+            raise RuntimeError(f"ranks {missing} did not come to the new world within {waited:.0f} s")
+        if waited > STRAGGLER_GRACE:
+            for other in missing:
+                _kill_if_running(store, other)
+        time.sleep(0.005)
+
+
+def _kill_if_running(store: dist.Store, rank: int) -> None:
+    key = f"{_job()}/rank{rank}/pid"
+    if store.check([key]):
+        try:
+            os.kill(int(store.get(key)), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def rejoin() -> int:
