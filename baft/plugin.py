@@ -44,12 +44,13 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     if bound.arguments.get("model_parameters") is not None:  # a generator, as often, is used up by the first call
         bound.arguments["model_parameters"] = list(bound.arguments["model_parameters"])
     args, kwargs = bound.args, bound.kwargs
+    if world.available() and not world.generation():
+        world.register()
     returned = _initialize(args, kwargs, data_iterator, client_state)
     engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
     # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
     wrapped = given_optimizer is not None and not callable(given_optimizer) and engine.optimizer is not given_optimizer
     if getattr(engine, "baft", None) is not None and not wrapped and world.available():
-        world.register()
         engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned)
     return returned
 

@@ -73,7 +73,7 @@ def test_unknown_keys_ignored_blank_lines_skipped_total_defaults_to_sum(tmp_path
     (json.dumps({**RECORD, "source": "tape"}), "'source' is 'tape', expected one of memory, parity, disk, fresh"),
     (json.dumps({**RECORD, "restored_step": 6.5}), "'restored_step' must be a non-negative integer, got 6.5"),
     (json.dumps({**RECORD, "killed_at": "noon"}), "'killed_at' must be a unix time or null, got 'noon'"),
-    (json.dumps({**RECORD, "kind": "hot"}), "'kind' is 'hot', expected one of warm relaunch, cold relaunch"),
+    (json.dumps({**RECORD, "kind": "hot"}), "'kind' is 'hot', expected one of in place, warm relaunch, cold relaunch"),
 ])
 def test_malformed_line_is_named(tmp_path, line, problem):
     run = write_run(tmp_path, json.dumps(RECORD), "", line)

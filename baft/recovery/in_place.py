@@ -29,7 +29,7 @@ def recover(engine, error: BaseException) -> bool:
     """Recover ``engine``'s rank in place from ``error``, raised by its ``train_batch``; False where that is not
     for baft to do (no replacement can come), and the error stands."""
     protection = engine.baft
-    if protection.again is None or not world.available():
+    if protection.again is None or not world.available() or not world.lost_peer(error):
         return False
     seen = time.time()
     protection.close()

@@ -59,6 +59,7 @@ PHASE_NAMES = {
 KINDS = ("in place", "warm relaunch", "cold relaunch")
 WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (baft.warm.server sets it)
 GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is in (baft.recovery.world)
+EARLIER_ENV = "BAFT_EARLIER_IN_PLACE"  # recoveries in place of torchrun's earlier attempts
 SOURCES = (*RESTORE_SOURCES, "fresh")  # where a restart's state came from: a restore source, or none
 
 
@@ -70,7 +71,7 @@ def mark(name: str) -> None:
 def restart_count() -> int:
     """Recoveries of this job so far: torchrun's restarts, and the recoveries in place since the latest
     (:mod:`baft.recovery.in_place`)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(GENERATION_ENV, "0"))
+    return sum(int(os.environ.get(name, "0")) for name in ("TORCHELASTIC_RESTART_COUNT", EARLIER_ENV, GENERATION_ENV))
 
 
 def restart_in_place(seen: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -22,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from baft.accelerator import collective_device
-from baft.recovery.record import GENERATION_ENV
+from baft.recovery.record import EARLIER_ENV, GENERATION_ENV
 from baft.warm import STORE_ENV
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
+# what a gloo or NCCL error says when the peer's process is gone
+LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 STRAGGLER_GRACE = 1.0  # seconds a survivor has to notice a fault before it is replaced too (see _meet)
 
 
@@ -51,10 +54,42 @@ def _store() -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=JOIN_TIMEOUT, use_libuv=False)
 
 
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's or a receive's failing because a peer's process is gone."""
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in LOST_PEER)
+
+
+def _replaced_on_lost_peer(kind, error, trace) -> None:
+    """``sys.excepthook`` of a rank that recovers in place: a peer's death that ends it outside ``train_batch`` (a
+    collective of the script's own) gets it replaced, as a killed rank is, instead of a relaunch of every rank."""
+    _excepthook(kind, error, trace)
+    if lost_peer(error):
+        print(f"baft: rank {os.environ.get('RANK')} lost a peer outside train_batch; it is replaced in place",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_excepthook = sys.excepthook
+
+
 def register() -> None:
-    """Say at the store which process is this rank (a survivor that never comes to a new world is killed by
-    its pid, and replaced: :func:`_meet`)."""
-    _store().set(f"{_job()}/rank{os.environ['RANK']}/pid", str(os.getpid()))
+    """As a rank of torchrun's world starts: say at the store which process is this rank (a survivor that never
+    comes to a new world is killed by its pid, and replaced: :func:`_meet`), and count the recoveries in place
+    of torchrun's earlier attempts (:func:`baft.recovery.record.restart_count`)."""
+    store = _store()
+    store.set(f"{_job()}/rank{os.environ['RANK']}/pid", str(os.getpid()))
+    _count_earlier(store)
+    sys.excepthook = _replaced_on_lost_peer
+
+
+def _attempt(attempt: int | str) -> str:
+    """The key of how many recoveries in place an attempt of torchrun's made."""
+    return f"baft/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt{attempt}/in-place"
+
+
+def _count_earlier(store: dist.Store) -> None:
+    attempts = [_attempt(a) for a in range(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))]
+    os.environ[EARLIER_ENV] = str(sum(int(store.get(key)) for key in attempts if store.check([key])))
 
 
 def join(replacement: bool = False, backend: str | None = None) -> int:
@@ -75,7 +110,11 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
         backend = get_accelerator().communication_backend_name()
     dist.init_process_group(backend, store=world, rank=rank, world_size=size, timeout=dist.default_pg_timeout)
     store.set(key, str(nxt))
+    store.set(_attempt(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), str(nxt))
     os.environ[GENERATION_ENV] = str(nxt)
+    if replacement:
+        _count_earlier(store)
+        sys.excepthook = _replaced_on_lost_peer
     replaced = torch.tensor([int(replacement)], device=collective_device())
     dist.all_reduce(replaced)
     return int(replaced.item())

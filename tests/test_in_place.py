@@ -1,0 +1,80 @@
+"""Recovery in place (:mod:`baft.recovery.in_place`): under ``baft train`` a killed rank is replaced and its peers
+keep their processes; every step after it is identical, part by part, to the uninterrupted run's. (The matrix of
+tests/test_matrix.py recovers in place too: every case there is a ``baft train`` with kills.)"""
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, compare, load
+from conftest import TINY
+
+
+def train(directory: Path, *faults: str, max_restarts: int = 2) -> subprocess.CompletedProcess:
+    """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
+    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
+                           "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
+                           "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
+                          capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(directory / "digests")}),
+                          timeout=300)
+
+
+def pids_by_restart(digests: Path) -> dict[int, dict[int, int]]:
+    """restart -> rank -> the pid that recorded that rank's state in it."""
+    found: dict[int, dict[int, int]] = {}
+    for path in sorted(digests.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            found.setdefault(rec["restart"], {})[rec["rank"]] = rec["pid"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The uninterrupted run and the faulted ones, side by side (a recovery leaves the cores idle meanwhile)."""
+    cases = {"reference": (), "two kills": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=7,phase=optimizer,restart=1"),
+             "budget spent": ("rank=1,step=3,phase=forward,restart=0", "rank=1,step=6,phase=backward,restart=1")}
+
+    def run(name):
+        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        return directory, train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return dict(zip(cases, pool.map(run, cases)))
+
+
+def recoveries(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "run" / "recovery.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every_part_is_identical(runs):
+    (reference, ref_proc), (faulted, proc) = runs["reference"], runs["two kills"]
+    assert ref_proc.returncode == 0 and proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = recoveries(faulted)
+    assert [r["kind"] for r in records] == ["in place", "in place"], records
+    assert records[0]["restored_step"] == 2 and records[1]["restored_step"] >= 5 and all(r["source"] == "memory" for r in records)
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = pids_by_restart(faulted / "digests")
+    assert sorted(pids) == [0, 1, 2]
+    assert pids[1][0] == pids[0][0] and pids[1][1] != pids[0][1], "rank 1 was replaced, rank 0 kept its process"
+    assert pids[2][1] == pids[1][1] and pids[2][0] != pids[1][0], "then rank 0 was replaced, rank 1 kept its own"
+    assert "recovers in place" in proc.stdout and "in place" in proc.stdout  # the rank's line and the report's
+
+
+@pytest.mark.slow
+def test_a_rank_killed_once_more_than_its_replacements_allow_brings_a_relaunch_of_every_rank(runs):
+    (reference, _), (faulted, proc) = runs["reference"], runs["budget spent"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = recoveries(faulted)
+    assert [r["kind"] for r in records] == ["in place", "warm relaunch"], records
+    assert [r["restart"] for r in records] == [1, 2], "a relaunch counts on from the recoveries in place"
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = pids_by_restart(faulted / "digests")
+    assert pids[1][0] == pids[0][0] and not set(pids[2].values()) & set(pids[1].values())
+    assert len(load(faulted / "digests")) == len(load(reference / "digests"))
