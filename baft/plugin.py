@@ -50,7 +50,10 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
     # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
     wrapped = given_optimizer is not None and not callable(given_optimizer) and engine.optimizer is not given_optimizer
-    if getattr(engine, "baft", None) is not None and not wrapped and world.available():
+    # the script's own state given as a callable comes back only through its own load_checkpoint, which a survivor
+    # does not run again
+    own_state = client_state is not None and not hasattr(client_state, "load_state_dict")
+    if getattr(engine, "baft", None) is not None and not wrapped and not own_state and world.available():
         engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned)
     return returned
 

@@ -17,8 +17,8 @@ from conftest import TINY
 
 def train(directory: Path, *faults: str, max_restarts: int = 2) -> subprocess.CompletedProcess:
     """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
-    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
-                           "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
+    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
+                           "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
                            "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
                           capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(directory / "digests")}),
                           timeout=300)

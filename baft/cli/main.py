@@ -175,9 +175,9 @@ def plan_cmd(bubble_map, out, budget):
               help="Start this node's snapshot manager for the run (stopped at the end).")
 @click.option("--warm/--cold", default=True, show_default=True,
               help="Fork every rank, and every restarted rank, from a process that has imported torch and DeepSpeed.")
-@click.option("--in-place/--relaunch", "in_place", default=True, show_default=True,
-              help="A killed rank of a one-node warm job is replaced and its peers recover in their own processes "
-                   "(--relaunch: torchrun starts every rank again).")
+@click.option("--in-place/--relaunch", "in_place", default=False, show_default=True,
+              help="A killed rank of a one-node warm job is replaced and its peers recover in their own processes; "
+                   "for a script whose loop stops on engine.global_steps (README: Recovery in place).")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")

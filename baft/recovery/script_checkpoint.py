@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
+from baft.recovery import world
 
 
 class ClientState:
@@ -81,6 +82,10 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
         # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
         if restored is None or step is None or step > restored.step or (step == restored.step and not kept_client):
             if restored is not None and step is not None and step > restored.step:
+                if world.generation():  # a replacement: its peers kept their processes and the snapshot
+                    raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "
+                                       f"{step} from {path}, newer than the step {restored.step} its peers restored; "
+                                       f"every rank starts again instead")
                 if restored.rng is not None:
                     restored.rng.cancel()  # the checkpoint's RNG states are the run's now, not the snapshot's
                 _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): "

@@ -64,8 +64,13 @@ class LoaderWithGenerator:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
             self.loader.load_state_dict(saved)
             return
+        live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         self.loader.load_state_dict(saved["loader"])
         self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
+        restored = self.loader._iterator
+        if live is not None and restored is not None and live is not restored:
+            live.__class__, live.__dict__ = type(restored), restored.__dict__
+            self.loader._iterator = live
         self.loader.generator.set_state(saved["generator"])
 
 
