@@ -13,6 +13,11 @@ from baft.errors import ConfigError
 PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
 PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
 TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # every rank writes its run trace there
+# In-place recovery (baft.recovery.world): how many killed ranks of a job the server replaces (the launcher's
+# budget), the c10d store where survivors and replacements meet (the server's), and the mark of a replacement.
+REPLACE_ENV = "BAFT_REPLACE_RANKS"
+STORE_ENV = "BAFT_STORE"
+REPLACEMENT_ENV = "BAFT_REPLACEMENT"
 
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
 IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots a node's manager keeps

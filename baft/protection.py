@@ -97,6 +97,13 @@ class Protection:
             self.hooks.liveness = Heartbeat(self.root, self.engine.global_rank, record.restart_count(), cfg.run_dir,
                                             cfg.hang_timeout, cfg.progress_timeout).start(self.engine)
 
+    def recover(self, error: BaseException) -> bool:
+        """Recover this rank in place from ``error``, raised by ``train_batch`` (:mod:`baft.recovery.in_place`);
+        False where the error stands."""
+        from baft.recovery.in_place import recover
+
+        return recover(self.engine, error)
+
     def close(self) -> None:
         """Stop every hook (the policy seals and hands over its last snapshot, and closes the manager link) and
         give the engine back as DeepSpeed made it."""

@@ -208,7 +208,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.recovery import chaos
-    from baft.warm import REPLACE_ENV, WarmServer, warmable
+    from baft.config import REPLACE_ENV
+    from baft.warm import WarmServer, warmable
 
     for fault in faults:
         chaos.parse_fault(fault)

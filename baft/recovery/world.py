@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.recovery.record import EARLIER_ENV, GENERATION_ENV
-from baft.warm import STORE_ENV
+from baft.config import STORE_ENV
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone

@@ -27,11 +27,6 @@ from pathlib import Path
 from typing import Optional
 
 SOCKET_ENV = "BAFT_WARM_SOCKET"  # the server's Unix socket, for the clients
-# In-place recovery (baft.recovery.world): how many killed ranks of a job the server replaces (the launcher's
-# budget), the c10d store where survivors and replacements meet (the server's), and the mark of a replacement.
-REPLACE_ENV = "BAFT_REPLACE_RANKS"
-STORE_ENV = "BAFT_STORE"
-REPLACEMENT_ENV = "BAFT_REPLACEMENT"
 CLIENT = str(Path(__file__).with_name("client.py"))
 # The server's own environment over the ranks': one OpenMP thread (a pool's threads are not forked), and
 # torch asks NVML, not the CUDA driver, whether a GPU is there (DeepSpeed's import asks): a driver

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from baft.warm import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV
+from baft.config import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
