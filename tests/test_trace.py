@@ -114,9 +114,11 @@ def test_the_screen_shows_rank_zero_and_baft_the_log_holds_everything(traced):
     for line in ("step     3  loss", "step     7  loss", "baft: resumed from step", "baft: recovered T0",
                  "summary: median iteration"):
         assert line in screen and line in log, line
-    # DeepSpeed's setup lines, the surviving rank's traceback and the launcher's lines: the log only
-    for noise in ("built successfully", "stage=0 layers=", "Using topology:", "Traceback", "SIGTERM"):
+    # DeepSpeed's setup lines and the launcher's: the log only; the surviving rank's traceback too, where it has one
+    # (torchrun's SIGTERM may reach it before its receive fails, while it computes a long pass of this wide model)
+    for noise in ("built successfully", "stage=0 layers=", "Using topology:", "SIGTERM"):
         assert noise not in screen and noise in log, noise
+    assert "Traceback" not in screen
 
 
 @pytest.mark.parametrize("line, stream, shown", [

@@ -13,18 +13,20 @@ makes them (:func:`regroup`, then ``deepspeed.initialize``), meet the replacemen
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from baft.accelerator import collective_device
-from baft.recovery.record import EARLIER_ENV, GENERATION_ENV
 from baft.config import STORE_ENV
+from baft.recovery.record import EARLIER_ENV, GENERATION_ENV
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone
@@ -77,7 +79,7 @@ def register() -> None:
     comes to a new world is killed by its pid, and replaced: :func:`_meet`), and count the recoveries in place
     of torchrun's earlier attempts (:func:`baft.recovery.record.restart_count`)."""
     store = _store()
-    store.set(f"{_job()}/rank{os.environ['RANK']}/pid", str(os.getpid()))
+    _say_pid(store, int(os.environ["RANK"]))
     _count_earlier(store)
     sys.excepthook = _replaced_on_lost_peer
 
@@ -102,7 +104,7 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
     previous = (int(store.get(key)) if store.check([key]) else 0) if replacement else generation()
     nxt = previous + 1
     world = dist.PrefixStore(f"{_job()}/gen{nxt}", store)
-    store.set(f"{_job()}/rank{rank}/pid", str(os.getpid()))
+    _say_pid(store, rank)
     _meet(world, store, rank, size)
     if backend is None:
         from deepspeed.accelerator import get_accelerator
@@ -140,13 +142,22 @@ def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
         time.sleep(0.005)
 
 
+def _say_pid(store: dist.Store, rank: int) -> None:
+    """This process as ``rank``'s: its pid and start time (a pid alone may name another process later)."""
+    store.set(f"{_job()}/rank{rank}/pid", json.dumps([os.getpid(), psutil.Process().create_time()]))
+
+
 def _kill_if_running(store: dist.Store, rank: int) -> None:
     key = f"{_job()}/rank{rank}/pid"
-    if store.check([key]):
-        try:
-            os.kill(int(store.get(key)), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if not store.check([key]):
+        return
+    pid, started = json.loads(store.get(key))
+    try:
+        process = psutil.Process(pid)
+        if process.create_time() == started:
+            process.kill()
+    except psutil.NoSuchProcess:
+        pass
 
 
 def rejoin() -> int:
