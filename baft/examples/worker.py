@@ -21,7 +21,6 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import set_random_seed
 
 import baft
-from baft.accelerator import collective_device
 from baft.config import EXECUTORS, LEFTOVERS, POLICIES, TIMEOUTS
 from baft.errors import BaftError
 from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
@@ -200,9 +199,9 @@ def main(argv=None) -> int:
         loss = engine.train_batch(data_iter=data)
         sync_device()  # a GPU's iteration ends when its queued work does
         elapsed = time.perf_counter() - start
-        stall = torch.tensor([policy.metrics().stall if policy is not None else 0.0],
-                             device=collective_device())
-        dist.all_reduce(stall, op=dist.ReduceOp.MAX)
+        # rank 0's own: a collective of the script's outside train_batch would end a survivor of a killed peer
+        # (recovery in place replaces it then, rather than keeping its process)
+        stall = policy.metrics().stall if policy is not None else 0.0
         times.append(elapsed)
         if lead:
             record = {"step": engine.global_steps, "loss": float(loss), "lr": lr, "iter_s": elapsed,
