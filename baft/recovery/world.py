@@ -80,8 +80,7 @@ def register() -> None:
     of torchrun's earlier attempts (:func:`baft.recovery.record.restart_count`)."""
     store = _store()
     _say_pid(store, int(os.environ["RANK"]))
-    _count_earlier(store)
-    sys.excepthook = _replaced_on_lost_peer
+    _started(store)
 
 
 def _attempt(attempt: int | str) -> str:
@@ -89,9 +88,12 @@ def _attempt(attempt: int | str) -> str:
     return f"baft/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt{attempt}/in-place"
 
 
-def _count_earlier(store: dist.Store) -> None:
+def _started(store: dist.Store) -> None:
+    """As this process starts as a rank (of torchrun's world, or a replacement): the recoveries in place of
+    torchrun's earlier attempts, and its excepthook."""
     attempts = [_attempt(a) for a in range(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))]
     os.environ[EARLIER_ENV] = str(sum(int(store.get(key)) for key in attempts if store.check([key])))
+    sys.excepthook = _replaced_on_lost_peer
 
 
 def join(replacement: bool = False, backend: str | None = None) -> int:
@@ -115,8 +117,7 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
     store.set(_attempt(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), str(nxt))
     os.environ[GENERATION_ENV] = str(nxt)
     if replacement:
-        _count_earlier(store)
-        sys.excepthook = _replaced_on_lost_peer
+        _started(store)
     replaced = torch.tensor([int(replacement)], device=collective_device())
     dist.all_reduce(replaced)
     return int(replaced.item())
