@@ -1,0 +1,73 @@
+#!/bin/bash
+# The GPU runs of issue 34 (experiments/results/gpu-todo.md) in one call, most wanted first: a lent GPU's
+# time is short, so each step runs only if the time it needs is left of BUDGET seconds, and every log and
+# JSON is packed into $OUT/gpu.tar.gz after each step (what a call that runs out of time still returns).
+#
+#   bash experiments/gpu_session.sh               # on the GPU machine, from the repository root
+#   SCALE=tiny bash experiments/gpu_session.sh    # the same commands on a tiny model (a CPU dry run)
+#
+# Needs DeepSpeed and baft's requirements importable (PYTHONPATH); `baft` is `python3 -m baft.cli`.
+set -u
+OUT=${OUT:-/tmp/gpu-session-out}
+BUDGET=${BUDGET:-540}
+WORK=/tmp/gpu-session
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
+BAFT="python3 -m baft.cli"
+T0=$(date +%s)
+
+if [ "${SCALE:-}" = tiny ]; then
+    BIG="--stages 1 --precision bf16 --d-model 64 --layers 2 --heads 2 --seq 32 --micro-batch-size 2"
+    SMALL="$BIG"; KILL_MODEL="$BIG"; ROUNDS_BIG=1; ROUNDS_SMALL=2; M_LOW=2; M_HIGH=4
+else
+    # 0.82B parameters, 11.5 GB of state (gpu.md section 4); and 2.2 GB of state (160M parameters)
+    BIG="--stages 1 --precision bf16 --d-model 2048 --layers 16 --heads 16 --seq 512 --micro-batch-size 4"
+    SMALL="--stages 1 --precision bf16 --d-model 1024 --layers 12 --heads 16 --seq 512 --micro-batch-size 4"
+    KILL_MODEL="--stages 1 --precision bf16"  # the example's own size, as in gpu.md section 1
+    ROUNDS_BIG=3; ROUNDS_SMALL=6; M_LOW=8; M_HIGH=32
+fi
+POLICIES=none,none/1,sync-copy,baft/1,baft
+
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+# step NAME SECONDS_NEEDED COMMAND...: run it with what is left as its limit, its output in NAME.log
+step() {
+    local name=$1 need=$2 t
+    shift 2
+    if [ "$(left)" -lt "$need" ]; then
+        echo "SKIP $name: $(left) s left, it needs about $need"
+        return
+    fi
+    t=$(date +%s)
+    echo "== $name ($(date +%T), $(left) s left)"
+    timeout --kill-after=5 $(($(left) - 10)) "$@" >"$WORK/$name.log" 2>&1
+    echo "rc=$? $name took $(($(date +%s) - t)) s"
+    # the overhead table, pytest's verdict, the checksum rates, recovery reports, errors
+    grep -v WARNING "$WORK/$name.log" | sed -n -e '/^policy /,/^$/p' -e '/chunk\|GB\/s\|agree\|passed\|failed/p' \
+        -e '/kind\|T[0-4]\|resumed\|rror/p' | tail -n 30
+    (cd "$WORK" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' \) \
+        -size -20M | tar -czf "$OUT/gpu.tar.gz" -T -)
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
+  python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+  lscpu | grep -E "Model name|^CPU\(s\)"; uname -r; git log -1 --format='baft %H'; } >"$WORK/machine.txt" 2>&1
+cat "$WORK/machine.txt"
+
+step checksum 30 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_checksum.py && \
+    python3 experiments/checksum_throughput.py --gpu-gib 4"
+step compare-big-m$M_HIGH 150 $BAFT compare $BIG --micro-batches $M_HIGH --policies $POLICIES --leftovers start \
+    --none-between --rounds $ROUNDS_BIG --block 3 --out "$WORK/compare-big-m$M_HIGH.json"
+step kill-gpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_precision.py -k gpu-bf16
+step compare-big-m$M_LOW 90 $BAFT compare $BIG --micro-batches $M_LOW --policies $POLICIES --leftovers start \
+    --none-between --rounds $((ROUNDS_BIG + 1)) --block 3 --out "$WORK/compare-big-m$M_LOW.json"
+step compare-small-m$M_HIGH 60 $BAFT compare $SMALL --micro-batches $M_HIGH --policies $POLICIES,dcp-async/10 \
+    --leftovers start --none-between --rounds $ROUNDS_SMALL --block 3 --out "$WORK/compare-small-m$M_HIGH.json"
+step compare-small-m$M_LOW 50 $BAFT compare $SMALL --micro-batches $M_LOW --policies $POLICIES,dcp-async/10 \
+    --leftovers start --none-between --rounds $ROUNDS_SMALL --block 3 --out "$WORK/compare-small-m$M_LOW.json"
+# issue 33 on a GPU: the one-stage kill of gpu.md section 1 (T1 8.38 s, T2 11.41 s cold) in place and warm
+KILL="--example gpt $KILL_MODEL --iters 10 --policy baft --period 1 --max-restarts 1 \
+    --fault rank=0,step=6,phase=backward"
+step in-place 45 $BAFT train $KILL --in-place --run-dir "$WORK/in-place"
+step warm-relaunch 45 $BAFT train $KILL --run-dir "$WORK/warm-relaunch"
+echo "done in $(($(date +%s) - T0)) s"
