@@ -190,7 +190,8 @@ class ManagerLink:
                                   model_signature(layout.tensors), source.topology(), node_ranks)
         count = len(reply["slots"])
         if count < SLOTS:
-            self.protection.warn(f"memory_limit allows {count} snapshot slots, not {SLOTS}: each snapshot waits "
+            bound = reply["memory"].get("limited_by", "memory_limit")
+            self.protection.warn(f"{bound} allows {count} snapshot slots, not {SLOTS}: each snapshot waits "
                                  f"for the previous one's seal")
         return count
 

@@ -367,6 +367,38 @@ def test_memory_limit_gives_three_slots_where_four_do_not_fit_and_is_refused_bel
         m.serve()
 
 
+def test_without_a_memory_limit_the_slots_are_sized_to_what_the_host_has_free(tmp_path, caplog):
+    """No limit set: four slots where they fit the host's free memory, three where only three do, and a
+    snapshot three times the host's whole memory refused at hello (not an OOM kill as the slots fill)."""
+    import psutil
+
+    m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm"))
+    m.open()
+    try:
+        assert len(m.hello(0, 1 << 20)["slots"]) == 4
+        room = slots.host_room(tmp_path / "shm", 1)
+        # slot files are sparse until written: three of 2/7 of the room cost nothing here
+        with caplog.at_level("WARNING", logger="baft.manager"):
+            assert len(m.hello(1, room * 2 // 7)["slots"]) == 3
+        assert "rank 1: the " in caplog.text and "this host has free for them allows 3 snapshot slots" in caplog.text
+        with pytest.raises(BaftError, match=r"rank 2: node 0 needs .* this host has free for them") as err:
+            m.hello(2, psutil.virtual_memory().total)
+        assert "\n" not in str(err.value) and not (tmp_path / "shm" / "rank2").exists()
+    finally:
+        m.request_stop(unlink=True)
+        m.serve()
+
+
+def test_a_rank_without_a_manager_takes_the_slots_the_host_has_room_for(tmp_path, capsys):
+    room = slots.host_room(tmp_path / "shm", 0)
+    assert 0 < room <= shutil.disk_usage(tmp_path).free
+    assert slots.slot_count(room // 4, room, "here") == 4
+    assert slots.slot_count(room // 3, room, "here") == 3
+    assert "baft: here: room for 3 snapshot slots" in capsys.readouterr().err
+    with pytest.raises(BaftError, match=r"^here: 3 snapshot slots of .* GiB do not fit the .* GiB this host has free"):
+        slots.slot_count(room // 3 + 1, room, "here")
+
+
 def test_foreign_snapshot_directory_is_refused_at_hello(tmp_path):
     layout = layout_for(1 << 16)
     data = data_for(0, 9, layout.nbytes)

@@ -75,7 +75,8 @@ class NodeRanks:
 
     def hello(self, rank: int, nbytes: int, run_id: str = "", model: str = "", topology: Optional[dict] = None,
               node_ranks: int = 1) -> dict:
-        """Register ``rank`` and create its slot files; refused over --memory-limit or for another run.
+        """Register ``rank`` and create its slot files; refused over --memory-limit (or, without one, over the
+        memory this host has free: :func:`baft.snapshot.slots.host_room`) or for another run.
 
         Four slots where every rank of the node (``node_ranks``; those not yet said hello taken to be this
         one's size) fits with four beside the slots the others have; three where not, refused where even
@@ -95,21 +96,26 @@ class NodeRanks:
             sizes = [r.nbytes for r in others] + [nbytes]
             counts = [r.slots for r in others]
             limit = self.config.memory_limit
+            if limit is None:  # what the others hold, and what this host has free beside them
+                limit = memory_needed([r.nbytes for r in others], self.config.k, self.config.n, counts) + \
+                    slots.host_room(self.root, rank)
             coming = max(0, node_ranks - len(sizes))
             # four slots let a snapshot be copied while the previous one seals; three are the fewest that keep
             # the two newest committed snapshots through a crash mid-copy. Four only where the ranks still to
             # come can have four too: the node's ranks wait alike, and a rank served first leaves them room
             roomy = memory_needed(sizes + [nbytes] * coming, self.config.k, self.config.n,
                                   counts + [slots.SLOTS] * (1 + coming))
-            count = slots.SLOTS if limit is None or roomy <= limit else slots.FEWEST_SLOTS
+            count = slots.SLOTS if roomy <= limit else slots.FEWEST_SLOTS
             needed = memory_needed(sizes, self.config.k, self.config.n, counts + [count])
-            if limit is not None and needed > limit:
+            bound = (f"--memory-limit {human(limit)}" if self.config.memory_limit is not None
+                     else f"the {human(limit)} this host has free for them")
+            if needed > limit:
                 raise BaftError(f"rank {rank}: node {self.config.node_id} needs {human(needed)} of host memory "
                                 f"({len(sizes)} ranks x {slots.FEWEST_SLOTS} slots"
-                                f"{' + parity shares' if self.config.k else ''}), over --memory-limit {human(limit)}")
+                                f"{' + parity shares' if self.config.k else ''}), over {bound}")
             if count < slots.SLOTS:
-                log.warning("rank %d: --memory-limit %s allows %d snapshot slots, not %d: each of its snapshots "
-                            "waits for the previous one's seal", rank, human(limit), count, slots.SLOTS)
+                log.warning("rank %d: %s allows %d snapshot slots, not %d: each of its snapshots "
+                            "waits for the previous one's seal", rank, bound, count, slots.SLOTS)
         if self.config.dir is not None:
             newest = persist.list_steps(self.config.dir)
             if newest:
@@ -130,7 +136,9 @@ class NodeRanks:
         log.info("hello from rank %d (%s per snapshot, %d slots)", rank, human(nbytes), count)
         return {"node_id": self.config.node_id, "root": str(self.root),
                 "slots": [str(slots.slot_path(directory, s)) for s in range(count)],
-                "memory": {"reserved": needed, "limit": limit}}
+                "memory": {"reserved": needed, "limit": limit,
+                           "limited_by": "memory_limit" if self.config.memory_limit is not None
+                           else "this host's free memory"}}
 
     def commit(self, rank: int, step: int) -> None:
         with self._lock:

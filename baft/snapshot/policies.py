@@ -36,7 +36,7 @@ from baft.snapshot.copy import Sealer, Snapshot, StateSource
 from baft.snapshot.layout import CommitRecord
 from baft.snapshot.metrics import Periodic, PolicyMetrics
 from baft.snapshot.planner import RankPlan
-from baft.snapshot.slots import SLOTS, SnapshotWriter
+from baft.snapshot.slots import SnapshotWriter, host_room, rank_dir, slot_count
 from baft.snapshot.streams import CopyStream
 
 
@@ -76,9 +76,12 @@ class SnapshotPolicy(InstructionHook, Periodic):
         """Lay out the state and map the slots (once the optimizer state exists)."""
         if self.source is None:
             self.source = StateSource(engine, self.chunk_bytes)
-            count = SLOTS
             if self.link is not None:
                 count = self.link.hello(self.source)  # the manager sizes the slots, or refuses
+            else:
+                rank = engine.global_rank
+                count = slot_count(self.source.layout.nbytes, host_room(self.shm_root, rank),
+                                   str(rank_dir(self.shm_root, rank)))
             self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout, count)
 
     def iteration_start(self, engine):

@@ -34,6 +34,41 @@ if TYPE_CHECKING:
 SLOTS = 4  # the two newest committed, the one being sealed, the one being filled
 FEWEST_SLOTS = 3  # the two newest committed and one in flight: each snapshot waits for the previous seal
 DEFAULT_ROOT = "/dev/shm/baft"
+HEADROOM = 0.05  # of the host's memory, kept free for the trainers beside their snapshots
+
+
+def host_room(root, rank: int) -> int:
+    """Bytes of snapshot slots ``rank`` can have under ``root`` on this host: what its filesystem (shared
+    memory's tmpfs, which the kernel never swaps out here) and the memory available both still take, less
+    :data:`HEADROOM`, plus the slot files the rank already has there (a restarted rank maps them again).
+    Shared memory past it is an OOM kill, not an error: the slots are sized to it where no limit is set."""
+    import shutil
+
+    import psutil
+
+    existing = rank_dir(root, rank)
+    held = sum(p.stat().st_size for p in existing.glob("slot*.bin")) if existing.is_dir() else 0
+    where = Path(root)
+    while not where.exists():
+        where = where.parent
+    memory = psutil.virtual_memory()
+    free = min(shutil.disk_usage(where).free, memory.available) - int(HEADROOM * memory.total)
+    return max(0, free) + held
+
+
+def slot_count(nbytes: int, room: int, where: str) -> int:
+    """:data:`SLOTS` slots of ``nbytes`` where they fit in ``room`` bytes, :data:`FEWEST_SLOTS` where only
+    those do (said in one line: each snapshot then waits for the previous one's seal); a BaftError naming
+    ``where`` the room came from where not even those fit."""
+    if SLOTS * nbytes <= room:
+        return SLOTS
+    if FEWEST_SLOTS * nbytes > room:
+        raise BaftError(f"{where}: {FEWEST_SLOTS} snapshot slots of {nbytes / 2**30:.2f} GiB do not fit the "
+                        f"{room / 2**30:.2f} GiB this host has free for them; free host memory, or snapshot fewer "
+                        f"bytes per rank (more pipeline stages or ZeRO-1)")
+    print(f"baft: {where}: room for {FEWEST_SLOTS} snapshot slots of {nbytes / 2**30:.2f} GiB, not {SLOTS}: each "
+          f"snapshot waits for the previous one's seal", file=sys.stderr, flush=True)
+    return FEWEST_SLOTS
 
 
 def rank_dir(root, rank: int) -> Path:
