@@ -80,7 +80,9 @@ class DiskCheckpoint(InstructionHook, Periodic):
             from torch.distributed.checkpoint import async_save
 
             self.wait()
-            tensors = {f"rank{engine.global_rank}/{k}": v for k, v in state.state_tensors(engine).items()}
+            # plain tensors: DCP's stager deep-copies a Parameter's Python attributes too, and DeepSpeed's
+            # (bf16's _hp_mapping) hold classes torch 2.11's stager cannot copy (KeyError: <class 'type'>)
+            tensors = {f"rank{engine.global_rank}/{k}": v.detach() for k, v in state.state_tensors(engine).items()}
             tensors[f"rank{engine.global_rank}/items"] = json.dumps(items)  # saved as bytes beside the tensors
             self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"),
                                       process_group=self.group, async_stager=self._stager())
