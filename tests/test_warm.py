@@ -155,3 +155,13 @@ def test_baft_train_forks_from_a_running_server_it_is_named_and_starts_its_own_w
                                             (["--no-python", "./a.out"], False), (["-m"], False), ([], False)])
 def test_only_python_scripts_and_modules_are_forked(argv, expected):
     assert warmable(argv) is expected
+
+
+def test_a_server_that_imported_a_thread_refuses_to_fork_and_names_the_thread():
+    """Where an import starts a thread (on a GPU machine one did), the server says which, and ranks start cold."""
+    code = ("import threading, time; from baft.warm.server import unforkable; assert unforkable() is None; "
+            "threading.Thread(target=time.sleep, args=(5,), name='importer-pool', daemon=True).start(); "
+            "print(unforkable())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cannot fork after its imports (other threads: importer-pool; CUDA initialised: False)" in out.stdout

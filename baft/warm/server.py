@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +68,20 @@ def unforkable() -> Optional[str]:
     """Why a fork of this process would not make a working rank (one line), or None."""
     import torch
 
-    threads = len(os.listdir("/proc/self/task"))
-    if threads > 1 or torch.cuda.is_initialized():  # a fork would copy another thread's locks, or a CUDA context
-        return (f"baft: the warm fork server cannot fork after its imports ({threads} threads, CUDA initialised: "
-                f"{torch.cuda.is_initialized()}); ranks start cold")
+    others = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+    if others or torch.cuda.is_initialized():  # a fork would copy another thread's locks, or a CUDA context
+        started = {t.native_id: t.name for t in threading.enumerate()}  # by Python; others by native code
+        names = ", ".join(sorted(started.get(int(t)) or _thread_name(t) for t in others)) or "none"
+        return (f"baft: the warm fork server cannot fork after its imports (other threads: {names}; CUDA "
+                f"initialised: {torch.cuda.is_initialized()}); ranks start cold")
     return None
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except OSError:  # it ended meanwhile
+        return "?"
 
 
 def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
