@@ -50,7 +50,7 @@ step() {
     echo "rc=$? $name took $(($(date +%s) - t)) s"
     # the overhead table, pytest's verdict, the checksum rates, recovery reports, errors
     grep -v WARNING "$WORK/$name.log" | sed -n -e '/^policy /,/^$/p' -e '/chunk\|GB\/s\|agree\|passed\|failed/p' \
-        -e '/kind\|T[0-4]\|resumed\|rror/p' | tail -n 30
+        -e '/kind\|T[0-4]\|resumed\|rror\|fork/p' | tail -n 30
     (cd "$WORK" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' \) \
         -size -20M | tar -czf "$OUT/gpu.tar.gz" -T -)
 }
