@@ -38,7 +38,9 @@ def pids_by_restart(digests: Path) -> dict[int, dict[int, int]]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """The uninterrupted run and the faulted ones, side by side (a recovery leaves the cores idle meanwhile)."""
     cases = {"reference": (), "two kills": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=7,phase=optimizer,restart=1"),
-             "budget spent": ("rank=1,step=3,phase=forward,restart=0", "rank=1,step=6,phase=backward,restart=1")}
+             "budget spent": ("rank=1,step=3,phase=forward,restart=0", "rank=1,step=6,phase=backward,restart=1"),
+             # rank 0 dies as it begins to recover from rank 1's death: a second fault during the recovery
+             "killed recovering": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=4,phase=recover,restart=0")}
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
@@ -78,3 +80,15 @@ def test_a_rank_killed_once_more_than_its_replacements_allow_brings_a_relaunch_o
     pids = pids_by_restart(faulted / "digests")
     assert pids[1][0] == pids[0][0] and not set(pids[2].values()) & set(pids[1].values())
     assert len(load(faulted / "digests")) == len(load(reference / "digests"))
+
+
+@pytest.mark.slow
+def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_identical(runs):
+    (reference, _), (faulted, proc) = runs["reference"], runs["killed recovering"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = recoveries(faulted)
+    # one recovery of both faults: the two replacements meet in the same new world
+    assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 2)], records
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = pids_by_restart(faulted / "digests")
+    assert sorted(pids) == [0, 1] and not set(pids[1].values()) & set(pids[0].values()), "both ranks were replaced"

@@ -32,6 +32,10 @@ class InstructionHook:
         """Inside the optimizer step at ``index``, the last moment before it changes any state: after the
         stages met (``waited``: the seconds that took; None where the step holds no meeting)."""
 
+    def recovering(self, engine) -> None:
+        """This iteration lost a peer, and the rank is about to recover in place (:mod:`baft.recovery.in_place`),
+        nothing stopped yet."""
+
 
 def step_meets_other_stages(engine) -> bool:
     """Whether DeepSpeed's optimizer step begins with a collective every stage joins: gradient clipping,

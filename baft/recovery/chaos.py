@@ -6,7 +6,8 @@ forward pass), ``backward`` (first backward pass), ``copy`` (inside a bubble, wi
 snapshot in flight), ``seal`` (after the snapshot's copy is fenced, before its commit
 record is written: the snapshot is lost, the one before it is not), ``commit`` (right
 after the snapshot is committed, before the optimizer step) or ``optimizer`` (while the
-optimizer step runs, the snapshot committed). ``node=N,step=S`` kills
+optimizer step runs, the snapshot committed); under recovery in place also ``recover`` (as the
+rank begins to recover from a peer's death in that iteration: a second fault during a recovery). ``node=N,step=S`` kills
 a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
 (deleted) and all its ranks. ``manager=N,step=S`` kills only node N's manager. Each fault
 is logged to ``RUN_DIR/chaos.jsonl`` (:mod:`baft.faults`) before the kill, so recovery reports know when it
@@ -22,6 +23,7 @@ from typing import Optional
 from baft.errors import ConfigError
 
 PHASES = ("forward", "backward", "copy", "seal", "commit", "optimizer")
+IN_PLACE_PHASES = ("recover",)  # only a rank that recovers in place goes through it
 ENV = "BAFT_CHAOS"
 
 
@@ -54,8 +56,8 @@ def parse_fault(text: str) -> Fault:
         for whole in ("node", "manager"):
             if whole in fields:
                 return Fault(None, int(fields["step"]), whole, int(fields.get("restart", 0)), int(fields[whole]))
-        if fields.get("phase") not in PHASES:
-            raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES)}")
+        if fields.get("phase") not in PHASES + IN_PLACE_PHASES:
+            raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES + IN_PLACE_PHASES)}")
         return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"], int(fields.get("restart", 0)))
     except (KeyError, ValueError):
         raise ConfigError(f"fault {text!r}: rank, node, step and restart must be integers") from None

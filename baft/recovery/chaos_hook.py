@@ -86,6 +86,10 @@ class ChaosHook(InstructionHook):
         if before_base_step(engine.optimizer, commit_then_kill) is None:
             commit_then_kill()
 
+    def recovering(self, engine):
+        if fault := self._due(engine, "recover"):
+            self._kill(fault)
+
     def bubble(self, engine, index, cmd):
         fault = self._due(engine, "copy")  # the host copies while this receive waits
         if fault is None:

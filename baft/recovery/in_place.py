@@ -32,6 +32,8 @@ def recover(engine, error: BaseException) -> bool:
     if protection.again is None or not world.available() or not world.lost_peer(error):
         return False
     seen = time.time()
+    for hook in protection.hooks:
+        hook.recovering(engine)
     protection.close()
     _stop(engine)
     try:
