@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from baft.cli.launch import launch_env
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
 from conftest import TINY, run_worker
@@ -126,42 +129,44 @@ def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Even
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_is_killed_by_its_manager_and_the_job_resumes_bit_identical(tmp_path, shm_root, clean_run,
-                                                                                 uninterrupted):
-    """Rank 1 is SIGSTOPped mid-run: rank 0 blocks in a receive from it, the node's manager sees rank 1's heartbeat
-    fall silent for hang_timeout, kills it, and torchrun restarts both from the newest snapshot."""
-    from baft.manager.config import ManagerConfig
-    from baft.manager.control import start, stop
-
-    node_root, run_dir = shm_root / "default" / "node0", tmp_path / "run"
-    start(ManagerConfig(node_id=0, shm_root=node_root).validate(), log_path=run_dir / "manager-node0.log")
+def test_a_stopped_rank_is_killed_by_its_manager_and_replaced_in_place_bit_identical(tmp_path, clean_run,
+                                                                                   uninterrupted):
+    """Rank 1 is SIGSTOPped mid-run under ``baft train --in-place``: rank 0 blocks in a receive from it, the node's
+    manager sees rank 1's heartbeat fall silent for hang_timeout and kills it, the warm server replaces it, and
+    rank 0 recovers in its own process from the newest snapshot."""
+    run_dir = tmp_path / "run"
     stopped, done = {}, threading.Event()
     watcher = threading.Thread(target=stop_rank_when, args=(tmp_path / "digests" / "rank1.jsonl", 4, stopped, done))
     watcher.start()
     try:
-        proc = run_worker(2, [*TINY, "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
-                              "--run-dir", str(run_dir), "--shm-root", str(shm_root)],
-                          max_restarts=1, env={DIGESTS_ENV: str(tmp_path / "digests")})
+        proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
+                               "--iters", "10", "--policy", "baft", "--period", "1", "--hang-timeout", "3",
+                               "--max-restarts", "1", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                              env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}), timeout=300)
     finally:
         done.set()
         watcher.join()
-        stop(node_root)
         if stopped and (left := live(stopped)) is not None:
             left.kill()  # a watchdog that failed must not leave a stopped process behind
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert stopped, "rank 1 never reached step 4"
     assert live(stopped) is None, "the stopped rank is still there"
     recovery, = load_recoveries(run_dir)
+    assert recovery.kind == "in place", recovery
     assert recovery.fault.startswith(f"hang: rank 1 (pid {stopped['pid']}) silent for 3."), recovery
     # silent for hang_timeout by the manager's clock: stopped at least that long, less the beat it last saw
     assert recovery.source == "memory" and 3 - 0.6 - 0.1 < recovery.killed_at - stopped["at"] < 10, (recovery, stopped)
     assert f"{recovery.fault} (hang_timeout 3 s): killed it" in (run_dir / "manager-node0.log").read_text()
-    assert f"baft: {recovery.fault}; killed by the manager of node 0" in proc.stdout
     records = losses(run_dir)
     resumed = [r["step"] for r in records if r["restart"] == 1]
     assert resumed == list(range(recovery.restored_step + 1, 11))
     for r in records:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]]), f"step {r['step']} differs"
     assert compare(clean_run / "digests", tmp_path / "digests") == []
+    pids = {}
+    for line in (tmp_path / "digests" / "rank0.jsonl").read_text().splitlines():
+        pids.setdefault(json.loads(line)["restart"], set()).add(json.loads(line)["pid"])
+    assert pids[0] == pids[1], "rank 0 kept its process"
 
 
 def live(stopped: dict):

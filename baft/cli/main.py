@@ -181,13 +181,16 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")
+@click.option("--hang-timeout", type=float,
+              help="The example: seconds a rank may be silent before its node's manager kills it (default 60; "
+                   "0: never). A script sets baft.hang_timeout in its config.")
 @click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False),
               help="Every rank writes its per-instruction trace, with baft's copies, here (baft show DIR draws it).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
-          manager, warm, in_place, persist_every, nodes, faults, trace_dir, command, dp, **model):
+          manager, warm, in_place, persist_every, nodes, hang_timeout, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
@@ -202,6 +205,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
     if command:
         check_script_launch(list(command))
+        if hang_timeout is not None:
+            raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
     from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
     from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
@@ -227,7 +232,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     if example:
         args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
                 "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
-                "run_id": run_id, "shm_root": shm, "ranks_per_node": procs // nodes}
+                "run_id": run_id, "shm_root": shm, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout}
         if nodes > 1 or persist_every:
             configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
             args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
