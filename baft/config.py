@@ -18,6 +18,7 @@ TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # every rank writes its run trace there
 REPLACE_ENV = "BAFT_REPLACE_RANKS"
 STORE_ENV = "BAFT_STORE"
 REPLACEMENT_ENV = "BAFT_REPLACEMENT"
+WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (the recovery record's "warm relaunch")
 
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
 IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots a node's manager keeps

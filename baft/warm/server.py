@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from baft.config import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV
+from baft.config import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV, WARM_RANK_ENV
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
@@ -96,7 +96,7 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"], BAFT_WARM_RANK="1")  # the recovery record's "warm relaunch"
+    os.environ.update(request["env"], **{WARM_RANK_ENV: "1"})
     _as_started()
     if os.environ.get(REPLACEMENT_ENV):  # it joins the survivors' new world before the script runs
         from baft.recovery.world import join
