@@ -3,25 +3,35 @@ keep their processes; every step after it is identical, part by part, to the uni
 tests/test_matrix.py recovers in place too: every case there is a ``baft train`` with kills.)"""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from baft.cli.launch import launch_env
 from baft.recovery.digests import DIGESTS_ENV, compare, load
+from baft.warm import SOCKET_ENV
 from conftest import TINY
 
 
-def train(directory: Path, *faults: str, max_restarts: int = 2) -> subprocess.CompletedProcess:
+def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None = None) -> subprocess.Popen:
     """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
-    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
-                           "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
-                           "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
-                          capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(directory / "digests")}),
-                          timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
+                             "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
+                             "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env({DIGESTS_ENV: str(directory / "digests"), **(env or {})}))
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def pids_by_restart(digests: Path) -> dict[int, dict[int, int]]:
@@ -44,7 +54,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        return directory, train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2)
+        return directory, finish(train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2))
 
     with ThreadPoolExecutor(len(cases)) as pool:
         return dict(zip(cases, pool.map(run, cases)))
@@ -92,3 +102,47 @@ def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_iden
     assert compare(reference / "digests", faulted / "digests") == []
     pids = pids_by_restart(faulted / "digests")
     assert sorted(pids) == [0, 1] and not set(pids[1].values()) & set(pids[0].values()), "both ranks were replaced"
+
+
+def kill_first_replacement(launcher: int, killed: dict, done: threading.Event) -> None:
+    """SIGKILL the first process the launcher's warm server forks after its store keeper and two ranks: a
+    replacement, killed as it starts (its pid in ``killed``)."""
+    server, ranks = None, None
+    while not done.wait(0.002):
+        try:
+            if server is None:
+                server = next((p for p in psutil.Process(launcher).children(recursive=True)
+                               if "baft.warm.server" in " ".join(p.cmdline())), None)
+                continue
+            children = {p.pid for p in server.children()}
+            if ranks is None:
+                ranks = children if len(children) == 3 else None
+            elif children - ranks:
+                killed["pid"] = min(children - ranks)
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+        except psutil.NoSuchProcess:
+            continue
+
+
+@pytest.mark.slow
+def test_a_replacement_killed_as_it_starts_is_replaced_again_and_every_part_is_identical(runs, tmp_path):
+    """The spare dies too: rank 1 is killed in step 4 and its replacement the moment the warm server forks it; the
+    next replacement takes its place, rank 0 keeps its process, and every step is identical."""
+    reference, _ = runs["reference"]
+    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""})  # a server of its own
+    killed, done = {}, threading.Event()
+    watcher = threading.Thread(target=kill_first_replacement, args=(proc.pid, killed, done))
+    watcher.start()
+    try:
+        result = finish(proc)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert killed, "no replacement was forked"
+    assert [(r["kind"], r["restored_step"]) for r in recoveries(tmp_path)] == [("in place", 2)]
+    assert compare(reference / "digests", tmp_path / "digests") == []
+    pids = pids_by_restart(tmp_path / "digests")
+    assert pids[1][0] == pids[0][0], "rank 0 kept its process"
+    assert killed["pid"] not in (pids[0][1], pids[1][1]) and pids[1][1] != pids[0][1], pids

@@ -39,8 +39,8 @@ HEADROOM = 0.05  # of the host's memory, kept free for the trainers beside their
 
 def host_room(root, rank: int) -> int:
     """Bytes of snapshot slots ``rank`` can have under ``root`` on this host: what its filesystem (shared
-    memory's tmpfs, which the kernel never swaps out here) and the memory available both still take, less
-    :data:`HEADROOM`, plus the slot files the rank already has there (a restarted rank maps them again).
+    memory's tmpfs, which the kernel never swaps out here) and the memory available less :data:`HEADROOM`
+    both still take, plus the slot files the rank already has there (a restarted rank maps them again).
     Shared memory past it is an OOM kill, not an error: the slots are sized to it where no limit is set."""
     import shutil
 
@@ -52,7 +52,7 @@ def host_room(root, rank: int) -> int:
     while not where.exists():
         where = where.parent
     memory = psutil.virtual_memory()
-    free = min(shutil.disk_usage(where).free, memory.available) - int(HEADROOM * memory.total)
+    free = min(shutil.disk_usage(where).free, memory.available - int(HEADROOM * memory.total))
     return max(0, free) + held
 
 
