@@ -46,12 +46,13 @@ def pytest_collection_modifyitems(items):
 def deepspeed_ops(request):
     """In a session that trains pipelines, build DeepSpeed's ops in a process of their own from its start, as
     the tests that train none run (~40 s and ~70 s on 2 cores where nothing is built yet; a second of loading
-    where it is): the first pipeline tests would otherwise stand still while the ops build inside them."""
+    where it is): the first pipeline tests would otherwise stand still while the ops build inside them. At the
+    lowest priority: the build takes the cores the tests leave idle (a quarter of the suite's), not theirs."""
     if not any(item.get_closest_marker("slow") for item in request.session.items):
         yield
         return
     build = subprocess.Popen([sys.executable, "-c", BUILD_OPS], env=launch_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
     yield
     build.wait()  # never killed: a build stopped halfway leaves its lock, and every later build waits on it
 
