@@ -95,10 +95,13 @@ class NodeRanks:
             others = [r for r in self.ranks.values() if r.rank != rank]
             sizes = [r.nbytes for r in others] + [nbytes]
             counts = [r.slots for r in others]
-            limit = self.config.memory_limit
-            if limit is None:  # what the others hold, and what this host has free beside them
-                limit = memory_needed([r.nbytes for r in others], self.config.k, self.config.n, counts) + \
+            if self.config.memory_limit is not None:
+                limit, limited_by = self.config.memory_limit, "memory_limit"
+                bound = f"--memory-limit {human(limit)}"
+            else:  # what the others hold, and what this host has free beside them
+                limit = memory_needed(sizes[:-1], self.config.k, self.config.n, counts) + \
                     slots.host_room(self.root, rank)
+                limited_by, bound = "this host's free memory", f"the {human(limit)} this host has free for them"
             coming = max(0, node_ranks - len(sizes))
             # four slots let a snapshot be copied while the previous one seals; three are the fewest that keep
             # the two newest committed snapshots through a crash mid-copy. Four only where the ranks still to
@@ -107,8 +110,6 @@ class NodeRanks:
                                   counts + [slots.SLOTS] * (1 + coming))
             count = slots.SLOTS if roomy <= limit else slots.FEWEST_SLOTS
             needed = memory_needed(sizes, self.config.k, self.config.n, counts + [count])
-            bound = (f"--memory-limit {human(limit)}" if self.config.memory_limit is not None
-                     else f"the {human(limit)} this host has free for them")
             if needed > limit:
                 raise BaftError(f"rank {rank}: node {self.config.node_id} needs {human(needed)} of host memory "
                                 f"({len(sizes)} ranks x {slots.FEWEST_SLOTS} slots"
@@ -136,9 +137,7 @@ class NodeRanks:
         log.info("hello from rank %d (%s per snapshot, %d slots)", rank, human(nbytes), count)
         return {"node_id": self.config.node_id, "root": str(self.root),
                 "slots": [str(slots.slot_path(directory, s)) for s in range(count)],
-                "memory": {"reserved": needed, "limit": limit,
-                           "limited_by": "memory_limit" if self.config.memory_limit is not None
-                           else "this host's free memory"}}
+                "memory": {"reserved": needed, "limit": limit, "limited_by": limited_by}}
 
     def commit(self, rank: int, step: int) -> None:
         with self._lock:

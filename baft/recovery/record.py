@@ -68,10 +68,15 @@ def mark(name: str) -> None:
     clock.setdefault(name, time.time())
 
 
+def torchrun_attempt() -> int:
+    """Which of torchrun's attempts this process belongs to (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def restart_count() -> int:
     """Recoveries of this job so far: torchrun's restarts, and the recoveries in place since the latest
     (:mod:`baft.recovery.in_place`)."""
-    return sum(int(os.environ.get(name, "0")) for name in ("TORCHELASTIC_RESTART_COUNT", EARLIER_ENV, GENERATION_ENV))
+    return torchrun_attempt() + sum(int(os.environ.get(name, "0")) for name in (EARLIER_ENV, GENERATION_ENV))
 
 
 def restart_in_place(seen: float) -> None:

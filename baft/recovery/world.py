@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.config import STORE_ENV
-from baft.recovery.record import EARLIER_ENV, GENERATION_ENV
+from baft.recovery.record import EARLIER_ENV, GENERATION_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone
@@ -48,12 +48,7 @@ def _job() -> str:
     """Keys of this job's attempt, apart from other jobs forked by the same server."""
     env = os.environ
     return (f"baft/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
-            f"/{_torchrun_attempt()}")
-
-
-def _torchrun_attempt() -> int:
-    """Which of torchrun's attempts this process belongs to (0: the first)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            f"/{torchrun_attempt()}")
 
 
 def _store() -> dist.TCPStore:
@@ -96,7 +91,7 @@ def _attempt(attempt: int | str) -> str:
 def _started(store: dist.Store) -> None:
     """As this process starts as a rank (of torchrun's world, or a replacement): the recoveries in place of
     torchrun's earlier attempts, and its excepthook."""
-    attempts = [_attempt(a) for a in range(_torchrun_attempt())]
+    attempts = [_attempt(a) for a in range(torchrun_attempt())]
     os.environ[EARLIER_ENV] = str(sum(int(store.get(key)) for key in attempts if store.check([key])))
     sys.excepthook = _replaced_on_lost_peer
 
@@ -119,7 +114,7 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
         backend = get_accelerator().communication_backend_name()
     dist.init_process_group(backend, store=world, rank=rank, world_size=size, timeout=dist.default_pg_timeout)
     store.set(key, str(nxt))
-    store.set(_attempt(_torchrun_attempt()), str(nxt))
+    store.set(_attempt(torchrun_attempt()), str(nxt))
     os.environ[GENERATION_ENV] = str(nxt)
     if replacement:
         _started(store)
