@@ -57,7 +57,8 @@ step() {
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
   python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
-  lscpu | grep -E "Model name|^CPU\(s\)"; uname -r; git log -1 --format='baft %H'; } >"$WORK/machine.txt" 2>&1
+  lscpu | grep -E "Model name|^CPU\(s\)"; uname -r; git log -1 --format='baft %H'
+  nvidia-smi -q -d CLOCK,PERFORMANCE | grep -E "Graphics|SM|Memory|Idle|Thermal|Power|Active"; } >"$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
 
 # what the warm fork server's imports start (it refused to fork on the H200: gpu.md section 5)
@@ -66,7 +67,8 @@ step warm-threads 5 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python
 # gpu-todo.md's order: period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval), then
 # m=8, then the 2.2 GB state; the checksum and kill checks of section 5 last, as regressions
 step compare-big-m$M_HIGH-aa 300 $BAFT compare $BIG --micro-batches $M_HIGH --policies none,none/1,baft/1 \
-    --leftovers start --none-between --rounds $ROUNDS_AA --block 3 --out "$WORK/compare-big-m$M_HIGH-aa.json"
+    --leftovers start --none-between --rounds $ROUNDS_AA --block 4 --out "$WORK/compare-big-m$M_HIGH-aa.json"
+nvidia-smi -q -d PERFORMANCE | grep -A12 "Clocks Event Reasons" >"$WORK/clocks-after.txt" 2>&1
 step compare-big-m$M_LOW 90 $BAFT compare $BIG --micro-batches $M_LOW --policies $POLICIES --leftovers start \
     --none-between --rounds $((ROUNDS_BIG + 1)) --block 3 --out "$WORK/compare-big-m$M_LOW.json"
 step compare-small-m$M_HIGH 60 $BAFT compare $SMALL --micro-batches $M_HIGH --policies $POLICIES,baft,dcp-async/10 \

@@ -83,6 +83,11 @@ def test_a_run_of_chunks_gets_each_chunks_own_checksum(nbytes):
     assert [cs.hexdigest(int(s)) for s in sums] == expected
 
 
+def test_hexdigests_formats_each_sum_as_hexdigest_does():
+    values = torch.tensor([0, 1, -1, 2**63 - 1, -2**63, 123456789012345])
+    assert cs.hexdigests(values) == [cs.hexdigest(int(v)) for v in values] and cs.hexdigests(values[:0]) == []
+
+
 def test_the_cuda_formulation_gives_the_same_sum_as_the_cpu_one():
     """A GPU sums products (no integer dot product there); on CPU both formulations must agree."""
     words = torch.from_numpy(np.random.default_rng(1).integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64))
@@ -91,14 +96,15 @@ def test_the_cuda_formulation_gives_the_same_sum_as_the_cpu_one():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_gpu_computes_the_hosts_checksum():
+def test_a_gpu_computes_the_hosts_checksum(monkeypatch):
     data = np.random.default_rng(2).integers(0, 256, (1 << 22) + 77, dtype=np.uint8)
     sums = cs.TorchSums()
     device = torch.from_numpy(data).cuda()
     assert cs.hexdigest(int(sums.of(device))) == cs.digest(data.tobytes())
-    chunks = sums.of_chunks(device, 1 << 20).cpu()
-    assert [cs.hexdigest(int(s)) for s in chunks] == [cs.digest(data[i:i + (1 << 20)].tobytes())
-                                                      for i in range(0, data.size, 1 << 20)]
+    expected = [cs.digest(data[i:i + (1 << 20)].tobytes()) for i in range(0, data.size, 1 << 20)]
+    assert cs.hexdigests(sums.of_chunks(device, 1 << 20).cpu()) == expected
+    monkeypatch.setattr(cs, "PRODUCT_BYTES", 3 << 20)  # the four whole chunks summed three, then one, at a time
+    assert cs.hexdigests(sums.of_chunks(device, 1 << 20).cpu()) == expected
 
 
 def test_the_definition_in_the_persisted_format_doc_is_this_checksum():

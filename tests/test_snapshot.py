@@ -75,3 +75,41 @@ def test_copy_runs_merge_chunks_adjacent_in_one_tensor_and_in_the_slot():
     # a chunk left out (queued elsewhere) splits its tensor's run
     assert copy_runs(chunks, [0, 2, 3]) == [Chunk(0, "a", 0, 4, 0), Chunk(2, "a", 8, 2, 8), Chunk(3, "b", 0, 4, 10)]
     assert copy_runs(chunks, []) == []
+
+
+def test_a_stream_checksums_the_long_runs_as_it_copies_them_and_the_seal_the_short_ones(tmp_path):
+    """A GPU's checksums of long runs come from the source as it copies; a run under SEALER_SUMS_BELOW (a norm's
+    weight, a bias) is summed from the slot by the seal, not by a few kernel launches on the trainer's thread.
+    Either way every chunk's checksum is that of the bytes in the slot."""
+    import torch
+
+    from baft.snapshot.checksum import TorchSums, digest
+    from baft.snapshot.copy import SEALER_SUMS_BELOW, Snapshot, StateSource
+    from baft.snapshot.layout import TensorEntry, plan_layout
+    from baft.snapshot.slots import SnapshotWriter
+    from baft.snapshot.streams import ThreadCopyStream
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"weight": torch.randn(3 * SEALER_SUMS_BELOW // 4 + 5, generator=gen),  # 3 chunks and a bit
+               "bias": torch.randn(100, generator=gen)}
+    chunk_bytes = SEALER_SUMS_BELOW
+    source = StateSource.__new__(StateSource)  # a source without an engine: its tensors as byte views
+    source.chunk_bytes, source._runs = chunk_bytes, {}
+    source.views = {name: t.view(torch.uint8) for name, t in tensors.items()}
+    source.sums = TorchSums()
+    source.layout = plan_layout([TensorEntry(n, "float32", tuple(t.shape), t.numel() * 4, "parameters")
+                                 for n, t in tensors.items()], chunk_bytes)
+    writer = SnapshotWriter(tmp_path, 0, source.layout, 3)
+    stream = ThreadCopyStream()
+    snapshot = Snapshot(source, writer, 1, {}, stream)
+    assert snapshot.queue(range(len(source.layout.chunks))) == source.layout.nbytes
+    stream.synchronize()
+    weight = [c.index for c in source.layout.chunks if c.tensor == "weight"]
+    assert [i for run in snapshot.sums for i in run.chunks] == weight == [0, 1, 2, 3]
+    checksums = snapshot._gathered()
+    assert [i for i, c in enumerate(checksums) if c is None] == [4]  # the bias, left for the seal
+    snapshot._checksum_slot(checksums, [4])
+    slot = snapshot.buffer.numpy()
+    assert checksums == [digest(slot[c.offset:c.offset + c.nbytes].tobytes()) for c in source.layout.chunks]
+    assert bytes(slot[:source.layout.nbytes]) == b"".join(t.numpy().tobytes() for t in tensors.values())
+    writer.close()

@@ -161,7 +161,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
         self.cfg, self.size, self.seed = cfg, size, seed
         gen = torch.Generator().manual_seed(seed)
         # each token has 4 likely successors: learnable, but not trivially
-        self.successors = torch.randint(cfg.vocab, (cfg.vocab, 4), generator=gen)
+        self.successors = torch.randint(cfg.vocab, (cfg.vocab, 4), generator=gen).tolist()
 
     def __len__(self):
         return self.size
@@ -170,8 +170,8 @@ class SyntheticTokens(torch.utils.data.Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         choice = torch.randint(4, (self.cfg.seq,), generator=gen)
         tokens = [int(torch.randint(self.cfg.vocab, (1,), generator=gen))]
-        for c in choice.tolist():
-            tokens.append(int(self.successors[tokens[-1], c]))
+        for c in choice.tolist():  # Python lists: a tensor index per token made the data feed the host's bottleneck
+            tokens.append(self.successors[tokens[-1]][c])
         tokens = torch.tensor(tokens)
         return tokens[:-1], tokens[1:]
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK_WORDS = 1 << 17
+PRODUCT_BYTES = 256 << 20  # the int64 products a GPU holds at once while it sums a long run of chunks
 _MASK = (1 << 64) - 1
 
 
@@ -59,6 +60,13 @@ def weights(words: int) -> np.ndarray:
 def hexdigest(value: int) -> str:
     """A checksum as the commit record holds it: 16 hex digits."""
     return f"{value & _MASK:016x}"
+
+
+def hexdigests(values: "torch.Tensor") -> list[str]:
+    """:func:`hexdigest` of each int64 in ``values`` (a CPU tensor): one formatting pass in numpy, not a
+    Python format per chunk (a 10 GB state has ten thousand)."""
+    text = values.numpy().astype(">i8").tobytes().hex()
+    return [text[i:i + 16] for i in range(0, len(text), 16)]
 
 
 def _tail_word(data) -> int:
@@ -129,8 +137,9 @@ class TorchSums:
         rows = data[:full * chunk_bytes].view(torch.int64).view(full, words)
         w = self._weights_on(data.device, words)
         if data.is_cuda:
-            # bounded temporaries: 64 chunks' products at a time (torch has no int64 matrix product on CUDA)
-            sums = [torch.mul(rows[i:i + 64], w).sum(dim=1) for i in range(0, full, 64)]
+            # bounded temporaries: 256 MiB of products at a time (torch has no int64 matrix product on CUDA)
+            step = max(1, PRODUCT_BYTES // chunk_bytes)
+            sums = [torch.mul(rows[i:i + step], w).sum(dim=1) for i in range(0, full, step)]
         else:
             sums = [torch.dot(row, w).reshape(1) for row in rows]
         sums = torch.cat(sums) + chunk_bytes

@@ -24,11 +24,17 @@ from typing import Callable, Optional
 import torch
 
 from baft.snapshot import state
-from baft.snapshot.checksum import TorchSums, hexdigest
+from baft.snapshot.checksum import TorchSums, hexdigest, hexdigests
 from baft.snapshot.layout import CommitRecord, Layout, model_signature, plan_layout
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream, RunSums
 from baft.background import BackgroundThread
+
+
+# A run of chunks shorter than this is checksummed from the slot by the seal, not as it is copied: on a GPU a
+# checksum is a few kernel launches on the trainer's thread, dearer than the seal's read of a few KB (a
+# transformer's norms and biases: half its tensors, a thousandth of its bytes).
+SEALER_SUMS_BELOW = 64 << 10
 
 
 def seal_threads() -> int:
@@ -43,14 +49,18 @@ def copy_runs(chunks: list, indices: list[int]) -> list:
     """``indices`` (in ascending order) as runs of chunks that are adjacent in one tensor and in the
     slot, each run one ``Chunk`` spanning them: a run is one copy call. Queuing a several-GB state
     chunk by chunk spends tens of microseconds of the trainer's thread per MiB."""
-    runs = []
+    runs, first, end = [], None, None  # the run being grown: its first chunk, and where it ends
     for i in indices:
-        chunk, last = chunks[i], runs[-1] if runs else None
-        if last is not None and last.tensor == chunk.tensor and last.start + last.nbytes == chunk.start \
-                and last.offset + last.nbytes == chunk.offset:
-            runs[-1] = dataclasses.replace(last, nbytes=last.nbytes + chunk.nbytes)
-        else:
-            runs.append(chunk)
+        chunk = chunks[i]
+        if first is not None and chunk.tensor == first.tensor and chunk.start == end \
+                and chunk.offset == first.offset + (end - first.start):
+            end += chunk.nbytes
+            continue
+        if first is not None:
+            runs.append(dataclasses.replace(first, nbytes=end - first.start))
+        first, end = chunk, chunk.start + chunk.nbytes
+    if first is not None:
+        runs.append(dataclasses.replace(first, nbytes=end - first.start))
     return runs
 
 
@@ -66,9 +76,19 @@ class StateSource:
                                           num_shards=grid.get_data_parallel_world_size())
         self.views = state.byte_views(engine)
         self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
+        self._runs: dict[tuple[int, ...], list] = {}
 
     def view(self, chunk) -> torch.Tensor:
         return self.views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes]
+
+    def runs(self, indices: list[int]) -> list:
+        """:func:`copy_runs` of these chunks, worked out once per set: a plan queues the same sets every step,
+        and a 10 GB state has ten thousand chunks."""
+        key = tuple(indices)
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = self._runs[key] = copy_runs(self.layout.chunks, indices)
+        return runs
 
     def topology(self) -> dict:
         grid = self.engine.grid
@@ -119,16 +139,17 @@ class Snapshot:
         for i in chosen:
             del self.pending[i]
         chosen.sort()
-        runs = copy_runs(self.source.layout.chunks, chosen)
+        runs = self.source.runs(chosen)
         first = 0
         for run in runs:
             src = self.source.view(run)
             self.stream.copy(self._slot_view(run), src)
             count = -(-run.nbytes // self.source.chunk_bytes)
-            sums = RunSums(chosen[first:first + count])
+            if run.nbytes >= SEALER_SUMS_BELOW:
+                sums = RunSums(chosen[first:first + count])
+                self.stream.checksum(sums, src, self.source.chunk_bytes)
+                self.sums.append(sums)
             first += count
-            self.stream.checksum(sums, src, self.source.chunk_bytes)
-            self.sums.append(sums)
         return sum(run.nbytes for run in runs)
 
     def copy_while(self, keep_going: Callable[[], bool]) -> int:
@@ -156,9 +177,9 @@ class Snapshot:
         checksums: list[Optional[str]] = [None] * len(self.source.layout.chunks)
         if self.sums:
             device = self.sums[0].sums.device
-            values = torch.cat([run.sums.to(device) for run in self.sums]).tolist()
-            for i, value in zip((i for run in self.sums for i in run.chunks), values):
-                checksums[i] = hexdigest(value)
+            values = torch.cat([run.sums.to(device) for run in self.sums]).cpu()
+            for i, digest in zip((i for run in self.sums for i in run.chunks), hexdigests(values)):
+                checksums[i] = digest
         return checksums
 
     def _checksum_slot(self, checksums: list[Optional[str]], indices: list[int]) -> None:
