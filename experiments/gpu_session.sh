@@ -24,7 +24,7 @@ else
     BIG="--stages 1 --precision bf16 --d-model 2048 --layers 16 --heads 16 --seq 512 --micro-batch-size 4"
     SMALL="--stages 1 --precision bf16 --d-model 1024 --layers 12 --heads 16 --seq 512 --micro-batch-size 4"
     KILL_MODEL="--stages 1 --precision bf16"  # the example's own size, as in gpu.md section 1
-    ROUNDS_AA=10; ROUNDS_BIG=3; ROUNDS_SMALL=6; M_LOW=8; M_HIGH=32
+    ROUNDS_AA=10; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
 fi
 # baft at the planner's period beside baft/1 only on the 2.2 GB state: two baft policies' four slots of
 # 11.5 GB each and sync-copy's buffer would not fit one 128 GiB host at once

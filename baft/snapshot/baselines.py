@@ -51,7 +51,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
         # async_save plans its save with collectives from a background thread: on the default gloo
         # group they would race the pipeline's p2p and abort, so they get a group of their own
         self.group = dist.new_group(backend="gloo") if kind == "dcp-async" else None
-        self.stager = None  # dcp-async: stages into pinned host memory where there is a GPU, kept between saves
+        self.stager = None  # dcp-async: the last save's, staging into pinned host memory where there is a GPU
         self.saved_before = 0  # saved when this iteration started
 
     def iteration_start(self, engine):
@@ -80,8 +80,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
             from torch.distributed.checkpoint import async_save
 
             self.wait()
-            # plain tensors: DCP's stager deep-copies a Parameter's Python attributes too, and DeepSpeed's
-            # (bf16's _hp_mapping) hold classes torch 2.11's stager cannot copy (KeyError: <class 'type'>)
+            # plain tensors: DCP's stager deep-copies a Parameter's Python attributes too (DeepSpeed's mappings)
             tensors = {f"rank{engine.global_rank}/{k}": v.detach() for k, v in state.state_tensors(engine).items()}
             tensors[f"rank{engine.global_rank}/items"] = json.dumps(items)  # saved as bytes beside the tensors
             self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"),
@@ -91,13 +90,14 @@ class DiskCheckpoint(InstructionHook, Periodic):
 
     def _stager(self):
         """DCP's stager with pinned staging buffers on a GPU (the fast path DCP offers), staged before
-        ``async_save`` returns: the next optimizer step may change the state right after."""
-        if self.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        ``async_save`` returns: the next optimizer step may change the state right after. A new one per save,
+        closed once the save lands: torch 2.11's ``async_save`` closes the stager it is given, and a closed
+        stager cannot copy a dict again (``KeyError: <class 'type'>`` at the second save, on an H200)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            gpu = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=gpu))
+        gpu = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=gpu))
         return self.stager
 
     def wait(self):
@@ -105,12 +105,12 @@ class DiskCheckpoint(InstructionHook, Periodic):
         if self.pending is not None:
             self.pending.result()
             self.pending = None
-
-    def close(self):
-        self.wait()  # the last async save must land before its process group goes
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+    def close(self):
+        self.wait()  # the last async save must land before its process group goes
 
     def restore(self, engine) -> Optional[tuple[int, InstructionHook]]:
         """Load the newest checkpoint every rank has (the usual restart): its step and the hook that sets
