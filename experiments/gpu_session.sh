@@ -57,7 +57,9 @@ step() {
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
   python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
-  lscpu | grep -E "Model name|^CPU\(s\)"; uname -r; git log -1 --format='baft %H'
+  lscpu | grep -E "Model name|^CPU\(s\)"; uname -r
+  # the device's copy of the work tree may sit on an older .git: name the files' content, not HEAD
+  echo "baft tree $(git ls-files -z baft experiments tests | xargs -0 sha1sum | sha1sum | cut -c1-12)"
   nvidia-smi -q -d CLOCK,PERFORMANCE | grep -E "Graphics|SM|Memory|Idle|Thermal|Power|Active"; } >"$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
 
