@@ -16,21 +16,26 @@ def compare(*args, timeout=300):
 
 
 @pytest.mark.slow
-def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
+def test_compare_interleaves_policies_in_each_rounds_drawn_order_and_reports_overhead(tmp_path):
+    from baft.benchmark import block_order
+
     out = tmp_path / "compare.json"
-    proc = compare("--policies", "sync-copy,baft,torch-save/2", "--none-between", "--rounds", "2", "--block", "2",
-                   "--out", str(out))
+    proc = compare("--policies", "sync-copy,thread-copy,baft,torch-save/2", "--none-between", "--shuffle",
+                   "--rounds", "2", "--block", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    # none A none B none C, every round, a block of 2 iterations each
-    blocks = ["none", "sync-copy", "none", "baft", "none", "torch-save/2"]
-    assert [r["policy"] for r in doc["records"]] == [name for name in blocks for _ in range(2)] * 2
+    assert doc["shuffle"] is True
+    # none A none B ..., A B ... in the order each round's seed draws (every rank the same), a block of 2 each
+    names = ["none", "sync-copy", "thread-copy", "baft", "torch-save/2"]
+    orders = [block_order(names, True, shuffle_seed=k) for k in range(2)]
+    assert orders[0] != orders[1], "the two rounds' seeds must draw different orders for this test to mean anything"
+    assert [r["policy"] for r in doc["records"]] == [name for order in orders for name in order for _ in range(2)]
     assert all(len(r["ranks"]) == 2 for r in doc["records"])
     # a policy with a period snapshots in the last iteration of each of its blocks only
     assert [r["j"] for r in doc["records"] if r["policy"] == "torch-save/2" and r["ranks"][0]["fired"]] == [1, 1]
     assert all(r["ranks"][0]["fired"] for r in doc["records"] if r["policy"] == "sync-copy")
-    assert {name: b > 0 for name, b in doc["snapshot_bytes"].items()} == {"sync-copy": True, "baft": True,
-                                                                         "torch-save/2": True}
+    assert {name: b > 0 for name, b in doc["snapshot_bytes"].items()} == {"sync-copy": True, "thread-copy": True,
+                                                                         "baft": True, "torch-save/2": True}
     assert [p["stage"] for p in doc["plans"]["baft"]] == [0, 1]
     assert {p["source"] for p in doc["plans"]["baft"]} == {"receive waits timed in this run's iteration 2"}
 
@@ -44,11 +49,11 @@ def test_compare_interleaves_policies_and_reports_overhead(tmp_path):
     assert summary["none"]["seal_cpu_s"] == 0
     assert all(s["fence_wait_s"] == 0 for s in summary.values()), "on CPU the host waits at the fence, not a device"
     assert summary["baft"]["period"] >= 1 and summary["torch-save/2"]["period"] == 2
-    assert summary["none"]["iterations"] == 6  # 2 rounds x 3 blocks x (2 - 1 dropped)
+    assert summary["none"]["iterations"] == 8  # 2 rounds x 4 blocks x (2 - 1 dropped)
     assert summary["sync-copy"]["iterations"] == 2
-    for name in ("none", "sync-copy", "baft", "torch-save/2"):
+    for name in names:
         assert name in proc.stdout
-    assert render(list(summary.values())).count("\n") == 4
+    assert render(list(summary.values())).count("\n") == 5
 
 
 def test_compare_refuses_an_unknown_policy_in_one_line():
@@ -94,20 +99,3 @@ def test_shuffled_rounds_keep_none_between_and_draw_the_same_order_on_every_rank
         assert order[0::2] == ["none"] * 4 and sorted(order[1::2]) == sorted(names[1:])
     assert len({tuple(o) for o in orders}) > 6, "12 rounds drew only a few of the 24 orders"
     assert {o[1] for o in orders} == set(names[1:]), "every arm comes first in some round"
-
-
-@pytest.mark.slow
-def test_compare_shuffle_runs_each_rounds_drawn_order_on_every_rank(tmp_path):
-    from baft.benchmark import block_order
-
-    out = tmp_path / "compare.json"
-    proc = compare("--policies", "sync-copy,thread-copy,baft", "--none-between", "--shuffle", "--rounds", "4",
-                   "--block", "1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    assert doc["shuffle"] is True
-    names = ["none", "sync-copy", "thread-copy", "baft"]
-    ran = [[r["policy"] for r in doc["records"] if r["round"] == k] for k in range(4)]
-    assert ran == [block_order(names, True, shuffle_seed=k) for k in range(4)]
-    assert len({tuple(o) for o in ran}) > 1, "four rounds in one order"
-    assert all(len(r["ranks"]) == 2 for r in doc["records"])
