@@ -18,13 +18,13 @@ T0=$(date +%s)
 
 if [ "${SCALE:-}" = tiny ]; then
     BIG="--stages 1 --precision bf16 --d-model 64 --layers 2 --heads 2 --seq 32 --micro-batch-size 2"
-    SMALL="$BIG"; KILL_MODEL="$BIG"; ROUNDS_AA=2; ROUNDS_BIG=1; ROUNDS_SMALL=2; M_LOW=2; M_HIGH=4
+    SMALL="$BIG"; KILL_MODEL="$BIG"; ROUNDS_AA=2; ROUNDS_PROFILE=2; ROUNDS_BIG=1; ROUNDS_SMALL=2; M_LOW=2; M_HIGH=4
 else
     # 0.82B parameters, 11.5 GB of state (gpu.md section 4); and 2.2 GB of state (160M parameters)
     BIG="--stages 1 --precision bf16 --d-model 2048 --layers 16 --heads 16 --seq 512 --micro-batch-size 4"
     SMALL="--stages 1 --precision bf16 --d-model 1024 --layers 12 --heads 16 --seq 512 --micro-batch-size 4"
     KILL_MODEL="--stages 1 --precision bf16"  # the example's own size, as in gpu.md section 1
-    ROUNDS_AA=10; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
+    ROUNDS_AA=10; ROUNDS_PROFILE=8; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
 fi
 # baft at the planner's period beside baft/1 only on the 2.2 GB state: two baft policies' four slots of
 # 11.5 GB each and sync-copy's buffer would not fit one 128 GiB host at once
@@ -49,9 +49,9 @@ step() {
     timeout --kill-after=5 $(($(left) - 10)) "$@" >"$WORK/$name.log" 2>&1
     echo "rc=$? $name took $(($(date +%s) - t)) s"
     # the overhead table, pytest's verdict, the checksum rates, recovery reports, errors
-    grep -v WARNING "$WORK/$name.log" | sed -n -e '/^policy /,/^$/p' -e '/chunk\|GB\/s\|agree\|passed\|failed/p' \
+    grep -v WARNING "$WORK/$name.log" | sed -n -e '/^policy /,/^$/p' -e '/^| arm/,/^$/p' -e '/chunk\|GB\/s\|agree\|passed\|failed/p' \
         -e '/kind\|T[0-4]\|resumed\|rror\|fork/p' | tail -n 30
-    (cd "$WORK" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' \) \
+    (cd "$WORK" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' -o -name '*.md' \) \
         -size -20M | tar -czf "$OUT/gpu.tar.gz" -T -)
 }
 
@@ -66,7 +66,10 @@ cat "$WORK/machine.txt"
 # what the warm fork server's imports start (it refused to fork on the H200: gpu.md section 5)
 step warm-threads 5 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -c "import baft.warm.server as s; \
     s.preload(); [s.import_if_there(m) for m in s.PRELOAD_LATER]; print(s.unforkable() or 'forkable')"
-# gpu-todo.md's order: period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval), then
+# gpu-todo.md item 1: where baft/1's cost at m=32 goes (its checksum kernels apart, a profiled block of each)
+step profile-big-m$M_HIGH 150 torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out "$WORK/profile-big" \
+    --rounds $ROUNDS_PROFILE --block 3 $BIG --micro-batches $M_HIGH
+# then period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval), then
 # m=8, then the 2.2 GB state; the checksum and kill checks of section 5 last, as regressions
 step compare-big-m$M_HIGH-aa 300 $BAFT compare $BIG --micro-batches $M_HIGH --policies none,none/1,baft/1 \
     --leftovers start --none-between --rounds $ROUNDS_AA --block 4 --out "$WORK/compare-big-m$M_HIGH-aa.json"

@@ -123,7 +123,8 @@ def _torch_unblob(text: str):
 
 
 def capture_items(engine, data_iterator=None) -> dict:
-    """The small state at the step boundary, as JSON-able values."""
+    """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
+    walked after (two RNG states are 1,250 ints)."""
     np_state = np.random.get_state()
     items = {
         "rng": {
@@ -149,7 +150,7 @@ def capture_items(engine, data_iterator=None) -> dict:
     client = _client_state(engine)
     if client is not None:
         items["client_state"] = _torch_blob(client.capture())
-    return _jsonable(items)
+    return items
 
 
 def loss_scaler(optimizer):
@@ -160,18 +161,6 @@ def loss_scaler(optimizer):
         if scaler is not None and hasattr(scaler, "cur_scale"):
             return scaler
     return None
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if torch.is_tensor(obj):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    return _torch_blob(obj)
 
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":

@@ -1,0 +1,174 @@
+"""Where a snapshot's cost goes, arm by arm: the device's checksums, the copy, the trainer's thread.
+
+    torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out DIR [--rounds 6] [--block 3] \
+        --stages 1 --precision bf16 --d-model 2048 ...   # the example's model arguments (baft compare's)
+
+One engine, three arms interleaved in blocks, round after round, as ``baft compare`` interleaves policies:
+
+* ``none``       no snapshot;
+* ``baft/1``     baft's executor at period 1, every chunk's checksum computed as it is copied (on a GPU by
+                 kernels on the copy stream);
+* ``baft/1-sum-at-seal``  the same, every checksum left to the seal, which reads the slot on the host:
+                 on a GPU, baft/1 without its checksum kernels (the seal's host CPU grows instead).
+
+Then two profiled blocks of each baft arm: ``torch.profiler`` (host, and on a GPU the device) gives the
+device's busy time per stream, the copies' and the checksum kernels' share, and the host's operators by
+their own CPU time; cProfile gives baft's functions on the trainer's thread. Writes ``DIR/profile.json`` and ``DIR/profile.md``; the arms' overheads are
+medians of each block against the ``none`` blocks around it (per round, then the median of rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from baft.benchmark import Meter, make_hook, set_up
+from baft.examples import worker
+from baft.pipeline.hook import Hooks
+from baft.pipeline.profiler import sync_device
+from baft.snapshot import copy as snapshot_copy
+
+ARMS = ("none", "baft/1", "baft/1-sum-at-seal")
+BAFT_DIR = Path(snapshot_copy.__file__).parent.parent
+THE_TRAINING = (str(BAFT_DIR / "pipeline" / "hooks.py"), str(BAFT_DIR / "examples"))  # the engine and model, not baft's cost
+DEVICE_SUMS_FROM = snapshot_copy.SEALER_SUMS_BELOW  # baft's own threshold, which the sum-at-seal arm lifts
+
+
+def timed(engine, data) -> float:
+    sync_device()
+    start = time.perf_counter()
+    engine.train_batch(data_iter=data)
+    sync_device()
+    return time.perf_counter() - start
+
+
+def arm(name: str, hooks: dict) -> None:
+    """Make ``name`` the arm that runs: its hook, and where its checksums are computed."""
+    sum_at_seal = name.endswith("sum-at-seal")
+    snapshot_copy.SEALER_SUMS_BELOW = 1 << 62 if sum_at_seal else DEVICE_SUMS_FROM
+    hooks["engine"].baft.hooks = Hooks(policy=hooks[name.removesuffix("-sum-at-seal")])
+
+
+def device_summary(prof) -> dict:
+    """The profiled block's device time: per stream, the copies, and the checksum's kernels."""
+    by_stream, copies, kernels = defaultdict(float), 0.0, defaultdict(float)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        by_stream[str(getattr(event, "device_resource_id", "?"))] += us / 1e3
+        if "Memcpy" in event.name:
+            copies += us / 1e3
+        else:
+            kernels[event.name[:80]] += us / 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"ms_by_stream": dict(by_stream), "memcpy_ms": copies, "top_kernels_ms": top}
+
+
+def host_summary(prof, limit: int = 25) -> list:
+    """Host operators and baft's functions by their own CPU time in the profiled block."""
+    rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:limit]
+
+
+def baft_functions(stats: pstats.Stats, limit: int = 15) -> list:
+    """baft's own functions on the trainer's thread, by cumulative time: (name, ms, calls)."""
+    rows = [(f"{Path(file).name}:{line} {fn}", cum * 1e3, calls)
+            for (file, line, fn), (_, calls, _, cum, _) in stats.stats.items()
+            if file.startswith(str(BAFT_DIR)) and not file.startswith(THE_TRAINING)]
+    return sorted(rows, key=lambda r: -r[1])[:limit]
+
+
+def profiled(engine, data, block: int) -> dict:
+    """One block under ``torch.profiler`` (operators, and a GPU's kernels by stream), then one under cProfile
+    (baft's Python on the trainer's thread; the seal's thread is not in it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        walls = [timed(engine, data) for _ in range(block)]
+    python = cProfile.Profile()
+    python.runcall(lambda: [timed(engine, data) for _ in range(block)])
+    out = {"walls_s": walls, "host_ms": host_summary(prof), "baft_ms": baft_functions(pstats.Stats(python))}
+    if torch.cuda.is_available():
+        out["device"] = device_summary(prof)
+    return out
+
+
+def report(doc: dict) -> str:
+    lines = ["| arm | median iteration | overhead (median of rounds) | per round |", "|---|---|---|---|"]
+    for name in ARMS:
+        med = statistics.median(doc["walls"][name]) * 1e3
+        rounds = doc["overheads"].get(name, [])
+        over = f"{statistics.median(rounds) * 100:+.1f}%" if rounds else ""
+        lines.append(f"| {name} | {med:.1f} ms | {over} | {', '.join(f'{r * 100:+.1f}' for r in rounds)} |")
+    for name, prof in doc["profiles"].items():
+        lines += ["", f"### {name}, profiled ({len(prof['walls_s'])} iterations)", ""]
+        if "device" in prof:
+            dev = prof["device"]
+            lines.append(f"device ms by stream: {json.dumps({k: round(v, 1) for k, v in dev['ms_by_stream'].items()})}; "
+                         f"copies {dev['memcpy_ms']:.1f} ms")
+            lines += [f"- {ms:.1f} ms {name_}" for name_, ms in dev["top_kernels_ms"]]
+        lines += ["", "host operators, own CPU time:"] + [f"- {ms:.1f} ms x{n} {key}" for key, ms, n in prof["host_ms"]]
+        lines += ["", "baft on the trainer's thread, cumulative (cProfile, its own overhead included):"]
+        lines += [f"- {ms:.1f} ms x{n} {key}" for key, ms, n in prof["baft_ms"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="snapshot_profile")
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=3)
+    ours, model_argv = p.parse_known_args(argv)
+    args = worker.parse_args([*model_argv, "--executor", "stream", "--leftovers", "start"])
+    out = Path(ours.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine, data = worker.build(args)
+    engine.train_batch(data_iter=data)  # the optimizer state every snapshot copies
+    shm = argparse.Namespace(shm_dir=f"/dev/shm/baft-profile-{dist.get_rank()}", disk_dir=str(out / "disk"))
+    baft = Meter(make_hook(("baft/1", "baft", 1), engine, data, shm, args))
+    set_up(engine, data, baft)
+    hooks = {"engine": engine, "none": Meter(None), "baft/1": baft}  # none under the same wrapper, as compare runs it
+    walls: dict[str, list[float]] = {name: [] for name in ARMS}
+    overheads: dict[str, list[float]] = defaultdict(list)
+    for round_ in range(ours.rounds):
+        blocks = []
+        for name in ("none", "baft/1", "none", "baft/1-sum-at-seal", "none"):
+            arm(name, hooks)
+            times = [timed(engine, data) for _ in range(ours.block)][1:]  # the first of a block: a change of arm
+            walls[name] += times
+            blocks.append((name, statistics.median(times)))
+        for i in (1, 3):
+            around = (blocks[i - 1][1] + blocks[i + 1][1]) / 2
+            overheads[blocks[i][0]].append(blocks[i][1] / around - 1)
+        print(f"round {round_ + 1}/{ours.rounds}: " + ", ".join(f"{n} {t * 1e3:.0f} ms" for n, t in blocks), flush=True)
+    profiles = {}
+    for name in ARMS[1:]:
+        arm(name, hooks)
+        timed(engine, data)
+        profiles[name] = profiled(engine, data, ours.block)
+    arm("none", hooks)
+    baft.inner.close()
+    shutil.rmtree(shm.shm_dir, ignore_errors=True)
+    doc = {"argv": sys.argv[1:], "walls": walls, "overheads": dict(overheads), "profiles": profiles,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    (out / "profile.json").write_text(json.dumps(doc))
+    (out / "profile.md").write_text(report(doc))
+    print(report(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
