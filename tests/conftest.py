@@ -73,8 +73,9 @@ def run_worker(nprocs: int, args: list[str], timeout: float = 240, check: bool =
 
 def _launch(nprocs, argv, module, env, timeout, max_restarts, check, name) -> subprocess.CompletedProcess:
     program = [*(["-m"] if module else []), *argv]
-    if max_restarts:  # torchrun's ranks forked warm, as under `baft train`
+    if max_restarts:  # torchrun and its ranks forked warm, as under `baft train`
         cmd = torchrun(nprocs, warm().program(program), max_restarts=max_restarts, module=False)
+        cmd = [cmd[0], *warm().program(cmd[1:])]
         proc = subprocess.run(cmd, env={**env, **warm().env()}, capture_output=True, text=True, timeout=timeout)
     else:
         proc = spawn_ranks(nprocs, [sys.executable, *program], env, timeout)

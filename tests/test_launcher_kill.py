@@ -24,7 +24,7 @@ from baft.snapshot import slots
 from baft.warm import SOCKET_ENV
 from conftest import TINY
 
-OWN_SERVER = {SOCKET_ENV: ""}  # each launch starts its own warm server, which dies with it
+OWN_SERVER = {SOCKET_ENV: ""}  # the launch starts its own warm server, which dies with it
 
 
 def baft_train(run_dir: Path, iters: int) -> list[str]:
@@ -80,15 +80,16 @@ def kill(pids: list[int]) -> None:
 
 
 @contextmanager
-def training(tmp_path: Path, run_dir: Path, iters: int, logged: int):
+def training(tmp_path: Path, run_dir: Path, iters: int, logged: int, env: dict | None = None):
     """``baft train`` of ``run_dir`` in the background, yielded once it has logged ``logged`` steps (its
     manager's pid as ``.manager``); afterwards, whatever failed, no process of it and none of its shared
-    memory is left."""
+    memory is left. Its ranks are forked by the suite's warm server unless ``env`` is OWN_SERVER (then they
+    are the launcher's descendants)."""
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     out = tmp_path / "first.out"
     with open(out, "w") as sink:
         proc = subprocess.Popen(baft_train(run_dir, iters), stdout=sink, stderr=subprocess.STDOUT,
-                                env=launch_env(OWN_SERVER))
+                                env=launch_env(env))
     proc.manager, proc.out = None, out
     try:
         deadline = time.monotonic() + 180
@@ -111,7 +112,7 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
     monkeypatch.setenv(DIGESTS_ENV, str(tmp_path / "digests"))
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
-    with training(tmp_path, run_dir, 200, logged=4) as first:
+    with training(tmp_path, run_dir, 200, logged=4, env=OWN_SERVER) as first:  # its ranks die with it
         manager = first.manager
         second = subprocess.run(baft_train(run_dir, 60), capture_output=True, text=True, env=launch_env(OWN_SERVER),
                                 timeout=60)
@@ -140,7 +141,7 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
         assert refused.returncode == 2 and f"a manager (pid {manager}) serves it" in refused.stderr
         assert (node / "rank1").is_dir(), "a refused clean removed nothing"
 
-        resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(OWN_SERVER),
+        resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert f"stopped the manager an earlier launch of {run_dir} left running (pid {manager})" in resumed.stdout
@@ -182,7 +183,7 @@ def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(t
         assert "is not on disk: its shared-memory snapshots stay" in (run_dir / "manager-node0.log").read_text()
 
         target.unlink()
-        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(OWN_SERVER),
+        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert "baft: resumed from step 8 (memory)" in resumed.stdout, resumed.stdout[-2000:]

@@ -53,6 +53,21 @@ def test_a_warm_rank_has_the_clients_argv_cwd_environment_streams_and_exit_code(
     assert got["pid"] != proc.pid  # forked: the client stands in for it
 
 
+@pytest.mark.parametrize("ending,code,message", [("none", 0, ""), ("raise", 1, "ValueError: the script failed"),
+                                                  ("a message", 1, "a message")])
+def test_a_warm_rank_ends_as_the_interpreter_would(tmp_path, ending, code, message):
+    """Without the interpreter's finalization (a second of CPU a rank) but with everything a script relies on at
+    exit: the same exit status and message as ``python script.py``, threads joined, atexit run, files flushed."""
+    for how, proc in (("python", subprocess.Popen([sys.executable, RANK, "leave", str(tmp_path / "python.log"), ending],
+                                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)),
+                      ("warm", start("leave", str(tmp_path / "warm.log"), ending))):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, (how, err)
+        assert out.splitlines()[1:] == ["non-daemon thread done", "atexit ran"], (how, out)
+        assert (tmp_path / f"{how}.log").read_text() == "written, never flushed\n", how
+        assert err.strip().splitlines()[-1] == message if message else err.strip() == "to stderr", (how, err)
+
+
 def test_warm_ranks_draw_fresh_random_numbers_as_new_processes_do():
     first, second = (start("exit", "0") for _ in range(2))
     a, b = report(first), report(second)

@@ -51,7 +51,7 @@ def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module:
     """The command that runs ``python -m <module_args>`` (or a script) on ``nprocs`` local ranks;
     ``options`` are more of torchrun's own (``--tee``, ``--log-dir``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *options]
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *options]
     return cmd + (["-m"] if module else []) + module_args
 
 

@@ -245,6 +245,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         if in_place:  # each killed rank is replaced in place while torchrun's restarts are left
             env[REPLACE_ENV] = str(max_restarts)
     cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
+    if warm:  # torchrun itself forked too: its import of torch, and its exit's freeing of it, come off every launch
+        cmd = [cmd[0], *server.program(cmd[1:])]
     if not (manager and policy in IN_MEMORY):
         configs = []
     elif not configs:

@@ -18,6 +18,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def cold(argv: list, why: str) -> None:
     print(f"baft: {why}; this rank starts without it", file=sys.stderr, flush=True)
+    os.environ.pop("BAFT_WARM_RANK", None)  # a warm torchrun's, which its ranks inherit: this one is not
     os.execv(sys.executable, [sys.executable, *argv])
 
 

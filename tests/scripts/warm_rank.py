@@ -32,3 +32,19 @@ if what == "pipes":  # descriptors opened by the rank stay its own until its ver
             assert os.read(r, 1) == b"x"
         print("pipes intact at exit", flush=True)
     atexit.register(still_open)
+if what == "leave":  # exit as scripts do: a file left open, a worker thread still writing, an atexit handler
+    import threading
+
+    log = open(sys.argv[2], "w")  # never closed: the interpreter's exit flushes it
+    log.write("written, never flushed\n")
+
+    def late():
+        time.sleep(0.5)
+        print("non-daemon thread done", flush=True)
+    threading.Thread(target=late).start()
+    atexit.register(lambda: print("atexit ran", flush=True))
+    ending = sys.argv[3]
+    if ending == "raise":
+        raise ValueError("the script failed")
+    sys.exit(None if ending == "none" else ending)
+
