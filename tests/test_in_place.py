@@ -105,8 +105,8 @@ def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_iden
 
 
 def kill_first_replacement(launcher: int, killed: dict, done: threading.Event) -> None:
-    """SIGKILL the first process the launcher's warm server forks after its store keeper and two ranks: a
-    replacement, killed as it starts (its pid in ``killed``)."""
+    """SIGKILL the first process the launcher's warm server forks after torchrun, its store keeper and two ranks:
+    a replacement, killed as it starts (its pid in ``killed``)."""
     server, ranks = None, None
     while not done.wait(0.002):
         try:
@@ -116,7 +116,7 @@ def kill_first_replacement(launcher: int, killed: dict, done: threading.Event) -
                 continue
             children = {p.pid for p in server.children()}
             if ranks is None:
-                ranks = children if len(children) == 3 else None
+                ranks = children if len(children) == 4 else None
             elif children - ranks:
                 killed["pid"] = min(children - ranks)
                 os.kill(killed["pid"], signal.SIGKILL)

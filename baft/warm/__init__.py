@@ -9,7 +9,8 @@ environment and standard streams to the server and mirrors the forked rank: sign
 its exit status comes back as the client's own. To torchrun, to ``ps`` and to anything that kills a
 rank from outside, the client *is* the rank (its command line and environment are the rank's; the
 rank dies with it). Where no server answers, the client becomes the rank by ``exec``, as plain
-torchrun would have started it.
+torchrun would have started it. ``baft train`` starts torchrun itself through a client as well: it
+imports torch too.
 
 The client is a file of the standard library only (run by path, it imports nothing of baft).
 """
