@@ -53,11 +53,11 @@ def timed(engine, data) -> float:
     return time.perf_counter() - start
 
 
-def arm(name: str, hooks: dict) -> None:
-    """Make ``name`` the arm that runs: its hook, and where its checksums are computed."""
-    sum_at_seal = name.endswith("sum-at-seal")
+def arm(engine, meters: dict, name: str) -> None:
+    """Make ``name`` the arm that runs: its policy (``meters``: by policy name), and where its checksums are computed."""
+    sum_at_seal = name.endswith("-sum-at-seal")
     snapshot_copy.SEALER_SUMS_BELOW = 1 << 62 if sum_at_seal else DEVICE_SUMS_FROM
-    hooks["engine"].baft.hooks = Hooks(policy=hooks[name.removesuffix("-sum-at-seal")])
+    engine.baft.hooks = Hooks(policy=meters[name.removesuffix("-sum-at-seal")])
 
 
 def device_summary(prof) -> dict:
@@ -77,7 +77,7 @@ def device_summary(prof) -> dict:
 
 
 def host_summary(prof, limit: int = 25) -> list:
-    """Host operators and baft's functions by their own CPU time in the profiled block."""
+    """Host operators by their own CPU time in the profiled block."""
     rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
     return sorted(rows, key=lambda r: -r[1])[:limit]
 
@@ -140,13 +140,13 @@ def main(argv=None) -> int:
     shm = argparse.Namespace(shm_dir=f"/dev/shm/baft-profile-{dist.get_rank()}", disk_dir=str(out / "disk"))
     baft = Meter(make_hook(("baft/1", "baft", 1), engine, data, shm, args))
     set_up(engine, data, baft)
-    hooks = {"engine": engine, "none": Meter(None), "baft/1": baft}  # none under the same wrapper, as compare runs it
+    meters = {"none": Meter(None), "baft/1": baft}  # none under the same wrapper, as compare runs it
     walls: dict[str, list[float]] = {name: [] for name in ARMS}
     overheads: dict[str, list[float]] = defaultdict(list)
     for round_ in range(ours.rounds):
         blocks = []
         for name in ("none", "baft/1", "none", "baft/1-sum-at-seal", "none"):
-            arm(name, hooks)
+            arm(engine, meters, name)
             times = [timed(engine, data) for _ in range(ours.block)][1:]  # the first of a block: a change of arm
             walls[name] += times
             blocks.append((name, statistics.median(times)))
@@ -156,10 +156,10 @@ def main(argv=None) -> int:
         print(f"round {round_ + 1}/{ours.rounds}: " + ", ".join(f"{n} {t * 1e3:.0f} ms" for n, t in blocks), flush=True)
     profiles = {}
     for name in ARMS[1:]:
-        arm(name, hooks)
+        arm(engine, meters, name)
         timed(engine, data)
         profiles[name] = profiled(engine, data, ours.block)
-    arm("none", hooks)
+    arm(engine, meters, "none")
     baft.inner.close()
     shutil.rmtree(shm.shm_dir, ignore_errors=True)
     doc = {"argv": sys.argv[1:], "walls": walls, "overheads": dict(overheads), "profiles": profiles,
