@@ -63,9 +63,13 @@ step() {
   nvidia-smi -q -d CLOCK,PERFORMANCE | grep -E "Graphics|SM|Memory|Idle|Thermal|Power|Active"; } >"$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
 
-# what the warm fork server's imports start (it refused to fork on the H200: gpu.md section 5)
-step warm-threads 5 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -c "import baft.warm.server as s; \
-    s.preload(); [s.import_if_there(m) for m in s.PRELOAD_LATER]; print(s.unforkable() or 'forkable')"
+# which of the warm fork server's imports starts a thread (a CUDA driver thread refused the fork on the H200):
+# each module in the server's order and environment, the threads after it (gpu-todo.md item 4)
+step warm-threads 20 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -c "
+import importlib, baft.warm.server as s
+for name in (*s.PRELOAD, *s.PRELOAD_LATER):
+    importlib.import_module(name)
+    print('after', name, ':', s.unforkable() or 'forkable', flush=True)"
 # gpu-todo.md item 1: where baft/1's cost at m=32 goes (its checksum kernels apart, a profiled block of each)
 step profile-big-m$M_HIGH 150 torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out "$WORK/profile-big" \
     --rounds $ROUNDS_PROFILE --block 3 $BIG --micro-batches $M_HIGH
