@@ -32,3 +32,19 @@ def test_the_period_stretches_until_the_seal_fits_it_with_three_slots_and_not_wi
     # period 1 waits 0.3 s (30%); from period 2 the seal ends before the next snapshot begins
     assert choose_period([rank(0.3, 3)], budget=0.01) == 2
     assert rank(0.3, 3).cost(1) == pytest.approx(0.3)
+
+
+def test_a_plan_made_for_another_chunk_size_is_refused_in_one_line():
+    """A plan's bubbles name chunks by index: one made from a profile cut into other chunks would place the wrong
+    ones (every chunk is still copied by the fence, but the plan no longer says where)."""
+    from baft.config import ConfigError
+    from baft.snapshot.planner import Plan, check_plan
+
+    bubble = Bubble(stage=0, start=0.1, end=0.12, instruction=3, after="ForwardPass", before="BackwardPass", kind="recv")
+    mine = plan_rank([bubble], [1 << 20] * 8, 1e9, 1.0, layout="abc")
+    plan = Plan(schedule="1f1b", stages=1, micro_batches=4, period=1, budget=0.01, ranks=[mine])
+    assert check_plan(plan, 0, 1, "abc", 8 << 20, 8) is mine
+    with pytest.raises(ConfigError) as refused:
+        check_plan(plan, 0, 1, "abc", 8 << 20, 2)
+    assert str(refused.value) == ("plan for rank 0 cuts its state into 8 chunks, this run into 2: baft.chunk_bytes "
+                                  "differs from the profile's; profile and plan again")

@@ -120,7 +120,8 @@ class PlannedExecutor(BubbleExecutor):
         sizes = [c.nbytes for c in layout.chunks]
         if cfg.plan:
             plan = Plan.load(cfg.plan)
-            mine = check_plan(plan, engine.global_rank, engine.num_stages, layout.fingerprint, layout.nbytes)
+            mine = check_plan(plan, engine.global_rank, engine.num_stages, layout.fingerprint, layout.nbytes,
+                              len(layout.chunks))
             self.plan_source = cfg.plan
             return mine
         if cfg.bubble_map:

@@ -211,8 +211,9 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def check_plan(plan_: Plan, rank: int, stages: int, layout: str, nbytes: int) -> RankPlan:
-    """The rank's plan, or a ConfigError saying why it does not fit this run."""
+def check_plan(plan_: Plan, rank: int, stages: int, layout: str, nbytes: int, chunks: int) -> RankPlan:
+    """The rank's plan, or a ConfigError saying why it does not fit this run (``chunks``: how many chunks the run
+    cuts the rank's state into; a plan's bubbles name chunks by index)."""
     if plan_.stages != stages:
         raise ConfigError(f"plan is for {plan_.stages} pipeline stages, this run has {stages}")
     mine = plan_.for_rank(rank)
@@ -222,4 +223,7 @@ def check_plan(plan_: Plan, rank: int, stages: int, layout: str, nbytes: int) ->
         raise ConfigError(f"plan for rank {rank} was made for state layout {mine.layout}, this model's is {layout}")
     if mine.nbytes != nbytes:
         raise ConfigError(f"plan for rank {rank} covers {mine.nbytes} bytes of state, this rank has {nbytes}")
+    if mine.total_chunks != chunks:
+        raise ConfigError(f"plan for rank {rank} cuts its state into {mine.total_chunks} chunks, this run into "
+                          f"{chunks}: baft.chunk_bytes differs from the profile's; profile and plan again")
     return mine
