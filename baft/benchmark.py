@@ -150,14 +150,19 @@ def schedstat() -> float:
         return 0.0
 
 
-def measure(engine, data, meter: Meter) -> list[dict]:
-    """One iteration under ``meter``'s policy: every rank's :class:`RankRecord`, gathered after the timed part."""
-    delay = schedstat()
-    sync_device()  # on a GPU train_batch returns with work still queued: time the device's iteration
+def timed_batch(engine, data) -> float:
+    """Seconds of one ``train_batch``, the device's work included (on a GPU it returns with work still queued)."""
+    sync_device()
     start = time.perf_counter()
     engine.train_batch(data_iter=data)
     sync_device()
-    wall = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def measure(engine, data, meter: Meter) -> list[dict]:
+    """One iteration under ``meter``'s policy: every rank's :class:`RankRecord`, gathered after the timed part."""
+    delay = schedstat()
+    wall = timed_batch(engine, data)
     done = policy_metrics(meter.inner)
     fired = done.snapshotted
     mine = RankRecord(wall=wall, stall=done.stall, fired=float(fired), hook_wall=meter.wall, hook_cpu=meter.cpu,

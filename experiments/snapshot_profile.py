@@ -26,31 +26,21 @@ import pstats
 import shutil
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from baft.benchmark import Meter, make_hook, set_up
+from baft.benchmark import Meter, make_hook, set_up, timed_batch
 from baft.examples import worker
 from baft.pipeline.hook import Hooks
-from baft.pipeline.profiler import sync_device
 from baft.snapshot import copy as snapshot_copy
 
 ARMS = ("none", "baft/1", "baft/1-sum-at-seal")
 BAFT_DIR = Path(snapshot_copy.__file__).parent.parent
 THE_TRAINING = (str(BAFT_DIR / "pipeline" / "hooks.py"), str(BAFT_DIR / "examples"))  # the engine and model, not baft's cost
 DEVICE_SUMS_FROM = snapshot_copy.SEALER_SUMS_BELOW  # baft's own threshold, which the sum-at-seal arm lifts
-
-
-def timed(engine, data) -> float:
-    sync_device()
-    start = time.perf_counter()
-    engine.train_batch(data_iter=data)
-    sync_device()
-    return time.perf_counter() - start
 
 
 def arm(engine, meters: dict, name: str) -> None:
@@ -97,9 +87,9 @@ def profiled(engine, data, block: int) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        walls = [timed(engine, data) for _ in range(block)]
+        walls = [timed_batch(engine, data) for _ in range(block)]
     python = cProfile.Profile()
-    python.runcall(lambda: [timed(engine, data) for _ in range(block)])
+    python.runcall(lambda: [timed_batch(engine, data) for _ in range(block)])
     out = {"walls_s": walls, "host_ms": host_summary(prof), "baft_ms": baft_functions(pstats.Stats(python))}
     if torch.cuda.is_available():
         out["device"] = device_summary(prof)
@@ -147,7 +137,7 @@ def main(argv=None) -> int:
         blocks = []
         for name in ("none", "baft/1", "none", "baft/1-sum-at-seal", "none"):
             arm(engine, meters, name)
-            times = [timed(engine, data) for _ in range(ours.block)][1:]  # the first of a block: a change of arm
+            times = [timed_batch(engine, data) for _ in range(ours.block)][1:]  # the first of a block: a change of arm
             walls[name] += times
             blocks.append((name, statistics.median(times)))
         for i in (1, 3):
@@ -157,7 +147,7 @@ def main(argv=None) -> int:
     profiles = {}
     for name in ARMS[1:]:
         arm(engine, meters, name)
-        timed(engine, data)
+        timed_batch(engine, data)
         profiles[name] = profiled(engine, data, ours.block)
     arm(engine, meters, "none")
     baft.inner.close()
