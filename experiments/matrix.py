@@ -46,6 +46,7 @@ AXES = {
     "micro_batches": [2, 4, 8],
     "period": [1, "auto", 3],
     "form": ["path", "dict", "args", "config_params"],
+    "recovery": ["in place", "relaunch"],  # baft train --in-place: the survivors keep their processes
 }
 PHASES = ["forward", "backward", "copy", "seal", "commit", "optimizer", "outside"]
 STEPS = 8
@@ -75,6 +76,7 @@ class Case:
     micro_batches: int
     period: object
     form: str
+    recovery: str
     faults: list = field(default_factory=list)
     steps: int = STEPS
 
@@ -84,7 +86,7 @@ class Case:
 
     def job(self) -> dict:
         """What the training script reads (the faults are this runner's)."""
-        return {k: v for k, v in asdict(self).items() if k != "faults"}
+        return {k: v for k, v in asdict(self).items() if k not in ("faults", "recovery")}
 
 
 def fault_steps(period, phase: str) -> list[int]:
@@ -141,7 +143,8 @@ def _start(case: Case, directory: Path, policy: str, faults: list[Fault]) -> sub
     if chaos:
         env["BAFT_CHAOS"] = ";".join(chaos)
     cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", str(case.ranks), "--run-dir", str(directory / "run"),
-           "--max-restarts", str(len(faults)), "--", str(SCRIPT), "--case", json.dumps(case.job()),
+           "--max-restarts", str(len(faults)), "--in-place" if case.recovery == "in place" else "--relaunch",
+           "--", str(SCRIPT), "--case", json.dumps(case.job()),
            "--policy", policy, "--dir", str(directory)]
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "baft-train.out", "w") as out:  # a file, not a pipe: nobody reads while the other runs
@@ -188,8 +191,30 @@ def run_case(case: Case, directory: Path) -> Outcome:
     resumed = [r["restored_step"] for r in records]
     if len(records) != len(case.faults) or any(r["source"] == "fresh" for r in records):
         problems.append(f"expected {len(case.faults)} resumes from a snapshot, the recovery record has {records}")
+    if case.recovery == "in place":
+        problems += survivors_relaunched(records, directory / "faulted" / "digests", case.faults)
     problems += compare(directory / "reference" / "digests", directory / "faulted" / "digests")
     return Outcome(case, problems, resumed, "", time.monotonic() - start)
+
+
+def survivors_relaunched(records: list[dict], digests: Path, faults: list[Fault]) -> list[str]:
+    """What went otherwise than a recovery in place of each fault: the killed rank replaced, every other rank
+    the same process after it as before (pids from the state digests)."""
+    pids: dict[int, dict[int, int]] = {}  # restart -> rank -> pid
+    for path in digests.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            pids.setdefault(rec["restart"], {})[rec["rank"]] = rec["pid"]
+    problems = [f"restart {r['restart']} was a {r['kind']}, not in place" for r in records if r["kind"] != "in place"]
+    for restart, fault in enumerate(faults):
+        before, after = pids.get(restart, {}), pids.get(restart + 1, {})
+        moved = sorted(rank for rank in before if rank != fault.rank and after.get(rank) != before[rank])
+        if moved:
+            problems.append(f"ranks {moved} are other processes after the kill of rank {fault.rank} at step "
+                            f"{fault.step}: pids {[before[r] for r in moved]} -> {[after.get(r) for r in moved]}")
+        if after.get(fault.rank) == before.get(fault.rank):
+            problems.append(f"rank {fault.rank}, killed at step {fault.step}, has its pid still")
+    return problems
 
 
 def _baft_error(output: str) -> str:
@@ -207,7 +232,7 @@ def describe(case: Case) -> str:
     return (f"{case.optimizer}, {case.scheduler}, {case.precision}, data {case.data}, dropout {dropout}, "
             f"{'checkpointing' if case.checkpointing else 'no checkpointing'}, {'tied' if case.tied else 'untied'}, "
             f"{'frozen block, ' if case.frozen else ''}"
-            f"m={case.micro_batches}, period {case.period}, {case.form}; kill {faults}")
+            f"m={case.micro_batches}, period {case.period}, {case.form}, {case.recovery}; kill {faults}")
 
 
 def write_results(outcomes: list[Outcome], out: Path, command: str) -> None:

@@ -16,40 +16,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from matrix import AXES, PHASES, Case, Fault, run_case  # noqa: E402  (experiments/ is not a package)
 
 # Seven cases that together take every value of every axis of experiments/matrix.py (AXES, PHASES) at least
-# once; the first three are the scripts of the bit-identical issue
+# once; the first three are the scripts of the bit-identical issue. Those that recover in place check too that
+# every rank but the killed one kept its process (experiments/matrix.py: survivors_relaunched)
 CASES = {
     "warmuplr-bf16-deepspeed-examples-shape": Case(
         seed=12, optimizer="adam", scheduler="WarmupLR", precision="bf16", data="engine", dropout=[True, True],
         checkpointing=False, tied=False, frozen=False, micro_batches=2, period="auto", form="args",
-        faults=[Fault(1, 6, "forward")]),
+        recovery="in place", faults=[Fault(1, 6, "forward")]),
     "warmup-decay-zero1-bf16-dp2": Case(
         seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="iterator",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
-        form="config_params", faults=[Fault(3, 5, "commit")]),
+        form="config_params", recovery="in place", faults=[Fault(3, 5, "commit")]),
     "warmup-decay-fp32-stateful-tied-frozen": Case(
         seed=11, optimizer="adamw", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
         # 4 micro-batches of the 12 an epoch holds: epochs end at steps 3 and 6, and a resume lands on one
         dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
-        faults=[Fault(1, 4, "outside"), Fault(0, 7, "copy")]),
+        recovery="in place", faults=[Fault(1, 4, "outside"), Fault(0, 7, "copy")]),
     "adam-cosine-zero1-fp32-dp2": Case(
         seed=14, optimizer="adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
         dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=3, form="path",
-        faults=[Fault(2, 7, "copy")]),
+        recovery="relaunch", faults=[Fault(2, 7, "copy")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
         # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        faults=[Fault(0, 4, "optimizer")]),
+        recovery="relaunch", faults=[Fault(0, 4, "optimizer")]),
     "sgd-onecycle-fp32-stateful": Case(
         seed=16, optimizer="sgd", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
-        faults=[Fault(1, 5, "backward")]),
+        recovery="in place", faults=[Fault(1, 5, "backward")]),
     "deepspeed-adam-torch-scheduler-fp32-iterator": Case(
         seed=17, optimizer="ds-adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
         # killed sealing step 6's snapshot, resumed from step 5: DeepSpeed's C++ Adam must go on multiplying
         # beta^t as the uninterrupted run does (beta2^6 by pow rounds otherwise)
         checkpointing=False, tied=False, frozen=False, micro_batches=8, period=1, form="config_params",
-        faults=[Fault(1, 7, "seal")]),
+        recovery="relaunch", faults=[Fault(1, 7, "seal")]),
 }
 
 

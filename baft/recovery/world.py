@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -148,23 +149,58 @@ def _say_pid(store: dist.Store, rank: int) -> None:
     store.set(f"{_job()}/rank{rank}/pid", json.dumps([os.getpid(), psutil.Process().create_time()]))
 
 
-def _kill_if_running(store: dist.Store, rank: int) -> None:
+def _process(store: dist.Store, rank: int) -> psutil.Process | None:
+    """The process that is ``rank`` now, where it runs."""
     key = f"{_job()}/rank{rank}/pid"
     if not store.check([key]):
-        return
+        return None
     pid, started = json.loads(store.get(key))
     try:
         process = psutil.Process(pid)
-        if process.create_time() == started:
-            process.kill()
+        return process if process.create_time() == started else None
     except psutil.NoSuchProcess:
-        pass
+        return None
+
+
+def _kill_if_running(store: dist.Store, rank: int) -> None:
+    process = _process(store, rank)
+    if process is not None:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _hang_up(store: dist.Store, size: int) -> None:
+    """Shut down this process's TCP connections with the other ranks. gloo closes a group's connections only once
+    nothing holds the group (DeepSpeed's engine and grid still do), so a survivor blocked in a collective with this
+    one would wait for it until killed (:func:`_meet`); hung up on, its collective fails as it does when a peer dies,
+    and it recovers too."""
+    peers = set()
+    for rank in range(size):
+        process = _process(store, rank)
+        if process is None or process.pid == os.getpid():
+            continue
+        try:
+            peers |= {conn.laddr for conn in process.net_connections(kind="tcp")}
+        except psutil.Error:  # it died meanwhile: its connections are gone with it
+            continue
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if not conn.raddr or conn.raddr not in peers:
+            continue
+        try:  # gloo may have closed it meanwhile, and the number been given to another socket since
+            with socket.socket(fileno=os.dup(conn.fd)) as duplicate:
+                if (duplicate.getsockname(), duplicate.getpeername()) == (tuple(conn.laddr), tuple(conn.raddr)):
+                    duplicate.shutdown(socket.SHUT_RDWR)  # the socket's: the descriptor stays gloo's to close
+        except OSError:
+            continue
 
 
 def rejoin() -> int:
     """In a survivor: leave the broken world (its groups' connections close, so a rank still waiting on this
     one hears of the fault too) and join the next; the number of replacements in it (0: no rank was killed)."""
     backend = dist.get_backend()
+    _hang_up(_store(), int(os.environ["WORLD_SIZE"]))
     dist.destroy_process_group()
     return join(backend=backend)
 

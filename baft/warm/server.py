@@ -329,6 +329,16 @@ def _fork(rank: Rank, sockets: list[socket.socket], pipe: list[int]) -> int:
     return pid
 
 
+def _kill_session(pid: int) -> None:
+    """Kill what a rank killed by a signal leaves in its session (it leads one: :func:`become_rank`): a DataLoader's
+    workers, forked after its process groups connected, hold its sockets open and its peers wait on them (for up
+    to 5 s, until the workers see their parent gone)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing was left
+        pass
+
+
 def _reap(children: dict[int, Rank], orphans: set[int], fork) -> None:
     """Collect the ranks that ended: a rank killed by a signal whose client is still there is replaced in
     place where it may be (:func:`replaceable`), one generation on; any other end goes to its client."""
@@ -340,6 +350,8 @@ def _reap(children: dict[int, Rank], orphans: set[int], fork) -> None:
         if rank is None:
             continue
         code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            _kill_session(pid)
         if code < 0 and rank.replacements and pid not in orphans:
             rank.request["env"][REPLACEMENT_ENV] = "1"
             rank.replacements -= 1
