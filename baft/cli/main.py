@@ -259,7 +259,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         _warn_unserved_snapshots(shm, run_id)
         trim_run_logs(run)
         if warm:
-            server.start(env)
+            server.start(env, eager=in_place)
         start_all(configs, log_dir=run)
         try:
             outcome = run_logged(cmd, env, log)

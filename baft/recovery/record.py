@@ -47,7 +47,7 @@ from baft.jsonfile import parse_object
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.agree import SOURCES as RESTORE_SOURCES
 
-clock: dict[str, float] = {"process_start": psutil.Process().create_time()}
+clock: dict[str, float] = {}  # phase boundaries of this process's restart: unix times (mark)
 FILENAME = "recovery.jsonl"
 PHASES = ("T0", "T1", "T2", "T3", "T4")
 PHASE_NAMES = {
@@ -82,9 +82,8 @@ def restart_count() -> int:
 def restart_in_place(seen: float) -> None:
     """Start this rank's clock again for a recovery in place, whose failure it saw at unix time ``seen``: its
     process started long before, and its phases are marked anew."""
-    start = clock["process_start"]
     clock.clear()
-    clock.update(process_start=start, failure_seen=seen)
+    clock.update(failure_seen=seen)
 
 
 @dataclass
@@ -155,13 +154,14 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
     before it is not baft's to know)."""
     progress = _last_progress(run_dir)
     relaunch = restart_count() == 0
-    failed_at = fault.get("time") or (max(progress.values()) if progress else clock["process_start"])
+    started = psutil.Process().create_time()  # this process's (the module may be imported before a fork)
+    failed_at = fault.get("time") or (max(progress.values()) if progress else started)
     step = restored.step if restored else 0
     since = progress.get(step, failed_at)
     t = {
         "T0": max(0.0, failed_at - since),
         # restart, interpreter, imports
-        "T1": clock.get("init_start", clock["process_start"]) - (clock["process_start"] if relaunch else failed_at),
+        "T1": clock.get("init_start", started) - (started if relaunch else failed_at),
         "T2": clock.get("init_end", 0) - clock.get("init_start", 0),
         "T3": clock["restore_end"] - clock["restore_start"],
         "T4": clock["first_iteration_end"] - clock["restore_end"],

@@ -1,6 +1,6 @@
-"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID``): imports once, forks every rank.
+"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every rank.
 
-It listens first, then imports :data:`PRELOAD` single-threaded (a client that connects meanwhile
+It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`) single-threaded (a client that connects meanwhile
 waits in the listen queue), then answers each client by forking a child that becomes the rank:
 its own session (as torchrun starts a rank), the client's standard streams (passed over the socket),
 environment, working directory and ``argv``, generators seeded afresh as a new interpreter's are, and
@@ -38,7 +38,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepsp
            "baft.snapshot.data")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
 # rank's T2 on a 2-core VM. Imported once the server is idle (a first launch's ranks do not wait for it);
-# where this DeepSpeed has no such module, nothing is lost but the time.
+# where this DeepSpeed has no such module, nothing is lost but the time. A job that recovers in place imports
+# them first (``--eager``): its survivors then hold them frozen (:func:`_freeze`), not in every gc.collect.
 PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 IDLE = 1.0  # seconds without a request after which the server imports PRELOAD_LATER
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
@@ -51,12 +52,15 @@ def _die_with_parent(parent: int, sig: int) -> None:
         os._exit(1)
 
 
-def preload() -> None:
-    """Import what every rank imports (a SystemExit, with one line, where the server could not fork after it)."""
+def preload(eager: bool) -> None:
+    """Import what every rank imports, and with ``eager`` what some do (a SystemExit, with one line, where the server
+    could not fork after it)."""
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_LATER if eager else ():
+        import_if_there(name)
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
@@ -184,7 +188,7 @@ def _as_started() -> None:
         torch.set_num_threads(int(threads))
 
 
-def serve(path: str, parent: int) -> None:
+def serve(path: str, parent: int, eager: bool = False) -> None:
     """Answer fork requests on the Unix socket ``path`` until SIGTERM, or until ``parent`` (the launcher) is dead
     and no rank is left. A dead launcher's torchrun stops the ranks through their clients, as it stops
     ranks it started itself: killing them here as well would race torchrun's own shutdown (a torchrun
@@ -195,7 +199,7 @@ def serve(path: str, parent: int) -> None:
     listener.bind(path + ".new")
     listener.listen(256)
     os.rename(path + ".new", path)  # the launcher starts torchrun once the path exists
-    preload()
+    preload(eager)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -212,7 +216,7 @@ def serve(path: str, parent: int) -> None:
     signal.signal(signal.SIGTERM, stop)
     launcher_died: list[float] = []
     signal.signal(signal.SIGHUP, lambda *_: launcher_died.append(time.monotonic()))
-    later = list(PRELOAD_LATER)
+    later = [] if eager else list(PRELOAD_LATER)
     while True:
         if launcher_died and (not children or time.monotonic() - launcher_died[0] > ORPHAN_GRACE):
             stop()
@@ -367,4 +371,4 @@ def _reap(children: dict[int, Rank], orphans: set[int], fork) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), eager=sys.argv[3:] == ["--eager"])
