@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from baft.warm import SOCKET_ENV
 from conftest import TINY
 
 
-def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None = None) -> subprocess.Popen:
+def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None = None,
+          spares: int = 1) -> subprocess.Popen:
     """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
-    return subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
+    return subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--in-place", "--spares", str(spares),
+                             "--example", "gpt", *TINY,
                              "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
                              "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -127,10 +130,10 @@ def kill_first_replacement(launcher: int, killed: dict, done: threading.Event) -
 
 @pytest.mark.slow
 def test_a_replacement_killed_as_it_starts_is_replaced_again_and_every_part_is_identical(runs, tmp_path):
-    """The spare dies too: rank 1 is killed in step 4 and its replacement the moment the warm server forks it; the
-    next replacement takes its place, rank 0 keeps its process, and every step is identical."""
+    """No spare kept: rank 1 is killed in step 4 and its replacement the moment the warm server forks it; the next
+    replacement takes its place, rank 0 keeps its process, and every step is identical."""
     reference, _ = runs["reference"]
-    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""})  # a server of its own
+    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""}, spares=0)  # its own server
     killed, done = {}, threading.Event()
     watcher = threading.Thread(target=kill_first_replacement, args=(proc.pid, killed, done))
     watcher.start()
@@ -146,3 +149,48 @@ def test_a_replacement_killed_as_it_starts_is_replaced_again_and_every_part_is_i
     pids = pids_by_restart(tmp_path / "digests")
     assert pids[1][0] == pids[0][0], "rank 0 kept its process"
     assert killed["pid"] not in (pids[0][1], pids[1][1]) and pids[1][1] != pids[0][1], pids
+
+
+def kill_the_spare(launcher: int, seen: dict[int, float], killed: dict, done: threading.Event) -> None:
+    """SIGKILL the spare the launcher's warm server forks with the job's first rank (its fourth child: after torchrun,
+    the store keeper and that rank; its pid in ``killed``); ``seen``: when each child was first seen."""
+    server = None
+    while not done.wait(0.002):
+        try:
+            if server is None:
+                server = next((p for p in psutil.Process(launcher).children(recursive=True)
+                               if "baft.warm.server" in " ".join(p.cmdline())), None)
+                continue
+            children = sorted(p.pid for p in server.children())
+        except psutil.NoSuchProcess:
+            continue
+        for pid in children:
+            seen.setdefault(pid, time.time())
+        if "pid" not in killed and len(children) >= 4:
+            killed["pid"] = children[3]
+            os.kill(killed["pid"], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_spare_killed_is_forked_again_and_the_new_one_takes_the_killed_ranks_place(runs, tmp_path):
+    """Issue 33's spare itself killed: the warm server forks another behind it, which becomes rank 1 when rank 1 is
+    killed in step 4 (a process there before the kill); rank 0 keeps its process, and every step is identical."""
+    reference, _ = runs["reference"]
+    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""})  # a server of its own
+    seen, killed, done = {}, {}, threading.Event()
+    watcher = threading.Thread(target=kill_the_spare, args=(proc.pid, seen, killed, done))
+    watcher.start()
+    try:
+        result = finish(proc)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert killed, "no spare was forked"
+    [record] = recoveries(tmp_path)
+    assert (record["kind"], record["restored_step"]) == ("in place", 2), record
+    assert compare(reference / "digests", tmp_path / "digests") == []
+    pids = pids_by_restart(tmp_path / "digests")
+    assert pids[1][0] == pids[0][0], "rank 0 kept its process"
+    replacement = pids[1][1]
+    assert replacement not in (killed["pid"], pids[0][1]) and seen[replacement] < record["killed_at"], (pids, seen)

@@ -31,6 +31,7 @@ def finals(output: str) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
+    """Profiled, shown, trained beside a plain run, killed and recovered in place by a spare."""
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]
@@ -48,9 +49,11 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
     cfg = config(tmp_path, "protected.json", bubble_map=str(bmap))
+    imports = tmp_path / "imports.jsonl"  # each process that imported the script's own module user_data, and when
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
-                             "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT), "--config", str(cfg)],
-                            capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}),
+                             "--in-place", "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT),
+                             "--config", str(cfg)], capture_output=True, text=True,
+                            env=launch_env({DIGESTS_ENV: str(tmp_path / "digests"), "USER_DATA_IMPORTS": str(imports)}),
                             timeout=300)
     out, err = plain.communicate(timeout=300)
     clean = subprocess.CompletedProcess(plain.args, plain.returncode, out, err)
@@ -59,7 +62,15 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
-    assert recovery[0]["kind"] == "warm relaunch"  # forked ranks, against the plain torchrun's new interpreters
+    assert recovery[0]["kind"] == "in place"
+    # rank 1 kept its process; rank 0's replacement was the spare, which had imported the script's module before
+    # the kill (and not again after it)
+    pids = {(rec["restart"], rec["rank"]): rec["pid"] for path in (tmp_path / "digests").glob("rank*.jsonl")
+            for rec in map(json.loads, path.read_text().splitlines())}
+    assert pids[1, 1] == pids[0, 1] and pids[1, 0] != pids[0, 0], pids
+    imported = [json.loads(line) for line in imports.read_text().splitlines()]
+    replacement = [rec["time"] for rec in imported if rec["pid"] == pids[1, 0]]
+    assert len(replacement) == 1 and replacement[0] < recovery[0]["killed_at"], (imported, recovery[0])
     # the screen shows rank 0's lines; every rank's are in the run's log
     assert finals((run_dir / LOG_NAME).read_text()) == finals(clean.stdout) and len(finals(clean.stdout)) == 2
     assert finals(faulty.stdout) == {0: finals(clean.stdout)[0]}

@@ -178,6 +178,9 @@ def plan_cmd(bubble_map, out, budget):
 @click.option("--in-place/--relaunch", "in_place", default=False, show_default=True,
               help="A killed rank of a one-node warm job is replaced and its peers recover in their own processes; "
                    "for a script whose loop stops on engine.global_steps (README: Recovery in place).")
+@click.option("--spares", default=1, show_default=True, type=click.IntRange(min=0),
+              help="With --in-place: processes kept ready to replace a killed rank, the script's imports done "
+                   "(0: a replacement is forked when a rank dies, and imports them itself).")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
               help="Simulated nodes: one manager each, in one parity group over loopback.")
@@ -190,7 +193,7 @@ def plan_cmd(bubble_map, out, budget):
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
-          manager, warm, in_place, persist_every, nodes, hang_timeout, faults, trace_dir, command, dp, **model):
+          manager, warm, in_place, spares, persist_every, nodes, hang_timeout, faults, trace_dir, command, dp, **model):
     """Train under a snapshot policy, restarting from the newest snapshot after a failure.
 
     Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
@@ -213,7 +216,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.recovery import chaos
-    from baft.config import REPLACE_ENV
+    from baft.config import REPLACE_ENV, SPARES_ENV
     from baft.warm import WarmServer, warmable
 
     for fault in faults:
@@ -243,7 +246,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         program = server.program(program)
         env.update(server.env())
         if in_place:  # each killed rank is replaced in place while torchrun's restarts are left
-            env[REPLACE_ENV] = str(max_restarts)
+            env.update({REPLACE_ENV: str(max_restarts), SPARES_ENV: str(spares)})
     cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if warm:  # torchrun itself forked too: its import of torch, and its exit's freeing of it, come off every launch
         cmd = [cmd[0], *server.program(cmd[1:])]

@@ -9,6 +9,8 @@ the interpreter's shutdown does (non-daemon threads, ``atexit``, open files flus
 every module one by one after it. The server writes
 the child's pid, then its exit status (negative: the signal) on the client's connection, and kills
 the child when the client goes away (torchrun killed it), so rank and client live and die together.
+A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of the
+spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from baft.config import REPLACE_ENV, REPLACEMENT_ENV, STORE_ENV, WARM_RANK_ENV
+from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV, WARM_RANK_ENV
+from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "deepspeed", "deepspeed.pipe",
            # what baft.initialize imports (a replacement's imports would be on its survivors' wait otherwise)
@@ -104,8 +107,9 @@ def _thread_name(tid: str) -> str:
         return "?"
 
 
-def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
-    """In the forked child: become the requested process, run it to the end and exit (never returns)."""
+def become_rank(conn: socket.socket, fds: list[int], request: dict, started: bool = False) -> None:
+    """In the forked child: become the requested process, run it to the end and exit (never returns); ``started``:
+    a spare, whose generators were seeded as it started (:mod:`baft.warm.spares`)."""
     import runpy
 
     os.setsid()
@@ -117,7 +121,8 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"], **{WARM_RANK_ENV: "1"})
-    _as_started()
+    if not started:
+        _as_started()
     if os.environ.get(REPLACEMENT_ENV):  # it joins the survivors' new world before the script runs
         from baft.recovery.world import join
 
@@ -207,9 +212,46 @@ def serve(path: str, parent: int, eager: bool = False) -> None:
     children: dict[int, Rank] = {}  # pid -> the rank's request and its client's connection
     store: list[str] = []  # the address of the store the ranks of a job that recovers in place meet at, once kept
     orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
+    spares: dict[str, list[Spare]] = {}  # job -> its spares, forked ahead of a fault
+
+    def inherited() -> tuple[list[socket.socket], list[int]]:  # what a child closes: the server's sockets and files
+        return ([listener, *(r.conn for r in children.values()), *(s.channel for kept in spares.values() for s in kept)],
+                [wake_r, wake_w, *(fd for r in children.values() for fd in r.fds)])
+
+    def keep_spares(request: dict) -> None:
+        kept = spares.setdefault(job_of(request["env"]), [])
+        while len(kept) < spares_wanted(request["env"]):
+            kept.append(_fork_spare(request, *inherited()))
+
+    def replace(rank: Rank) -> int:
+        """The process that takes a killed rank's place: a spare of its job's, or a new fork."""
+        kept = spares.get(job_of(rank.request["env"]))
+        if not kept:
+            return _fork(rank, *inherited())
+        spare = kept.pop(0)
+        assign(spare, rank.request, rank.fds)
+        _tell(rank.conn, {"pid": spare.pid})
+        keep_spares(rank.request)
+        return spare.pid
+
+    def ended(pid: int, rank: Optional[Rank], code: int) -> None:
+        """A child ended: a spare (one killed has another forked behind it; one that failed on its own, not), or the
+        last rank of a job (its spares go)."""
+        if rank is None:
+            dead = next((s for kept in spares.values() for s in kept if s.pid == pid), None)
+            if dead is not None:
+                spares[job_of(dead.request["env"])].remove(dead)
+                dead.channel.close()
+                if code in (-signal.SIGKILL, -signal.SIGTERM):
+                    keep_spares(dead.request)
+            return
+        job = job_of(rank.request["env"])
+        if not any(job_of(r.request["env"]) == job for r in children.values()):
+            for spare in spares.pop(job, []):
+                kill_spare(spare)
 
     def stop(*_) -> None:  # the ranks die with the server (and by their death signal, should it be SIGKILLed)
-        for pid in children:
+        for pid in [*children, *(s.pid for kept in spares.values() for s in kept)]:
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the launcher's, made for this server alone
         os._exit(0)
@@ -237,15 +279,15 @@ def serve(path: str, parent: int, eager: bool = False) -> None:
             if conn is listener:
                 rank = _accept(listener, store)
                 if rank is not None:
-                    children[_fork(rank, [listener, *(r.conn for r in children.values())], [wake_r, wake_w])] = rank
+                    children[_fork(rank, *inherited())] = rank
+                    keep_spares(rank.request)
             elif conn is wake_r:
                 os.read(wake_r, 512)
             elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
                 pid = next(p for p, r in children.items() if r.conn is conn)
                 os.kill(pid, signal.SIGKILL)
                 orphans.add(pid)
-        _reap(children, orphans, lambda rank: _fork(rank, [listener, *(r.conn for r in children.values())],
-                                                     [wake_r, wake_w]))
+        _reap(children, orphans, replace, ended)
         orphans &= children.keys()
 
 
@@ -288,6 +330,13 @@ def replaceable(env: dict) -> int:
     return int(budget) if budget.isdigit() and one_node else 0
 
 
+def spares_wanted(env: dict) -> int:
+    """How many spares a job whose rank started with ``env`` keeps (``BAFT_SPARES``): none where its ranks are not
+    replaced in place."""
+    wanted = env.get(SPARES_ENV, "0")
+    return int(wanted) if wanted.isdigit() and replaceable(env) else 0
+
+
 def _keep_store() -> str:
     """Fork the process that keeps the c10d store (``torch.distributed.TCPStore``) where the ranks of a job
     that recovers in place meet again; its address. It outlives any rank, and dies with the server."""
@@ -307,30 +356,53 @@ def _keep_store() -> str:
         return f"127.0.0.1:{port.read()}"
 
 
-def _fork(rank: Rank, sockets: list[socket.socket], pipe: list[int]) -> int:
-    """Fork ``rank``'s process; the child closes the server's ``sockets`` and ``pipe`` (closed through their
-    objects: a socket object closed by number would close, when collected as the child exits, whatever the
-    rank has opened under that number since). The client hears the pid."""
+def _fork(rank: Rank, sockets: list[socket.socket], fds: list[int]) -> int:
+    """Fork ``rank``'s process. The client hears the pid."""
     pid = os.fork()
     if pid == 0:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        for other in sockets:
-            if other is not rank.conn:
-                other.close()
-        for fd in pipe:
-            os.close(fd)
+        _as_child(rank.conn, sockets, fds)
         become_rank(rank.conn, list(rank.fds), rank.request)
     if not rank.replacements:
         for fd in rank.fds:
             os.close(fd)
         rank.fds = []
+    _tell(rank.conn, {"pid": pid})
+    return pid
+
+
+def _fork_spare(request: dict, sockets: list[socket.socket], fds: list[int]) -> Spare:
+    """Fork a spare for ``request``'s job (:mod:`baft.warm.spares`)."""
+    mine, theirs = channel_pair()
+    pid = os.fork()
+    if pid == 0:
+        _as_child(theirs, [*sockets, mine], fds)
+        _die_with_parent(request["server"], signal.SIGKILL)
+        wait_as_spare(theirs, request, become_rank, _as_started)
+    theirs.close()
+    return Spare(pid, mine, request)
+
+
+def _as_child(kept: socket.socket, sockets: list[socket.socket], fds: list[int]) -> None:
+    """In a forked child: the default signal handling; the server's ``sockets`` but ``kept`` closed (through their
+    objects: a socket object closed by number would close, when collected as the child exits, whatever the rank has
+    opened under that number since), and its files ``fds`` (the wake-up pipe, the standard streams it keeps for
+    other ranks' replacements)."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    for other in sockets:
+        if other is not kept:
+            other.close()
+    for fd in fds:
+        os.close(fd)
+
+
+def _tell(conn: socket.socket, message: dict) -> None:
+    """One line to a rank's client (gone already: nobody to tell)."""
     try:
-        rank.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        conn.sendall(json.dumps(message).encode() + b"\n")
     except OSError:
         pass
-    return pid
 
 
 def _kill_session(pid: int) -> None:
@@ -343,31 +415,35 @@ def _kill_session(pid: int) -> None:
         pass
 
 
-def _reap(children: dict[int, Rank], orphans: set[int], fork) -> None:
-    """Collect the ranks that ended: a rank killed by a signal whose client is still there is replaced in
-    place where it may be (:func:`replaceable`), one generation on; any other end goes to its client."""
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+def _reap(children: dict[int, Rank], orphans: set[int], replace, ended) -> None:
+    """Collect the children that ended: a rank killed by a signal whose client is still there is replaced in
+    place where it may be (:func:`replaceable`), one generation on, by ``replace(rank)`` (the new pid); any other
+    end of a rank goes to its client; ``ended(pid, rank or None, exit code)`` hears of each end but a replaced
+    rank's."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
         if pid == 0:
             return
         rank = children.pop(pid, None)
-        if rank is None:
-            continue
         code = os.waitstatus_to_exitcode(status)
+        if rank is None:
+            ended(pid, None, code)
+            continue
         if code < 0:
             _kill_session(pid)
         if code < 0 and rank.replacements and pid not in orphans:
             rank.request["env"][REPLACEMENT_ENV] = "1"
             rank.replacements -= 1
-            children[fork(rank)] = rank
+            children[replace(rank)] = rank
             continue
         for fd in rank.fds:
             os.close(fd)
-        try:
-            rank.conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
-        except OSError:
-            pass
+        _tell(rank.conn, {"exit": code})
         rank.conn.close()
+        ended(pid, rank, code)
 
 
 if __name__ == "__main__":

@@ -10,28 +10,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import baft
-
-
-class Samples:
-    """Deterministic regression batches with a restorable position."""
-
-    def __init__(self, batch=8, width=32):
-        self.batch, self.width, self.position = batch, width, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        gen = torch.Generator().manual_seed(self.position)
-        self.position += 1
-        x = torch.randn(self.batch, self.width, generator=gen)
-        return x, x.sin().sum(dim=1, keepdim=True)
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
+from user_data import Samples
 
 
 parser = argparse.ArgumentParser()

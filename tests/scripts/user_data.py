@@ -1,0 +1,33 @@
+"""The user script's data, in a module of its own (as a script's model or data often is)."""
+
+import json
+import os
+import time
+
+import torch
+
+if os.environ.get("USER_DATA_IMPORTS"):  # tests/test_user_script.py: which process imported this module, and when
+    with open(os.environ["USER_DATA_IMPORTS"], "a") as log:
+        log.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
+
+
+class Samples:
+    """Deterministic regression batches with a restorable position."""
+
+    def __init__(self, batch=8, width=32):
+        self.batch, self.width, self.position = batch, width, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        gen = torch.Generator().manual_seed(self.position)
+        self.position += 1
+        x = torch.randn(self.batch, self.width, generator=gen)
+        return x, x.sin().sum(dim=1, keepdim=True)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
