@@ -6,7 +6,7 @@ against the recovery in place (the survivors keep their processes, the killed ra
 Issue 33 measures a recovery from the kill to the end of the first resumed iteration (T1..T4 of
 ``recovery.jsonl``). Three arms of ``baft train``: ``--cold --relaunch`` (torchrun starts every rank as a new
 interpreter importing torch and DeepSpeed), ``--warm --relaunch`` (every rank forked from the node's
-warm server, :mod:`baft.warm`) and the default, in place (:mod:`baft.recovery.in_place`). For every
+warm server, :mod:`baft.warm`) and ``--warm --in-place`` (:mod:`baft.recovery.in_place`). For every
 job and model, ``--runs`` runs of each arm, the arms' order rotating run by run so that all see the same drift
 of the machine, each run killing rank 1 three times (backward pass of steps 5, 9 and 13). Per arm:
 the median and range of kill-to-resumed and the median of each phase; the ratios warm/cold and in

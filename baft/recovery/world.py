@@ -32,7 +32,9 @@ from baft.recovery.record import EARLIER_ENV, GENERATION_ENV, torchrun_attempt
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone
 LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
-STRAGGLER_GRACE = 1.0  # seconds a survivor has to notice a fault before it is replaced too (see _meet)
+# seconds a survivor has to come to the new world before it is replaced too (see _meet): one computing comes at its
+# next send or receive, one blocked in a collective at once (_hang_up); a backstop
+STRAGGLER_GRACE = 10.0
 
 
 def available() -> bool:
@@ -126,9 +128,8 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
 
 def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
     """Wait until every rank of the new world has come. A rank whose process still runs the old world
-    :data:`STRAGGLER_GRACE` seconds on is blocked in a collective with a peer that left it (gloo keeps the
-    connections of groups that something still holds): it is killed, and the warm server replaces it. A rank
-    whose process is gone is being replaced: its replacement is awaited."""
+    :data:`STRAGGLER_GRACE` seconds on is stuck there (its peers hung up on it, :func:`_hang_up`): it is killed,
+    and the warm server replaces it. A rank whose process is gone is being replaced: its replacement is awaited."""
     world.set(f"arrived/{rank}", "1")
     start = time.monotonic()
     while True:
