@@ -52,11 +52,13 @@ def md_table(head: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
-def train(run_dir: Path, args: list[str], timeout: float = 900.0, env: dict | None = None) -> tuple[int, float]:
-    """``baft train --example gpt ARGS --run-dir RUN_DIR``, its output in RUN_DIR/train.log: (exit code, seconds);
-    ``env``: more environment for it."""
+def train(run_dir: Path, args: list[str], timeout: float = 900.0, env: dict | None = None,
+          script: list[str] | None = None) -> tuple[int, float]:
+    """``baft train --example gpt ARGS --run-dir RUN_DIR`` (``script``: ``baft train ARGS --run-dir RUN_DIR --
+    SCRIPT``), its output in RUN_DIR/train.log: (exit code, seconds); ``env``: more environment for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *args, "--run-dir", str(run_dir)]
+    program = ["--", *script] if script else ["--example", "gpt"]
+    cmd = [sys.executable, "-m", "baft.cli", "train", *args, "--run-dir", str(run_dir), *program]
     start = time.time()
     with open(run_dir / "train.log", "w") as log:
         log.write(shlex.join(cmd) + "\n")

@@ -1,7 +1,8 @@
 """Kill to resumed step: the relaunch of every rank, cold (torchrun starts fresh processes) or warm (forked),
 against the recovery in place (the survivors keep their processes, the killed rank is replaced).
 
-    python experiments/relaunch.py [--runs 3] [--jobs fp32,bf16,zero1] [--models tiny,small] [--out experiments/results]
+    python experiments/relaunch.py [--runs 3] [--jobs fp32,bf16,zero1,ds-examples] [--models tiny,small]
+                                   [--out experiments/results]
 
 Issue 33 measures a recovery from the kill to the end of the first resumed iteration (T1..T4 of
 ``recovery.jsonl``). Three arms of ``baft train``: ``--cold --relaunch`` (torchrun starts every rank as a new
@@ -42,7 +43,14 @@ JOBS = {
     "bf16": ["--stages", "2", "--precision", "bf16"],
     "zero1": ["--stages", "2", "--data-parallel", "2", "--precision", "bf16", "--zero-stage", "1"],
 }
-JOB_NAMES = {"fp32": "fp32, pp=2", "bf16": "bf16, pp=2", "zero1": "ZeRO-1 bf16, pp=2 x dp=2"}
+# a script of the user's, not the example: DeepSpeedExamples' pipeline example in shape (tests/scripts/example_pipe.py,
+# fp32, its CNN on CIFAR-sized data, the engine's own loader with its worker processes)
+SCRIPT_JOBS = {"ds-examples": Path(__file__).resolve().parents[1] / "tests" / "scripts" / "example_pipe.py"}
+DS_EXAMPLES_CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10 ** 9,
+                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                      "baft": {"policy": "baft", "period": 1}}
+JOB_NAMES = {"fp32": "fp32, pp=2", "bf16": "bf16, pp=2", "zero1": "ZeRO-1 bf16, pp=2 x dp=2",
+             "ds-examples": "DeepSpeedExamples shape, fp32, pp=2"}
 FAULT_STEPS = (5, 9, 13)
 ITERS = 16
 ARMS = ("cold", "warm", "in place")
@@ -55,9 +63,15 @@ def one_run(model: str, job: str, arm: str, run_dir: Path) -> list[dict]:
     """One ``baft train`` of ``job`` on ``model`` with three kills; its recoveries (one dict per fault)."""
     faults = [arg for restart, step in enumerate(FAULT_STEPS)
               for arg in ("--fault", f"rank=1,step={step},phase=backward,restart={restart}")]
-    args = [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", "--max-restarts", str(len(FAULT_STEPS)),
-            *faults, *ARM_FLAGS[arm]]
-    code, _ = train(run_dir, args)
+    common = ["--max-restarts", str(len(FAULT_STEPS)), *faults, *ARM_FLAGS[arm]]
+    if job in SCRIPT_JOBS:
+        run_dir.mkdir(parents=True)
+        (run_dir / "ds_config.json").write_text(json.dumps(DS_EXAMPLES_CONFIG))
+        script = [str(SCRIPT_JOBS[job]), "--steps", str(ITERS), "--deepspeed",
+                  "--deepspeed_config", str(run_dir / "ds_config.json")]
+        code, _ = train(run_dir, ["--nprocs", "2", *common], script=script)
+    else:
+        code, _ = train(run_dir, [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", *common])
     clean_shm(run_dir)
     if code != 0:
         tail = (run_dir / "train.log").read_text()[-3000:]
@@ -78,6 +92,9 @@ def summarize(faults: list[dict]) -> dict:
 def render(doc: dict) -> str:
     lines = ["# Kill to resumed step: cold and warm relaunch, recovery in place", "", *header(doc["provenance"], doc["wall_s"]),
              *(f"- model {name}: the example GPT, {' '.join(MODELS[name])}" for name in doc["models"]),
+             *([f"- {JOB_NAMES['ds-examples']}: `tests/scripts/example_pipe.py` under `baft train --nprocs 2 -- ...`, "
+                f"its config {json.dumps(DS_EXAMPLES_CONFIG)}"] if any(k.startswith("script/") for k in doc["jobs"])
+               else []),
              f"- {ITERS} steps, a snapshot every step (`--period 1`)",
              f"- faults: rank 1 SIGKILLed in the backward pass of steps {', '.join(map(str, FAULT_STEPS))} "
              f"(`--max-restarts {len(FAULT_STEPS)}`); the arms' order rotates run by run",
@@ -110,25 +127,29 @@ def render(doc: dict) -> str:
 
 def _name(key: str) -> str:
     model, job = key.split("/")
-    return f"{JOB_NAMES[job]}, {model}"
+    return JOB_NAMES[job] if job in SCRIPT_JOBS else f"{JOB_NAMES[job]}, {model}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each arm per job (three faults each)")
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)}")
+    parser.add_argument("--jobs", default=",".join([*JOBS, *SCRIPT_JOBS]),
+                        help=f"comma-separated, of {', '.join([*JOBS, *SCRIPT_JOBS])}")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     jobs, models = args.jobs.split(","), args.models.split(",")
-    for option, given, known in (("--jobs", jobs, JOBS), ("--models", models, MODELS)):
+    for option, given, known in (("--jobs", jobs, [*JOBS, *SCRIPT_JOBS]), ("--models", models, MODELS)):
         unknown = [name for name in given if name not in known]
         if unknown:
             parser.error(f"{option}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
     prov, start = provenance(), time.time()
     doc = {"provenance": prov, "models": models, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="baft-relaunch-") as tmp:
-        for model, job in [(model, job) for model in models for job in jobs]:
+        # a script job has its own model: it runs once
+        pairs = [(model, job) for model in models for job in jobs if job in JOBS] + \
+            [("script", job) for job in jobs if job in SCRIPT_JOBS]
+        for model, job in pairs:
             faults = {arm: [] for arm in ARMS}
             for run in range(args.runs):
                 for arm in ARMS[run % len(ARMS):] + ARMS[:run % len(ARMS)]:
