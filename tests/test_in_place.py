@@ -107,90 +107,87 @@ def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_iden
     assert sorted(pids) == [0, 1] and not set(pids[1].values()) & set(pids[0].values()), "both ranks were replaced"
 
 
-def kill_first_replacement(launcher: int, killed: dict, done: threading.Event) -> None:
-    """SIGKILL the first process the launcher's warm server forks after torchrun, its store keeper and two ranks:
-    a replacement, killed as it starts (its pid in ``killed``)."""
-    server, ranks = None, None
-    while not done.wait(0.002):
-        try:
-            if server is None:
-                server = next((p for p in psutil.Process(launcher).children(recursive=True)
-                               if "baft.warm.server" in " ".join(p.cmdline())), None)
+def run_watched(directory: Path, watch, spares: int) -> subprocess.CompletedProcess:
+    """``train`` with rank 1 killed in step 4 and a warm server of its own, whose children's pids (sorted)
+    ``watch`` is given every 2 ms until it returns True or the run ends."""
+    proc = train(directory, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""}, spares=spares)
+    done = threading.Event()
+
+    def poll():
+        server = None
+        while not done.wait(0.002):
+            try:
+                if server is None:
+                    server = next((p for p in psutil.Process(proc.pid).children(recursive=True)
+                                   if "baft.warm.server" in " ".join(p.cmdline())), None)
+                    continue
+                children = sorted(p.pid for p in server.children())
+            except psutil.NoSuchProcess:
                 continue
-            children = {p.pid for p in server.children()}
-            if ranks is None:
-                ranks = children if len(children) == 4 else None
-            elif children - ranks:
-                killed["pid"] = min(children - ranks)
-                os.kill(killed["pid"], signal.SIGKILL)
+            if watch(children):
                 return
-        except psutil.NoSuchProcess:
-            continue
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        return finish(proc)
+    finally:
+        done.set()
+        watcher.join()
+
+
+def rank_1_replaced(directory: Path, reference: Path, result: subprocess.CompletedProcess) -> dict[int, dict[int, int]]:
+    """Check the run of :func:`run_watched` recovered in place once, from step 2, identical at every step, rank 0 in
+    its own process; its pids by restart."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert [(r["kind"], r["restored_step"]) for r in recoveries(directory)] == [("in place", 2)]
+    assert compare(reference / "digests", directory / "digests") == []
+    pids = pids_by_restart(directory / "digests")
+    assert pids[1][0] == pids[0][0], "rank 0 kept its process"
+    return pids
 
 
 @pytest.mark.slow
 def test_a_replacement_killed_as_it_starts_is_replaced_again_and_every_part_is_identical(runs, tmp_path):
     """No spare kept: rank 1 is killed in step 4 and its replacement the moment the warm server forks it; the next
     replacement takes its place, rank 0 keeps its process, and every step is identical."""
-    reference, _ = runs["reference"]
-    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""}, spares=0)  # its own server
-    killed, done = {}, threading.Event()
-    watcher = threading.Thread(target=kill_first_replacement, args=(proc.pid, killed, done))
-    watcher.start()
-    try:
-        result = finish(proc)
-    finally:
-        done.set()
-        watcher.join()
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert killed, "no replacement was forked"
-    assert [(r["kind"], r["restored_step"]) for r in recoveries(tmp_path)] == [("in place", 2)]
-    assert compare(reference / "digests", tmp_path / "digests") == []
-    pids = pids_by_restart(tmp_path / "digests")
-    assert pids[1][0] == pids[0][0], "rank 0 kept its process"
-    assert killed["pid"] not in (pids[0][1], pids[1][1]) and pids[1][1] != pids[0][1], pids
+    ranks, killed = [], {}
 
-
-def kill_the_spare(launcher: int, seen: dict[int, float], killed: dict, done: threading.Event) -> None:
-    """SIGKILL the spare the launcher's warm server forks with the job's first rank (its fourth child: after torchrun,
-    the store keeper and that rank; its pid in ``killed``); ``seen``: when each child was first seen."""
-    server = None
-    while not done.wait(0.002):
-        try:
-            if server is None:
-                server = next((p for p in psutil.Process(launcher).children(recursive=True)
-                               if "baft.warm.server" in " ".join(p.cmdline())), None)
-                continue
-            children = sorted(p.pid for p in server.children())
-        except psutil.NoSuchProcess:
-            continue
-        for pid in children:
-            seen.setdefault(pid, time.time())
-        if "pid" not in killed and len(children) >= 4:
-            killed["pid"] = children[3]
+    def kill_first_replacement(children: list[int]) -> bool:
+        """The first child after torchrun, the store keeper and two ranks: a replacement, killed as it starts."""
+        if not ranks:
+            ranks.extend(children if len(children) == 4 else [])
+            return False
+        new = set(children) - set(ranks)
+        if new:
+            killed["pid"] = min(new)
             os.kill(killed["pid"], signal.SIGKILL)
+        return bool(new)
+
+    result = run_watched(tmp_path, kill_first_replacement, spares=0)
+    assert killed, "no replacement was forked"
+    pids = rank_1_replaced(tmp_path, runs["reference"][0], result)
+    assert killed["pid"] not in (pids[0][1], pids[1][1]) and pids[1][1] != pids[0][1], pids
 
 
 @pytest.mark.slow
 def test_a_spare_killed_is_forked_again_and_the_new_one_takes_the_killed_ranks_place(runs, tmp_path):
     """Issue 33's spare itself killed: the warm server forks another behind it, which becomes rank 1 when rank 1 is
     killed in step 4 (a process there before the kill); rank 0 keeps its process, and every step is identical."""
-    reference, _ = runs["reference"]
-    proc = train(tmp_path, "rank=1,step=4,phase=backward,restart=0", env={SOCKET_ENV: ""})  # a server of its own
-    seen, killed, done = {}, {}, threading.Event()
-    watcher = threading.Thread(target=kill_the_spare, args=(proc.pid, seen, killed, done))
-    watcher.start()
-    try:
-        result = finish(proc)
-    finally:
-        done.set()
-        watcher.join()
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    seen, killed = {}, {}
+
+    def kill_the_spare(children: list[int]) -> bool:
+        """The spare forked with the job's first rank (the fourth child: after torchrun, the store keeper and that
+        rank); ``seen``: when each child was first seen."""
+        for pid in children:
+            seen.setdefault(pid, time.time())
+        if "pid" not in killed and len(children) >= 4:
+            killed["pid"] = children[3]
+            os.kill(killed["pid"], signal.SIGKILL)
+        return False
+
+    result = run_watched(tmp_path, kill_the_spare, spares=1)
     assert killed, "no spare was forked"
-    [record] = recoveries(tmp_path)
-    assert (record["kind"], record["restored_step"]) == ("in place", 2), record
-    assert compare(reference / "digests", tmp_path / "digests") == []
-    pids = pids_by_restart(tmp_path / "digests")
-    assert pids[1][0] == pids[0][0], "rank 0 kept its process"
-    replacement = pids[1][1]
-    assert replacement not in (killed["pid"], pids[0][1]) and seen[replacement] < record["killed_at"], (pids, seen)
+    pids = rank_1_replaced(tmp_path, runs["reference"][0], result)
+    replacement, killed_at = pids[1][1], recoveries(tmp_path)[0]["killed_at"]
+    assert replacement not in (killed["pid"], pids[0][1]) and seen[replacement] < killed_at, (pids, seen)
