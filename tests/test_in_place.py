@@ -74,6 +74,8 @@ def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every
     records = recoveries(faulted)
     assert [r["kind"] for r in records] == ["in place", "in place"], records
     assert records[0]["restored_step"] == 2 and records[1]["restored_step"] >= 5 and all(r["source"] == "memory" for r in records)
+    # rank 0 survived the first kill (it says when it saw it), and was the one replaced in the second
+    assert 0 <= records[0]["detected"] <= records[0]["T1"] and "detected" not in records[1], records
     assert compare(reference / "digests", faulted / "digests") == []
     pids = pids_by_restart(faulted / "digests")
     assert sorted(pids) == [0, 1, 2]

@@ -22,7 +22,8 @@ fault and restart::
 - Phases, in seconds: ``T0`` rollback (wall time of the work lost since the restored
   step), ``T1`` process restart, ``T2`` process-group init, ``T3`` state load, ``T4``
   warm-up until the first resumed iteration completes; ``total`` their sum (recomputed
-  from the phases when absent).
+  from the phases when absent); ``detected``, in a recovery in place that rank 0 survived: the
+  part of T1 before it saw the fault (its next send or receive failing).
 
 ``T0``..``T4`` are required, finite and not negative; the other keys are checked when
 present; unknown keys are ignored. Blank lines are skipped.
@@ -167,9 +168,11 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
         "T4": clock["first_iteration_end"] - clock["restore_end"],
     }
     what = "a new launch" if relaunch else fault.get("what", "process exit")
+    # in place, where rank 0 survived: how much of T1 went by before it saw the fault (the rest: the new world)
+    seen = {"detected": clock["failure_seen"] - failed_at} if "failure_seen" in clock and not relaunch else {}
     return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"), "kind": relaunch_kind(),
             "restored_step": step, "source": restored.source if restored else "fresh",
-            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values())}
+            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values()), **seen}
 
 
 @dataclass(frozen=True)
