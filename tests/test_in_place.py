@@ -22,9 +22,10 @@ from conftest import TINY
 
 
 def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None = None,
-          spares: int = 1) -> subprocess.Popen:
+          spares: int = 1, nodes: int = 1) -> subprocess.Popen:
     """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
     return subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--in-place", "--spares", str(spares),
+                             "--nodes", str(nodes),
                              "--example", "gpt", *TINY,
                              "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
                              "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
@@ -53,11 +54,14 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
     cases = {"reference": (), "two kills": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=7,phase=optimizer,restart=1"),
              "budget spent": ("rank=1,step=3,phase=forward,restart=0", "rank=1,step=6,phase=backward,restart=1"),
              # rank 0 dies as it begins to recover from rank 1's death: a second fault during the recovery
-             "killed recovering": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=4,phase=recover,restart=0")}
+             "killed recovering": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=4,phase=recover,restart=0"),
+             # two simulated nodes of one rank each; node 1's manager, shared memory and rank die together
+             "node lost": ("node=1,step=5",)}
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        return directory, finish(train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2))
+        return directory, finish(train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2,
+                                       nodes=2 if name == "node lost" else 1))
 
     with ThreadPoolExecutor(len(cases)) as pool:
         return dict(zip(cases, pool.map(run, cases)))
@@ -107,6 +111,18 @@ def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_iden
     assert compare(reference / "digests", faulted / "digests") == []
     pids = pids_by_restart(faulted / "digests")
     assert sorted(pids) == [0, 1] and not set(pids[1].values()) & set(pids[0].values()), "both ranks were replaced"
+
+
+@pytest.mark.slow
+def test_a_node_lost_is_recovered_in_place_from_parity_and_every_part_is_identical(runs):
+    """The replacement of a lost node's rank rebuilds its snapshot from the other node's parity shares (its own
+    memory died with the node); the other node's rank keeps its process."""
+    (reference, _), (faulted, proc) = runs["reference"], runs["node lost"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "parity")]
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = pids_by_restart(faulted / "digests")
+    assert pids[1][0] == pids[0][0] and pids[1][1] != pids[0][1], pids
 
 
 def run_watched(directory: Path, watch, spares: int) -> subprocess.CompletedProcess:
