@@ -75,7 +75,7 @@ def _launch(nprocs, argv, module, env, timeout, max_restarts, check, name) -> su
     program = [*(["-m"] if module else []), *argv]
     if max_restarts:  # torchrun and its ranks forked warm, as under `baft train`
         cmd = torchrun(nprocs, warm().program(program), max_restarts=max_restarts, module=False)
-        cmd = [cmd[0], *warm().program(cmd[1:])]
+        cmd = warm().command(cmd)
         proc = subprocess.run(cmd, env={**env, **warm().env()}, capture_output=True, text=True, timeout=timeout)
     else:
         proc = spawn_ranks(nprocs, [sys.executable, *program], env, timeout)
@@ -122,7 +122,7 @@ def spawn_ranks(nprocs: int, cmd: list[str], env: dict, timeout: float) -> subpr
                         "ROLE_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
             with open(f"{logs}/{rank}.out", "w") as out, open(f"{logs}/{rank}.err", "w") as err:
-                procs.append(subprocess.Popen([cmd[0], *warm().program(cmd[1:])], env={**rank_env, **warm().env()},
+                procs.append(subprocess.Popen(warm().command(cmd), env={**rank_env, **warm().env()},
                                               stdin=subprocess.DEVNULL, stdout=out, stderr=err))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):

@@ -249,7 +249,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
             env.update({REPLACE_ENV: str(max_restarts), SPARES_ENV: str(spares)})
     cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if warm:  # torchrun itself forked too: its import of torch, and its exit's freeing of it, come off every launch
-        cmd = [cmd[0], *server.program(cmd[1:])]
+        cmd = server.command(cmd)
     if not (manager and policy in IN_MEMORY):
         configs = []
     elif not configs:

@@ -88,6 +88,11 @@ class WarmServer:
         """The program torchrun runs for a rank whose own is ``python ARGV`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``)."""
         return [CLIENT, *argv]
 
+    @classmethod
+    def command(cls, cmd: list[str]) -> list[str]:
+        """The command line ``cmd`` (``PYTHON ARGV``: torchrun's own, say) run as a fork of the server."""
+        return [cmd[0], *cls.program(cmd[1:])]
+
     def close(self) -> None:
         """Stop the server (a rank still running is killed with it) and remove its socket; a shared server
         (:meth:`running`) runs on."""

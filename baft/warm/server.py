@@ -323,11 +323,12 @@ def _accept(listener: socket.socket, store: list[str]) -> Optional[Rank]:
 
 def replaceable(env: dict) -> int:
     """How many times a rank started with ``env`` is replaced in place when killed: its launcher's budget
-    (``BAFT_REPLACE_RANKS``) where the whole job runs on this node (its survivors meet the replacement at
-    this server's store); 0 elsewhere."""
+    (``BAFT_REPLACE_RANKS``) where it is a worker of torchrun's and the whole job runs on this node (its survivors
+    meet the replacement at this server's store); 0 elsewhere (torchrun itself among them)."""
     budget = env.get(REPLACE_ENV, "0")
     one_node = env.get("WORLD_SIZE") is not None and env.get("WORLD_SIZE") == env.get("LOCAL_WORLD_SIZE")
-    return int(budget) if budget.isdigit() and one_node else 0
+    worker = "TORCHELASTIC_RESTART_COUNT" in env  # torchrun's agent gives it its workers, not itself
+    return int(budget) if budget.isdigit() and one_node and worker else 0
 
 
 def spares_wanted(env: dict) -> int:
