@@ -1,16 +1,16 @@
-"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every rank.
+"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every
+rank.
 
-It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`) single-threaded (a client that connects meanwhile
-waits in the listen queue), then answers each client by forking a child that becomes the rank:
-its own session (as torchrun starts a rank), the client's standard streams (passed over the socket),
-environment, working directory and ``argv``, generators seeded afresh as a new interpreter's are, and
-``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and exits as
-the interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing
-every module one by one after it. The server writes
-the child's pid, then its exit status (negative: the signal) on the client's connection, and kills
-the child when the client goes away (torchrun killed it), so rank and client live and die together.
-A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of the
-spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork.
+It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`) single-threaded (a
+client that connects meanwhile waits in the listen queue), then answers each client by forking a child that
+becomes the rank: its own session (as torchrun starts a rank), the client's standard streams (passed over the
+socket), environment, working directory and ``argv``, generators seeded afresh as a new interpreter's are, and
+``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and exits as the
+interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing every module one
+by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the client's
+connection, and kills the child when the client goes away (torchrun killed it), so rank and client live and die
+together. A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of
+the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork.
 """
 
 from __future__ import annotations
@@ -205,90 +205,134 @@ def serve(path: str, parent: int, eager: bool = False) -> None:
     listener.listen(256)
     os.rename(path + ".new", path)  # the launcher starts torchrun once the path exists
     preload(eager)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    children: dict[int, Rank] = {}  # pid -> the rank's request and its client's connection
-    store: list[str] = []  # the address of the store the ranks of a job that recovers in place meet at, once kept
-    orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
-    spares: dict[str, list[Spare]] = {}  # job -> its spares, forked ahead of a fault
+    ForkServer(path, listener, later=[] if eager else list(PRELOAD_LATER)).run()
 
-    def inherited() -> tuple[list[socket.socket], list[int]]:  # what a child closes: the server's sockets and files
-        return ([listener, *(r.conn for r in children.values()), *(s.channel for kept in spares.values() for s in kept)],
-                [wake_r, wake_w, *(fd for r in children.values() for fd in r.fds)])
 
-    def keep_spares(request: dict) -> None:
-        kept = spares.setdefault(job_of(request["env"]), [])
+class ForkServer:
+    """The server's state once it has imported: its listener, its children (ranks and spares) and what it keeps
+    for the jobs that recover in place."""
+
+    def __init__(self, path: str, listener: socket.socket, later: list[str]):
+        self.path, self.listener, self.later = path, listener, later
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGTERM, self.stop)
+        self.launcher_died: list[float] = []
+        signal.signal(signal.SIGHUP, lambda *_: self.launcher_died.append(time.monotonic()))
+        self.children: dict[int, Rank] = {}  # pid -> the rank's request and its client's connection
+        self.orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
+        self.store: list[str] = []  # the address of the store where ranks that recover in place meet, once kept
+        self.spares: dict[str, list[Spare]] = {}  # job -> its spares, forked ahead of a fault
+
+    def run(self) -> None:
+        while True:
+            died = self.launcher_died
+            if died and (not self.children or time.monotonic() - died[0] > ORPHAN_GRACE):
+                self.stop()
+            watched = [r.conn for pid, r in self.children.items() if pid not in self.orphans]
+            timeout = IDLE if self.later or self.launcher_died else None
+            listening = [self.listener] if self.listener else []
+            ready = select.select([*listening, self.wake_r, *watched], [], [], timeout)[0]
+            if not ready and self.later:
+                self._import_later()
+                continue
+            for conn in ready:
+                if conn is self.listener:
+                    rank = _accept(self.listener, self.store)
+                    if rank is not None:
+                        self.children[_fork(rank, *self._inherited())] = rank
+                        self._keep_spares(rank.request)
+                elif conn is self.wake_r:
+                    os.read(self.wake_r, 512)
+                elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
+                    pid = next(p for p, r in self.children.items() if r.conn is conn)
+                    os.kill(pid, signal.SIGKILL)
+                    self.orphans.add(pid)
+            self._reap()
+            self.orphans &= self.children.keys()
+
+    def stop(self, *_) -> None:
+        """The ranks and spares die with the server (and by their death signal, should it be SIGKILLed)."""
+        for pid in [*self.children, *(s.pid for kept in self.spares.values() for s in kept)]:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)  # the launcher's, made for this server alone
+        os._exit(0)
+
+    def _import_later(self) -> None:
+        import_if_there(self.later.pop(0))
+        _freeze()
+        refusal = unforkable()
+        if refusal:  # the ranks already forked go on; new ones start cold
+            print(refusal, file=sys.stderr, flush=True)
+            self.listener.close()
+            os.unlink(self.path)
+            self.listener = None
+
+    def _inherited(self) -> tuple[list[socket.socket], list[int]]:
+        """What a child closes: the server's sockets, and its files (the wake-up pipe, ranks' standard streams)."""
+        sockets = [*(r.conn for r in self.children.values()), *(s.channel for kept in self.spares.values() for s in kept)]
+        return ([self.listener, *sockets] if self.listener else sockets,
+                [self.wake_r, self.wake_w, *(fd for r in self.children.values() for fd in r.fds)])
+
+    def _keep_spares(self, request: dict) -> None:
+        kept = self.spares.setdefault(job_of(request["env"]), [])
         while len(kept) < spares_wanted(request["env"]):
-            kept.append(_fork_spare(request, *inherited()))
+            kept.append(_fork_spare(request, *self._inherited()))
 
-    def replace(rank: Rank) -> int:
-        """The process that takes a killed rank's place: a spare of its job's, or a new fork."""
-        kept = spares.get(job_of(rank.request["env"]))
+    def _replace(self, rank: Rank) -> int:
+        """The process that takes a killed rank's place: a spare of its job's, or a new fork; its pid."""
+        kept = self.spares.get(job_of(rank.request["env"]))
         if not kept:
-            return _fork(rank, *inherited())
+            return _fork(rank, *self._inherited())
         spare = kept.pop(0)
         assign(spare, rank.request, rank.fds)
         _tell(rank.conn, {"pid": spare.pid})
-        keep_spares(rank.request)
+        self._keep_spares(rank.request)
         return spare.pid
 
-    def ended(pid: int, rank: Optional[Rank], code: int) -> None:
-        """A child ended: a spare (one killed has another forked behind it; one that failed on its own, not), or the
-        last rank of a job (its spares go)."""
-        if rank is None:
-            dead = next((s for kept in spares.values() for s in kept if s.pid == pid), None)
-            if dead is not None:
-                spares[job_of(dead.request["env"])].remove(dead)
-                dead.channel.close()
-                if code in (-signal.SIGKILL, -signal.SIGTERM):
-                    keep_spares(dead.request)
-            return
-        job = job_of(rank.request["env"])
-        if not any(job_of(r.request["env"]) == job for r in children.values()):
-            for spare in spares.pop(job, []):
-                kill_spare(spare)
+    def _reap(self) -> None:
+        """Collect the children that ended: a rank killed by a signal whose client is still there is replaced in
+        place where it may be (:func:`replaceable`), one generation on; any other end of a rank goes to its
+        client, and the last rank of a job takes its spares with it; a spare killed has another forked behind it
+        (one that failed on its own, not)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = os.waitstatus_to_exitcode(status)
+            rank = self.children.pop(pid, None)
+            if rank is None:
+                self._spare_ended(pid, code)
+                continue
+            if code < 0:
+                _kill_session(pid)
+            if code < 0 and rank.replacements and pid not in self.orphans:
+                rank.request["env"][REPLACEMENT_ENV] = "1"
+                rank.replacements -= 1
+                self.children[self._replace(rank)] = rank
+                continue
+            for fd in rank.fds:
+                os.close(fd)
+            _tell(rank.conn, {"exit": code})
+            rank.conn.close()
+            job = job_of(rank.request["env"])
+            if not any(job_of(r.request["env"]) == job for r in self.children.values()):
+                for spare in self.spares.pop(job, []):
+                    kill_spare(spare)
 
-    def stop(*_) -> None:  # the ranks die with the server (and by their death signal, should it be SIGKILLed)
-        for pid in [*children, *(s.pid for kept in spares.values() for s in kept)]:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the launcher's, made for this server alone
-        os._exit(0)
-    signal.signal(signal.SIGTERM, stop)
-    launcher_died: list[float] = []
-    signal.signal(signal.SIGHUP, lambda *_: launcher_died.append(time.monotonic()))
-    later = [] if eager else list(PRELOAD_LATER)
-    while True:
-        if launcher_died and (not children or time.monotonic() - launcher_died[0] > ORPHAN_GRACE):
-            stop()
-        watched = [r.conn for pid, r in children.items() if pid not in orphans]
-        timeout = IDLE if later or launcher_died else None
-        ready = select.select([*([listener] if listener else []), wake_r, *watched], [], [], timeout)[0]
-        if not ready and later:
-            import_if_there(later.pop(0))
-            _freeze()
-            refusal = unforkable()
-            if refusal:  # the ranks already forked go on; new ones start cold
-                print(refusal, file=sys.stderr, flush=True)
-                listener.close()
-                os.unlink(path)
-                listener = None
-            continue
-        for conn in ready:
-            if conn is listener:
-                rank = _accept(listener, store)
-                if rank is not None:
-                    children[_fork(rank, *inherited())] = rank
-                    keep_spares(rank.request)
-            elif conn is wake_r:
-                os.read(wake_r, 512)
-            elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
-                pid = next(p for p, r in children.items() if r.conn is conn)
-                os.kill(pid, signal.SIGKILL)
-                orphans.add(pid)
-        _reap(children, orphans, replace, ended)
-        orphans &= children.keys()
+    def _spare_ended(self, pid: int, code: int) -> None:
+        dead = next((s for kept in self.spares.values() for s in kept if s.pid == pid), None)
+        if dead is None:  # a job's spare killed as the job ended, or the store keeper
+            return
+        self.spares[job_of(dead.request["env"])].remove(dead)
+        dead.channel.close()
+        if code in (-signal.SIGKILL, -signal.SIGTERM):
+            self._keep_spares(dead.request)
 
 
 @dataclass
@@ -414,37 +458,6 @@ def _kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:  # nothing was left
         pass
-
-
-def _reap(children: dict[int, Rank], orphans: set[int], replace, ended) -> None:
-    """Collect the children that ended: a rank killed by a signal whose client is still there is replaced in
-    place where it may be (:func:`replaceable`), one generation on, by ``replace(rank)`` (the new pid); any other
-    end of a rank goes to its client; ``ended(pid, rank or None, exit code)`` hears of each end but a replaced
-    rank's."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        rank = children.pop(pid, None)
-        code = os.waitstatus_to_exitcode(status)
-        if rank is None:
-            ended(pid, None, code)
-            continue
-        if code < 0:
-            _kill_session(pid)
-        if code < 0 and rank.replacements and pid not in orphans:
-            rank.request["env"][REPLACEMENT_ENV] = "1"
-            rank.replacements -= 1
-            children[replace(rank)] = rank
-            continue
-        for fd in rank.fds:
-            os.close(fd)
-        _tell(rank.conn, {"exit": code})
-        rank.conn.close()
-        ended(pid, rank, code)
 
 
 if __name__ == "__main__":
