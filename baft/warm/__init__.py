@@ -63,9 +63,10 @@ class WarmServer:
 
     def start(self, env: dict, eager: bool = False) -> "WarmServer":
         """Start the server in ``env`` (the ranks' launch environment: what a process reads as it starts,
-        ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it listens; its imports go on
-        in the background, and a rank that asks before they are done waits for them. ``eager``: it imports what
-        only some jobs' ranks import before it forks any (:data:`baft.warm.server.PRELOAD_LATER`)."""
+        ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it
+        listens; its imports go on in the background, and a rank that asks before they are done waits for them.
+        ``eager``: it imports what only some jobs' ranks import before it forks any
+        (:data:`baft.warm.server.PRELOAD_LATER`)."""
         if self.shared:
             return self
         os.mkdir(self.directory, 0o700)

@@ -272,7 +272,8 @@ class ForkServer:
 
     def _inherited(self) -> tuple[list[socket.socket], list[int]]:
         """What a child closes: the server's sockets, and its files (the wake-up pipe, ranks' standard streams)."""
-        sockets = [*(r.conn for r in self.children.values()), *(s.channel for kept in self.spares.values() for s in kept)]
+        sockets = [*(r.conn for r in self.children.values()),
+                   *(spare.channel for kept in self.spares.values() for spare in kept)]
         return ([self.listener, *sockets] if self.listener else sockets,
                 [self.wake_r, self.wake_w, *(fd for r in self.children.values() for fd in r.fds)])
 
