@@ -180,3 +180,19 @@ def test_a_server_that_imported_a_thread_refuses_to_fork_and_names_the_thread():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     assert "cannot fork after its imports (other threads: importer-pool; CUDA initialised: False)" in out.stdout
+
+
+def test_a_spare_imports_what_a_script_imports_at_its_top_level_from_its_source(tmp_path):
+    """:func:`baft.warm.spares.script_imports` reads the imports a script would make as it starts, never running it:
+    plain, dotted, from-imports (a name may be a submodule), those in top-level try and if blocks; not a
+    relative import, nor one inside a function; nothing from a file that does not parse."""
+    from baft.warm.spares import script_imports
+
+    script = tmp_path / "train.py"
+    script.write_text("import os, json as j\nimport torch.nn\nfrom deepspeed.pipe import PipelineModule\n"
+                      "from . import sibling\ntry:\n    import fancy\nexcept ImportError:\n    fancy = None\n"
+                      "if True:\n    from model import *\ndef main():\n    import inside\nraise SystemExit('not run')\n")
+    assert script_imports(script) == ["os", "json", "torch.nn", "deepspeed.pipe", "deepspeed.pipe.PipelineModule",
+                                      "fancy", "model"]
+    (tmp_path / "broken.py").write_text("import os\ndef (:\n")
+    assert script_imports(tmp_path / "broken.py") == [] and script_imports(tmp_path / "missing.py") == []
