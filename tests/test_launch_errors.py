@@ -101,6 +101,17 @@ def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parametrize("options, expected", [(["--spares", "2"], r"--spares: .* give --in-place too$"),
+                                               (["--in-place", "--cold"], r"--in-place: .* --cold turns off$")])
+def test_options_that_cannot_go_together_are_one_line_before_anything_launches(tmp_path, options, expected):
+    script, config = user_files(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", *options, "--run-dir", str(tmp_path / "run"),
+                           "--", str(script), "--config", str(config)],
+                          capture_output=True, text=True, env=launch_env(), timeout=300)
+    said = assert_one_line(proc, expected)
+    assert screen(proc) == [said] and not (tmp_path / "run").exists()
+
+
 def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
     proc = baft_train(tmp_path, tmp_path / "nonexistent.py")
     said = assert_one_line(proc, "nonexistent.py: no such file$")

@@ -206,6 +206,11 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
+    if in_place and not warm:
+        raise BaftError("--in-place: a killed rank is replaced by the node's warm server, which --cold turns off")
+    given = click.get_current_context().get_parameter_source("spares") is not click.core.ParameterSource.DEFAULT
+    if given and not in_place:
+        raise BaftError("--spares: spares replace a killed rank in place; give --in-place too")
     if command:
         check_script_launch(list(command))
         if hang_timeout is not None:
@@ -215,8 +220,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
-    from baft.recovery import chaos
     from baft.config import REPLACE_ENV, SPARES_ENV
+    from baft.recovery import chaos
     from baft.warm import WarmServer, warmable
 
     for fault in faults:
