@@ -46,6 +46,7 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     args, kwargs = bound.args, bound.kwargs
     if world.available() and not world.generation():
         world.register()
+    tied = world.tied_dtypes(bound.arguments.get("model"))  # as the constructor left them: DeepSpeed converts them
     returned = _initialize(args, kwargs, data_iterator, client_state)
     engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
     # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
@@ -54,21 +55,21 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     # does not run again
     own_state = client_state is not None and not hasattr(client_state, "load_state_dict")
     if getattr(engine, "baft", None) is not None and not wrapped and not own_state and world.available():
-        engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned)
+        engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied)
     return returned
 
 
-def _again(args, kwargs, data_iterator, client_state, first: tuple) -> None:
+def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict) -> None:
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
     did, again, on the same model; the engine, optimizer, loader and scheduler the script holds from the
     first call take the state of the new ones."""
-    world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"))
+    world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"), tied)
     fresh = _initialize(args, kwargs, data_iterator, client_state)
     for held, new in zip(first, fresh):
         if held is not None and new is not None and held is not new:
             # one state: what baft's hooks and DeepSpeed's hold is the new object (the engine's class: baft's again)
             held.__class__, held.__dict__ = type(new), new.__dict__
-    first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first)
+    first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first, tied)
 
 
 def _initialize(args, kwargs, data_iterator, client_state) -> tuple:

@@ -51,7 +51,9 @@ def pids_by_restart(digests: Path) -> dict[int, dict[int, int]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """The uninterrupted run and the faulted ones, side by side (a recovery leaves the cores idle meanwhile)."""
-    cases = {"reference": (), "two kills": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=7,phase=optimizer,restart=1"),
+    # rank 0 survives both kills: the second restores a snapshot its second engine took
+    cases = {"reference": (),
+             "two kills": ("rank=1,step=4,phase=backward,restart=0", "rank=1,step=7,phase=optimizer,restart=1"),
              "budget spent": ("rank=1,step=3,phase=forward,restart=0", "rank=1,step=6,phase=backward,restart=1"),
              # rank 0 dies as it begins to recover from rank 1's death: a second fault during the recovery
              "killed recovering": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=4,phase=recover,restart=0"),
@@ -78,13 +80,12 @@ def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every
     records = recoveries(faulted)
     assert [r["kind"] for r in records] == ["in place", "in place"], records
     assert records[0]["restored_step"] == 2 and records[1]["restored_step"] >= 5 and all(r["source"] == "memory" for r in records)
-    # rank 0 survived the first kill (it says when it saw it), and was the one replaced in the second
-    assert 0 <= records[0]["detected"] <= records[0]["T1"] and "detected" not in records[1], records
+    assert all(0 <= r["detected"] <= r["T1"] for r in records), records  # rank 0 says when it saw each kill
     assert compare(reference / "digests", faulted / "digests") == []
     pids = pids_by_restart(faulted / "digests")
     assert sorted(pids) == [0, 1, 2]
-    assert pids[1][0] == pids[0][0] and pids[1][1] != pids[0][1], "rank 1 was replaced, rank 0 kept its process"
-    assert pids[2][1] == pids[1][1] and pids[2][0] != pids[1][0], "then rank 0 was replaced, rank 1 kept its own"
+    assert pids[2][0] == pids[1][0] == pids[0][0], "rank 0 kept its process throughout"
+    assert len({pids[0][1], pids[1][1], pids[2][1]}) == 3, "rank 1 was replaced twice"
     assert "recovers in place" in proc.stdout and "in place" in proc.stdout  # the rank's line and the report's
 
 

@@ -206,10 +206,22 @@ def rejoin() -> int:
     return join(backend=backend)
 
 
-def regroup(model) -> None:
+def tied_dtypes(model) -> dict[tuple[str, str], torch.dtype]:
+    """The dtype of each tied weight of a ``PipelineModule`` (by tie key and attribute) as its constructor left
+    it: a replacement's constructor broadcasts them so, before DeepSpeed converts a survivor's (to bf16, say)."""
+    from deepspeed.pipe import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        return {}
+    return {(key, attr): model._recursive_getattr(comm["module"], attr).dtype
+            for key, comm in model.tied_comms.items() for attr in comm["weight_attr"]}
+
+
+def regroup(model, dtypes: dict[tuple[str, str], torch.dtype]) -> None:
     """The process groups a ``PipelineModule`` makes in its constructor, made again in the new world in the
-    same order, with its tied weights synchronised as the constructor does (a replacement's constructor
-    runs meanwhile); nothing for another model."""
+    same order, and the broadcasts of its tied weights, as the constructor makes them (a replacement's
+    constructor runs meanwhile) in the ``dtypes`` of :func:`tied_dtypes` (the values are the restore's to set);
+    nothing for another model."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
@@ -218,4 +230,8 @@ def regroup(model) -> None:
     model.world_group = dist.new_group(ranks=range(dist.get_world_size()))
     model._grid = PipelineParallelGrid(process_group=model.world_group, topology=model._topo)
     model.tied_comms = model._index_tied_modules()
-    model._synchronize_tied_weights()
+    for key, comm in model.tied_comms.items():
+        for attr in comm["weight_attr"]:
+            weight = model._recursive_getattr(comm["module"], attr)
+            received = torch.empty_like(weight, dtype=dtypes.get((key, attr), weight.dtype))
+            dist.broadcast(received, src=min(comm["ranks"]), group=comm["group"])

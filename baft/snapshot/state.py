@@ -40,15 +40,17 @@ from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (its optimizer, that one's adapter)
 
 
 def optimizer_adapter(engine):
-    """The engine's optimizer adapter (made once per engine): where its state lives and what it is called."""
-    adapter = _ADAPTERS.get(engine)
-    if adapter is None:
-        adapter = _ADAPTERS[engine] = adapter_for(engine)
-    return adapter
+    """The engine's optimizer adapter: where its state lives and what it is called. Made once per optimizer the
+    engine has: a recovery in place gives the engine the script holds a new one (and its new state tensors)."""
+    optimizer = getattr(engine, "optimizer", None)
+    cached = _ADAPTERS.get(engine)
+    if cached is None or cached[0] is not optimizer:
+        cached = _ADAPTERS[engine] = (optimizer, adapter_for(engine))
+    return cached[1]
 
 
 def _client_state(engine):
