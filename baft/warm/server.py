@@ -284,14 +284,18 @@ class ForkServer:
 
     def _replace(self, rank: Rank) -> int:
         """The process that takes a killed rank's place: a spare of its job's, or a new fork; its pid."""
-        kept = self.spares.get(job_of(rank.request["env"]))
-        if not kept:
-            return _fork(rank, *self._inherited())
-        spare = kept.pop(0)
-        assign(spare, rank.request, rank.fds)
-        _tell(rank.conn, {"pid": spare.pid})
-        self._keep_spares(rank.request)
-        return spare.pid
+        kept = self.spares.get(job_of(rank.request["env"]), [])
+        while kept:
+            spare = kept.pop(0)
+            try:
+                assign(spare, rank.request, rank.fds)
+            except OSError:  # it died a moment ago, not yet reaped
+                kill_spare(spare)
+                continue
+            _tell(rank.conn, {"pid": spare.pid})
+            self._keep_spares(rank.request)
+            return spare.pid
+        return _fork(rank, *self._inherited())
 
     def _reap(self) -> None:
         """Collect the children that ended: a rank killed by a signal whose client is still there is replaced in
