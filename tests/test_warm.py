@@ -53,14 +53,25 @@ def test_a_warm_rank_has_the_clients_argv_cwd_environment_streams_and_exit_code(
     assert got["pid"] != proc.pid  # forked: the client stands in for it
 
 
+@pytest.fixture(scope="module")
+def buffered():
+    """A warm server and an environment whose standard output is block-buffered, as a plain ``python`` writing
+    to a pipe has it (``baft train`` sets ``PYTHONUNBUFFERED``): the server's own ``sys.stdout`` is the ranks'."""
+    env = {key: value for key, value in launch_env().items() if key != "PYTHONUNBUFFERED"}
+    with WarmServer().start(env) as server:
+        yield server, env
+
+
 @pytest.mark.parametrize("ending,code,message", [("none", 0, ""), ("raise", 1, "ValueError: the script failed"),
                                                   ("a message", 1, "a message")])
-def test_a_warm_rank_ends_as_the_interpreter_would(tmp_path, ending, code, message):
+def test_a_warm_rank_ends_as_the_interpreter_would(tmp_path, buffered, ending, code, message):
     """Without the interpreter's finalization (a second of CPU a rank) but with everything a script relies on at
-    exit: the same exit status and message as ``python script.py``, threads joined, atexit run, files flushed."""
+    exit: the same exit status and message as ``python script.py``, threads joined, atexit run, files flushed
+    (the standard output the script's last line is buffered in too)."""
+    server, env = buffered
     for how, proc in (("python", subprocess.Popen([sys.executable, RANK, "leave", str(tmp_path / "python.log"), ending],
-                                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)),
-                      ("warm", start("leave", str(tmp_path / "warm.log"), ending))):
+                                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)),
+                      ("warm", start("leave", str(tmp_path / "warm.log"), ending, server=server, env=env))):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == code, (how, err)
         assert out.splitlines()[1:] == ["non-daemon thread done", "atexit ran"], (how, out)

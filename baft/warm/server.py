@@ -170,10 +170,13 @@ def _exit_without_finalizing(code: int) -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    for stream in [o for o in gc.get_objects() if type(o) in _BUFFERED_WRITERS]:  # a file the script left open
+    # a file the script left open, and the standard streams: the server made them, and froze them out of
+    # gc.get_objects (:func:`_freeze`)
+    opened = [o for o in gc.get_objects() if type(o) in _BUFFERED_WRITERS]
+    for stream in [*opened, sys.stdout, sys.stderr]:
         try:
             stream.flush()
-        except (OSError, ValueError):  # closed, or its descriptor gone
+        except (AttributeError, OSError, ValueError):  # closed, its descriptor gone, or None
             pass
     ctypes.CDLL(None).fflush(None)  # what native code wrote with C's stdio
     os._exit(code)

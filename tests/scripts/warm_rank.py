@@ -42,7 +42,7 @@ if what == "leave":  # exit as scripts do: a file left open, a worker thread sti
         time.sleep(0.5)
         print("non-daemon thread done", flush=True)
     threading.Thread(target=late).start()
-    atexit.register(lambda: print("atexit ran", flush=True))
+    atexit.register(lambda: print("atexit ran"))  # to a block-buffered stdout: the exit flushes it
     ending = sys.argv[3]
     if ending == "raise":
         raise ValueError("the script failed")
