@@ -122,20 +122,17 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict, started: boo
     os.environ.clear()
     os.environ.update(request["env"], **{WARM_RANK_ENV: "1"})
     if not started:
-        _as_started()
+        as_started()
     if os.environ.get(REPLACEMENT_ENV):  # it joins the survivors' new world before the script runs
         from baft.recovery.world import join
 
         join(replacement=True)
     argv = request["argv"]
+    enter_argv(argv)
     try:
         if argv[0] == "-m":
-            sys.argv = argv[1:]
-            sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = list(argv)
-            sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as end:
@@ -182,7 +179,15 @@ def _exit_without_finalizing(code: int) -> None:
     os._exit(code)
 
 
-def _as_started() -> None:
+def enter_argv(argv: list[str]) -> None:
+    """``sys.argv`` and ``sys.path[0]`` as ``python ARGV`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) has them."""
+    if argv[0] == "-m":
+        sys.argv, sys.path[0] = argv[1:], os.getcwd()
+    else:
+        sys.argv, sys.path[0] = list(argv), str(Path(argv[0]).resolve().parent)
+
+
+def as_started() -> None:
     """What a new interpreter would have: torch's and numpy's global generators seeded from the OS, as each
     process's are (``random`` reseeds itself at every fork), and the rank's ``OMP_NUM_THREADS`` (the server
     imports with one thread: OpenMP would start its pool, and a fork copies no threads)."""
@@ -430,7 +435,7 @@ def _fork_spare(request: dict, sockets: list[socket.socket], fds: list[int]) -> 
     if pid == 0:
         _as_child(theirs, [*sockets, mine], fds)
         _die_with_parent(request["server"], signal.SIGKILL)
-        wait_as_spare(theirs, request, become_rank, _as_started)
+        wait_as_spare(theirs, request)
     theirs.close()
     return Spare(pid, mine, request)
 

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,16 +50,17 @@ def assign(spare: Spare, request: dict, fds: list[int]) -> None:
     spare.channel.close()
 
 
-def wait_as_spare(channel: socket.socket, request: dict, become_rank, as_started) -> None:
+def wait_as_spare(channel: socket.socket, request: dict) -> None:
     """In the forked spare: prepare as a rank of ``request``'s job would start, then wait for the request of the
     rank to become (never returns; exits where the server closes the channel unused)."""
+    from baft.warm.server import as_started, become_rank, enter_argv  # the server imports this module
+
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({key: value for key, value in request["env"].items() if not key.endswith("RANK")})
     as_started()
-    argv = request["argv"]
-    sys.argv = argv[1:] if argv[0] == "-m" else list(argv)  # as the rank's (a module may read it as it imports)
-    script, sys.path[0] = _script(argv)
+    enter_argv(request["argv"])  # as the rank's (a module may read sys.argv as it imports)
+    script = _source(request["argv"])
     for name in script_imports(script) if script else ():
         _import(name)
     gc.collect()
@@ -71,18 +71,16 @@ def wait_as_spare(channel: socket.socket, request: dict, become_rank, as_started
     become_rank(channel, fds, json.loads(message), started=True)
 
 
-def _script(argv: list[str]) -> tuple[Path | None, str]:
-    """The source file ``python ARGV`` runs and what ``sys.path[0]`` is for it."""
-    if argv[0] == "-m":
-        sys.path[0] = os.getcwd()  # where the module is looked for
-        try:
-            spec = importlib.util.find_spec(argv[1])
-        except Exception:  # its package failed to import: the rank will say so
-            return None, os.getcwd()
-        origin = spec.origin if spec is not None else None
-        return (Path(origin) if origin and origin.endswith(".py") else None), os.getcwd()
-    script = Path(argv[0]).resolve()
-    return script, str(script.parent)
+def _source(argv: list[str]) -> Path | None:
+    """The source file ``python ARGV`` runs (``sys.path`` as it has it), where there is one."""
+    if argv[0] != "-m":
+        return Path(argv[0]).resolve()
+    try:
+        spec = importlib.util.find_spec(argv[1])
+    except Exception:  # its package failed to import: the rank will say so
+        return None
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
 
 
 def script_imports(script: Path) -> list[str]:
