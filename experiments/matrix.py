@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from baft.cli.launch import launch_env
-from baft.recovery.digests import DIGESTS_ENV, compare
+from baft.recovery.digests import DIGESTS_ENV, compare, processes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "matrix_job.py"
 AXES = {
@@ -200,11 +200,7 @@ def run_case(case: Case, directory: Path) -> Outcome:
 def survivors_relaunched(records: list[dict], digests: Path, faults: list[Fault]) -> list[str]:
     """What went otherwise than a recovery in place of each fault: the killed rank replaced, every other rank
     the same process after it as before (pids from the state digests)."""
-    pids: dict[int, dict[int, int]] = {}  # restart -> rank -> pid
-    for path in digests.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            pids.setdefault(rec["restart"], {})[rec["rank"]] = rec["pid"]
+    pids = processes(digests)
     problems = [f"restart {r['restart']} was a {r['kind']}, not in place" for r in records if r["kind"] != "in place"]
     for restart, fault in enumerate(faults):
         before, after = pids.get(restart, {}), pids.get(restart + 1, {})

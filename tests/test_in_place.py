@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import launch_env
-from baft.recovery.digests import DIGESTS_ENV, compare, load
+from baft.recovery.digests import DIGESTS_ENV, compare, load, processes
 from baft.warm import SOCKET_ENV
 from conftest import TINY
 
@@ -36,16 +36,6 @@ def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None
 def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     out, err = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def pids_by_restart(digests: Path) -> dict[int, dict[int, int]]:
-    """restart -> rank -> the pid that recorded that rank's state in it."""
-    found: dict[int, dict[int, int]] = {}
-    for path in sorted(digests.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            found.setdefault(rec["restart"], {})[rec["rank"]] = rec["pid"]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +72,7 @@ def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every
     assert records[0]["restored_step"] == 2 and records[1]["restored_step"] >= 5 and all(r["source"] == "memory" for r in records)
     assert all(0 <= r["detected"] <= r["T1"] for r in records), records  # rank 0 says when it saw each kill
     assert compare(reference / "digests", faulted / "digests") == []
-    pids = pids_by_restart(faulted / "digests")
+    pids = processes(faulted / "digests")
     assert sorted(pids) == [0, 1, 2]
     assert pids[2][0] == pids[1][0] == pids[0][0], "rank 0 kept its process throughout"
     assert len({pids[0][1], pids[1][1], pids[2][1]}) == 3, "rank 1 was replaced twice"
@@ -97,7 +87,7 @@ def test_a_rank_killed_once_more_than_its_replacements_allow_brings_a_relaunch_o
     assert [r["kind"] for r in records] == ["in place", "warm relaunch"], records
     assert [r["restart"] for r in records] == [1, 2], "a relaunch counts on from the recoveries in place"
     assert compare(reference / "digests", faulted / "digests") == []
-    pids = pids_by_restart(faulted / "digests")
+    pids = processes(faulted / "digests")
     assert pids[1][0] == pids[0][0] and not set(pids[2].values()) & set(pids[1].values())
     assert len(load(faulted / "digests")) == len(load(reference / "digests"))
 
@@ -110,7 +100,7 @@ def test_a_survivor_killed_as_it_recovers_is_replaced_too_and_every_part_is_iden
     # one recovery of both faults: the two replacements meet in the same new world
     assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 2)], records
     assert compare(reference / "digests", faulted / "digests") == []
-    pids = pids_by_restart(faulted / "digests")
+    pids = processes(faulted / "digests")
     assert sorted(pids) == [0, 1] and not set(pids[1].values()) & set(pids[0].values()), "both ranks were replaced"
 
 
@@ -122,7 +112,7 @@ def test_a_node_lost_is_recovered_in_place_from_parity_and_every_part_is_identic
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "parity")]
     assert compare(reference / "digests", faulted / "digests") == []
-    pids = pids_by_restart(faulted / "digests")
+    pids = processes(faulted / "digests")
     assert pids[1][0] == pids[0][0] and pids[1][1] != pids[0][1], pids
 
 
@@ -161,7 +151,7 @@ def rank_1_replaced(directory: Path, reference: Path, result: subprocess.Complet
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert [(r["kind"], r["restored_step"]) for r in recoveries(directory)] == [("in place", 2)]
     assert compare(reference / "digests", directory / "digests") == []
-    pids = pids_by_restart(directory / "digests")
+    pids = processes(directory / "digests")
     assert pids[1][0] == pids[0][0], "rank 0 kept its process"
     return pids
 

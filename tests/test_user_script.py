@@ -11,7 +11,7 @@ import pytest
 from baft.cli.launch import launch_env, torchrun
 from baft.cli.runlog import LOG_NAME
 from baft.manager.control import stop
-from baft.recovery.digests import DIGESTS_ENV, redone_differ
+from baft.recovery.digests import DIGESTS_ENV, processes, redone_differ
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_train.py"
 
@@ -65,11 +65,10 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     assert recovery[0]["kind"] == "in place"
     # rank 1 kept its process; rank 0's replacement was the spare, which had imported the script's module before
     # the kill (and not again after it)
-    pids = {(rec["restart"], rec["rank"]): rec["pid"] for path in (tmp_path / "digests").glob("rank*.jsonl")
-            for rec in map(json.loads, path.read_text().splitlines())}
-    assert pids[1, 1] == pids[0, 1] and pids[1, 0] != pids[0, 0], pids
+    pids = processes(tmp_path / "digests")
+    assert pids[1][1] == pids[0][1] and pids[1][0] != pids[0][0], pids
     imported = [json.loads(line) for line in imports.read_text().splitlines()]
-    replacement = [rec["time"] for rec in imported if rec["pid"] == pids[1, 0]]
+    replacement = [rec["time"] for rec in imported if rec["pid"] == pids[1][0]]
     assert len(replacement) == 1 and replacement[0] < recovery[0]["killed_at"], (imported, recovery[0])
     # the screen shows rank 0's lines; every rank's are in the run's log
     assert finals((run_dir / LOG_NAME).read_text()) == finals(clean.stdout) and len(finals(clean.stdout)) == 2

@@ -152,6 +152,14 @@ def _records(directory) -> Iterator[dict]:
                 yield json.loads(line)
 
 
+def processes(directory) -> dict[int, dict[int, int]]:
+    """restart -> rank -> the pid that recorded that rank's state in it (a recovery in place keeps a survivor's)."""
+    found: dict[int, dict[int, int]] = {}
+    for rec in _records(directory):
+        found.setdefault(rec["restart"], {})[rec["rank"]] = rec["pid"]
+    return found
+
+
 def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
     """(rank, step) -> part -> {digest: the first restart that recorded it} (a step trained twice, before
     and after a fault, has its digests from both)."""
