@@ -27,6 +27,7 @@ IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots
 # (a CUDA side stream; on CPU a thread); "auto": the stream where the state is on a GPU
 EXECUTORS = ("auto", "receive", "stream")
 LEFTOVERS = ("fence", "start")
+LOOPS = ("auto", "calls", "steps")
 TIMEOUTS = ("hang_timeout", "progress_timeout")  # what a rank's heartbeat asks its node's manager to enforce
 MIN_TIMEOUT = 1.0  # a rank beats about once a second and the manager looks twice a second: less would kill on noise
 
@@ -76,6 +77,10 @@ class BaftConfig:
     hang_timeout: Optional[float] = 60.0
     # seconds every rank of a node may spend in training steps none of them finishes (a stuck collective)
     progress_timeout: Optional[float] = 600.0
+    # how the script's loop over train_batch resumes (baft.pipeline.loop): "auto" reads it from the source;
+    # "calls": it counts its calls from 0, so a resumed process replays those before the restored step;
+    # "steps": it stops on the engine's step
+    loop: str = "auto"
 
 
 def _check_type(key: str, value, expected) -> None:
@@ -153,6 +158,8 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
         raise ConfigError(f"baft.executor: expected one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
     if cfg.leftovers not in LEFTOVERS:
         raise ConfigError(f"baft.leftovers: expected one of {', '.join(LEFTOVERS)}, got {cfg.leftovers!r}")
+    if cfg.loop not in LOOPS:
+        raise ConfigError(f"baft.loop: expected one of {', '.join(LOOPS)}, got {cfg.loop!r}")
     if cfg.chunk_bytes < 4096:
         raise ConfigError(f"baft.chunk_bytes: must be at least 4096, got {cfg.chunk_bytes}")
     if (cfg.persist.every or cfg.persist.seconds) and not cfg.persist.dir:

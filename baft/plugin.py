@@ -13,6 +13,7 @@ import deepspeed
 
 from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.jsonfile import read_json
+from baft.pipeline.loop import THIS_PROCESS
 from baft.recovery import world
 from baft.teardown import teardown
 
@@ -48,6 +49,8 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
         world.register()
     tied = world.tied_dtypes(bound.arguments.get("model"))  # as the constructor left them: DeepSpeed converts them
     returned = _initialize(args, kwargs, data_iterator, client_state)
+    if world.available() and world.generation():  # a replacement in place: how far the survivors' loops are
+        THIS_PROCESS.peers = world.published("loop")
     engine, given_optimizer = returned[0], bound.arguments.get("optimizer")
     # an optimizer object DeepSpeed wrapped (bf16, ZeRO) now holds the wrapper's copies: it cannot be wrapped again
     wrapped = given_optimizer is not None and not callable(given_optimizer) and engine.optimizer is not given_optimizer

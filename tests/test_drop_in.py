@@ -1,23 +1,81 @@
-"""``baft.initialize`` takes ``deepspeed.initialize``'s own calling forms."""
+"""``baft.initialize`` in DeepSpeedExamples' pipeline script: its calling form, and its loop, which counts its own calls
+to ``train_batch`` (``for step in range(args.steps)``), resumed bit for bit (:mod:`baft.pipeline.loop`)."""
 
 import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import run_ranks
+from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, compare, load, processes
+from conftest import SCRIPTS
+
+STEPS = 10
+LINE = re.compile(r"^(step \d+|eval after step \d+) loss (\S+)", re.M)
+
+
+def train(directory: Path, *options: str) -> subprocess.CompletedProcess:
+    """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, in ``directory``."""
+    config = directory / "ds_config.json"
+    config.write_text(json.dumps({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4}},
+        "baft": {"policy": "baft", "period": 1}}))
+    return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
+                           *options, "--", str(SCRIPTS / "example_pipe.py"), "--steps", str(STEPS), "--eval-every", "2",
+                           "--deepspeed_config", str(config)],
+                          capture_output=True, text=True, timeout=300,
+                          env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    cases = {"uninterrupted": (),
+             # killed in the step after an evaluation: the snapshot of that step is not committed, so the restore goes
+             # back one step further than the survivor's loop; then rank 0, whose replacement prints the replays
+             "in place": ("--in-place", "--fault", "rank=1,step=5,phase=backward,restart=0",
+                          "--fault", "rank=0,step=8,phase=forward,restart=1"),
+             "relaunch": ("--fault", "rank=1,step=7,phase=forward")}
+
+    def run(name):
+        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        return directory, train(directory, *cases[name])
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return dict(zip(cases, pool.map(run, cases)))
 
 
 @pytest.mark.slow
-def test_the_deepspeed_pipeline_example_call_shape(tmp_path, shm_root):
+def test_the_deepspeed_pipeline_example_runs_under_baft_in_its_own_calling_form(runs):
     """args with --deepspeed_config, model_parameters=, training_data=, train_batch() with no iterator."""
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "baft": {"policy": "baft", "period": 1, "shm_root": str(shm_root)}}))
-    proc = run_ranks(2, "example_pipe.py", ["--deepspeed", "--deepspeed_config", str(config)])
+    directory, proc = runs["uninterrupted"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 4 and all(line.endswith("engine BaftPipelineEngine") for line in steps), proc.stdout
-    assert "the data position will not be restored" not in proc.stderr  # baft keeps the loader's position
-    assert any(Path(shm_root).rglob("slot*.commit.json")), "no snapshot was committed"
+    assert len(steps) == STEPS and all(line.endswith("engine BaftPipelineEngine") for line in steps), proc.stdout
+    assert "the data position will not be restored" not in proc.stdout + proc.stderr  # baft keeps the loader's
+    assert f"step {STEPS} is kept" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["in place", "relaunch"])
+def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uninterrupted_one_does(runs, name):
+    (reference, ref_proc), (faulted, proc) = runs["uninterrupted"], runs[name]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    kinds = [json.loads(line)["kind"] for line in (faulted / "run" / "recovery.jsonl").read_text().splitlines()]
+    assert kinds == (["in place", "in place"] if name == "in place" else ["warm relaunch"]), kinds
+    # rank 0's lines: a resumed process prints the replayed calls' losses and evaluations again, the same
+    printed, expected = LINE.findall(proc.stdout), LINE.findall(ref_proc.stdout)
+    assert dict(printed) == dict(expected) and printed[-1] == expected[-1], (printed, expected)
+    assert "counts its calls to train_batch" in proc.stdout
+    # trained to STEPS, not past it: the last step's snapshot is what the run kept
+    last = [max(step for _, step in load(run / "digests")) for run in (reference, faulted)]
+    assert f"step {STEPS} is kept" in proc.stdout and last[0] == last[1], last
+    assert compare(reference / "digests", faulted / "digests") == []
+    if name == "in place":
+        pids = processes(faulted / "digests")
+        assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], "the survivors kept their processes"

@@ -20,6 +20,7 @@ while the engine's thread waits:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -33,6 +34,7 @@ from baft.accelerator import collective_device
 from baft.background import BackgroundThread
 from baft.pipeline.hook import step_meets_other_stages
 from baft.pipeline.schedules import make_schedule
+from baft.pipeline.loop import THIS_PROCESS
 
 BubbleWork = Callable[[threading.Event], None]
 
@@ -102,13 +104,52 @@ class BaftPipelineEngine(PipelineEngine):
                              stage_id=self.stage_id)
 
     def train_batch(self, data_iter=None):
-        try:
-            return self._protected_batch(data_iter)
-        except Exception as err:
-            recover = getattr(self.baft, "recover", None)  # Protection.recover: in place, after a peer was killed
-            if recover is None or not recover(err):
-                raise
-        return self.train_batch(data_iter)  # the iteration again, from the restored step
+        loop = THIS_PROCESS
+        loop.decide(self, sys._getframe(1))
+        if loop.replaying:
+            if self.global_steps < loop.to_replay:  # a replacement in place: the steps its peers' calls made
+                loop.completed = loop.to_replay
+                self._train_to(loop.to_replay, data_iter)
+            return loop.replay_train(self)
+        loop.completed, loop.resumed = self.global_steps, True
+        return self._train_to(self.global_steps + 1, data_iter)
+
+    def _train_to(self, step: int, data_iter):
+        """Train one step, or, in a loop that counts its calls, until the engine is at ``step`` however far back a
+        recovery in place goes; the loss of the last step trained."""
+        loop = THIS_PROCESS
+        while True:
+            try:
+                loss = self._protected_batch(data_iter)
+            except Exception as err:
+                recover = getattr(self.baft, "recover", None)  # Protection.recover: in place, after a peer was killed
+                if recover is None or not recover(err):
+                    raise
+                continue  # the iteration again, from the restored step
+            if not loop.counts_calls:
+                return loss  # a loop on the engine's step calls again for the steps a restore took back
+            loop.history.record_train(self.global_steps, loss)
+            if self.global_steps >= step:
+                return loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        loop = THIS_PROCESS
+        loop.decide(self, sys._getframe(1))
+        if loop.replays_evaluations:
+            if self.is_first_stage() or self.is_last_stage():  # the stages that read data: the script's evaluation
+                for _ in range(num_micro_batches or self.micro_batches):  # data goes on where the replayed run's did
+                    next(data_iter)
+            return loop.replay_eval(self)
+        value = super().eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches)
+        if loop.counts_calls:
+            loop.history.record_eval(self.global_steps, value)
+        return value
+
+    def save_checkpoint(self, *args, **kwargs):
+        if THIS_PROCESS.replays_evaluations:  # written when the step was trained; its peers may not be replaying
+            return True
+        return super().save_checkpoint(*args, **kwargs)
 
     def _protected_batch(self, data_iter):
         for hook in self.baft.hooks:

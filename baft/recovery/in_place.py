@@ -23,6 +23,7 @@ import time
 from torch.utils.hooks import RemovableHandle
 
 from baft.recovery import record, world
+from baft.pipeline.loop import THIS_PROCESS
 
 
 def recover(engine, error: BaseException) -> bool:
@@ -42,6 +43,9 @@ def recover(engine, error: BaseException) -> bool:
         raise RuntimeError(f"baft: rank {engine.global_rank} could not meet a replacement after: {error}") from err
     if not replaced:
         return False
+    progress = THIS_PROCESS.progress()
+    if progress is not None:  # before the restore, whose collectives a replacement's loop comes after
+        world.publish("loop", progress)
     print(f"baft: rank {engine.global_rank} recovers in place (world {world.generation()}) after: "
           f"{str(error).splitlines()[0][:200]}", flush=True)
     record.restart_in_place(seen)

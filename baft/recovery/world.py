@@ -206,6 +206,17 @@ def rejoin() -> int:
     return join(backend=backend)
 
 
+def publish(name: str, value) -> None:
+    """In a survivor, in the new world: ``value`` (JSON) for the replacements of this world to read."""
+    _store().set(f"{_job()}/gen{generation()}/{name}", json.dumps(value))
+
+
+def published(name: str):
+    """In a replacement: what the survivors of its world published as ``name``, or None (no survivor did)."""
+    store, key = _store(), f"{_job()}/gen{generation()}/{name}"
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
 def tied_dtypes(model) -> dict[tuple[str, str], torch.dtype]:
     """The dtype of each tied weight of a ``PipelineModule`` (by tie key and attribute) as its constructor left
     it: a replacement's constructor broadcasts them so, before DeepSpeed converts a survivor's (to bf16, say)."""

@@ -34,6 +34,7 @@ import torch
 
 from baft.errors import BaftError
 from baft.pipeline.hook import InstructionHook
+from baft.pipeline.loop import THIS_PROCESS
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -152,6 +153,8 @@ def capture_items(engine, data_iterator=None) -> dict:
     client = _client_state(engine)
     if client is not None:
         items["client_state"] = _torch_blob(client.capture())
+    if THIS_PROCESS.counts_calls:  # what a process resumed here replays of the loop's calls
+        items["loop"] = THIS_PROCESS.history.items()
     return items
 
 
@@ -190,6 +193,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     client = _client_state(engine)
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
+    THIS_PROCESS.restored(items.get("loop"))
     return RngRestore(items["rng"])
 
 

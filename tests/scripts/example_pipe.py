@@ -1,12 +1,15 @@
 """DeepSpeedExamples' ``training/pipeline_parallelism/train.py`` (its ``train_pipe`` path) in shape:
 a small CNN as a ``PipelineModule`` on synthetic CIFAR-sized data, the config through
 ``--deepspeed_config``, the engine's own loader (``training_data=``), and ``deepspeed.initialize``
-replaced by ``baft.initialize`` with the example's own call.
+replaced by ``baft.initialize`` with the example's own call, in the example's own loop (``for step in
+range(args.steps)``).
 """
 
 import argparse
+import random
 
 import deepspeed
+import numpy
 import torch
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule
@@ -16,12 +19,15 @@ import baft
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--eval-every", type=int, default=0, help="eval_batch on held-out data every N steps")
 parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
+random.seed(0)  # every generator seeded: baft's state digests check each (an unseeded one differs run to run)
+numpy.random.seed(0)
 data = torch.Generator().manual_seed(0)
 trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=data),
                                           torch.randint(0, 10, (256,), generator=data))
@@ -31,7 +37,15 @@ net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
 initialize = deepspeed.initialize if args.no_baft else baft.initialize
 engine, _, _, _ = initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                              training_data=trainset)
-while engine.global_steps < args.steps:  # a restarted run resumes at its restored step
+evalset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=data),
+                                         torch.randint(0, 10, (64,), generator=data))
+held_out = deepspeed.utils.RepeatingLoader(torch.utils.data.DataLoader(
+    evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
+for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.pipeline.loop)
     loss = engine.train_batch()
     if engine.global_rank == 0:
-        print(f"step {engine.global_steps} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
+        print(f"step {step + 1} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
+    if args.eval_every and (step + 1) % args.eval_every == 0:
+        evaluated = engine.eval_batch(iter(held_out))
+        if engine.global_rank == 0:
+            print(f"eval after step {step + 1} loss {float(evaluated)!r}", flush=True)

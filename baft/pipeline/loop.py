@@ -1,0 +1,272 @@
+"""A training loop that counts its own calls to ``train_batch`` from zero, kept in step after a restore.
+
+DeepSpeedExamples' pipeline script loops ``for step in range(args.steps): engine.train_batch()``. Every
+process counts from 0, so a run resumed at step k would train ``args.steps`` more steps (to k +
+``args.steps``), and a replacement in place would call ``train_batch`` k times more than its peers, whose
+last calls would find nobody to meet. A loop on the engine's step (``while engine.global_steps < N``) has
+neither problem.
+
+baft reads the loops around the script's first call to ``train_batch`` or ``eval_batch`` in a process,
+from the source of the calling frames (:func:`loop_around`). Where every loop around it is a ``range``
+from a number (``range(n)``, ``range(1, n + 1)``) whose bounds do not read the engine's step, the loop
+*counts calls*, and baft keeps it in step:
+
+* a process restored at step k *replays* its first k calls: each returns the value that call returned
+  in the run that trained it (:class:`History`, saved with every snapshot) and trains nothing; the
+  ``eval_batch`` calls among them return theirs, and ``save_checkpoint`` writes nothing (the step's
+  checkpoint was written when it was trained); training goes on at step k + 1 with the loop at call k + 1;
+* a survivor recovering in place finishes the step its call was for, however far back the restore went.
+
+The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from baft.errors import BaftError
+
+ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
+
+
+@dataclass(frozen=True)
+class LoopSite:
+    """The loops around a call to ``train_batch`` (outermost first), as read from the source."""
+
+    where: str  # file:line of the innermost loop
+    text: str  # that loop's header
+    counts_calls: bool
+    # none of the loops reads the engine's step, and one is a ``while`` over something else (a counter of the
+    # script's own?): resumed, it would run as many steps again as it ran from the start
+    unread: bool = False
+
+
+def loop_around(frame) -> Optional[LoopSite]:
+    """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's
+    module level; None where no loop is found (the source unreadable, or the call in no loop)."""
+    loops: list[tuple[str, ast.AST, ast.AST]] = []  # (file, loop, its scope), innermost first
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        tree = _parsed(filename)
+        if tree is None:
+            return None
+        found = _loops_at(tree, frame.f_lineno)
+        loops += [(filename, loop, scope) for loop, scope in reversed(found)]
+        if frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    if not loops:
+        return None
+    filename, innermost, _ = loops[0]
+    header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
+              if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
+    reads_step = any(word in ast.unparse(loop) for _, loop, _ in loops for word in ENGINE_STEP)
+    return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
+                    counts_calls=all(_counts_calls(loop, scope) for _, loop, scope in loops),
+                    unread=not reads_step and any(isinstance(loop, ast.While) for _, loop, _ in loops))
+
+
+def _parsed(filename: str) -> Optional[ast.Module]:
+    linecache.checkcache(filename)  # the file as it is now, not as a traceback once read it
+    source = "".join(linecache.getlines(filename))
+    if not source:
+        return None
+    try:
+        return ast.parse(source, filename)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _loops_at(tree: ast.Module, line: int) -> list[tuple[ast.AST, ast.AST]]:
+    """(loop, scope) for the loops whose body holds ``line``, outermost first, within the innermost function
+    (or the module) that holds it: the loops of that frame."""
+    loops: list[tuple[ast.AST, ast.AST]] = []
+    scope: ast.AST = tree
+    node: ast.AST = tree
+    while True:
+        inner = next((child for child in ast.iter_child_nodes(node) if _holds(child, line)), None)
+        if inner is None:
+            return loops
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            loops, scope = [], inner
+        elif isinstance(inner, (ast.For, ast.AsyncFor, ast.While)) and any(_holds(s, line) for s in inner.body):
+            loops.append((inner, scope))
+        node = inner
+
+
+def _holds(node: ast.AST, line: int) -> bool:
+    start = getattr(node, "lineno", None)
+    return start is not None and start <= line <= (node.end_lineno or start)
+
+
+def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
+    """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)`` (or one of them in ``tqdm(...)`` or
+    ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
+    assigned from it."""
+    if not isinstance(loop, (ast.For, ast.AsyncFor)):
+        return False
+    call = loop.iter
+    while isinstance(call, ast.Call) and _name(call.func) in ("tqdm", "enumerate") and call.args:
+        call = call.args[0]
+    if not (isinstance(call, ast.Call) and _name(call.func) in ("range", "trange") and call.args):
+        return False
+    if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
+        return False
+    return not _reads_engine_step(call, scope)
+
+
+def _name(func: ast.AST) -> str:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
+    if any(word in ast.unparse(expr) for word in ENGINE_STEP):
+        return True
+    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    for node in ast.walk(scope):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        if node is not scope and getattr(node, "value", None) is not None and any(
+                isinstance(t, ast.Name) and t.id in names for t in targets):
+            if any(word in ast.unparse(node.value) for word in ENGINE_STEP):
+                return True
+    return False
+
+
+@dataclass
+class History:
+    """What ``train_batch`` returned at each step, and ``eval_batch`` after each: what a replayed call returns.
+    Kept, and saved with every snapshot, in a process whose loop counts calls; a survivor recovering in place
+    keeps its own (its loop does not run again the evaluations after the restored step)."""
+
+    train: list = field(default_factory=list)  # train[k - 1]: the value of step k
+    evals: dict = field(default_factory=dict)  # step -> the values eval_batch returned while the engine was there
+    dtypes: dict = field(default_factory=dict)  # "train", "eval": the dtype of the values
+
+    def record_train(self, step: int, value) -> None:
+        del self.train[step - 1:]  # a step trained again (in place, after a restore) replaces what it had
+        self.train.append(self._value("train", value))
+
+    def record_eval(self, step: int, value) -> None:
+        self.evals.setdefault(step, []).append(self._value("eval", value))
+
+    def _value(self, kind: str, value):
+        """A scalar tensor's value (a float once :meth:`items` read it: exact for float32 and bf16); anything else
+        cannot be replayed (None)."""
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            return None
+        self.dtypes[kind] = str(value.dtype).removeprefix("torch.")
+        return value.detach()  # read at the next snapshot's capture: no wait for the device here
+
+    def items(self) -> dict:
+        """As the commit record holds it (JSON)."""
+        for values in (self.train, *self.evals.values()):
+            i = len(values)
+            while i and not isinstance(values[i - 1], float):  # those recorded since the last capture
+                i -= 1
+            values[i:] = [float(v) if isinstance(v, torch.Tensor) else v for v in values[i:]]
+        return {"train": self.train, "evals": {str(k): v for k, v in self.evals.items()}, "dtypes": self.dtypes}
+
+    @classmethod
+    def from_items(cls, items: dict) -> "History":
+        return cls(list(items["train"]), {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]))
+
+
+class Loop:
+    """How this process's script loops over ``train_batch``, read at its first call, what it returned, and the
+    calls it replays. One per process: a survivor recovering in place keeps its loop (its engine is made
+    again, not its loop)."""
+
+    def __init__(self):
+        self.site: Optional[LoopSite] = None
+        self.decided = False
+        self.counts_calls = False
+        self.history = History()
+        self.to_replay = 0  # the calls the loop made before the restored step, in the run that trained them
+        self.replayed = 0
+        self.evals_replayed = 0  # eval_batch calls replayed since the last replayed train_batch
+        self.completed = 0  # the steps before the one the loop's next call that trains will train
+        self.resumed = False  # whether a call trained since the replayed ones
+        self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
+
+    def restored(self, items: Optional[dict]) -> None:
+        """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
+        if not self.decided:
+            self.history = History.from_items(items) if items else History()
+
+    def decide(self, engine, frame) -> None:
+        """At the process's first ``train_batch`` or ``eval_batch`` (``frame``: its caller's)."""
+        if self.decided:
+            return
+        self.decided = True
+        mode = engine.baft.config.loop
+        self.site = loop_around(frame) if mode == "auto" else None
+        self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls)
+        if self.site is not None and self.site.unread and engine.global_rank == 0:
+            print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
+                  f"engine's step: resumed after a fault it would run as many steps again as it ran from the start. "
+                  f"Loop on the engine's step (while engine.global_steps < N), or say \"loop\": \"calls\" in the "
+                  f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
+        if not self.counts_calls:
+            return
+        self.to_replay = engine.global_steps
+        peers = self.peers
+        if peers is not None:
+            # a replacement in place: its peers' loops are further on than the restored step; it trains the steps
+            # between with them, then replays as many calls as they made
+            self.to_replay = peers["completed"]
+            self.history.evals.update({int(k): v for k, v in peers["evals"].items()})
+        if self.to_replay and (engine.global_rank == 0 or peers is not None):
+            loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
+            k = self.to_replay
+            print(f"baft: {loop} counts its calls to train_batch: resumed at step {engine.global_steps}, its first "
+                  f"{k} calls return what steps 1-{k} returned, without training them again (\"loop\": \"steps\" "
+                  f"in the baft section if it stops on the engine's step)", flush=True)
+
+    def progress(self) -> Optional[dict]:
+        """In a survivor recovering in place: how far its loop is, and what ``eval_batch`` returned, for the
+        replacements to replay (their :attr:`peers`); None where the loop does not count its calls."""
+        if self.counts_calls:
+            return {"completed": self.completed, "evals": self.history.items()["evals"]}
+        return None
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the loop's next ``train_batch`` call is one it made before the restored step."""
+        return self.replayed < self.to_replay
+
+    @property
+    def replays_evaluations(self) -> bool:
+        """Whether an ``eval_batch`` call now is one the loop made before the restored step (up to its first
+        call that trains again: the evaluations after the last replayed step were made then too)."""
+        return self.to_replay > 0 and not self.resumed
+
+    def replay_train(self, engine):
+        """What the next replayed ``train_batch`` call returns."""
+        self.replayed += 1
+        self.evals_replayed = 0
+        return self._recorded(engine, "train", self.history.train, self.replayed - 1, f"step {self.replayed}")
+
+    def replay_eval(self, engine):
+        """What the next replayed ``eval_batch`` call returns."""
+        self.evals_replayed += 1
+        return self._recorded(engine, "eval", self.history.evals.get(self.replayed, []), self.evals_replayed - 1,
+                              f"eval_batch call {self.evals_replayed} after step {self.replayed}")
+
+    def _recorded(self, engine, kind: str, values: list, index: int, what: str):
+        value = values[index] if index < len(values) else None
+        if value is None:
+            raise BaftError(f"baft: the loop replays its calls before the restored step, and {what} returned nothing "
+                            f"baft recorded (not a scalar, or trained before baft recorded it); loop on the engine's "
+                            f"step (while engine.global_steps < N) to resume without replaying")
+        return torch.tensor(float(value), dtype=getattr(torch, self.history.dtypes[kind]), device=engine.device)
+
+
+THIS_PROCESS = Loop()

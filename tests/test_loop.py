@@ -1,0 +1,111 @@
+"""Which training loops count their calls to ``train_batch`` (:mod:`baft.pipeline.loop`), read from their source."""
+
+import json
+import runpy
+import textwrap
+
+import pytest
+import torch
+
+from baft.pipeline.loop import History
+
+STUB = """
+import sys
+from baft.pipeline.loop import loop_around
+
+class Engine:
+    global_steps = 0
+    def train_batch(self):
+        global SITE
+        SITE = loop_around(sys._getframe(1))
+
+engine = Engine()
+args = type("Args", (), {"steps": 2, "epochs": 1})()
+N = 2
+loader = [1, 2]
+"""
+
+COUNTS = {
+    "range": "for step in range(args.steps):\n    engine.train_batch()",
+    "range from 0": "for step in range(0, N):\n    engine.train_batch()",
+    "range from 1": "for step in range(1, args.steps + 1):\n    loss = engine.train_batch()",
+    "nested ranges": "for epoch in range(args.epochs):\n    for i in range(N):\n        engine.train_batch()",
+    "tqdm": "from tqdm import tqdm\nfor step in tqdm(range(N), disable=True):\n    engine.train_batch()",
+    "enumerate": "for i, step in enumerate(range(N)):\n    engine.train_batch()",
+    "in a function": "def train():\n    for step in range(N):\n        engine.train_batch()\ntrain()",
+    "a helper in the loop": ("def one_step():\n    return engine.train_batch()\n"
+                             "def main():\n    for _ in range(N):\n        one_step()\nmain()"),
+}
+STEPS = {
+    "while on the engine's step": "while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1",
+    "range from the engine's step": "for step in range(engine.global_steps, N):\n    engine.train_batch()",
+    "range of what is left": "for _ in range(N - engine.global_steps):\n    engine.train_batch()",
+    "a name from the engine's step": ("left = N - engine.global_steps\nfor _ in range(left):\n"
+                                      "    engine.train_batch()"),
+    "range from a variable": "start = 0\nfor step in range(start, N):\n    engine.train_batch()",
+    "over data": "for batch in loader:\n    engine.train_batch()",
+    "data inside a range": "for epoch in range(args.epochs):\n    for batch in loader:\n        engine.train_batch()",
+}
+
+
+def _site(tmp_path, body):
+    script = tmp_path / f"train{len(list(tmp_path.iterdir()))}.py"
+    script.write_text(STUB + textwrap.dedent(body) + "\n")
+    return runpy.run_path(str(script), run_name="__main__")["SITE"], script
+
+
+@pytest.mark.parametrize("name", COUNTS)
+def test_a_loop_that_counts_its_calls(tmp_path, name):
+    site, script = _site(tmp_path, COUNTS[name])
+    assert site is not None and site.counts_calls, (name, site)
+    assert site.where.startswith(f"{script}:") and site.text.startswith("for "), site
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_a_loop_that_resumes_with_the_engine(tmp_path, name):
+    site, _ = _site(tmp_path, STEPS[name])
+    assert site is not None and not site.counts_calls, (name, site)
+
+
+def test_a_while_loop_over_a_counter_of_its_own_is_said_to_be_unread(tmp_path):
+    site, _ = _site(tmp_path, "step = 0\nwhile step < N:\n    engine.train_batch()\n    step += 1")
+    assert site.unread and not site.counts_calls and site.text == "while step < N", site
+    assert not any(_site(tmp_path, STEPS[name])[0].unread for name in STEPS)
+    assert not any(_site(tmp_path, COUNTS[name])[0].unread for name in COUNTS)
+
+
+def test_a_call_in_no_loop(tmp_path):
+    site, _ = _site(tmp_path, "engine.train_batch()")
+    assert site is None
+
+
+def test_the_site_names_the_innermost_loop(tmp_path):
+    site, script = _site(tmp_path, COUNTS["nested ranges"])
+    assert site.where == f"{script}:{STUB.count(chr(10)) + 2}" and site.text == "for i in range(N)", site
+
+
+def test_the_loop_key_is_validated():
+    from baft.config import parse_config
+    from baft.errors import ConfigError
+
+    assert parse_config({"baft": {}}).loop == "auto" and parse_config({"baft": {"loop": "calls"}}).loop == "calls"
+    with pytest.raises(ConfigError, match=r"^baft\.loop: expected one of auto, calls, steps, got 'count'$"):
+        parse_config({"baft": {"loop": "count"}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_history_goes_through_a_commit_record_exactly(dtype):
+    """What a replayed call returns is what the call returned, bit for bit, through the commit record's JSON."""
+    history = History()
+    losses = [torch.tensor(v, dtype=dtype) for v in (2.3456789, 1.0 / 3, 1e-7)]
+    for step, loss in enumerate(losses, 1):
+        history.record_train(step, loss)
+    history.record_eval(2, torch.tensor(0.123456789, dtype=dtype))
+    history.record_eval(2, (torch.zeros(2), torch.ones(3)))  # logits too: a value baft cannot replay
+    history.record_train(3, losses[2])  # step 3 trained again (in place): replaces its value
+    restored = History.from_items(json.loads(json.dumps(history.items())))
+    assert restored.train == [float(v) for v in losses] and restored.dtypes == {"train": str(dtype)[6:],
+                                                                                "eval": str(dtype)[6:]}
+    assert restored.evals == {2: [float(torch.tensor(0.123456789, dtype=dtype)), None]}
+    again = torch.tensor(restored.train[1], dtype=getattr(torch, restored.dtypes["train"]))
+    assert again.dtype == dtype and torch.equal(again, losses[1])
