@@ -34,7 +34,7 @@ from baft.recovery.digests import DIGESTS_ENV, compare, processes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "matrix_job.py"
 AXES = {
-    "optimizer": ["adam", "adamw", "sgd", "ds-adam"],
+    "optimizer": ["adam", "adamw", "sgd", "sgd-plain", "ds-adam"],  # sgd-plain: no momentum, no optimizer state
     "scheduler": ["none", "WarmupLR", "WarmupDecayLR-log", "WarmupDecayLR-linear", "WarmupCosineLR", "OneCycle",
                   "torch"],
     "precision": ["fp32", "bf16", "zero1-fp32", "zero1-bf16"],
@@ -47,6 +47,8 @@ AXES = {
     "period": [1, "auto", 3],
     "form": ["path", "dict", "args", "config_params"],
     "recovery": ["in place", "relaunch"],  # baft train --in-place: the survivors keep their processes
+    "seed_layers": [False, True],  # PipelineModule(seed_layers=True): every layer's forward seeded from a counter
+    "loop": ["steps", "calls"],  # while engine.global_steps < N, or for _ in range(N) (baft.pipeline.loop)
 }
 PHASES = ["forward", "backward", "copy", "seal", "commit", "optimizer", "outside"]
 STEPS = 8
@@ -77,6 +79,8 @@ class Case:
     period: object
     form: str
     recovery: str
+    seed_layers: bool = False
+    loop: str = "steps"
     faults: list = field(default_factory=list)
     steps: int = STEPS
 

@@ -37,8 +37,18 @@ def test_equal_runs_compare_equal_and_a_differing_part_is_named_at_its_first_ste
 def test_a_difference_before_any_restart_is_the_scripts_own(tmp_path):
     uninterrupted(tmp_path / "ref")
     record(tmp_path / "run", 0, 0, 0, weights="unseeded", **{"optimizer.param_groups[0].lr": "lr0"})
+    uninterrupted(tmp_path / "run")
     [line] = compare(tmp_path / "ref", tmp_path / "run")
     assert line.startswith("rank 0: weights differs from step 0, before any restart")
+
+
+def test_a_run_that_trained_past_the_reference_or_stopped_short_is_named(tmp_path):
+    """Each step both ran is equal, but a resumed loop that counted its steps again trained two more."""
+    uninterrupted(tmp_path / "ref")
+    uninterrupted(tmp_path / "longer", steps=8)
+    assert compare(tmp_path / "ref", tmp_path / "longer") == [
+        "rank 0: the run's last step is 8, the reference's 6", "rank 1: the run's last step is 8, the reference's 6"]
+    assert compare(tmp_path / "longer", tmp_path / "ref")[0] == "rank 0: the run's last step is 6, the reference's 8"
 
 
 def test_a_run_that_recorded_nothing_fails_the_comparison(tmp_path):

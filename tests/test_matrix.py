@@ -22,17 +22,17 @@ CASES = {
     "warmuplr-bf16-deepspeed-examples-shape": Case(
         seed=12, optimizer="adam", scheduler="WarmupLR", precision="bf16", data="engine", dropout=[True, True],
         checkpointing=False, tied=False, frozen=False, micro_batches=2, period="auto", form="args",
-        recovery="in place", faults=[Fault(1, 6, "forward")]),
+        recovery="in place", loop="calls", faults=[Fault(1, 6, "forward")]),  # the examples' own loop
     "warmup-decay-zero1-bf16-dp2": Case(
         seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="iterator",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
         # ranks 1 and 2 survive both kills: the second restores the snapshot of step 6 their new engines took
-        form="config_params", recovery="in place", faults=[Fault(3, 5, "commit"), Fault(0, 7, "optimizer")]),
+        form="config_params", recovery="in place", loop="calls", faults=[Fault(3, 5, "commit"), Fault(0, 7, "optimizer")]),
     "warmup-decay-fp32-stateful-tied-frozen": Case(
         seed=11, optimizer="adamw", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
         # 4 micro-batches of the 12 an epoch holds: epochs end at steps 3 and 6, and a resume lands on one
         dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
-        recovery="in place", faults=[Fault(1, 4, "outside"), Fault(1, 7, "copy")]),  # rank 0 survives both
+        recovery="in place", seed_layers=True, faults=[Fault(1, 4, "outside"), Fault(1, 7, "copy")]),  # rank 0 survives both
     "adam-cosine-zero1-fp32-dp2": Case(
         seed=14, optimizer="adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
         dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=3, form="path",
@@ -41,9 +41,9 @@ CASES = {
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
         # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        recovery="relaunch", faults=[Fault(0, 4, "optimizer")]),
+        recovery="relaunch", seed_layers=True, loop="calls", faults=[Fault(0, 4, "optimizer")]),
     "sgd-onecycle-fp32-stateful": Case(
-        seed=16, optimizer="sgd", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
+        seed=16, optimizer="sgd-plain", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
         recovery="in place", faults=[Fault(1, 5, "backward")]),
     "deepspeed-adam-torch-scheduler-fp32-iterator": Case(

@@ -172,7 +172,9 @@ class History:
             while i and not isinstance(values[i - 1], float):  # those recorded since the last capture
                 i -= 1
             values[i:] = [float(v) if isinstance(v, torch.Tensor) else v for v in values[i:]]
-        return {"train": self.train, "evals": {str(k): v for k, v in self.evals.items()}, "dtypes": self.dtypes}
+        # copies: the commit record is written on another thread while training records on
+        return {"train": list(self.train), "evals": {str(k): list(v) for k, v in self.evals.items()},
+                "dtypes": dict(self.dtypes)}
 
     @classmethod
     def from_items(cls, items: dict) -> "History":

@@ -175,15 +175,18 @@ def compare(reference, run) -> list[str]:
     """One line per (rank, part) of ``run`` that differs from the uninterrupted ``reference`` run, naming the
     first step, and saying so where it differed before any restart (the script itself does not repeat it:
     an unseeded generator); also a line for each step up to the reference's last, or part, that only the
-    run recorded. Steps past the reference's last are not compared. Empty: identical in every part at every
-    step both ran."""
+    run recorded, and one for each rank whose last step is not the reference's (a resumed loop that trained
+    past the end, or stopped short). Steps past the reference's last are not compared. Empty: identical in
+    every part at every step both ran, and both ended at the same step."""
     ref, got = load(reference), load(run)
     empty = [f"{directory}: no digests recorded" for directory, found in ((reference, ref), (run, got)) if not found]
     if empty:
         return empty
     last = {rank: step for rank, step in sorted(ref)}
+    ran = {rank: step for rank, step in sorted(got)}
+    problems = [f"rank {rank}: the run's last step is {ran.get(rank)}, the reference's {step}"
+                for rank, step in sorted(last.items()) if ran.get(rank) != step]
     first: dict[tuple[int, str], tuple[int, bool]] = {}
-    problems = []
     for (rank, step), parts in sorted(got.items()):
         if step > last.get(rank, -1):
             continue

@@ -23,6 +23,7 @@ snapshot is copied while one seals, with three it waits for the seal (``seal_wai
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -62,10 +63,17 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.at_step_boundary = False
         self.last_step: Optional[int] = None  # of the newest snapshot begun
         self.taken_before = 0  # taken when this iteration started
+        self.said_missing = False  # that the optimizer's state holds snapshots back
 
     def due(self, engine) -> bool:
         step = engine.global_steps
-        return step > 0 and self.wanted(step) and state.optimizer_state_missing(engine) is None
+        if not (step > 0 and self.wanted(step)):
+            return False
+        missing = state.optimizer_state_missing(engine)
+        if missing is not None and step > 1 and not self.said_missing:
+            self.said_missing = True  # a fault now would restart from the start: say so, once
+            print(f"baft: rank {engine.global_rank} takes no snapshot: {missing}", file=sys.stderr, flush=True)
+        return missing is None
 
     def metrics(self) -> PolicyMetrics:
         """This policy's counters after the latest iteration."""

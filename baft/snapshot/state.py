@@ -136,6 +136,8 @@ def capture_items(engine, data_iterator=None) -> dict:
             "torch": _b64(torch.get_rng_state().numpy().tobytes()),
         },
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
+        # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
+        "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
         "param_groups": _torch_blob([{k: v for k, v in g.items() if k != "params"}
                                      for g in base_optimizer(engine.optimizer).param_groups]),
@@ -173,6 +175,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     RNG states by the hook returned, which must run before any other at the next iteration's start."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
+    if "micro_offset" in items:
+        engine.module.micro_offset = items["micro_offset"]
     groups = items["param_groups"]
     if isinstance(groups, str):
         groups = _torch_unblob(groups)
@@ -226,13 +230,19 @@ class RngRestore(InstructionHook):
 
 
 def optimizer_state_missing(engine) -> Optional[str]:
-    """None when every trainable parameter has optimizer state, else why not (before the first step)."""
+    """None when the optimizer's state is there to snapshot, else why not. A torch optimizer creates its state
+    at its first step (not one skipped for an fp16 overflow); one that created none then (SGD without
+    momentum) has none to snapshot."""
     optimizer = base_optimizer(engine.optimizer)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and not optimizer.state.get(p):
-                return "optimizer state is created by the first optimizer step"
-    return None
+    trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    without = sum(1 for p in trained if not optimizer.state.get(p))
+    stepped = engine.global_steps - getattr(engine, "skipped_steps", 0) > 0
+    if not without or (stepped and without == len(trained)):
+        return None
+    if not stepped:
+        return "optimizer state is created by the first optimizer step"
+    return (f"{without} of {len(trained)} trainable parameters have no optimizer state after "
+            f"{engine.global_steps} steps (never given a gradient? set requires_grad=False on them)")
 
 
 def create_optimizer_state(engine, entries) -> None:

@@ -69,7 +69,7 @@ def layers(case):
 
 def config(case, policy, dp):
     optimizer = {"adam": ("Adam", {"torch_adam": True}), "adamw": ("AdamW", {"torch_adam": True, "weight_decay": 0.1}),
-                 "sgd": ("SGD", {"momentum": 0.9}), "ds-adam": ("Adam", {})}[case["optimizer"]]
+                 "sgd": ("SGD", {"momentum": 0.9}), "sgd-plain": ("SGD", {}), "ds-adam": ("Adam", {})}[case["optimizer"]]
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": case["micro_batches"],
            "train_batch_size": MICRO_BATCH * case["micro_batches"] * dp, "gradient_clipping": 1.0,
            "steps_per_print": 10 ** 9, "optimizer": {"type": optimizer[0], "params": {"lr": 0.01, **optimizer[1]}},
@@ -112,6 +112,7 @@ def main():
     np.random.seed(seed)
     torch.manual_seed(case["seed"])  # the same initial weights on every replica
     model = PipelineModule(layers=layers(case), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
+                           seed_layers=case["seed_layers"], base_seed=case["seed"],
                            activation_checkpoint_interval=1 if case["checkpointing"] else 0)
     for name, param in model.named_parameters():
         if case["frozen"] and name.startswith("3."):  # a frozen block on the first stage
@@ -145,8 +146,12 @@ def main():
     engine, *_ = baft.initialize(**kwargs)
     if case["data"] == "stateful":
         feed = RepeatingLoader(kwargs["data_iterator"])  # taken after initialize, as the README says
-    while engine.global_steps < case["steps"]:
-        engine.train_batch(data_iter=feed)
+    if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
+        for _ in range(case["steps"]):
+            engine.train_batch(data_iter=feed)
+    else:
+        while engine.global_steps < case["steps"]:
+            engine.train_batch(data_iter=feed)
 
 
 if __name__ == "__main__":
