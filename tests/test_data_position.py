@@ -71,6 +71,26 @@ def test_a_restore_at_any_batch_reads_every_later_epoch_as_the_uninterrupted_loa
         assert torch.equal(read(make, 21, restore_at), reference), f"restored after batch {restore_at}"
 
 
+@pytest.mark.parametrize("name", LOADERS)
+def test_a_position_saved_again_before_the_restored_loader_reads_restores_it_too(name):
+    """A resumed run snapshots the restored step again before it reads a batch; a second fault restores that copy
+    (torchdata's distributed sampler says it has yielded nothing until its restored iterator is read)."""
+    make = LOADERS[name]
+    reference = read(make, 14)
+    for restore_at in (3, 7, 9):
+        loader = make(0)
+        feed = RepeatingLoader(loader)
+        for _ in range(restore_at):
+            next(feed)
+        once = data_position(None, make(0))  # one per run, as baft.initialize makes it
+        once.load_state_dict(data_position(None, loader).state_dict())
+        twice = make(0)
+        data_position(None, twice).load_state_dict(once.state_dict())
+        resumed = RepeatingLoader(twice)
+        samples = torch.stack([next(resumed) for _ in range(14 - restore_at)])[:, :, 0]  # the noise: RngRestore's
+        assert torch.equal(samples, reference[restore_at:, :, 0]), f"restored twice after batch {restore_at}"
+
+
 def test_with_workers_the_order_resumes_anywhere_and_their_draws_from_an_epoch_boundary():
     """A worker's generator is seeded from the loader's base seed at each epoch and is in no state_dict: the
     numbers drawn in workers resume exactly from an epoch boundary only (baft warns of it at initialize)."""

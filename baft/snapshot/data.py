@@ -7,6 +7,7 @@ its ``generator`` beside it, or the engine's own loader (``training_data=``).
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -56,8 +57,16 @@ class LoaderWithGenerator:
 
     def __init__(self, loader):
         self.loader = loader
+        self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
 
     def state_dict(self) -> dict:
+        if self.unread is not None:
+            # a restored iterator that has read nothing states itself wrongly (torchdata 0.11's distributed
+            # sampler says it has yielded nothing): the position is the one restored
+            saved, restored = self.unread
+            if self.loader._iterator is restored and restored._num_yielded == saved["loader"]["_num_yielded"]:
+                return saved
+            self.unread = None
         return {"loader": self.loader.state_dict(), "generator": self.loader.generator.get_state()}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -65,6 +74,7 @@ class LoaderWithGenerator:
             self.loader.load_state_dict(saved)
             return
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
+        kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
         self.loader.load_state_dict(saved["loader"])
         self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
@@ -72,6 +82,8 @@ class LoaderWithGenerator:
             live.__class__, live.__dict__ = type(restored), restored.__dict__
             self.loader._iterator = live
         self.loader.generator.set_state(saved["generator"])
+        if "_num_yielded" in kept["loader"]:
+            self.unread = (kept, self.loader._iterator)
 
 
 def data_position(engine, data_iterator=None, training_data=None):
