@@ -8,8 +8,8 @@ neither problem.
 
 baft reads the loops around the script's first call to ``train_batch`` or ``eval_batch`` in a process,
 from the source of the calling frames (:func:`loop_around`). Where every loop around it is a ``range``
-from a number (``range(n)``, ``range(1, n + 1)``) whose bounds do not read the engine's step, the loop
-*counts calls*, and baft keeps it in step:
+from a number (``range(n)``, ``range(1, n + 1)``) whose bounds do not read the engine's step, or a ``while``
+over a counter the script sets to a number and adds 1 to, the loop *counts calls*, and baft keeps it in step:
 
 * a process restored at step k *replays* its first k calls: each returns the value that call returned
   in the run that trained it (:class:`History`, saved with every snapshot) and trains nothing; the
@@ -67,10 +67,11 @@ def loop_around(frame) -> Optional[LoopSite]:
     filename, innermost, _ = loops[0]
     header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
-    reads_step = any(word in ast.unparse(loop) for _, loop, _ in loops for word in ENGINE_STEP)
+    reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope in loops)
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     counts_calls=all(_counts_calls(loop, scope) for _, loop, scope in loops),
-                    unread=not reads_step and any(isinstance(loop, ast.While) for _, loop, _ in loops))
+                    unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
+                                                  for _, loop, scope in loops))
 
 
 def _parsed(filename: str) -> Optional[ast.Module]:
@@ -109,7 +110,9 @@ def _holds(node: ast.AST, line: int) -> bool:
 def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
     """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)`` (or one of them in ``tqdm(...)`` or
     ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
-    assigned from it."""
+    assigned from it; or a ``while`` over a counter of its own (:func:`_while_counts`)."""
+    if isinstance(loop, ast.While):
+        return _while_counts(loop, scope)
     if not isinstance(loop, (ast.For, ast.AsyncFor)):
         return False
     call = loop.iter
@@ -120,6 +123,21 @@ def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
     if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
         return False
     return not _reads_engine_step(call, scope)
+
+
+def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
+    """``while i < n`` (or ``<=``, ``!=``) where ``i`` is set to a number in the scope and ``i += 1`` in the loop."""
+    test = loop.test
+    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Lt, ast.LtE, ast.NotEq))) or _reads_engine_step(test, scope):
+        return False
+    counter = test.left.id
+    counted = any(isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name)
+                  and node.target.id == counter and isinstance(node.value, ast.Constant) and node.value.value == 1
+                  for node in ast.walk(loop))
+    started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
+    return counted and bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
 
 
 def _name(func: ast.AST) -> str:
