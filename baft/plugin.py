@@ -107,6 +107,8 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         protection.restore(data_iterator)
         protection.protect()
         guard_load_checkpoint(engine, protection.client_state)
+        if protection.hooks.rng is not None:  # the script's loop goes on from the restored step
+            protection.hooks.rng.between_steps()
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace
 

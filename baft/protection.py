@@ -74,7 +74,22 @@ class Protection:
                 print(f"baft: resumed from step {loaded[0]} (disk, {cfg.policy})", flush=True)
         if self.restored is not None:
             self.hooks.rng = self.restored.rng
+            if self.restored.items is not None and hasattr(self.policy, "keep_items"):
+                self.policy.keep_items(self.restored.step, self.restored.items)
         return self.restored
+
+    def replayed(self) -> None:
+        """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),
+        running its own code between them: the state it may have changed there (a learning rate, a scheduler of
+        its own, its ``client_state``) is put back as the restored step left it, and the generators it draws from
+        between steps too. Not the data position: the replayed calls read no batches (a loader's position is put
+        back by reading on to it)."""
+        from baft.snapshot import state
+
+        if self.restored is not None and self.restored.items is not None:
+            state.restore_items(self.engine, self.restored.items)
+        if self.hooks.rng is not None:
+            self.hooks.rng.between_steps()
 
     def protect(self) -> None:
         """Snapshot as the policy says, report the recovery after the first resumed iteration, inject

@@ -19,16 +19,16 @@ LINE = re.compile(r"^(step \d+|eval after step \d+) loss (\S+)", re.M)
 
 
 def train(directory: Path, *options: str) -> subprocess.CompletedProcess:
-    """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, in ``directory``."""
+    """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2 and a learning rate drawn from
+    python's generator before each, in ``directory``."""
     config = directory / "ds_config.json"
     config.write_text(json.dumps({
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4}},
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
                            *options, "--", str(SCRIPTS / "example_pipe.py"), "--steps", str(STEPS), "--eval-every", "2",
-                           "--deepspeed_config", str(config)],
+                           "--lr-jitter", "--deepspeed_config", str(config)],
                           capture_output=True, text=True, timeout=300,
                           env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
 

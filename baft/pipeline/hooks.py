@@ -107,30 +107,36 @@ class BaftPipelineEngine(PipelineEngine):
         loop = THIS_PROCESS
         loop.decide(self, sys._getframe(1))
         if loop.replaying:
-            if self.global_steps < loop.to_replay:  # a replacement in place: the steps its peers' calls made
-                loop.completed = loop.to_replay
-                self._train_to(loop.to_replay, data_iter)
-            return loop.replay_train(self)
-        loop.completed, loop.resumed = self.global_steps, True
-        return self._train_to(self.global_steps + 1, data_iter)
+            value = loop.replay_train(self)
+            if not loop.replaying:  # the loop goes on from the restored step
+                self.baft.replayed()
+            return value
+        loop.called()
+        loop.step_called_for = self.global_steps + 1
+        loop.in_call = True
+        try:
+            return self._train_to(self.global_steps + 1, data_iter)
+        finally:
+            loop.in_call = False
 
     def _train_to(self, step: int, data_iter):
         """Train one step, or, in a loop that counts its calls, until the engine is at ``step`` however far back a
         recovery in place goes; the loss of the last step trained."""
         loop = THIS_PROCESS
+        again = False
         while True:
+            if loop.counts_calls:
+                loop.starting(self, self.global_steps + 1, again)
             try:
                 loss = self._protected_batch(data_iter)
             except Exception as err:
                 recover = getattr(self.baft, "recover", None)  # Protection.recover: in place, after a peer was killed
                 if recover is None or not recover(err):
                     raise
+                again = True
                 continue  # the iteration again, from the restored step
-            if not loop.counts_calls:
+            if not loop.counts_calls or self.global_steps >= step:
                 return loss  # a loop on the engine's step calls again for the steps a restore took back
-            loop.history.record_train(self.global_steps, loss)
-            if self.global_steps >= step:
-                return loss
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
                    num_micro_batches=None):
@@ -159,6 +165,8 @@ class BaftPipelineEngine(PipelineEngine):
             loss = super().train_batch(data_iter)
         finally:
             self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
+        if THIS_PROCESS.counts_calls:  # before the step's end, where a snapshot's small state is taken
+            THIS_PROCESS.history.record_train(self.global_steps, loss)
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss

@@ -15,7 +15,9 @@ over a counter the script sets to a number and adds 1 to, the loop *counts calls
   in the run that trained it (:class:`History`, saved with every snapshot) and trains nothing; the
   ``eval_batch`` calls among them return theirs, and ``save_checkpoint`` writes nothing (the step's
   checkpoint was written when it was trained); training goes on at step k + 1 with the loop at call k + 1;
-* a survivor recovering in place finishes the step its call was for, however far back the restore went.
+* in place, a survivor's call finishes the step it was called for, however far back the restore went
+  (each step trained again from the generators' states it first started with), and a replacement's calls
+  from k + 1 train those steps with it, replaying the evaluations and checkpoints the survivors made then.
 
 The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``.
 """
@@ -23,6 +25,7 @@ The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"``
 from __future__ import annotations
 
 import ast
+import copy
 import linecache
 import sys
 import sys
@@ -32,8 +35,10 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
+from baft.pipeline.rng import rng_states, set_rng_states
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
+KEPT_STARTS = 64  # steps whose starting generators a survivor keeps: a recovery in place goes back fewer
 
 
 @dataclass(frozen=True)
@@ -209,12 +214,14 @@ class Loop:
         self.decided = False
         self.counts_calls = False
         self.history = History()
-        self.to_replay = 0  # the calls the loop made before the restored step, in the run that trained them
-        self.replayed = 0
-        self.evals_replayed = 0  # eval_batch calls replayed since the last replayed train_batch
-        self.completed = 0  # the steps before the one the loop's next call that trains will train
-        self.resumed = False  # whether a call trained since the replayed ones
+        self.calls = 0  # calls to train_batch the loop has made in this process
+        self.to_replay = 0  # the first calls, which trained the steps up to the restored one in an earlier process
+        self.evaluated_until = 0  # the loop's evaluations and checkpoints up to this step were made then too
+        self.evals_replayed = 0  # eval_batch calls replayed since the latest train_batch call
+        self.step_called_for = 0  # the step the loop's latest call that trains is for
+        self.in_call = False  # inside a call to train_batch that trains
         self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
+        self.started: dict[int, dict] = {}  # step -> generators and hyper-parameters as its iteration started
 
     def restored(self, items: Optional[dict]) -> None:
         """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
@@ -236,49 +243,69 @@ class Loop:
                   f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
         if not self.counts_calls:
             return
-        self.to_replay = engine.global_steps
+        self.to_replay = k = engine.global_steps
+        self.evaluated_until = max(k - 1, 0)  # the snapshot of step k was taken as it ended: what follows runs again
         peers = self.peers
-        if peers is not None:
-            # a replacement in place: its peers' loops are further on than the restored step; it trains the steps
-            # between with them, then replays as many calls as they made
-            self.to_replay = peers["completed"]
-            self.history.evals.update({int(k): v for k, v in peers["evals"].items()})
-        if self.to_replay and (engine.global_rank == 0 or peers is not None):
+        if peers is not None and peers["counts_calls"]:
+            # a replacement in place: its peers' loops went on past the restored step, and made the evaluations and
+            # checkpoints of the steps it trains again with them
+            self.evaluated_until = peers["step_called_for"] - 1
+            self.history.evals.update({int(step): v for step, v in peers["evals"].items()})
+        if k and (engine.global_rank == 0 or peers is not None):
             loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
-            k = self.to_replay
-            print(f"baft: {loop} counts its calls to train_batch: resumed at step {engine.global_steps}, its first "
-                  f"{k} calls return what steps 1-{k} returned, without training them again (\"loop\": \"steps\" "
-                  f"in the baft section if it stops on the engine's step)", flush=True)
+            print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
+                  f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
+                  f"if it stops on the engine's step)", flush=True)
 
-    def progress(self) -> Optional[dict]:
-        """In a survivor recovering in place: how far its loop is, and what ``eval_batch`` returned, for the
-        replacements to replay (their :attr:`peers`); None where the loop does not count its calls."""
-        if self.counts_calls:
-            return {"completed": self.completed, "evals": self.history.items()["evals"]}
-        return None
+    def progress(self) -> dict:
+        """In a survivor recovering in place: whether its loop counts its calls, and if so the step its call is for and
+        what ``eval_batch`` returned, for the replacements (their :attr:`peers`)."""
+        if not self.counts_calls:
+            return {"counts_calls": False}
+        return {"counts_calls": True, "step_called_for": self.step_called_for, "evals": self.history.items()["evals"]}
+
+    def starting(self, engine, step: int, again: bool) -> None:
+        """Before the iteration that trains ``step``: where a survivor trains it again in the call that failed,
+        the generators and the optimizer's hyper-parameters as they were when it first started (the script's
+        loop, which does not run again for the steps before its call's, drew from those and may have set
+        these); else they are kept for that."""
+        groups = engine.optimizer.param_groups
+        if again and step in self.started:
+            kept = self.started[step]
+            set_rng_states(kept["rng"])
+            for group, values in zip(groups, kept["groups"]):
+                group.update(values)
+            return
+        self.started[step] = {"rng": rng_states(),
+                              "groups": [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups]}
+        self.started.pop(step - KEPT_STARTS, None)
 
     @property
     def replaying(self) -> bool:
-        """Whether the loop's next ``train_batch`` call is one it made before the restored step."""
-        return self.replayed < self.to_replay
+        """Whether the loop's next ``train_batch`` call is one that trained a step up to the restored one."""
+        return self.calls < self.to_replay
 
     @property
     def replays_evaluations(self) -> bool:
-        """Whether an ``eval_batch`` call now is one the loop made before the restored step (up to its first
-        call that trains again: the evaluations after the last replayed step were made then too)."""
-        return self.to_replay > 0 and not self.resumed
+        """Whether an ``eval_batch`` or ``save_checkpoint`` call now was made, after the same call to
+        ``train_batch``, by the process that trained the step (or by the survivors, for a replacement in place)."""
+        return 0 < self.evaluated_until and self.calls <= self.evaluated_until
+
+    def called(self) -> None:
+        """A call to ``train_batch``, replayed or not."""
+        self.calls += 1
+        self.evals_replayed = 0
 
     def replay_train(self, engine):
         """What the next replayed ``train_batch`` call returns."""
-        self.replayed += 1
-        self.evals_replayed = 0
-        return self._recorded(engine, "train", self.history.train, self.replayed - 1, f"step {self.replayed}")
+        self.called()
+        return self._recorded(engine, "train", self.history.train, self.calls - 1, f"step {self.calls}")
 
     def replay_eval(self, engine):
         """What the next replayed ``eval_batch`` call returns."""
         self.evals_replayed += 1
-        return self._recorded(engine, "eval", self.history.evals.get(self.replayed, []), self.evals_replayed - 1,
-                              f"eval_batch call {self.evals_replayed} after step {self.replayed}")
+        return self._recorded(engine, "eval", self.history.evals.get(self.calls, []), self.evals_replayed - 1,
+                              f"eval_batch call {self.evals_replayed} after step {self.calls}")
 
     def _recorded(self, engine, kind: str, values: list, index: int, what: str):
         value = values[index] if index < len(values) else None

@@ -43,13 +43,11 @@ def recover(engine, error: BaseException) -> bool:
         raise RuntimeError(f"baft: rank {engine.global_rank} could not meet a replacement after: {error}") from err
     if not replaced:
         return False
-    progress = THIS_PROCESS.progress()
-    if progress is not None:  # before the restore, whose collectives a replacement's loop comes after
-        world.publish("loop", progress)
     print(f"baft: rank {engine.global_rank} recovers in place (world {world.generation()}) after: "
           f"{str(error).splitlines()[0][:200]}", flush=True)
     record.restart_in_place(seen)
     protection.again()
+    world.publish("loop", THIS_PROCESS.progress())  # the replacements wait for it
     return True
 
 

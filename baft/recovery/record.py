@@ -94,6 +94,7 @@ class Restored:
     shards: int
     refused: list[str] = field(default_factory=list)
     rng: Optional[InstructionHook] = None  # sets the restored RNG states at the next iteration's start
+    items: Optional[dict] = None  # the snapshot's small state, as its step ended
 
 
 class RecoveryReport(InstructionHook):

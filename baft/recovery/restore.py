@@ -61,8 +61,9 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             for line in refused:
                 log(line)
             _apply(engine, shards)
-            rng = state.restore_items(engine, shards_items(shards, engine.global_rank), data_iterator)
-            restored = Restored(plan.step, _slowest(source), len(shards), refused, rng)
+            items = shards_items(shards, engine.global_rank)
+            rng = state.restore_items(engine, items, data_iterator)
+            restored = Restored(plan.step, _slowest(source), len(shards), refused, rng, items)
             _close(shards)
             mark("restore_end")
             return restored

@@ -32,6 +32,7 @@ from baft.recovery.record import EARLIER_ENV, GENERATION_ENV, torchrun_attempt
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone
 LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+REPLACED_ENV = "BAFT_WORLD_REPLACED"  # how many ranks of this process's world are replacements
 # seconds a survivor has to come to the new world before it is replaced too (see _meet): one computing comes at its
 # next send or receive, one blocked in a collective at once (_hang_up); a backstop
 STRAGGLER_GRACE = 10.0
@@ -123,6 +124,7 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
         _started(store)
     replaced = torch.tensor([int(replacement)], device=collective_device())
     dist.all_reduce(replaced)
+    os.environ[REPLACED_ENV] = str(int(replaced.item()))
     return int(replaced.item())
 
 
@@ -212,9 +214,13 @@ def publish(name: str, value) -> None:
 
 
 def published(name: str):
-    """In a replacement: what the survivors of its world published as ``name``, or None (no survivor did)."""
+    """In a replacement: what the survivors of its world publish as ``name`` (waited for), or None where every rank
+    of its world is a replacement."""
+    if int(os.environ.get(REPLACED_ENV, "0")) >= int(os.environ["WORLD_SIZE"]):
+        return None
     store, key = _store(), f"{_job()}/gen{generation()}/{name}"
-    return json.loads(store.get(key)) if store.check([key]) else None
+    store.wait([key], JOIN_TIMEOUT)
+    return json.loads(store.get(key))
 
 
 def tied_dtypes(model) -> dict[tuple[str, str], torch.dtype]:

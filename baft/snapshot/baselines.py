@@ -68,7 +68,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
         if not self.wanted(step):
             return
         start = time.perf_counter()
-        items = state.capture_items(engine, self.data_iterator)
+        items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng()}
         if self.kind == "deepspeed":
             engine.save_checkpoint(str(self.save_dir), tag=f"global_step{step}",
                                    client_state={ITEMS_KEY: replicas_items(engine, items)})

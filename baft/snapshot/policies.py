@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from baft.pipeline.hook import InstructionHook
+from baft.pipeline.rng import rng_states
 from baft.snapshot import state
 from baft.snapshot.copiers import Copier, HostCopier
 from baft.snapshot.copy import Sealer, Snapshot, StateSource
@@ -64,6 +65,8 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.last_step: Optional[int] = None  # of the newest snapshot begun
         self.taken_before = 0  # taken when this iteration started
         self.said_missing = False  # that the optimizer's state holds snapshots back
+        self.rng_end: Optional[dict] = None  # the generators' states as the latest iteration ended
+        self.items_at_end: Optional[tuple[int, dict]] = None  # (step, its small state as it ended)
 
     def due(self, engine) -> bool:
         step = engine.global_steps
@@ -107,13 +110,30 @@ class SnapshotPolicy(InstructionHook, Periodic):
 
     def iteration_end(self, engine):
         self.at_step_boundary = True
+        self.rng_end = rng_states()  # what the script's loop draws from until the next iteration
+        if self.due(engine):  # the small state as the step ends, before the script's loop goes on
+            self.items_at_end = (engine.global_steps, state.capture_items(engine, self.data_iterator))
+
+    def keep_items(self, step: int, items: dict) -> None:
+        """The small state of ``step``, as a restore found it: the snapshot of the restored step, taken again by the
+        first resumed iteration, holds what the first one held (the script's loop has run on since)."""
+        self.items_at_end = (step, items)
 
     def begin(self, engine) -> None:
         """Start the snapshot of the engine's current step (its copies follow)."""
         self.prepare(engine)
-        self.snapshot = Snapshot(self.source, self.writer, engine.global_steps,
-                                 state.capture_items(engine, self.data_iterator), self.stream)
-        self.last_step = engine.global_steps
+        step = engine.global_steps
+        if self.items_at_end and self.items_at_end[0] == step and "rng" in self.items_at_end[1]:
+            items = dict(self.items_at_end[1])  # the restored step's, as first taken
+        else:
+            now = state.capture_items(engine, self.data_iterator)
+            items = dict(self.items_at_end[1]) if self.items_at_end and self.items_at_end[0] == step else now
+            # what the script's loop changed since the step ended, for a survivor that trains the next step again
+            # without running its loop again (it is inside that step's call)
+            items["at_start"] = {key: value for key, value in now.items() if items.get(key) != value}
+            items.update(state.capture_rng(self.rng_end))
+        self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
+        self.last_step = step
 
     def started(self) -> None:
         """Called once the snapshot of this iteration has begun."""

@@ -7,15 +7,19 @@ data position, the script's ``client_state``) are captured as JSON at the step b
 
 When each part is captured and restored (the rule a bit-identical resume rests on):
 
-* captured at the start of iteration k+1, before it reads a batch or draws a random number:
-  optimizer step k and DeepSpeed's scheduler step after it are done;
+* captured as iteration k ends (optimizer step k and DeepSpeed's scheduler step after it are done),
+  before the script's loop goes on: what the loop does between two steps (sets a learning rate,
+  steps a scheduler of its own, reads a batch, counts in its ``client_state``) a resumed script
+  does again, so the snapshot must not hold it already;
 * restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
   iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
-* restored at the start of the first iteration after the restore, where they were captured:
-  the RNG states (:class:`RngRestore`). What runs in between draws random numbers that an
-  uninterrupted run drew before step 1 instead: DeepSpeed and the script build loaders and
-  take iterators (a ``DataLoader`` iterator draws its base seed from torch's generator), and
-  the restore itself re-positions the data;
+* the RNG states: captured at the start of iteration k+1 and set there again, at the start of the
+  first iteration after the restore (:class:`RngRestore`). What runs in between draws random
+  numbers that an uninterrupted run drew before step 1 instead: DeepSpeed and the script build
+  loaders and take iterators (a ``DataLoader`` iterator draws its base seed from torch's
+  generator), and the restore itself re-positions the data. The generators the script's loop drew
+  from between steps k and k+1 are kept too as they stood when step k ended, and set at
+  ``baft.initialize``'s return, so the loop's own draws come out as they did;
 * every value goes back with the type and bits it was captured with, never cast to the type
   the fresh engine holds (DeepSpeed's warmup schedulers start ``lr`` at an int 0, which a cast
   would keep at 0 for the first resumed step).
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import io
-import random
 import weakref
 from typing import Iterator, Optional
 
@@ -35,6 +38,7 @@ import torch
 from baft.errors import BaftError
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.loop import THIS_PROCESS
+from baft.pipeline.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -106,11 +110,6 @@ def byte_views(engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state_tensors(engine).items()}
 
 
-def _python_rng() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -125,16 +124,23 @@ def _torch_unblob(text: str):
     return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
 
 
+def capture_rng(rng_end: Optional[dict] = None) -> dict:
+    """The generators' states now, at an iteration's start (``rng``), as JSON; and ``rng_between``: of those the
+    script drew from since the previous iteration ended (``rng_end``, :func:`~baft.pipeline.rng.rng_states`),
+    their states then, what a resumed script's first such draws come from (:class:`RngRestore`)."""
+    now = rng_states()
+    items = {"rng": to_json(now)}
+    drawn = drawn_between(rng_end, now) if rng_end is not None else []
+    if drawn:
+        items["rng_between"] = to_json(rng_end, drawn)
+    return items
+
+
 def capture_items(engine, data_iterator=None) -> dict:
-    """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
-    walked after (two RNG states are 1,250 ints)."""
-    np_state = np.random.get_state()
+    """The small state as step k ends, before the script's loop goes on (and perhaps sets a learning rate or reads
+    a batch itself, which a resumed script does again), as JSON-able values: built as such (a commit record per
+    step), not walked after. The RNG states are :func:`capture_rng`'s."""
     items = {
-        "rng": {
-            "python": _python_rng(),
-            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            "torch": _b64(torch.get_rng_state().numpy().tobytes()),
-        },
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
@@ -143,8 +149,6 @@ def capture_items(engine, data_iterator=None) -> dict:
                                      for g in base_optimizer(engine.optimizer).param_groups]),
         "optimizer_scalars": _torch_blob(optimizer_adapter(engine).scalars()),
     }
-    if torch.cuda.is_available():
-        items["rng"]["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
     if getattr(engine, "lr_scheduler", None) is not None:
         items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
     scaler = loss_scaler(engine.optimizer)
@@ -172,7 +176,11 @@ def loss_scaler(optimizer):
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
-    RNG states by the hook returned, which must run before any other at the next iteration's start."""
+    RNG states by the hook returned, which must run before any other at the next iteration's start. Restored inside
+    a call to ``train_batch`` (a survivor recovering in place, whose loop has run on since the step ended and does
+    not run again before the call's next iteration), the state is the one that iteration first started with."""
+    if THIS_PROCESS.in_call:
+        items = {**items, **items.get("at_start", {})}
     for k, v in items["counters"].items():
         setattr(engine, k, v)
     if "micro_offset" in items:
@@ -198,26 +206,28 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
     THIS_PROCESS.restored(items.get("loop"))
-    return RngRestore(items["rng"])
+    return RngRestore(items["rng"], items.get("rng_between"))
 
 
 def set_rng(rng: dict) -> None:
-    """Set every generator (python, numpy, torch, CUDA) to the states :func:`capture_items` took."""
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, gauss = rng["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                                      for s in rng["cuda"]])
+    """Set the generators (python, numpy, torch, CUDA) ``rng`` holds to the states :func:`capture_rng` took."""
+    set_rng_states(from_json(rng))
 
 
 class RngRestore(InstructionHook):
-    """Sets the restored RNG states at the start of the first iteration after a restore, then never again."""
+    """Sets the restored RNG states at the start of the first iteration after a restore, then never again; and,
+    before it, the states of the generators the script draws from between its steps (``between``) as they were
+    when the restored step ended: where the script's own loop draws them (:meth:`between_steps`)."""
 
-    def __init__(self, rng: dict):
+    def __init__(self, rng: dict, between: Optional[dict] = None):
         self.rng: Optional[dict] = rng
+        self.between = between
+
+    def between_steps(self) -> None:
+        """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
+        call a loop that counts its calls replays. Nothing once the first iteration has started."""
+        if self.rng is not None and self.between:
+            set_rng(self.between)
 
     def iteration_start(self, engine):
         if self.rng is not None:

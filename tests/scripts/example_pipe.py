@@ -20,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--eval-every", type=int, default=0, help="eval_batch on held-out data every N steps")
+parser.add_argument("--lr-jitter", action="store_true", help="the loop sets each step's learning rate from a draw")
 parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -42,6 +43,9 @@ evalset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=da
 held_out = deepspeed.utils.RepeatingLoader(torch.utils.data.DataLoader(
     evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
 for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.pipeline.loop)
+    if args.lr_jitter:  # a script's own draw between steps, which the step's training reads
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 1e-3 * (1 + random.random())
     loss = engine.train_batch()
     if engine.global_rank == 0:
         print(f"step {step + 1} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)

@@ -76,7 +76,7 @@ def check(wrapper_cls) -> dict:
     original = build(wrapper_cls)
     train(original, range(3))
     tensors = {name: t.clone() for name, t in state.state_tensors(original).items()}
-    items = state.capture_items(original)
+    items = {**state.capture_items(original), **state.capture_rng()}
 
     restored = build(wrapper_cls)
     state.create_optimizer_state(restored, state.tensor_entries(original))

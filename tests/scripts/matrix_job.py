@@ -148,10 +148,16 @@ def main():
         feed = RepeatingLoader(kwargs["data_iterator"])  # taken after initialize, as the README says
     if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
         for _ in range(case["steps"]):
-            engine.train_batch(data_iter=feed)
+            step(engine, feed)
     else:
         while engine.global_steps < case["steps"]:
-            engine.train_batch(data_iter=feed)
+            step(engine, feed)
+
+
+def step(engine, feed):
+    for group in engine.optimizer.param_groups:  # the script's own draw between steps, which the step's update reads
+        group["lr"] = group["lr"] * (1 + random.random() / 100)
+    engine.train_batch(data_iter=feed)
 
 
 if __name__ == "__main__":

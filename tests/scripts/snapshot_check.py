@@ -58,7 +58,7 @@ class Reference(InstructionHook):
         self.check(step - 1)
         self.reference[step] = ({k: v.detach().clone().reshape(-1).view(torch.uint8)
                                  for k, v in state.state_tensors(engine).items()},
-                                state.capture_items(engine, data))
+                                {**state.capture_items(engine, data), **state.capture_rng()})
 
     def check(self, step):
         if step not in self.reference:

@@ -1,0 +1,85 @@
+"""Every random generator a training step draws from (python's, numpy's, torch's, CUDA's): its state as it
+stands, and as JSON (a commit record's ``rng``, what a survivor tells a replacement)."""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+def rng_states() -> dict:
+    """Every generator's state as it is, to compare, keep and set again (:func:`set_rng_states`)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Set the generators ``states`` holds (all of :func:`rng_states`, or some)."""
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def drawn_between(before: dict, now: dict) -> list[str]:
+    """The generators whose state changed from ``before`` to ``now`` (two :func:`rng_states`)."""
+    def same(name):
+        a, b = before[name], now[name]
+        if name == "numpy":
+            return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
+        if name == "cuda":
+            return all(torch.equal(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if name == "torch" else a == b
+
+    return [name for name in now if name in before and not same(name)]
+
+
+def to_json(states: dict, names: Optional[list] = None) -> dict:
+    """:func:`rng_states` (those ``names``) as JSON-able values."""
+    out = {}
+    for name, value in states.items():
+        if names is not None and name not in names:
+            continue
+        if name == "python":
+            out[name] = [value[0], list(value[1]), value[2]]
+        elif name == "numpy":
+            out[name] = [value[0], value[1].tolist(), int(value[2]), int(value[3]), float(value[4])]
+        elif name == "torch":
+            out[name] = _b64(value)
+        else:
+            out[name] = [_b64(t) for t in value]
+    return out
+
+
+def from_json(items: dict) -> dict:
+    """What :func:`to_json` made, as :func:`set_rng_states` takes it."""
+    out = {}
+    if "python" in items:
+        version, internal, gauss = items["python"]
+        out["python"] = (version, tuple(internal), gauss)
+    if "numpy" in items:
+        kind, keys, pos, has_gauss, gauss = items["numpy"]
+        out["numpy"] = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss)
+    if "torch" in items:
+        out["torch"] = _bytes(items["torch"])
+    if "cuda" in items:
+        out["cuda"] = [_bytes(s) for s in items["cuda"]]
+    return out
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
