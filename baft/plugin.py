@@ -57,8 +57,12 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     # the script's own state given as a callable comes back only through its own load_checkpoint, which a survivor
     # does not run again
     own_state = client_state is not None and not hasattr(client_state, "load_state_dict")
-    if getattr(engine, "baft", None) is not None and not wrapped and not own_state and world.available():
-        engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied)
+    if getattr(engine, "baft", None) is not None and world.available():
+        if wrapped or own_state:
+            engine.baft.not_in_place = ("the optimizer object DeepSpeed wrapped cannot be wrapped again" if wrapped else
+                                        "its client_state comes back only through the script's own load_checkpoint")
+        else:
+            engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied)
     return returned
 
 
@@ -68,6 +72,9 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict) 
     first call take the state of the new ones."""
     world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"), tied)
     fresh = _initialize(args, kwargs, data_iterator, client_state)
+    held_engine = first[0]
+    if getattr(held_engine, "training_dataloader", None) is None and fresh[0].data_iterator is None:
+        fresh[0].data_iterator = held_engine.data_iterator  # the script's, given by set_dataiterator()
     for held, new in zip(first, fresh):
         if held is not None and new is not None and held is not new:
             # one state: what baft's hooks and DeepSpeed's hold is the new object (the engine's class: baft's again)

@@ -35,6 +35,7 @@ class Protection:
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
         self.again = None  # what baft.initialize did, to do again in place after a peer was killed
+        self.not_in_place: Optional[str] = None  # why not, where a peer's death replaces this rank instead
 
     @property
     def root(self) -> str:

@@ -38,7 +38,7 @@ AXES = {
     "scheduler": ["none", "WarmupLR", "WarmupDecayLR-log", "WarmupDecayLR-linear", "WarmupCosineLR", "OneCycle",
                   "torch"],
     "precision": ["fp32", "bf16", "zero1-fp32", "zero1-bf16"],
-    "data": ["engine", "stateful", "iterator"],
+    "data": ["engine", "stateful", "iterator", "set"],  # set: the iterator given by engine.set_dataiterator()
     "dropout": [[True, False], [False, True], [True, True], [False, False]],
     "checkpointing": [False, True],
     "tied": [False, True],

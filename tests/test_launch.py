@@ -62,3 +62,26 @@ def test_a_launch_keeps_the_last_launches_torchrun_files_and_rotates_a_long_outp
     (tmp_path / "output.log").write_text("short")
     runlog.trim_run_logs(tmp_path)
     assert (tmp_path / "output.log").read_text() == "short", "a log under the limit is kept"
+
+
+def test_a_ranks_exception_is_its_tracebacks_last_line_not_a_line_it_printed_meanwhile():
+    from baft.cli.runlog import _Traceback
+
+    lines = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>',
+             "baft: resumed from step 2 (memory)",  # stdout, between the traceback's lines on stderr
+             "    raise ValueError('bad lr')", "ValueError: bad lr"]
+    reader = _Traceback()
+    found = [e for e in (reader.feed(line) for line in lines) if e is not None]
+    assert [e.line for e in found] == ["ValueError: bad lr"]
+    assert [reader.feed(line) for line in ["Traceback (most recent call last):", "KeyboardInterrupt"]][-1].line \
+        == "KeyboardInterrupt"
+
+
+def test_a_fault_asked_for_that_the_run_never_reached_is_named():
+    from baft.recovery.chaos import not_fired, parse_fault
+
+    asked = [parse_fault("rank=1,step=5,phase=backward"), parse_fault("rank=7,step=5,phase=backward"),
+             parse_fault("rank=1,step=9,phase=optimizer,restart=1"), parse_fault("node=1,step=4")]
+    logged = [{"what": asked[0].what, "restart": 0}, {"what": asked[3].what, "restart": 0},
+              {"what": "hang: rank 1 (pid 42) silent for 3.0 s", "restart": 1}]
+    assert not_fired(asked, logged) == asked[1:3]

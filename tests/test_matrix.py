@@ -24,7 +24,7 @@ CASES = {
         checkpointing=False, tied=False, frozen=False, micro_batches=2, period="auto", form="args",
         recovery="in place", loop="calls", faults=[Fault(1, 6, "forward")]),  # the examples' own loop
     "warmup-decay-zero1-bf16-dp2": Case(
-        seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="iterator",
+        seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="set",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
         # ranks 1 and 2 survive both kills: the second restores the snapshot of step 6 their new engines took
         form="config_params", recovery="in place", loop="calls", faults=[Fault(3, 5, "commit"), Fault(0, 7, "optimizer")]),

@@ -224,8 +224,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     from baft.recovery import chaos
     from baft.warm import WarmServer, warmable
 
-    for fault in faults:
-        chaos.parse_fault(fault)
+    asked = [chaos.parse_fault(fault) for fault in faults]
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     run_id, shm = launch_run_id(run), SHM_ROOT
@@ -281,6 +280,12 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         click.echo(render_recovery_text(load_recoveries(run)))
     if outcome.error:
         raise BaftError(outcome.error)
+    if outcome.code == 0:
+        from baft import faults as fault_log
+
+        for fault in chaos.not_fired(asked, fault_log.read(run)):
+            click.echo(f"baft: --fault {fault} never happened: the run has no such rank or node, or attempt "
+                       f"{fault.restart} never came to step {fault.step}'s {fault.phase}", err=True)
     if outcome.code != 0:
         raise BaftError(f"{outcome.exception or f'training failed (exit code {outcome.code})'}; "
                         f"every rank's output is in {log}")

@@ -44,6 +44,9 @@ _BAFT_ERROR = re.compile(r"(?:baft: error: |baft\.errors\.\w+: )(.*)")  # the ex
 _FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) ")  # torchrun's first failure of an attempt
 _STEP_FRAME = re.compile(r'\s+File ".*", line \d+, in (train_batch|eval_batch)$')  # DeepSpeed's PipelineEngine
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# a traceback's last line, ``ValueError: ...`` or ``pkg.mod.Error``; not a line the rank printed meanwhile on its
+# other stream (``baft: resumed from step 2``)
+_EXCEPTION = re.compile(r"(?!baft:)[A-Za-z_][\w.]*(:( |$)|\s*$)")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
@@ -189,7 +192,7 @@ class _Traceback:
             self.reading, self.chained = True, False
         elif self.reading and text[:1].isspace():  # a frame
             self.in_step = self.in_step or bool(_STEP_FRAME.match(text))
-        elif self.reading:
+        elif self.reading and _EXCEPTION.match(text):
             self.reading = False
             return _RankException(text.strip(), self.in_step)
         elif text.startswith(_CHAINED):

@@ -39,6 +39,18 @@ class Fault:
         who = f"{self.phase}={self.node}" if self.node is not None else f"rank={self.rank},phase={self.phase}"
         return f"{who},step={self.step},restart={self.restart}"
 
+    @property
+    def what(self) -> str:
+        """The fault as the run's fault log names it."""
+        return (f"kill {self.phase} {self.node} at step {self.step}" if self.node is not None
+                else f"kill rank {self.rank} at step {self.step} ({self.phase})")
+
+
+def not_fired(faults: list[Fault], logged: list[dict]) -> list[Fault]:
+    """The faults asked for that the run's fault log (:func:`baft.faults.read`) does not hold."""
+    fired = {(entry.get("what"), entry.get("restart")) for entry in logged}
+    return [f for f in faults if (f.what, f.restart) not in fired]
+
 
 def parse_fault(text: str) -> Fault:
     """``rank=1,step=7,phase=backward[,restart=0]``, ``node=1,step=7`` or ``manager=0,step=7`` as a Fault.

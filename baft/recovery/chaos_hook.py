@@ -35,9 +35,7 @@ class ChaosHook(InstructionHook):
     def _log(self, fault: Fault, delay: float = 0.0) -> None:
         if not self.run_dir:
             return
-        what = (f"kill {fault.phase} {fault.node} at step {fault.step}" if fault.node is not None
-                else f"kill rank {fault.rank} at step {fault.step} ({fault.phase})")
-        fault_log.append(self.run_dir, what, fault.restart, at=time.time() + delay)
+        fault_log.append(self.run_dir, fault.what, fault.restart, at=time.time() + delay)
 
     def _kill(self, fault: Fault, delay: float = 0.0) -> None:
         self._log(fault, delay)

@@ -31,6 +31,8 @@ def recover(engine, error: BaseException) -> bool:
     for baft to do (no replacement can come), and the error stands."""
     protection = engine.baft
     if protection.again is None or not world.available() or not world.lost_peer(error):
+        if protection.not_in_place and world.lost_peer(error):
+            error.baft_not_in_place = protection.not_in_place  # what the rank's replacement says as it goes
         return False
     seen = time.time()
     for hook in protection.hooks:

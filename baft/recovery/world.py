@@ -70,7 +70,9 @@ def _replaced_on_lost_peer(kind, error, trace) -> None:
     collective of the script's own) gets it replaced, as a killed rank is, instead of a relaunch of every rank."""
     _excepthook(kind, error, trace)
     if lost_peer(error):
-        print(f"baft: rank {os.environ.get('RANK')} lost a peer outside train_batch; it is replaced in place",
+        why = getattr(error, "baft_not_in_place", None)
+        where = f"and cannot recover in place ({why})" if why else "outside train_batch"
+        print(f"baft: rank {os.environ.get('RANK')} lost a peer {where}; a new process takes its place",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -146,6 +146,9 @@ def main():
     engine, *_ = baft.initialize(**kwargs)
     if case["data"] == "stateful":
         feed = RepeatingLoader(kwargs["data_iterator"])  # taken after initialize, as the README says
+    elif case["data"] == "set":  # train_batch() reads what set_dataiterator() gave
+        engine.set_dataiterator(feed)
+        feed = None
     if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
         for _ in range(case["steps"]):
             step(engine, feed)
