@@ -85,3 +85,24 @@ def test_a_fault_asked_for_that_the_run_never_reached_is_named():
     logged = [{"what": asked[0].what, "restart": 0}, {"what": asked[3].what, "restart": 0},
               {"what": "hang: rank 1 (pid 42) silent for 3.0 s", "restart": 1}]
     assert not_fired(asked, logged) == asked[1:3]
+
+
+def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
+    """A rank's ValueError in a training step is a fault to restart past once; the same again, it is the run's error."""
+    import io
+
+    from baft.cli.runlog import _Watch
+
+    stopped = []
+    watch = _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+    attempt = ["[1] Traceback (most recent call last):\n", '[1]   File "e.py", line 9, in train_batch\n',
+               "[1] ValueError: step 6: lr must be positive\n",
+               "[W] torch.distributed.elastic ... [default0] failed (exitcode: 1) local_rank: 1 (pid: 42) of binary\n"]
+    killed = "[W] torch.distributed.elastic ... [default0] failed (exitcode: -9) local_rank: 0 (pid: 43) of binary\n"
+    for line in [*attempt, killed, *attempt]:  # a kill between: not the same ending twice in a row
+        watch._read(line, "stderr")
+    assert not stopped and watch.error is None
+    for line in attempt:
+        watch._read(line, "stderr")
+    assert stopped and watch.error == ("rank 1: ValueError: step 6: lr must be positive (it ended the attempt before "
+                                       "too: a restart does not help)")

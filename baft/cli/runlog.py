@@ -211,6 +211,7 @@ class _Watch:
         self.tracebacks: dict[str, _Traceback] = {}
         self.exceptions: dict[str, _RankException] = {}  # each rank's last
         self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
+        self.ended_before: Optional[tuple[str, str]] = None  # (rank, its exception) that ended the attempt before
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
@@ -230,6 +231,7 @@ class _Watch:
             failed = _FAILED.search(line)
             if failed:  # its local rank is the rank: baft train launches one node
                 self.failed = (int(failed[1]), failed[2])
+                self._same_again()
             return None
         self.last[RANKS].append(line)
         exception = self.tracebacks.setdefault(match[1], _Traceback()).feed(line[match.end():])
@@ -242,6 +244,17 @@ class _Watch:
             self.error = error[1]
             self.stop()
         return None
+
+    def _same_again(self) -> None:
+        """A rank that ends an attempt with the error that ended the one before (not a signal: a fault) will end
+        every one with it: the restarts left are not tried, and the error is the run's."""
+        exitcode, rank = self.failed
+        exception = self.exceptions.get(rank)
+        ended = (rank, exception.line) if exitcode > 0 and exception is not None else None
+        if ended is not None and ended == self.ended_before and self.error is None:
+            self.error = f"rank {rank}: {exception.line} (it ended the attempt before too: a restart does not help)"
+            self.stop()
+        self.ended_before = ended
 
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
