@@ -81,16 +81,14 @@ class Protection:
 
     def replayed(self) -> None:
         """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),
-        running its own code between them: the state it may have changed there (a learning rate, a scheduler of
-        its own, its ``client_state``) is put back as the restored step left it, and the generators it draws from
-        between steps too. Not the data position: the replayed calls read no batches (a loader's position is put
-        back by reading on to it)."""
+        running its own code between them, and is about to train the next: the state that code may have changed
+        (a learning rate, a scheduler of its own, its ``client_state``) is put back as it was when that step first
+        started. Not the data position: the replayed calls read no batches (a loader's position is put back by
+        reading on to it)."""
         from baft.snapshot import state
 
         if self.restored is not None and self.restored.items is not None:
             state.restore_items(self.engine, self.restored.items)
-        if self.hooks.rng is not None:
-            self.hooks.rng.between_steps()
 
     def protect(self) -> None:
         """Snapshot as the policy says, report the recovery after the first resumed iteration, inject

@@ -41,7 +41,7 @@ CASES = {
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
         # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        recovery="relaunch", seed_layers=True, loop="calls", faults=[Fault(0, 4, "optimizer")]),
+        recovery="relaunch", seed_layers=True, faults=[Fault(0, 4, "optimizer")]),
     "sgd-onecycle-fp32-stateful": Case(
         seed=16, optimizer="sgd-plain", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",

@@ -215,7 +215,7 @@ def test_the_disk_baselines_restart_from_their_newest_checkpoint(tmp_path, clean
     assert [r["step"] for r in resumed] == list(range(recovery["restored_step"] + 1, 7))
     for r in resumed:
         assert repr(r["loss"]) == repr(uninterrupted[r["step"]])
-    assert compare(clean_run / "digests", dcp.parent / "digests") == []
+    assert compare(clean_run / "digests", dcp.parent / "digests", last_step=6) == []
 
 
 @pytest.mark.slow

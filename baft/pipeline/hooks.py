@@ -108,16 +108,14 @@ class BaftPipelineEngine(PipelineEngine):
         loop.decide(self, sys._getframe(1))
         if loop.replaying:
             value = loop.replay_train(self)
-            if not loop.replaying:  # the loop goes on from the restored step
-                self.baft.replayed()
+            if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
+                self.baft.hooks.rng.between_steps()
             return value
+        if loop.calls == loop.to_replay > 0:  # the first call that trains after those replayed
+            self.baft.replayed()
         loop.called()
         loop.step_called_for = self.global_steps + 1
-        loop.in_call = True
-        try:
-            return self._train_to(self.global_steps + 1, data_iter)
-        finally:
-            loop.in_call = False
+        return self._train_to(self.global_steps + 1, data_iter)
 
     def _train_to(self, step: int, data_iter):
         """Train one step, or, in a loop that counts its calls, until the engine is at ``step`` however far back a

@@ -219,7 +219,6 @@ class Loop:
         self.evaluated_until = 0  # the loop's evaluations and checkpoints up to this step were made then too
         self.evals_replayed = 0  # eval_batch calls replayed since the latest train_batch call
         self.step_called_for = 0  # the step the loop's latest call that trains is for
-        self.in_call = False  # inside a call to train_batch that trains
         self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
         self.started: dict[int, dict] = {}  # step -> generators and hyper-parameters as its iteration started
 

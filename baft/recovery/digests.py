@@ -27,7 +27,7 @@ import os
 import random
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -171,13 +171,13 @@ def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
     return found
 
 
-def compare(reference, run) -> list[str]:
+def compare(reference, run, last_step: Optional[int] = None) -> list[str]:
     """One line per (rank, part) of ``run`` that differs from the uninterrupted ``reference`` run, naming the
     first step, and saying so where it differed before any restart (the script itself does not repeat it:
     an unseeded generator); also a line for each step up to the reference's last, or part, that only the
-    run recorded, and one for each rank whose last step is not the reference's (a resumed loop that trained
-    past the end, or stopped short). Steps past the reference's last are not compared. Empty: identical in
-    every part at every step both ran, and both ended at the same step."""
+    run recorded, and one for each rank whose last step is not the reference's, or ``last_step`` (a resumed
+    loop that trained past the end, or stopped short). Steps past the reference's last are not compared. Empty:
+    identical in every part at every step both ran, and the run ended where it should."""
     ref, got = load(reference), load(run)
     empty = [f"{directory}: no digests recorded" for directory, found in ((reference, ref), (run, got)) if not found]
     if empty:
@@ -185,7 +185,9 @@ def compare(reference, run) -> list[str]:
     last = {rank: step for rank, step in sorted(ref)}
     ran = {rank: step for rank, step in sorted(got)}
     problems = [f"rank {rank}: the run's last step is {ran.get(rank)}, the reference's {step}"
-                for rank, step in sorted(last.items()) if ran.get(rank) != step]
+                for rank, step in sorted(last.items()) if last_step is None and ran.get(rank) != step]
+    problems += [f"rank {rank}: the run's last step is {ran.get(rank)}, not {last_step}"
+                 for rank in sorted(last) if last_step is not None and ran.get(rank) != last_step]
     first: dict[tuple[int, str], tuple[int, bool]] = {}
     for (rank, step), parts in sorted(got.items()):
         if step > last.get(rank, -1):

@@ -66,7 +66,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.taken_before = 0  # taken when this iteration started
         self.said_missing = False  # that the optimizer's state holds snapshots back
         self.rng_end: Optional[dict] = None  # the generators' states as the latest iteration ended
-        self.items_at_end: Optional[tuple[int, dict]] = None  # (step, its small state as it ended)
+        self.restored_items: Optional[tuple[int, dict]] = None  # (step, its small state) as a restore found them
 
     def due(self, engine) -> bool:
         step = engine.global_steps
@@ -111,27 +111,20 @@ class SnapshotPolicy(InstructionHook, Periodic):
     def iteration_end(self, engine):
         self.at_step_boundary = True
         self.rng_end = rng_states()  # what the script's loop draws from until the next iteration
-        if self.due(engine):  # the small state as the step ends, before the script's loop goes on
-            self.items_at_end = (engine.global_steps, state.capture_items(engine, self.data_iterator))
 
     def keep_items(self, step: int, items: dict) -> None:
         """The small state of ``step``, as a restore found it: the snapshot of the restored step, taken again by the
-        first resumed iteration, holds what the first one held (the script's loop has run on since)."""
-        self.items_at_end = (step, items)
+        first resumed iteration, holds what the first one held."""
+        self.restored_items = (step, items)
 
     def begin(self, engine) -> None:
         """Start the snapshot of the engine's current step (its copies follow)."""
         self.prepare(engine)
         step = engine.global_steps
-        if self.items_at_end and self.items_at_end[0] == step and "rng" in self.items_at_end[1]:
-            items = dict(self.items_at_end[1])  # the restored step's, as first taken
+        if self.restored_items and self.restored_items[0] == step:
+            items = self.restored_items[1]
         else:
-            now = state.capture_items(engine, self.data_iterator)
-            items = dict(self.items_at_end[1]) if self.items_at_end and self.items_at_end[0] == step else now
-            # what the script's loop changed since the step ended, for a survivor that trains the next step again
-            # without running its loop again (it is inside that step's call)
-            items["at_start"] = {key: value for key, value in now.items() if items.get(key) != value}
-            items.update(state.capture_rng(self.rng_end))
+            items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end)}
         self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
         self.last_step = step
 

@@ -7,10 +7,11 @@ data position, the script's ``client_state``) are captured as JSON at the step b
 
 When each part is captured and restored (the rule a bit-identical resume rests on):
 
-* captured as iteration k ends (optimizer step k and DeepSpeed's scheduler step after it are done),
-  before the script's loop goes on: what the loop does between two steps (sets a learning rate,
-  steps a scheduler of its own, reads a batch, counts in its ``client_state``) a resumed script
-  does again, so the snapshot must not hold it already;
+* captured at the start of iteration k+1: optimizer step k and DeepSpeed's scheduler step after it
+  are done, and so is what the script's loop does after a step (counts in its ``client_state``,
+  sets the next learning rate), which a resumed script does not do again: it goes on at the
+  loop's next call. What the loop does before that call, it does again: a learning rate it sets
+  comes out the same, one it multiplies by a factor twice;
 * restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
   iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
 * the RNG states: captured at the start of iteration k+1 and set there again, at the start of the
@@ -137,9 +138,8 @@ def capture_rng(rng_end: Optional[dict] = None) -> dict:
 
 
 def capture_items(engine, data_iterator=None) -> dict:
-    """The small state as step k ends, before the script's loop goes on (and perhaps sets a learning rate or reads
-    a batch itself, which a resumed script does again), as JSON-able values: built as such (a commit record per
-    step), not walked after. The RNG states are :func:`capture_rng`'s."""
+    """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
+    walked after. The RNG states are :func:`capture_rng`'s."""
     items = {
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
@@ -176,11 +176,7 @@ def loss_scaler(optimizer):
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
-    RNG states by the hook returned, which must run before any other at the next iteration's start. Restored inside
-    a call to ``train_batch`` (a survivor recovering in place, whose loop has run on since the step ended and does
-    not run again before the call's next iteration), the state is the one that iteration first started with."""
-    if THIS_PROCESS.in_call:
-        items = {**items, **items.get("at_start", {})}
+    RNG states by the hook returned, which must run before any other at the next iteration's start."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
     if "micro_offset" in items:

@@ -151,15 +151,16 @@ def main():
         feed = None
     if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
         for _ in range(case["steps"]):
-            step(engine, feed)
+            step(engine, feed, case)
     else:
         while engine.global_steps < case["steps"]:
-            step(engine, feed)
+            step(engine, feed, case)
 
 
-def step(engine, feed):
-    for group in engine.optimizer.param_groups:  # the script's own draw between steps, which the step's update reads
-        group["lr"] = group["lr"] * (1 + random.random() / 100)
+def step(engine, feed, case):
+    if case["scheduler"] == "none":  # the script's own learning rate, drawn from python's generator before each step
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 0.01 * (1 + random.random())
     engine.train_batch(data_iter=feed)
 
 
