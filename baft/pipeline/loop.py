@@ -14,9 +14,11 @@ over a counter the script sets to a number and adds 1 to, the loop *counts calls
 * a process restored at step k *replays* its first k calls: each returns the value that call returned
   in the run that trained it (:class:`History`, saved with every snapshot) and trains nothing; the
   ``eval_batch`` calls among them return theirs, and ``save_checkpoint`` writes nothing (the step's
-  checkpoint was written when it was trained); training goes on at step k + 1 with the loop at call k + 1;
+  checkpoint was written when it was trained); the script's own code between the calls runs, and what it
+  changed of the state baft keeps is put back as step k + 1 first started when the loop calls to train it;
 * in place, a survivor's call finishes the step it was called for, however far back the restore went
-  (each step trained again from the generators' states it first started with), and a replacement's calls
+  (each step trained again from the generators and hyper-parameters it first started with), and a
+  replacement's calls
   from k + 1 train those steps with it, replaying the evaluations and checkpoints the survivors made then.
 
 The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``.
@@ -242,8 +244,8 @@ class Loop:
                   f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
         if not self.counts_calls:
             return
-        self.to_replay = k = engine.global_steps
-        self.evaluated_until = max(k - 1, 0)  # the snapshot of step k was taken as it ended: what follows runs again
+        # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
+        self.to_replay = self.evaluated_until = k = engine.global_steps
         peers = self.peers
         if peers is not None and peers["counts_calls"]:
             # a replacement in place: its peers' loops went on past the restored step, and made the evaluations and
