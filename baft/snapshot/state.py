@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import io
-import weakref
 from typing import Iterator, Optional
 
 import numpy as np
@@ -46,17 +45,21 @@ from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (its optimizer, that one's adapter)
+_ADAPTER = "_baft_adapter"  # the attribute of an optimizer that holds its adapter
 
 
 def optimizer_adapter(engine):
-    """The engine's optimizer adapter: where its state lives and what it is called. Made once per optimizer the
-    engine has: a recovery in place gives the engine the script holds a new one (and its new state tensors)."""
+    """The engine's optimizer adapter: where its state lives and what it is called. Made once per optimizer, and
+    kept on it: a recovery in place gives the engine the script holds a new optimizer, made and restored through
+    another engine object whose state the script's takes (one adapter: DeepSpeed's C++ Adam's products are
+    followed by one)."""
     optimizer = getattr(engine, "optimizer", None)
-    cached = _ADAPTERS.get(engine)
-    if cached is None or cached[0] is not optimizer:
-        cached = _ADAPTERS[engine] = (optimizer, adapter_for(engine))
-    return cached[1]
+    adapter = getattr(optimizer, _ADAPTER, None)
+    if adapter is None:
+        adapter = adapter_for(engine)
+        if optimizer is not None:
+            setattr(optimizer, _ADAPTER, adapter)
+    return adapter
 
 
 def _client_state(engine):
