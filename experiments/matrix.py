@@ -231,8 +231,9 @@ def describe(case: Case) -> str:
     faults = "; ".join(f"rank {f.rank} step {f.step} {f.phase}" for f in case.faults)
     return (f"{case.optimizer}, {case.scheduler}, {case.precision}, data {case.data}, dropout {dropout}, "
             f"{'checkpointing' if case.checkpointing else 'no checkpointing'}, {'tied' if case.tied else 'untied'}, "
-            f"{'frozen block, ' if case.frozen else ''}"
-            f"m={case.micro_batches}, period {case.period}, {case.form}, {case.recovery}; kill {faults}")
+            f"{'frozen block, ' if case.frozen else ''}{'seed_layers, ' if case.seed_layers else ''}"
+            f"m={case.micro_batches}, period {case.period}, {case.form}, loop on {case.loop}, {case.recovery}; "
+            f"kill {faults}")
 
 
 def write_results(outcomes: list[Outcome], out: Path, command: str) -> None:
