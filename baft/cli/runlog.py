@@ -246,11 +246,12 @@ class _Watch:
         return None
 
     def _same_again(self) -> None:
-        """A rank that ends an attempt with the error that ended the one before (not a signal: a fault) will end
-        every one with it: the restarts left are not tried, and the error is the run's."""
+        """A rank that ends an attempt with the error in a training step that ended the one before (not a signal: a
+        fault) will end every one with it: the restarts left are not tried, and the error is the run's. (One raised
+        outside a step is the run's already, said once the restarts are spent: :meth:`outcome`.)"""
         exitcode, rank = self.failed
         exception = self.exceptions.get(rank)
-        ended = (rank, exception.line) if exitcode > 0 and exception is not None else None
+        ended = (rank, exception.line) if exitcode > 0 and exception is not None and exception.in_step else None
         if ended is not None and ended == self.ended_before and self.error is None:
             self.error = f"rank {rank}: {exception.line} (it ended the attempt before too: a restart does not help)"
             self.stop()
