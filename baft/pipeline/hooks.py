@@ -163,7 +163,7 @@ class BaftPipelineEngine(PipelineEngine):
             loss = super().train_batch(data_iter)
         finally:
             self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
-        if THIS_PROCESS.counts_calls:  # before the step's end, where a snapshot's small state is taken
+        if THIS_PROCESS.counts_calls:  # what a replay of this call returns, in the snapshots from the next on
             THIS_PROCESS.history.record_train(self.global_steps, loss)
         for hook in self.baft.hooks:
             hook.iteration_end(self)

@@ -18,8 +18,8 @@ over a counter the script sets to a number and adds 1 to, the loop *counts calls
   changed of the state baft keeps is put back as step k + 1 first started when the loop calls to train it;
 * in place, a survivor's call finishes the step it was called for, however far back the restore went
   (each step trained again from the generators and hyper-parameters it first started with), and a
-  replacement's calls
-  from k + 1 train those steps with it, replaying the evaluations and checkpoints the survivors made then.
+  replacement's calls from k + 1 train those steps with it, replaying the evaluations and checkpoints the
+  survivors made then.
 
 The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 import ast
 import copy
 import linecache
-import sys
 import sys
 from dataclasses import dataclass, field
 from typing import Optional

@@ -110,7 +110,8 @@ class SnapshotPolicy(InstructionHook, Periodic):
 
     def iteration_end(self, engine):
         self.at_step_boundary = True
-        self.rng_end = rng_states()  # what the script's loop draws from until the next iteration
+        # where the next iteration snapshots this step: the generators the script's loop draws from until then
+        self.rng_end = rng_states() if self.wanted(engine.global_steps) else None
 
     def keep_items(self, step: int, items: dict) -> None:
         """The small state of ``step``, as a restore found it: the snapshot of the restored step, taken again by the
