@@ -111,6 +111,24 @@ def test_killing_the_client_kills_the_rank_and_killing_the_rank_ends_the_client_
     assert client.wait(30) == -signal.SIGKILL
 
 
+def test_a_rank_killed_is_replaced_in_place_and_one_its_client_stops_is_not(tmp_path):
+    """A worker of a one-node job that recovers in place (``BAFT_REPLACE_RANKS``): killed, it is replaced; stopped
+    through its client, as torchrun stops every rank before it relaunches them, it ends with its client. (It was
+    replaced while its budget lasted, and torchrun waited 30 s for the replacement, which waited for its peers.)"""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
+    job = {"BAFT_REPLACE_RANKS": "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": os.urandom(4).hex()}
+    client = subprocess.Popen([sys.executable, *warm().program([str(script)])], text=True, stdout=subprocess.PIPE,
+                              env={**launch_env(), **warm().env(), **job})
+    first = int(client.stdout.readline())
+    os.kill(first, signal.SIGKILL)  # a fault: the replacement joins a world of one and runs the script
+    second = int(client.stdout.readline())
+    client.terminate()
+    assert client.wait(10) == -signal.SIGTERM
+    assert second != first and gone(second)
+
+
 def test_what_ps_shows_of_a_rank_is_its_own_command_and_environment():
     client = start("sleep")
     report(client)

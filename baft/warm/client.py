@@ -2,9 +2,10 @@
 
 Standard library only, run by path. It asks the node's warm server (:mod:`baft.warm.server`, at
 ``$BAFT_WARM_SOCKET``) to fork the rank with this process's standard streams, environment, working
-directory and ``ARGV``, passes every signal torchrun sends on to the rank, and ends as the rank
-ended: with its exit code, or killed by its signal. Where the server does not answer it runs
-``python ARGV`` in its own place (``exec``), as torchrun would have, and says so.
+directory and ``ARGV``, passes every signal torchrun sends on to the rank (telling the server first: a rank
+stopped from outside is not replaced in place), and ends as the rank ended: with its exit code, or killed by its
+signal. Where the server does not answer it runs ``python ARGV`` in its own place (``exec``), as torchrun would
+have, and says so.
 """
 
 import json
@@ -22,7 +23,11 @@ def cold(argv: list, why: str) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def forward(pid: int, sig: int) -> None:
+def forward(conn: socket.socket, pid: int, sig: int) -> None:
+    try:  # first: the server, seeing the rank die of it, knows it was stopped (torchrun stops its workers so)
+        conn.sendall(b"s")
+    except OSError:  # the server is gone; the rank with it
+        pass
     try:
         os.kill(pid, sig)
     except ProcessLookupError:  # the rank has just exited; its status is on the way
@@ -47,7 +52,7 @@ def main(argv: list) -> None:
         cold(argv, f"the warm fork server at {path} {why}")
     rank = [json.loads(started)["pid"]]
     for sig in FORWARDED:
-        signal.signal(sig, lambda sig, _: forward(rank[0], sig))
+        signal.signal(sig, lambda sig, _: forward(conn, rank[0], sig))
     while True:  # a "pid" line: the rank died and the server forked its replacement, which this client now is
         reply = json.loads(replies.readline() or b'{"exit": -9, "server_died": true}')  # the rank died with it
         if "pid" not in reply:

@@ -10,7 +10,8 @@ interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed)
 by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the client's
 connection, and kills the child when the client goes away (torchrun killed it), so rank and client live and die
 together. A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of
-the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork.
+the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped
+(:func:`_hear`).
 """
 
 from __future__ import annotations
@@ -254,10 +255,11 @@ class ForkServer:
                         self._keep_spares(rank.request)
                 elif conn is self.wake_r:
                     os.read(self.wake_r, 512)
-                elif not conn.recv(1):  # the client is gone (torchrun killed it): so is its rank
+                else:
                     pid = next(p for p, r in self.children.items() if r.conn is conn)
-                    os.kill(pid, signal.SIGKILL)
-                    self.orphans.add(pid)
+                    if not _hear(self.children[pid]):  # the client is gone (torchrun killed it): so is its rank
+                        os.kill(pid, signal.SIGKILL)
+                        self.orphans.add(pid)
             self._reap()
             self.orphans &= self.children.keys()
 
@@ -306,10 +308,10 @@ class ForkServer:
         return _fork(rank, *self._inherited())
 
     def _reap(self) -> None:
-        """Collect the children that ended: a rank killed by a signal whose client is still there is replaced in
-        place where it may be (:func:`replaceable`), one generation on; any other end of a rank goes to its
-        client, and the last rank of a job takes its spares with it; a spare killed has another forked behind it
-        (one that failed on its own, not)."""
+        """Collect the children that ended: a rank killed by a signal whose client is still there and did not stop
+        it (:func:`_hear`) is replaced in place where it may be (:func:`replaceable`), one generation on; any other
+        end of a rank goes to its client, and the last rank of a job takes its spares with it; a spare killed has
+        another forked behind it (one that failed on its own, not)."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -324,7 +326,8 @@ class ForkServer:
                 continue
             if code < 0:
                 _kill_session(pid)
-            if code < 0 and rank.replacements and pid not in self.orphans:
+                _hear(rank)  # the signal it died of may be one its client passed on just before
+            if code < 0 and rank.replacements:
                 rank.request["env"][REPLACEMENT_ENV] = "1"
                 rank.replacements -= 1
                 self.children[self._replace(rank)] = rank
@@ -453,6 +456,21 @@ def _as_child(kept: socket.socket, sockets: list[socket.socket], fds: list[int])
             other.close()
     for fd in fds:
         os.close(fd)
+
+
+def _hear(rank: Rank) -> bool:
+    """Read, without waiting, what ``rank``'s client sent: a byte before each signal it passes on to the rank, which
+    is then stopped from outside (torchrun stops its workers with SIGTERM) and is replaced no more; a replacement
+    would wait for its peers, stopped too, and torchrun for it, until its SIGKILL 30 s on. The same where the client
+    is gone; False then."""
+    try:
+        heard = rank.conn.recv(64, socket.MSG_DONTWAIT)
+    except BlockingIOError:  # nothing sent
+        return True
+    except ConnectionResetError:  # it died with a line of the server's unread
+        heard = b""
+    rank.replacements = 0
+    return bool(heard)
 
 
 def _tell(conn: socket.socket, message: dict) -> None:
