@@ -14,7 +14,9 @@ import deepspeed
 from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.jsonfile import read_json
 from baft.pipeline.loop import THIS_PROCESS
+from baft.pipeline.schedulers import engines_own
 from baft.recovery import world
+from baft.snapshot.optimizers import base_optimizer
 from baft.teardown import teardown
 
 
@@ -62,24 +64,28 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
             engine.baft.not_in_place = ("the optimizer object DeepSpeed wrapped cannot be wrapped again" if wrapped else
                                         "its client_state comes back only through the script's own load_checkpoint")
         else:
-            engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied)
+            engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
+                                                  [base_optimizer(returned[1])])
     return returned
 
 
-def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict) -> None:
+def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list) -> None:
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
     did, again, on the same model; the engine, optimizer, loader and scheduler the script holds from the
-    first call take the state of the new ones."""
+    first call take the state of the new ones, and so do the torch optimizers inside DeepSpeed's bf16 or ZeRO
+    wrappers so far (``bases``: a scheduler the script made holds one)."""
     world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"), tied)
     fresh = _initialize(args, kwargs, data_iterator, client_state)
     held_engine = first[0]
     if getattr(held_engine, "training_dataloader", None) is None and fresh[0].data_iterator is None:
         fresh[0].data_iterator = held_engine.data_iterator  # the script's, given by set_dataiterator()
-    for held, new in zip(first, fresh):
+    base = base_optimizer(fresh[1])
+    for held, new in [*zip(first, fresh), *((old, base) for old in bases)]:
         if held is not None and new is not None and held is not new:
             # one state: what baft's hooks and DeepSpeed's hold is the new object (the engine's class: baft's again)
             held.__class__, held.__dict__ = type(new), new.__dict__
-    first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first, tied)
+    first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first, tied,
+                                            [*bases, base])
 
 
 def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
@@ -91,6 +97,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
     mark("init_end")
+    engines_own(scheduler)
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler

@@ -37,9 +37,11 @@ AXES = {
     "optimizer": ["adam", "adamw", "sgd", "sgd-plain", "ds-adam"],  # sgd-plain: no momentum, no optimizer state
     "scheduler": ["none", "WarmupLR", "WarmupDecayLR-log", "WarmupDecayLR-linear", "WarmupCosineLR", "OneCycle",
                   "torch"],
+    "own_scheduler": [False, True],  # a torch scheduler the script makes on the optimizer and steps after each step
     "precision": ["fp32", "bf16", "zero1-fp32", "zero1-bf16"],
     "data": ["engine", "stateful", "iterator", "set"],  # set: the iterator given by engine.set_dataiterator()
     "dropout": [[True, False], [False, True], [True, True], [False, False]],
+    "dropout_rng": ["global", "tracker"],  # tracker: Megatron's, drawn inside DeepSpeed's model-parallel RNG tracker
     "checkpointing": [False, True],
     "tied": [False, True],
     "frozen": [False, True],
@@ -81,6 +83,8 @@ class Case:
     recovery: str
     seed_layers: bool = False
     loop: str = "steps"
+    dropout_rng: str = "global"
+    own_scheduler: bool = False
     faults: list = field(default_factory=list)
     steps: int = STEPS
 

@@ -26,8 +26,10 @@ CASES = {
     "warmup-decay-zero1-bf16-dp2": Case(
         seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="set",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
-        # ranks 1 and 2 survive both kills: the second restores the snapshot of step 6 their new engines took
-        form="config_params", recovery="in place", loop="calls", faults=[Fault(3, 5, "commit"), Fault(0, 7, "optimizer")]),
+        # ranks 1 and 2 survive both kills: the second restores the snapshot of step 6 their new engines took; the
+        # script's own scheduler is on the torch optimizer inside ZeRO's, which a survivor's new engine makes again
+        form="config_params", recovery="in place", loop="calls", own_scheduler=True,
+        faults=[Fault(3, 5, "commit"), Fault(0, 7, "optimizer")]),
     "warmup-decay-fp32-stateful-tied-frozen": Case(
         # DeepSpeed's C++ Adam: its beta products, followed by one adapter per optimizer however it was reached
         seed=11, optimizer="ds-adam", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
@@ -35,18 +37,21 @@ CASES = {
         dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
         recovery="in place", seed_layers=True, faults=[Fault(1, 4, "outside"), Fault(1, 7, "copy")]),  # rank 0 survives both
     "adam-cosine-zero1-fp32-dp2": Case(
+        # Megatron's dropout, from DeepSpeed's model-parallel tracker, recomputed by activation checkpointing
         seed=14, optimizer="adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
-        dropout=[False, False], checkpointing=True, tied=True, frozen=False, micro_batches=8, period=3, form="path",
-        recovery="relaunch", faults=[Fault(2, 7, "copy")]),
+        dropout=[True, True], dropout_rng="tracker", checkpointing=True, tied=True, frozen=False, micro_batches=8,
+        period=3, form="path", recovery="relaunch", faults=[Fault(2, 7, "copy")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
         # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        recovery="relaunch", seed_layers=True, faults=[Fault(0, 4, "optimizer")]),
+        recovery="relaunch", seed_layers=True, own_scheduler=True, faults=[Fault(0, 4, "optimizer")]),
     "sgd-onecycle-fp32-stateful": Case(
+        # a loop on the engine's step: the survivor calls again for the step the restore took back, and its own
+        # scheduler steps again after it
         seed=16, optimizer="sgd-plain", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
-        checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
-        recovery="in place", faults=[Fault(1, 5, "backward")]),
+        dropout_rng="tracker", checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
+        recovery="in place", own_scheduler=True, faults=[Fault(1, 5, "backward")]),
     "deepspeed-adam-torch-scheduler-fp32-iterator": Case(
         seed=17, optimizer="ds-adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
         # killed sealing step 6's snapshot, resumed from step 5: DeepSpeed's C++ Adam must go on multiplying

@@ -37,6 +37,7 @@ import torch
 
 from baft.errors import BaftError
 from baft.pipeline.rng import rng_states, set_rng_states
+from baft.pipeline.schedulers import script_schedulers
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
 KEPT_STARTS = 64  # steps whose starting generators a survivor keeps: a recovery in place goes back fewer
@@ -266,18 +267,21 @@ class Loop:
 
     def starting(self, engine, step: int, again: bool) -> None:
         """Before the iteration that trains ``step``: where a survivor trains it again in the call that failed,
-        the generators and the optimizer's hyper-parameters as they were when it first started (the script's
-        loop, which does not run again for the steps before its call's, drew from those and may have set
-        these); else they are kept for that."""
+        the generators, the optimizer's hyper-parameters and the script's schedulers as they were when it first
+        started (the script's loop, which does not run again for the steps before its call's, drew from those
+        and may have set or stepped these); else they are kept for that."""
         groups = engine.optimizer.param_groups
         if again and step in self.started:
             kept = self.started[step]
             set_rng_states(kept["rng"])
             for group, values in zip(groups, kept["groups"]):
                 group.update(values)
+            for scheduler, state in kept["schedulers"]:
+                scheduler.load_state_dict(copy.deepcopy(state))
             return
         self.started[step] = {"rng": rng_states(),
-                              "groups": [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups]}
+                              "groups": [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups],
+                              "schedulers": [(s, copy.deepcopy(s.state_dict())) for s in script_schedulers(engine)]}
         self.started.pop(step - KEPT_STARTS, None)
 
     @property

@@ -1,5 +1,6 @@
-"""Every random generator a training step draws from (python's, numpy's, torch's, CUDA's): its state as it
-stands, and as JSON (a commit record's ``rng``, what a survivor tells a replacement)."""
+"""Every random generator a training step draws from (python's, numpy's, torch's, CUDA's, and the generators of
+DeepSpeed's model-parallel tracker): its state as it stands, and as JSON (a commit record's ``rng``, what a
+survivor tells a replacement)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 
 def rng_states() -> dict:
@@ -16,6 +18,11 @@ def rng_states() -> dict:
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
+    # Megatron-style dropout draws inside ``get_cuda_rng_tracker().fork()`` from generators of the tracker's own,
+    # seeded once by ``model_parallel_cuda_manual_seed``, each advanced by every forward that forks it
+    tracked = get_cuda_rng_tracker().get_states()
+    if tracked:
+        states["tracker"] = dict(tracked)
     return states
 
 
@@ -29,6 +36,8 @@ def set_rng_states(states: dict) -> None:
         torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+    if "tracker" in states:
+        get_cuda_rng_tracker().set_states(dict(states["tracker"]))
 
 
 def drawn_between(before: dict, now: dict) -> list[str]:
@@ -39,6 +48,8 @@ def drawn_between(before: dict, now: dict) -> list[str]:
             return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
         if name == "cuda":
             return all(torch.equal(x, y) for x, y in zip(a, b))
+        if name == "tracker":
+            return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         return torch.equal(a, b) if name == "torch" else a == b
 
     return [name for name in now if name in before and not same(name)]
@@ -56,6 +67,8 @@ def to_json(states: dict, names: Optional[list] = None) -> dict:
             out[name] = [value[0], value[1].tolist(), int(value[2]), int(value[3]), float(value[4])]
         elif name == "torch":
             out[name] = _b64(value)
+        elif name == "tracker":
+            out[name] = {key: _b64(state) for key, state in value.items()}
         else:
             out[name] = [_b64(t) for t in value]
     return out
@@ -74,6 +87,8 @@ def from_json(items: dict) -> dict:
         out["torch"] = _bytes(items["torch"])
     if "cuda" in items:
         out["cuda"] = [_bytes(s) for s in items["cuda"]]
+    if "tracker" in items:
+        out["tracker"] = {key: _bytes(state) for key, state in items["tracker"].items()}
     return out
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Optional
@@ -35,7 +34,9 @@ import xxhash
 from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 
 from baft.pipeline.hook import InstructionHook
+from baft.pipeline.rng import rng_states
 from baft.recovery.record import restart_count
+from baft.pipeline.schedulers import script_schedulers
 from baft.snapshot.state import loss_scaler
 
 DIGESTS_ENV = "BAFT_STATE_DIGESTS"
@@ -80,16 +81,14 @@ def _digest_parts(leaves: Iterator[tuple[str, bytes]]) -> dict[str, str]:
 
 def state_parts(engine, data_iterator=None) -> dict[str, str]:
     """The digest of each part of this rank's training state, by part name."""
-    np_state = np.random.get_state()
-    rng = {"python": random.getstate(), "numpy": [np_state[0], np_state[1], *np_state[2:]],
-           "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    generators = ((f"rng.{name}", data) for name, gen in rng.items() for _, data in _leaves(gen, ""))
+    generators = ((f"rng.{name}", data) for name, gen in rng_states().items() for _, data in _leaves(gen, ""))
     nested = {"optimizer": engine.optimizer.state_dict(),
               "counters": {k: getattr(engine, k, None) for k in _COUNTERS}}
     if getattr(engine, "lr_scheduler", None) is not None:
         nested["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    own = script_schedulers(engine)
+    if own:
+        nested["script_schedulers"] = [scheduler.state_dict() for scheduler in own]
     scaler = loss_scaler(engine.optimizer)
     if scaler is not None:
         nested["loss_scaler"] = scaler

@@ -14,6 +14,9 @@ When each part is captured and restored (the rule a bit-identical resume rests o
   comes out the same, one it multiplies by a factor twice;
 * restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
   iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
+* a learning-rate scheduler the script made on the optimizer itself (:mod:`baft.pipeline.schedulers`):
+  captured with the rest, and restored where it exists, or at the start of the first iteration after
+  the restore, with the hyper-parameters again (a scheduler made anew sets its first learning rate);
 * the RNG states: captured at the start of iteration k+1 and set there again, at the start of the
   first iteration after the restore (:class:`RngRestore`). What runs in between draws random
   numbers that an uninterrupted run drew before step 1 instead: DeepSpeed and the script build
@@ -38,6 +41,7 @@ import torch
 from baft.errors import BaftError
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.loop import THIS_PROCESS
+from baft.pipeline import schedulers
 from baft.pipeline.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
@@ -140,9 +144,10 @@ def capture_rng(rng_end: Optional[dict] = None) -> dict:
     return items
 
 
-def capture_items(engine, data_iterator=None) -> dict:
+def capture_items(engine, data_iterator=None, script_schedulers: bool = True) -> dict:
     """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
-    walked after. The RNG states are :func:`capture_rng`'s."""
+    walked after. The RNG states are :func:`capture_rng`'s. ``script_schedulers``: look for the schedulers the
+    script made (False before its loop has run: they are looked for once per optimizer)."""
     items = {
         "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
@@ -154,6 +159,9 @@ def capture_items(engine, data_iterator=None) -> dict:
     }
     if getattr(engine, "lr_scheduler", None) is not None:
         items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
+    kept = schedulers.capture(engine) if script_schedulers else None
+    if kept:
+        items["script_schedulers"] = _torch_blob(kept)
     scaler = loss_scaler(engine.optimizer)
     if scaler is not None:
         items["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool, type(None)))}
@@ -179,7 +187,8 @@ def loss_scaler(optimizer):
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
-    RNG states by the hook returned, which must run before any other at the next iteration's start."""
+    RNG states by the hook returned, which must run before any other at the next iteration's start, and the
+    script's own schedulers now where they exist, else by that hook too."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
     if "micro_offset" in items:
@@ -205,7 +214,14 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
     THIS_PROCESS.restored(items.get("loop"))
-    return RngRestore(items["rng"], items.get("rng_between"))
+    restore = RngRestore(items["rng"], items.get("rng_between"))
+    # a loop that counts its calls is not taken back (its survivor's call trains to its step; a resumed process
+    # replays what stepped its schedulers): its schedulers are where the loop is
+    if "script_schedulers" in items and not THIS_PROCESS.counts_calls:
+        kept = _torch_unblob(items["script_schedulers"])
+        if schedulers.restore(engine, kept) is not None:  # not made yet: by the first iteration
+            restore.schedulers = (kept, groups)
+    return restore
 
 
 def set_rng(rng: dict) -> None:
@@ -221,6 +237,7 @@ class RngRestore(InstructionHook):
     def __init__(self, rng: dict, between: Optional[dict] = None):
         self.rng: Optional[dict] = rng
         self.between = between
+        self.schedulers: Optional[tuple] = None  # (what the script's schedulers kept, the param groups)
 
     def between_steps(self) -> None:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
@@ -232,10 +249,21 @@ class RngRestore(InstructionHook):
         if self.rng is not None:
             set_rng(self.rng)
             self.rng = None
+        if self.schedulers is not None:
+            kept, groups = self.schedulers
+            self.schedulers = None
+            why = schedulers.restore(engine, kept)
+            if why is not None:
+                raise BaftError(f"baft: {why}; resumed, its learning rates would not be those of an uninterrupted "
+                                f"run. Make them before the loop's first train_batch, or give one to "
+                                f"deepspeed.initialize (lr_scheduler=)")
+            for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
+                group.update(saved)
 
     def cancel(self) -> None:
-        """Leave the RNG states as they are (a checkpoint newer than the snapshot was loaded over it)."""
-        self.rng = None
+        """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
+        loaded over it)."""
+        self.rng = self.schedulers = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:

@@ -2,9 +2,9 @@
 
 optimizer (torch Adam, AdamW, SGD with momentum, DeepSpeed's own Adam), scheduler (DeepSpeed's
 WarmupLR, WarmupDecayLR log and linear, WarmupCosineLR, OneCycle, a torch scheduler passed as
-``lr_scheduler=``), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
+``lr_scheduler=``; and one the script makes and steps itself after each step), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
 own ``training_data=``, torchdata's ``StatefulDataLoader``, an iterator with ``state_dict``), dropout
-on either stage, activation checkpointing, weights tied across the stages, a frozen block, gradient accumulation,
+on either stage (from torch's generator, or Megatron's way: from DeepSpeed's model-parallel tracker), activation checkpointing, weights tied across the stages, a frozen block, gradient accumulation,
 the snapshot period and the calling form of ``initialize``. Every run crosses an epoch of its data.
 """
 
@@ -58,12 +58,21 @@ class Positioned:
         self.position = saved["position"]
 
 
+class TrackedDropout(nn.Dropout):
+    """Megatron's dropout: drawn from the generator DeepSpeed's model-parallel tracker forks to."""
+
+    def forward(self, x):
+        with deepspeed.checkpointing.get_cuda_rng_tracker().fork():
+            return super().forward(x)
+
+
 def layers(case):
     def tied():
         return TiedLayerSpec("tied", nn.Linear, WIDTH, WIDTH) if case["tied"] else LayerSpec(nn.Linear, WIDTH, WIDTH)
     p0, p1 = (0.1 if on else 0.0 for on in case["dropout"])
-    return [tied(), LayerSpec(nn.GELU), LayerSpec(nn.Dropout, p0), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU), LayerSpec(nn.Dropout, p1), tied(),
+    dropout = TrackedDropout if case["dropout_rng"] == "tracker" else nn.Dropout
+    return [tied(), LayerSpec(nn.GELU), LayerSpec(dropout, p0), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU),
+            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU), LayerSpec(dropout, p1), tied(),
             LayerSpec(nn.Linear, WIDTH, 1)]
 
 
@@ -111,6 +120,8 @@ def main():
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(case["seed"])  # the same initial weights on every replica
+    if case["dropout_rng"] == "tracker":  # Megatron's model-parallel seed (model_parallel_cuda_manual_seed)
+        deepspeed.checkpointing.get_cuda_rng_tracker().add("model-parallel-rng", seed + 2718)
     model = PipelineModule(layers=layers(case), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
                            seed_layers=case["seed_layers"], base_seed=case["seed"],
                            activation_checkpoint_interval=1 if case["checkpointing"] else 0)
@@ -149,19 +160,27 @@ def main():
     elif case["data"] == "set":  # train_batch() reads what set_dataiterator() gave
         engine.set_dataiterator(feed)
         feed = None
+    own = None
+    if case["own_scheduler"]:  # made and stepped by the script, on top of DeepSpeed's: DeepSpeed does not know it
+        optimizer = engine.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's bf16 or ZeRO wrapper: torch's inside it
+            optimizer = optimizer.optimizer
+        own = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
     if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
         for _ in range(case["steps"]):
-            step(engine, feed, case)
+            step(engine, feed, case, own)
     else:
         while engine.global_steps < case["steps"]:
-            step(engine, feed, case)
+            step(engine, feed, case, own)
 
 
-def step(engine, feed, case):
+def step(engine, feed, case, own):
     if case["scheduler"] == "none":  # the script's own learning rate, drawn from python's generator before each step
         for group in engine.optimizer.param_groups:
             group["lr"] = 0.01 * (1 + random.random())
     engine.train_batch(data_iter=feed)
+    if own is not None:
+        own.step()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Learning-rate schedulers a script makes on the engine's optimizer itself, not given to ``deepspeed.initialize``
+(``sched = StepLR(engine.optimizer, ...)``, stepped by its loop after each ``train_batch``).
+
+The engine's own scheduler is in every snapshot's small state; such a scheduler is the script's, and its count of
+steps (``last_epoch``; a plateau scheduler's best loss) would start again from zero in a resumed process, on top of
+the restored learning rate. baft finds them among the live objects (once per optimizer: a walk over every object
+the garbage collector tracks, tens of milliseconds), keeps their ``state_dict`` with every snapshot, and loads it
+back: at the restore where the scheduler already exists (a survivor in place), else as the first resumed
+iteration starts, when the script has made it again.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import Counter
+from typing import Optional
+
+import torch
+
+_FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> [weakref to a scheduler]
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # every scheduler deepspeed.initialize made or was given here
+
+
+def engines_own(scheduler) -> None:
+    """``scheduler`` is an engine's (``deepspeed.initialize`` returned it): in the engine's state, not the script's,
+    and so is any object that takes its state (:func:`baft.plugin._again`)."""
+    if scheduler is not None:
+        _ENGINES.add(scheduler)
+
+
+def _is_scheduler(obj) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        type(obj).__module__ == "deepspeed.runtime.lr_schedules" and hasattr(obj, "load_state_dict"))
+
+
+def script_schedulers(engine, look_again: bool = False) -> list:
+    """The schedulers stepping the engine's optimizer other than the engine's own (outermost only: the schedulers
+    inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as found the first time
+    (``look_again``: now)."""
+    optimizer = engine.optimizer
+    if look_again or optimizer not in _FOUND:
+        groups = optimizer.param_groups  # one list: DeepSpeed's wrappers give their torch optimizer's
+        # an object recovery in place gave another's state (baft.plugin) is that one: the engines' own among them
+        known = {id(vars(scheduler)) for scheduler in _ENGINES}
+        found = []
+        for obj in gc.get_objects():
+            if (_is_scheduler(obj) and id(vars(obj)) not in known
+                    and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups):
+                known.add(id(vars(obj)))
+                found.append(obj)
+        inner = {id(s) for obj in found for s in getattr(obj, "_schedulers", ())}
+        _FOUND[optimizer] = [weakref.ref(obj) for obj in found if id(obj) not in inner]
+    return [s for s in (ref() for ref in _FOUND[optimizer]) if s is not None]
+
+
+def capture(engine) -> Optional[list]:
+    """Each script scheduler's class and ``state_dict``, or None where the script has none."""
+    found = script_schedulers(engine)
+    return [(type(s).__qualname__, s.state_dict()) for s in found] or None
+
+
+def restore(engine, kept: list) -> Optional[str]:
+    """Load ``kept`` (:func:`capture`'s) into the script's schedulers; None where done, else why not."""
+    found = script_schedulers(engine, look_again=True)
+    names = Counter(type(s).__qualname__ for s in found)
+    wanted = Counter(name for name, _ in kept)
+    if names != wanted:
+        return (f"the snapshot holds the state of the learning-rate schedulers {dict(wanted)} the script made on "
+                f"its optimizer, and the script now has {dict(names) or 'none'}")
+    if any(count > 1 for count in names.values()):
+        return f"the script has more than one learning-rate scheduler of a kind ({dict(names)}): baft cannot tell them apart"
+    by_name = dict(kept)
+    for scheduler in found:
+        scheduler.load_state_dict(by_name[type(scheduler).__qualname__])
+    return None
+
