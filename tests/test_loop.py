@@ -36,6 +36,9 @@ COUNTS = {
     "a counter of its own": "step = 0\nwhile step < N:\n    engine.train_batch()\n    step += 1",
     "a helper in the loop": ("def one_step():\n    return engine.train_batch()\n"
                              "def main():\n    for _ in range(N):\n        one_step()\nmain()"),
+    "itertools.count": ("import itertools\nfor step in itertools.count():\n    if step >= N:\n        break\n"
+                        "    engine.train_batch()"),
+    "count from 1": "from itertools import count\nfor step in count(1):\n    engine.train_batch()\n    break",
 }
 STEPS = {
     "while on the engine's step": "while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1",
@@ -47,6 +50,8 @@ STEPS = {
     "a counter from the engine's step": ("step = engine.global_steps\nwhile step < N:\n    engine.train_batch()\n"
                                          "    step += 1"),
     "over data": "for batch in loader:\n    engine.train_batch()",
+    "count from the engine's step": ("from itertools import count\nfor step in count(engine.global_steps):\n"
+                                     "    engine.train_batch()\n    break"),
     "data inside a range": "for epoch in range(args.epochs):\n    for batch in loader:\n        engine.train_batch()",
 }
 
@@ -85,6 +90,46 @@ def test_a_call_in_no_loop(tmp_path):
 def test_the_site_names_the_innermost_loop(tmp_path):
     site, script = _site(tmp_path, COUNTS["nested ranges"])
     assert site.where == f"{script}:{STUB.count(chr(10)) + 2}" and site.text == "for i in range(N)", site
+
+
+PHASES = """
+import sys
+from types import SimpleNamespace
+from baft.pipeline.loop import Loop
+
+class Engine:
+    baft = SimpleNamespace(config=SimpleNamespace(loop="auto"))
+    global_rank = 0
+    def __init__(self, step):
+        self.global_steps = step
+    def train_batch(self):
+        LOOP.decide(self, sys._getframe(1))
+
+LOOP = Loop()
+LOOP.restored(None)  # a snapshot taken by a process whose loop did not count its calls
+engine = Engine(STEP)
+while engine.global_steps < 2:  # a warm-up phase, on the engine's step
+    engine.train_batch()
+    engine.global_steps += 1
+for step in range(3):  # then a phase that counts its calls
+    engine.train_batch()
+"""
+
+
+def test_a_phase_that_counts_its_calls_after_one_on_the_engines_step_is_said_and_cannot_resume(tmp_path, capfd):
+    from baft.errors import BaftError
+
+    script = tmp_path / "phases.py"
+    script.write_text(PHASES.replace("STEP", "0"))
+    runpy.run_path(str(script), run_name="__main__")  # a first run: warned as it enters the second phase
+    err = capfd.readouterr().err
+    assert (f"train_batch is called now from the loop at {script}:20 (for step in range(3)), which counts its calls, "
+            f"after the loop at {script}:17 (while engine.global_steps < 2), which does not count") in err, err
+    assert err.count("baft:") == 1, err  # once, not at every call
+    script.write_text(PHASES.replace("STEP", "4"))  # resumed at step 4, past the warm-up: replays calls it has no record of
+    with pytest.raises(BaftError, match=r"range\(3\)\) counts its calls to train_batch, and the snapshot of step 4 this "
+                                        r"process resumes from holds no record of them"):
+        runpy.run_path(str(script), run_name="__main__")
 
 
 def test_the_loop_key_is_validated():

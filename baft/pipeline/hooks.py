@@ -108,6 +108,8 @@ class BaftPipelineEngine(PipelineEngine):
         loop.decide(self, sys._getframe(1))
         if loop.replaying:
             value = loop.replay_train(self)
+            # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
+            self.global_steps, self.global_samples = loop.calls, loop.calls * self.train_batch_size()
             if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
                 self.baft.hooks.rng.between_steps()
             return value
@@ -139,7 +141,7 @@ class BaftPipelineEngine(PipelineEngine):
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
                    num_micro_batches=None):
         loop = THIS_PROCESS
-        loop.decide(self, sys._getframe(1))
+        loop.decide(self, sys._getframe(1), training=False)
         if loop.replays_evaluations:
             if self.is_first_stage() or self.is_last_stage():  # the stages that read data: the script's evaluation
                 for _ in range(num_micro_batches or self.micro_batches):  # data goes on where the replayed run's did

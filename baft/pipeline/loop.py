@@ -8,8 +8,9 @@ neither problem.
 
 baft reads the loops around the script's first call to ``train_batch`` or ``eval_batch`` in a process,
 from the source of the calling frames (:func:`loop_around`). Where every loop around it is a ``range``
-from a number (``range(n)``, ``range(1, n + 1)``) whose bounds do not read the engine's step, or a ``while``
-over a counter the script sets to a number and adds 1 to, the loop *counts calls*, and baft keeps it in step:
+from a number (``range(n)``, ``range(1, n + 1)``) whose bounds do not read the engine's step, an
+``itertools.count()``, or a ``while`` over a counter the script sets to a number and adds 1 to, the loop
+*counts calls*, and baft keeps it in step:
 
 * a process restored at step k *replays* its first k calls: each returns the value that call returned
   in the run that trained it (:class:`History`, saved with every snapshot) and trains nothing; the
@@ -21,7 +22,10 @@ over a counter the script sets to a number and adds 1 to, the loop *counts calls
   replacement's calls from k + 1 train those steps with it, replaying the evaluations and checkpoints the
   survivors made then.
 
-The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``.
+The ``"loop"`` key of the ``"baft"`` section overrides what is read: ``"calls"`` or ``"steps"``. A script
+that calls ``train_batch`` from a loop of the other kind later (a warm-up phase on the engine's step, then a
+``range``) is warned when it does: a process resumed in the second loop could not tell how many of its calls
+were made, and stops there with an error.
 """
 
 from __future__ import annotations
@@ -115,8 +119,8 @@ def _holds(node: ast.AST, line: int) -> bool:
 
 
 def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
-    """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)`` (or one of them in ``tqdm(...)`` or
-    ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
+    """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)``, ``count()`` (or one of them in ``tqdm(...)``
+    or ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
     assigned from it; or a ``while`` over a counter of its own (:func:`_while_counts`)."""
     if isinstance(loop, ast.While):
         return _while_counts(loop, scope)
@@ -125,7 +129,11 @@ def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
     call = loop.iter
     while isinstance(call, ast.Call) and _name(call.func) in ("tqdm", "enumerate") and call.args:
         call = call.args[0]
-    if not (isinstance(call, ast.Call) and _name(call.func) in ("range", "trange") and call.args):
+    if not isinstance(call, ast.Call):
+        return False
+    if _name(call.func) == "count":  # itertools.count(start): a range without an end
+        return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in call.args)
+    if not (_name(call.func) in ("range", "trange") and call.args):
         return False
     if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
         return False
@@ -223,14 +231,25 @@ class Loop:
         self.step_called_for = 0  # the step the loop's latest call that trains is for
         self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
         self.started: dict[int, dict] = {}  # step -> generators and hyper-parameters as its iteration started
+        self.recorded = False  # whether the restored snapshot holds a loop's history
+        self.call_sites: set = set()  # where train_batch was called from (the first one: what the loop read)
 
     def restored(self, items: Optional[dict]) -> None:
         """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
         if not self.decided:
             self.history = History.from_items(items) if items else History()
+            self.recorded = items is not None
 
-    def decide(self, engine, frame) -> None:
-        """At the process's first ``train_batch`` or ``eval_batch`` (``frame``: its caller's)."""
+    def decide(self, engine, frame, training: bool = True) -> None:
+        """At each call to ``train_batch`` (``training``) or ``eval_batch`` (``frame``: its caller's): at the
+        process's first, what its loop is; at a ``train_batch`` from another place, whether that place's loop is of
+        the same kind."""
+        if training:
+            site = (frame.f_code, frame.f_lineno, frame.f_back.f_lineno if frame.f_back is not None else None)
+            if site not in self.call_sites:
+                if self.call_sites and self.decided:
+                    self._elsewhere(engine, frame)
+                self.call_sites.add(site)
         if self.decided:
             return
         self.decided = True
@@ -246,6 +265,13 @@ class Loop:
             return
         # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
         self.to_replay = self.evaluated_until = k = engine.global_steps
+        loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
+        if k and not self.recorded:
+            raise BaftError(f"baft: {loop} counts its calls to train_batch, and the snapshot of step {k} this process "
+                            f"resumes from holds no record of them (the process that took it called train_batch "
+                            f"from a loop on the engine's step, or the job started from a checkpoint): baft cannot "
+                            f"tell how many of its calls were made. Loop on the engine's step (while "
+                            f"engine.global_steps < N) in every phase of the script")
         peers = self.peers
         if peers is not None and peers["counts_calls"]:
             # a replacement in place: its peers' loops went on past the restored step, and made the evaluations and
@@ -253,10 +279,23 @@ class Loop:
             self.evaluated_until = peers["step_called_for"] - 1
             self.history.evals.update({int(step): v for step, v in peers["evals"].items()})
         if k and (engine.global_rank == 0 or peers is not None):
-            loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+
+    def _elsewhere(self, engine, frame) -> None:
+        """``train_batch`` called from another place than before: said where its loop is of the other kind."""
+        if engine.baft.config.loop != "auto" or self.site is None or engine.global_rank != 0:
+            return
+        other = loop_around(frame)
+        if other is None or other.counts_calls == self.counts_calls:
+            return
+        kinds = {True: "counts its calls", False: "does not count its calls"}
+        print(f"baft: train_batch is called now from the loop at {other.where} ({other.text}), which "
+              f"{kinds[other.counts_calls]}, after the loop at {self.site.where} ({self.site.text}), which "
+              f"{kinds[self.counts_calls]}: a process resumed in the second could not tell how many of its calls "
+              f"were made, and would stop with an error. Loop on the engine's step (while engine.global_steps < N) "
+              f"in every phase", file=sys.stderr, flush=True)
 
     def progress(self) -> dict:
         """In a survivor recovering in place: whether its loop counts its calls, and if so the step its call is for and
