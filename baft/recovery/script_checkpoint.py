@@ -7,12 +7,14 @@ back from its ``client_state``. After a fault baft has already restored a newer 
 loading the older checkpoint over it would drop the steps in between without a word. On a
 protected engine ``load_checkpoint`` therefore:
 
-* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is newer than baft's
-  snapshot (then the checkpoint's state is the run's, RNG states included), or as new and the
-  script gave baft no ``client_state``;
+* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is as new as baft's snapshot
+  and the script gave baft no ``client_state``;
 * otherwise keeps baft's state, says so in one line, and returns the ``client_state`` as of
   baft's step, captured with every snapshot from what the script gave
-  ``baft.initialize(client_state=...)``; without it, it stops in one line saying how to give it.
+  ``baft.initialize(client_state=...)``; without it, it stops in one line saying how to give it. A
+  checkpoint newer than the snapshot too: DeepSpeed's holds no generator states (nor what else baft keeps
+  that the script may not save), so the run trains the steps in between again rather than resume from
+  it inexactly. Without a ``client_state`` it loads, saying the resume may not be exact from there.
 
 A script whose counters live outside the engine gives a ``Stateful`` object: a restore loads it,
 so the counters are right after a fault that came before the script's first checkpoint too.
@@ -80,16 +82,19 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
         kept_client = client_state is not None and client_state.restored is not None
         # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
         # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
-        if restored is None or step is None or step > restored.step or (step == restored.step and not kept_client):
-            if restored is not None and step is not None and step > restored.step:
+        newer = restored is not None and step is not None and step > restored.step
+        if restored is None or step is None or (newer and not kept_client) or (step == restored.step and not kept_client):
+            if newer:
                 if world.generation():  # a replacement: its peers kept their processes and the snapshot
                     raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "
                                        f"{step} from {path}, newer than the step {restored.step} its peers restored; "
                                        f"every rank starts again instead")
                 if restored.rng is not None:
-                    restored.rng.cancel()  # the checkpoint's RNG states are the run's now, not the snapshot's
-                _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): "
-                             f"the checkpoint is newer")
+                    restored.rng.cancel()  # whatever the script keeps of the generators is the run's now
+                _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): the "
+                             f"checkpoint is newer, but what it does not hold (the generators' states, unless the "
+                             f"script saves them) is not restored: the run may differ from an uninterrupted one from "
+                             f"here. Give baft.initialize client_state= to resume exactly from step {restored.step}")
             return load(load_dir, tag, *args, **kwargs)
         kept = f"step {restored.step} ({restored.source})"
         if not kept_client:
@@ -98,7 +103,9 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
                             f"state_dict()/load_state_dict() or a callable giving what your script saves as "
                             f"save_checkpoint(client_state=...) ({{}} if nothing), and load_checkpoint returns it as "
                             f"of step {restored.step}")
-        _say(engine, f"baft: kept {kept} over step {step} in {path}; load_checkpoint returns the client_state "
+        redo = f"step {step} is" if step == restored.step + 1 else f"steps {restored.step + 1}-{step} are"
+        again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
+        _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the client_state "
                      f"of step {restored.step}")
         return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
