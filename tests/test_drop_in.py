@@ -18,7 +18,7 @@ STEPS = 10
 LINE = re.compile(r"^(step \d+|eval after step \d+) loss (\S+)", re.M)
 
 
-def train(directory: Path, *options: str) -> subprocess.CompletedProcess:
+def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
     """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2 and a learning rate drawn from
     python's generator before each, in ``directory``."""
     config = directory / "ds_config.json"
@@ -27,7 +27,7 @@ def train(directory: Path, *options: str) -> subprocess.CompletedProcess:
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
-                           *options, "--", str(SCRIPTS / "example_pipe.py"), "--steps", str(STEPS), "--eval-every", "2",
+                           *options, "--", str(script), "--steps", str(STEPS), "--eval-every", "2",
                            "--lr-jitter", "--deepspeed_config", str(config)],
                           capture_output=True, text=True, timeout=300,
                           env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
@@ -40,11 +40,19 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
              # back one step further than the survivor's loop; then rank 0, whose replacement prints the replays
              "in place": ("--in-place", "--fault", "rank=1,step=5,phase=backward,restart=0",
                           "--fault", "rank=0,step=8,phase=forward,restart=1"),
-             "relaunch": ("--fault", "rank=1,step=7,phase=forward")}
+             "relaunch": ("--fault", "rank=1,step=7,phase=forward"),
+             # a collective of the script's between its calls: a replacement replaying them alone would wait there
+             "in place, a collective": ("--in-place", "--fault", "rank=1,step=5,phase=backward")}
 
     def run(name):
-        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        return directory, train(directory, *cases[name])
+        directory = tmp_path_factory.mktemp(name.replace(" ", "-").replace(",", ""))
+        if "collective" not in name:
+            return directory, train(directory, *cases[name])
+        script, call = directory / "example_all_reduce.py", "    loss = engine.train_batch()\n"
+        text = (SCRIPTS / "example_pipe.py").read_text()
+        assert call in text
+        script.write_text(text.replace(call, call + "    torch.distributed.all_reduce(loss.detach().clone())  # a metric\n"))
+        return directory, train(directory, *cases[name], script=script)
 
     with ThreadPoolExecutor(len(cases)) as pool:
         return dict(zip(cases, pool.map(run, cases)))
@@ -62,12 +70,14 @@ def test_the_deepspeed_pipeline_example_runs_under_baft_in_its_own_calling_form(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["in place", "relaunch"])
+@pytest.mark.parametrize("name", ["in place", "relaunch", "in place, a collective"])
 def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uninterrupted_one_does(runs, name):
     (reference, ref_proc), (faulted, proc) = runs["uninterrupted"], runs[name]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     kinds = [json.loads(line)["kind"] for line in (faulted / "run" / "recovery.jsonl").read_text().splitlines()]
-    assert kinds == (["in place", "in place"] if name == "in place" else ["warm relaunch"]), kinds
+    expected_kinds = {"in place": ["in place", "in place"], "relaunch": ["warm relaunch"],
+                      "in place, a collective": ["in place"]}
+    assert kinds == expected_kinds[name], kinds
     # rank 0's lines: a resumed process prints the replayed calls' losses and evaluations again, the same
     printed, expected = LINE.findall(proc.stdout), LINE.findall(ref_proc.stdout)
     assert dict(printed) == dict(expected) and printed[-1] == expected[-1], (printed, expected)
@@ -76,6 +86,10 @@ def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uni
     last = [max(step for _, step in load(run / "digests")) for run in (reference, faulted)]
     assert f"step {STEPS} is kept" in proc.stdout and last[0] == last[1], last
     assert compare(reference / "digests", faulted / "digests") == []
+    pids = processes(faulted / "digests")
     if name == "in place":
-        pids = processes(faulted / "digests")
         assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], "the survivors kept their processes"
+    if name == "in place, a collective":  # every rank replaced: together they replay, and meet at each all_reduce
+        assert not set(pids[1].values()) & set(pids[0].values()), pids
+        assert ("baft: rank 0 lost a peer and cannot recover in place (its loop calls a collective between its "
+                "calls to train_batch, at") in proc.stdout + proc.stderr, proc.stdout[-3000:]

@@ -82,6 +82,30 @@ def test_a_while_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
     assert not any(_site(tmp_path, COUNTS[name])[0].unread for name in COUNTS)
 
 
+def test_a_collective_between_the_calls_is_found_in_the_loop_or_a_function_it_calls(tmp_path):
+    """A replacement in place replays a loop that counts its calls alone: a collective there would wait for peers that
+    are not (:mod:`baft.recovery.in_place` relaunches every rank instead)."""
+    never = "    if engine.global_steps < 0:  # read, not run: no process group here\n    "
+    found = {
+        f"import torch.distributed as dist\nfor _ in range(N):\n    engine.train_batch()\n{never}    dist.all_reduce(x)":
+            "dist.all_reduce(x)",
+        ("import torch\ndef log(loss):\n    if loss is not None:\n        torch.distributed.all_reduce(loss)\n"
+         "for _ in range(N):\n    log(engine.train_batch())"): "torch.distributed.all_reduce(loss)",
+        f"from torch.distributed import barrier\nfor _ in range(N):\n    engine.train_batch()\n{never}    barrier()":
+            "barrier()",
+        f"from deepspeed import comm\nfor _ in range(N):\n    engine.train_batch()\n{never}    comm.broadcast(x, 0)":
+            "comm.broadcast(x, 0)",
+    }
+    for body, call in found.items():
+        site, script = _site(tmp_path, body)
+        assert site.collective.startswith(f"{script}:") and site.collective.endswith(f" ({call})"), (body, site)
+    none = ["import functools\nfor _ in range(N):\n    engine.train_batch()\n    functools.reduce(max, [1, 2])",
+            "import torch\nfor _ in range(N):\n    engine.train_batch()\n    torch.gather(torch.ones(2), 0, torch.zeros(2).long())",
+            "import torch.distributed as dist\nif N < 0:\n    dist.barrier()\nfor _ in range(N):\n    engine.train_batch()"]
+    for body in none:
+        assert _site(tmp_path, body)[0].collective == "", body
+
+
 def test_a_call_in_no_loop(tmp_path):
     site, _ = _site(tmp_path, "engine.train_batch()")
     assert site is None

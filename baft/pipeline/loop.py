@@ -44,6 +44,10 @@ from baft.pipeline.rng import rng_states, set_rng_states
 from baft.pipeline.schedulers import script_schedulers
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv"}  # torch.distributed's and deepspeed.comm's
 KEPT_STARTS = 64  # steps whose starting generators a survivor keeps: a recovery in place goes back fewer
 
 
@@ -57,6 +61,7 @@ class LoopSite:
     # none of the loops reads the engine's step, and one is a ``while`` over something else (a counter of the
     # script's own?): resumed, it would run as many steps again as it ran from the start
     unread: bool = False
+    collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
 
 
 def loop_around(frame) -> Optional[LoopSite]:
@@ -80,6 +85,7 @@ def loop_around(frame) -> Optional[LoopSite]:
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
     reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope in loops)
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
+                    collective=next(filter(None, (_collective(file, loop) for file, loop, _ in loops)), ""),
                     counts_calls=all(_counts_calls(loop, scope) for _, loop, scope in loops),
                     unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
                                                   for _, loop, scope in loops))
@@ -153,6 +159,29 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
     return counted and bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
+
+
+def _collective(filename: str, loop: ast.AST) -> str:
+    """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function of
+    the same file it calls, as ``file:line (text)``; "" where none is."""
+    tree = _parsed(filename)
+    functions = {node.name: node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module in ("torch.distributed", "deepspeed.comm") for alias in node.names}
+
+    def is_collective(call: ast.Call) -> bool:
+        func = call.func
+        if isinstance(func, ast.Name):
+            return func.id in COLLECTIVES and func.id in imported
+        return (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES
+                and any(word in ast.unparse(func.value) for word in ("dist", "comm")))
+
+    calls = [node for node in ast.walk(loop) if isinstance(node, ast.Call)]
+    for call in calls + [node for call in calls if isinstance(call.func, ast.Name) and call.func.id in functions
+                         for node in ast.walk(functions[call.func.id]) if isinstance(node, ast.Call)]:
+        if is_collective(call):
+            return f"{filename}:{call.lineno} ({ast.unparse(call)})"
+    return ""
 
 
 def _name(func: ast.AST) -> str:
@@ -232,6 +261,7 @@ class Loop:
         self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
         self.started: dict[int, dict] = {}  # step -> generators and hyper-parameters as its iteration started
         self.recorded = False  # whether the restored snapshot holds a loop's history
+        self.not_in_place = ""  # why a peer's death relaunches every rank rather than replace it in place
         self.call_sites: set = set()  # where train_batch was called from (the first one: what the loop read)
 
     def restored(self, items: Optional[dict]) -> None:
@@ -263,6 +293,10 @@ class Loop:
                   f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
         if not self.counts_calls:
             return
+        if self.site is not None and self.site.collective:
+            self.not_in_place = (f"its loop calls a collective between its calls to train_batch, at "
+                                 f"{self.site.collective}: a replacement replaying the calls before the restored step "
+                                 f"would wait there for peers that are not")
         # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
         self.to_replay = self.evaluated_until = k = engine.global_steps
         loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'

@@ -30,9 +30,10 @@ def recover(engine, error: BaseException) -> bool:
     """Recover ``engine``'s rank in place from ``error``, raised by its ``train_batch``; False where that is not
     for baft to do (no replacement can come), and the error stands."""
     protection = engine.baft
-    if protection.again is None or not world.available() or not world.lost_peer(error):
-        if protection.not_in_place and world.lost_peer(error):
-            error.baft_not_in_place = protection.not_in_place  # what the rank's replacement says as it goes
+    why = protection.not_in_place or THIS_PROCESS.not_in_place
+    if protection.again is None or why or not world.available() or not world.lost_peer(error):
+        if why and world.lost_peer(error):
+            error.baft_not_in_place = why  # what the rank's replacement says as it goes
         return False
     seen = time.time()
     for hook in protection.hooks:
