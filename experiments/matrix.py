@@ -51,6 +51,9 @@ AXES = {
     "recovery": ["in place", "relaunch"],  # baft train --in-place: the survivors keep their processes
     "seed_layers": [False, True],  # PipelineModule(seed_layers=True): every layer's forward seeded from a counter
     "loop": ["steps", "calls"],  # while engine.global_steps < N, or for _ in range(N) (baft.pipeline.loop)
+    # buffers a forward changes, on each stage: BatchNorm's; a counter and an average updated in place; the same
+    # given anew (self.count = self.count + 1), and every parameter's .data rebound after each step
+    "buffers": ["none", "batchnorm", "counter-inplace", "rebind"],
 }
 PHASES = ["forward", "backward", "copy", "seal", "commit", "optimizer", "outside"]
 STEPS = 8
@@ -85,6 +88,7 @@ class Case:
     loop: str = "steps"
     dropout_rng: str = "global"
     own_scheduler: bool = False
+    buffers: str = "none"
     faults: list = field(default_factory=list)
     steps: int = STEPS
 

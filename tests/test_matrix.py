@@ -35,7 +35,10 @@ CASES = {
         seed=11, optimizer="ds-adam", scheduler="WarmupDecayLR-linear", precision="fp32", data="stateful",
         # 4 micro-batches of the 12 an epoch holds: epochs end at steps 3 and 6, and a resume lands on one
         dropout=[True, False], checkpointing=True, tied=True, frozen=True, micro_batches=4, period=1, form="dict",
-        recovery="in place", seed_layers=True, faults=[Fault(1, 4, "outside"), Fault(1, 7, "copy")]),  # rank 0 survives both
+        # buffers each forward changes in place (recomputed ones too): the first stage's forwards run before its
+        # bubbles, so its snapshot must have copied them as the iteration began
+        recovery="in place", seed_layers=True, buffers="counter-inplace",
+        faults=[Fault(1, 4, "outside"), Fault(1, 7, "copy")]),  # rank 0 survives both
     "adam-cosine-zero1-fp32-dp2": Case(
         # Megatron's dropout, from DeepSpeed's model-parallel tracker, recomputed by activation checkpointing
         seed=14, optimizer="adam", scheduler="WarmupCosineLR", precision="zero1-fp32", data="stateful",
@@ -51,13 +54,15 @@ CASES = {
         # scheduler steps again after it
         seed=16, optimizer="sgd-plain", scheduler="OneCycle", precision="fp32", data="stateful", dropout=[False, True],
         dropout_rng="tracker", checkpointing=True, tied=False, frozen=True, micro_batches=2, period="auto", form="dict",
-        recovery="in place", own_scheduler=True, faults=[Fault(1, 5, "backward")]),
+        # buffers given new tensors by each forward and parameters new .data by each step: a snapshot copies the
+        # tensors the engine holds as it begins, not those it held at the first
+        recovery="in place", own_scheduler=True, buffers="rebind", faults=[Fault(1, 5, "backward")]),
     "deepspeed-adam-torch-scheduler-fp32-iterator": Case(
         seed=17, optimizer="ds-adam", scheduler="torch", precision="fp32", data="iterator", dropout=[False, False],
         # killed sealing step 6's snapshot, resumed from step 5: DeepSpeed's C++ Adam must go on multiplying
         # beta^t as the uninterrupted run does (beta2^6 by pow rounds otherwise)
         checkpointing=False, tied=False, frozen=False, micro_batches=8, period=1, form="config_params",
-        recovery="relaunch", faults=[Fault(1, 7, "seal")]),
+        recovery="relaunch", buffers="batchnorm", faults=[Fault(1, 7, "seal")]),
 }
 
 

@@ -1,7 +1,9 @@
 """How a snapshot's chunks leave the live tensors before the fence: the host copies them, or a copy stream.
 
 The policy decides *when* (which steps are snapshotted, and the fence before the optimizer step
-changes the state); a :class:`Copier` decides *how* the chunks are copied until then:
+changes the state; the module's buffers, which a forward changes, are copied before the iteration's
+first forward: :meth:`~baft.snapshot.copy.Snapshot.copy_first`); a :class:`Copier` decides *how*
+the other chunks are copied until then:
 
 - :class:`HostCopier` — the host copies while the engine waits in a bubble (on CPU a receive,
   or the stages' meeting before the optimizer step, blocks the host), chunk by chunk in layout

@@ -1,15 +1,17 @@
 """Copying one snapshot of a rank's state into a shared-memory slot, chunk by chunk.
 
 A :class:`Snapshot` is taken at a step boundary: it captures the small items and picks a
-slot; ``copy`` moves one chunk (and checksums its source, when the trainer has time to
-spare); ``queue`` puts runs of chunks on a copy stream, each run's checksums computed there
-from the same source bytes (on a GPU by the device); ``fence`` is the deadline: every chunk
-out of the live tensors before the optimizer step changes them; ``seal`` gathers the
-checksums, computes those not yet done from the slot, and writes the commit record. Only the
-fence is on the trainer's path: a :class:`Sealer` seals on a thread of its own, and a
-snapshot counts only once its commit record, with every chunk's checksum, exists. The
-policies (bubble-aware executor, synchronous copy, background thread) differ only in *when*
-they call ``copy``.
+slot, its views those of the tensors the engine holds then (:meth:`StateSource.refresh`: a buffer
+or optimizer state tensor replaced, a parameter's ``.data`` rebound); ``copy_first`` copies the
+module's buffers before the iteration's first forward changes them; ``copy`` moves one chunk
+(and checksums its source, when the trainer has time to spare); ``queue`` puts runs of chunks
+on a copy stream, each run's checksums computed there from the same source bytes (on a GPU by
+the device); ``fence`` is the deadline: every chunk out of the live tensors before the optimizer
+step changes them; ``seal`` gathers the checksums, computes those not yet done from the slot,
+and writes the commit record. Only ``copy_first`` and the fence are on the trainer's path: a
+:class:`Sealer` seals on a thread of its own, and a snapshot counts only once its commit
+record, with every chunk's checksum, exists. The policies (bubble-aware executor, synchronous
+copy, background thread) differ only in *when* they call ``copy``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch
 from baft.snapshot import state
 from baft.snapshot.checksum import TorchSums, hexdigest, hexdigests
 from baft.snapshot.layout import CommitRecord, Layout, model_signature, plan_layout
+from baft.snapshot.optimizers import dtype_name
 from baft.snapshot.slots import SnapshotWriter
 from baft.snapshot.streams import CopyStream, RunSums
 from baft.background import BackgroundThread
+from baft.errors import BaftError
 
 
 # A run of chunks shorter than this is checksummed from the slot by the seal, not as it is copied: on a GPU a
@@ -65,7 +69,11 @@ def copy_runs(chunks: list, indices: list[int]) -> list:
 
 
 class StateSource:
-    """The rank's state tensors as flat byte views, and the layout of this replica's shard."""
+    """The rank's state tensors as flat byte views, and the layout of this replica's shard.
+
+    ``first_chunks``: the chunks of the module's buffers, which a snapshot copies as it begins (a forward
+    changes them: BatchNorm's running statistics, a counter), the rest being unchanged until the optimizer step.
+    """
 
     def __init__(self, engine, chunk_bytes: int):
         grid = engine.grid
@@ -74,9 +82,37 @@ class StateSource:
         self.layout: Layout = plan_layout(state.tensor_entries(engine), chunk_bytes,
                                           shard=grid.get_data_parallel_rank(),
                                           num_shards=grid.get_data_parallel_world_size())
-        self.views = state.byte_views(engine)
+        self._entries = {t.name: t for t in self.layout.tensors}
+        buffers = {t.name for t in self.layout.tensors if t.kind == "other"}
+        self.first_chunks = [i for i, chunk in enumerate(self.layout.chunks) if chunk.tensor in buffers]
+        self._live = state.live_tensors(engine)
+        self.views: dict[str, torch.Tensor] = {}
+        self._viewed: dict[str, int] = {}  # where each view's bytes are: a copy's differ from its tensor's
+        self.refresh()
         self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
         self._runs: dict[tuple[int, ...], list] = {}
+
+    def refresh(self) -> None:
+        """View the tensors the engine holds now (a tensor replaced since, or a parameter whose ``.data`` was
+        rebound, has a new one; a tensor that is not contiguous is viewed by a copy made now); a ``BaftError``
+        naming a tensor whose shape or dtype is no longer the layout's, or that is gone."""
+        seen = 0
+        for name, t in self._live():
+            seen += 1
+            if self._viewed.get(name) != t.data_ptr():
+                view = self.views[name] = self._view(name, t)
+                self._viewed[name] = view.data_ptr()
+        if seen != len(self.views):
+            gone = sorted(set(self.views) - {name for name, _ in self._live()})
+            raise BaftError(f"the state tensors {gone} are gone since the first snapshot laid the state out")
+
+    def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        laid_out = self._entries.get(name)
+        if laid_out is None or (laid_out.dtype, laid_out.shape) != (dtype_name(t), tuple(t.shape)):
+            was = "is new" if laid_out is None else f"was {laid_out.dtype} {list(laid_out.shape)}"
+            raise BaftError(f"state tensor {name} is now {dtype_name(t)} {list(t.shape)}, {was} when the first "
+                            f"snapshot laid the state out: a snapshot's layout is fixed for the run")
+        return state.byte_view(t)
 
     def view(self, chunk) -> torch.Tensor:
         return self.views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes]
@@ -121,7 +157,9 @@ class Snapshot:
 
     def copy(self, checksum_now: bool = True) -> int:
         """Copy the next pending chunk on the host; return its bytes."""
-        i = next(iter(self.pending))
+        return self._copy(next(iter(self.pending)), checksum_now)
+
+    def _copy(self, i: int, checksum_now: bool) -> int:
         del self.pending[i]
         chunk = self.source.layout.chunks[i]
         src = self.source.view(chunk)
@@ -129,6 +167,18 @@ class Snapshot:
         if checksum_now:
             self.sums.append(RunSums([i], self.source.sums.of(src).reshape(1)))
         return chunk.nbytes
+
+    def copy_first(self) -> int:
+        """Copy the source's ``first_chunks`` before any compute queued after this call (on the host now; on a
+        stream, queued after the compute so far, the compute waiting for them); their bytes. Checksums wait for
+        :meth:`seal`."""
+        indices = self.source.first_chunks
+        if self.stream is None:
+            return sum(self._copy(i, checksum_now=False) for i in indices)
+        queued = self.queue(indices)
+        if queued:
+            self.stream.fence()
+        return queued
 
     def queue(self, indices) -> int:
         """Queue the pending chunks among ``indices`` on the stream, after the compute so far; their bytes."""

@@ -1,8 +1,10 @@
 """Snapshot policies as engine hooks; the bubble-aware one is baft's executor.
 
 Every in-memory policy takes the snapshot of step k during iteration k+1 and commits it
-before optimizer step k+1 (the last step's, when training stops: :meth:`SnapshotPolicy.close`);
-they differ in when the chunks are copied:
+before optimizer step k+1 (the last step's, when training stops: :meth:`SnapshotPolicy.close`).
+Parameters and optimizer state do not change until then; the module's buffers do, in the
+forwards (BatchNorm's running statistics, a counter), so every policy copies them as the
+iteration begins, in its stall. The policies differ in when the other chunks are copied:
 
 * :class:`BubbleExecutor` (``baft``): inside the bubbles, whatever is left is flushed before
   the optimizer step changes the state (:meth:`~baft.pipeline.hook.InstructionHook.before_update`).
@@ -119,8 +121,10 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.restored_items = (step, items)
 
     def begin(self, engine) -> None:
-        """Start the snapshot of the engine's current step (its copies follow)."""
+        """Start the snapshot of the engine's current step: of the tensors the engine holds now, the module's
+        buffers copied here, before a forward changes them (their time counted as stall); the rest follow."""
         self.prepare(engine)
+        self.source.refresh()
         step = engine.global_steps
         if self.restored_items and self.restored_items[0] == step:
             items = self.restored_items[1]
@@ -128,6 +132,9 @@ class SnapshotPolicy(InstructionHook, Periodic):
             items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end)}
         self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
         self.last_step = step
+        start = time.perf_counter()
+        self.snapshot.copy_first()
+        self.stall += time.perf_counter() - start
 
     def started(self) -> None:
         """Called once the snapshot of this iteration has begun."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -85,6 +85,15 @@ def check_capturable(engine, data_iterator=None) -> None:
                                     and callable(getattr(obj, "load_state_dict", None))):
             problems.append(f"{what} {type(obj).__module__}.{type(obj).__qualname__}: baft cannot save its state, "
                             f"so a resumed run would silently differ; {way_out}")
+    replicas = engine.grid.get_data_parallel_world_size()
+    own_statistics = [name for name, module in engine.module.named_modules()
+                      if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+                      and not isinstance(module, torch.nn.SyncBatchNorm)]
+    if replicas > 1 and own_statistics:
+        # a snapshot keeps each replica's share of a stage's tensors, so a restore would give every replica a mix
+        problems.append(f"module {own_statistics[0]} ({type(engine.module.get_submodule(own_statistics[0])).__name__}) keeps "
+                        f"running statistics of its own replica's batches, which differ between the {replicas} "
+                        f"data-parallel replicas; use torch.nn.SyncBatchNorm, or track_running_stats=False")
     if problems:
         raise BaftError(" | ".join(problems))
 
@@ -113,9 +122,40 @@ def state_tensors(engine) -> dict[str, torch.Tensor]:
     return {name: t for name, _, t in named_state_tensors(engine)}
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat uint8 view of its bytes (what a snapshot copies, and a restore fills); of a tensor that is
+    not contiguous, a copy of them."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def byte_views(engine) -> dict[str, torch.Tensor]:
-    """:func:`state_tensors` as flat uint8 views of their bytes (what a snapshot copies, and a restore fills)."""
-    return {name: t.detach().reshape(-1).view(torch.uint8) for name, t in state_tensors(engine).items()}
+    """:func:`state_tensors` as :func:`byte_view` s."""
+    return {name: byte_view(t) for name, t in state_tensors(engine).items()}
+
+
+def live_tensors(engine) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+    """A function giving (name, tensor) for every tensor :func:`named_state_tensors` names, as the engine holds it
+    when the function is called: a parameter whose ``.data`` was rebound, a buffer the module was given anew
+    (``self.count = self.count + 1``), an optimizer state tensor replaced, each gives the tensor that holds its
+    value now. The module is walked once, here: a snapshot calls it at each begin, and walking the module of a
+    thousand tensors takes milliseconds (the optimizer's state is the adapter's to walk)."""
+    params = [(f"param/{name}", p) for name, p in engine.module.named_parameters()]
+    buffers = [(f"buffer/{name}", _owner(engine.module, name)._buffers, name.rpartition(".")[2])
+               for name, _ in engine.module.named_buffers()]
+    adapter = optimizer_adapter(engine)
+
+    def now():
+        yield from params  # a Parameter object stays; its .data is what a rebinding changes
+        for name, held, key in buffers:
+            yield name, held[key]
+        yield from adapter.tensors()
+    return now
+
+
+def _owner(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The submodule that holds the buffer or parameter ``name`` (a dotted name relative to ``module``)."""
+    path = name.rpartition(".")[0]
+    return module.get_submodule(path) if path else module
 
 
 def _b64(data: bytes) -> str:

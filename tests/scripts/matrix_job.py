@@ -5,7 +5,9 @@ WarmupLR, WarmupDecayLR log and linear, WarmupCosineLR, OneCycle, a torch schedu
 ``lr_scheduler=``; and one the script makes and steps itself after each step), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
 own ``training_data=``, torchdata's ``StatefulDataLoader``, an iterator with ``state_dict``), dropout
 on either stage (from torch's generator, or Megatron's way: from DeepSpeed's model-parallel tracker), activation checkpointing, weights tied across the stages, a frozen block, gradient accumulation,
-the snapshot period and the calling form of ``initialize``. Every run crosses an epoch of its data.
+the snapshot period and the calling form of ``initialize``; buffers a forward changes on each stage (BatchNorm's
+statistics, or a counter and an average updated in place, or rebound, with every parameter's ``.data`` rebound
+after each step). Every run crosses an epoch of its data.
 """
 
 import argparse
@@ -66,14 +68,49 @@ class TrackedDropout(nn.Dropout):
             return super().forward(x)
 
 
+class Counted(nn.Module):
+    """A linear layer scaled by a buffer counting its training forwards, its input centred by an average of the
+    inputs kept in another: updated in place (``+=``, ``mul_``), or by giving the module new tensors."""
+
+    def __init__(self, rebind: bool):
+        super().__init__()
+        self.rebind = rebind
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(WIDTH))
+
+    def forward(self, x):
+        if self.training:
+            if self.rebind:
+                self.count = self.count + 1
+                self.average = 0.9 * self.average + 0.1 * x.detach().mean(0)
+            else:
+                self.count += 1
+                self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.lin(x - self.average) * (1 + 0.01 * self.count)
+
+
+def buffer_layer(case):
+    """The layer of ``case["buffers"]`` whose buffers a forward changes, or None."""
+    kind = case["buffers"]
+    if kind == "batchnorm":
+        return LayerSpec(nn.BatchNorm1d, WIDTH)
+    return None if kind == "none" else LayerSpec(Counted, rebind=kind == "rebind")
+
+
 def layers(case):
     def tied():
         return TiedLayerSpec("tied", nn.Linear, WIDTH, WIDTH) if case["tied"] else LayerSpec(nn.Linear, WIDTH, WIDTH)
     p0, p1 = (0.1 if on else 0.0 for on in case["dropout"])
     dropout = TrackedDropout if case["dropout_rng"] == "tracker" else nn.Dropout
-    return [tied(), LayerSpec(nn.GELU), LayerSpec(dropout, p0), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU), LayerSpec(dropout, p1), tied(),
-            LayerSpec(nn.Linear, WIDTH, 1)]
+    first = [tied(), LayerSpec(nn.GELU), LayerSpec(dropout, p0), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU)]
+    second = [LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU), LayerSpec(dropout, p1), tied(),
+              LayerSpec(nn.Linear, WIDTH, 1)]
+    extra = buffer_layer(case)
+    if extra is not None:  # one on each stage (the partition is uniform), the frozen block still layer 3
+        first.insert(4, extra)
+        second.insert(3, extra)
+    return first + second
 
 
 def config(case, policy, dp):
@@ -181,6 +218,10 @@ def step(engine, feed, case, own):
     engine.train_batch(data_iter=feed)
     if own is not None:
         own.step()
+    if case["buffers"] == "rebind":  # weight clipping as WGAN scripts do it: each parameter given new data
+        with torch.no_grad():
+            for param in engine.module.parameters():
+                param.data = param.data.clamp(-0.3, 0.3)
 
 
 if __name__ == "__main__":

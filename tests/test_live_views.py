@@ -1,0 +1,81 @@
+"""A snapshot holds every tensor as it was at its step boundary: it views the tensors the engine holds as it
+begins (a buffer or optimizer state tensor replaced, a parameter's ``.data`` rebound), and copies the module's
+buffers, which a forward changes, before the iteration's first forward. The matrix cases with ``buffers`` prove
+it on DeepSpeed pipelines (tests/test_matrix.py); these check the source and the copy on a module of their own."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from baft.errors import BaftError
+from baft.snapshot.copy import Snapshot, StateSource
+from baft.snapshot.slots import SnapshotWriter
+from baft.snapshot.streams import ThreadCopyStream
+
+
+class Grid:
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+
+def engine():
+    """What a :class:`StateSource` reads of an engine: a module with buffers, and a torch optimizer with state."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    module.register_buffer("count", torch.zeros(()))
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return SimpleNamespace(module=module, optimizer=optimizer, grid=Grid())
+
+
+def slot_bytes(snapshot, name):
+    """The bytes of tensor ``name`` in the snapshot's slot."""
+    chunk = next(c for c in snapshot.source.layout.chunks if c.tensor == name)
+    return bytes(snapshot.buffer[chunk.offset:chunk.offset + chunk.nbytes].numpy())
+
+
+def test_a_snapshot_views_the_tensors_the_engine_holds_as_it_begins():
+    eng = engine()
+    source = StateSource(eng, 1 << 20)
+    module, optimizer = eng.module, eng.optimizer
+    module.count = module.count + 1  # a buffer given anew
+    module[0].weight.data = module[0].weight.data.clamp(-0.1, 0.1)  # a parameter's .data rebound
+    state = optimizer.state[module[0].bias]
+    state["exp_avg"] = state["exp_avg"] + 1  # an optimizer state tensor replaced
+    source.refresh()
+    for name, now in (("buffer/count", module.count), ("param/0.weight", module[0].weight),
+                      ("optim/0.bias/exp_avg", state["exp_avg"])):
+        assert source.views[name].data_ptr() == now.data_ptr(), name
+
+
+def test_a_tensor_whose_shape_changed_is_an_error_naming_it():
+    eng = engine()
+    source = StateSource(eng, 1 << 20)
+    eng.module.count = torch.zeros(2)
+    with pytest.raises(BaftError, match=r"buffer/count is now float32 \[2\], was float32 \[\] when the first"):
+        source.refresh()
+
+
+@pytest.mark.parametrize("stream", [None, ThreadCopyStream()], ids=["host", "stream"])
+def test_the_buffers_are_copied_as_the_snapshot_begins_the_rest_left_for_the_bubbles(tmp_path, stream):
+    eng = engine()
+    source = StateSource(eng, 1 << 20)
+    writer = SnapshotWriter(tmp_path, 0, source.layout, 3)
+    snapshot = Snapshot(source, writer, 1, {}, stream)
+    before = {name: bytes(view.numpy()) for name, view in source.views.items()}
+    copied = snapshot.copy_first()
+    buffers = [t.name for t in source.layout.tensors if t.kind == "other"]
+    assert sorted(buffers) == ["buffer/1.num_batches_tracked", "buffer/1.running_mean", "buffer/1.running_var",
+                               "buffer/count"]
+    assert copied == sum(t.nbytes for t in source.layout.tensors if t.kind == "other")
+    assert {source.layout.chunks[i].tensor for i in snapshot.pending}.isdisjoint(buffers)
+    eng.module(torch.randn(3, 4))  # the iteration's first forward
+    snapshot.fence()
+    for name in buffers:
+        assert slot_bytes(snapshot, name) == before[name], name
+    writer.close()
