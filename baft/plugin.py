@@ -59,10 +59,14 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     # the script's own state given as a callable comes back only through its own load_checkpoint, which a survivor
     # does not run again
     own_state = client_state is not None and not hasattr(client_state, "load_state_dict")
+    own_groups = world.groups_before(bound.arguments.get("model")) if world.available() else 0
     if getattr(engine, "baft", None) is not None and world.available():
-        if wrapped or own_state:
-            engine.baft.not_in_place = ("the optimizer object DeepSpeed wrapped cannot be wrapped again" if wrapped else
-                                        "its client_state comes back only through the script's own load_checkpoint")
+        if wrapped or own_state or own_groups:
+            engine.baft.not_in_place = (
+                "the optimizer object DeepSpeed wrapped cannot be wrapped again" if wrapped else
+                "its client_state comes back only through the script's own load_checkpoint" if own_state else
+                f"the script made {own_groups} process groups before its PipelineModule, which a replacement makes "
+                f"again and a survivor cannot make with it")
         else:
             engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
                                                   [base_optimizer(returned[1])])

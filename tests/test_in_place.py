@@ -5,6 +5,7 @@ tests/test_matrix.py recover in place too, ZeRO-1 bf16 at pp=2 x dp=2 among them
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -204,3 +205,34 @@ def test_a_spare_killed_is_forked_again_and_the_new_one_takes_the_killed_ranks_p
     pids = rank_1_replaced(tmp_path, runs["reference"][0], result)
     replacement, killed_at = pids[1][1], recoveries(tmp_path)[0]["killed_at"]
     assert replacement not in (killed["pid"], pids[0][1]) and seen[replacement] < killed_at, (pids, seen)
+
+
+GROUPS = """
+import sys
+import torch.nn as nn
+import deepspeed
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from baft.recovery.world import groups_before
+
+deepspeed.init_distributed(dist_backend="gloo")
+for _ in range(int(sys.argv[1])):  # Megatron's model-parallel unit: groups of the script's, before the model
+    dist.new_group([0])
+model = PipelineModule(layers=[nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=1, loss_fn=nn.MSELoss())
+print("groups before", groups_before(model))
+"""
+
+
+@pytest.mark.parametrize("own", [0, 2])
+def test_the_process_groups_a_script_makes_before_its_model_are_counted(tmp_path, own):
+    """A replacement's script makes them again and a survivor's regroup does not: such a job replaces every rank on
+    a fault (the survivors waited for groups nobody else made: a hang)."""
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, str(script), str(own)], capture_output=True, text=True, env=env, timeout=120)
+    assert f"groups before {own}\n" in proc.stdout, proc.stdout + proc.stderr[-2000:]

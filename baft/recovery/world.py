@@ -236,6 +236,18 @@ def tied_dtypes(model) -> dict[tuple[str, str], torch.dtype]:
             for key, comm in model.tied_comms.items() for attr in comm["weight_attr"]}
 
 
+def groups_before(model) -> int:
+    """How many process groups were made before the ``PipelineModule`` ``model`` made its own: the script's (Megatron's
+    and GPT-NeoX's model-parallel unit makes its groups first), which a replacement's script makes again and a
+    survivor's regroup does not; 0 for another model, or where torch names its groups otherwise."""
+    from deepspeed.pipe import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        return 0
+    name = dist.distributed_c10d._world.pg_names.get(model.world_group, "")  # named by a count from 0, the world's
+    return int(name) - 1 if name.isdigit() else 0
+
+
 def regroup(model, dtypes: dict[tuple[str, str], torch.dtype]) -> None:
     """The process groups a ``PipelineModule`` makes in its constructor, made again in the new world in the
     same order, and the broadcasts of its tied weights, as the constructor makes them (a replacement's
