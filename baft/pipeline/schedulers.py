@@ -34,24 +34,27 @@ def _is_scheduler(obj) -> bool:
         type(obj).__module__ == "deepspeed.runtime.lr_schedules" and hasattr(obj, "load_state_dict"))
 
 
-def script_schedulers(engine, look_again: bool = False) -> list:
+def script_schedulers(engine) -> list:
     """The schedulers stepping the engine's optimizer other than the engine's own (outermost only: the schedulers
-    inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as found the first time
-    (``look_again``: now)."""
+    inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as first found."""
     optimizer = engine.optimizer
-    if look_again or optimizer not in _FOUND:
-        groups = optimizer.param_groups  # one list: DeepSpeed's wrappers give their torch optimizer's
-        # an object recovery in place gave another's state (baft.plugin) is that one: the engines' own among them
-        known = {id(vars(scheduler)) for scheduler in _ENGINES}
-        found = []
-        for obj in gc.get_objects():
-            if (_is_scheduler(obj) and id(vars(obj)) not in known
-                    and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups):
-                known.add(id(vars(obj)))
-                found.append(obj)
-        inner = {id(s) for obj in found for s in getattr(obj, "_schedulers", ())}
-        _FOUND[optimizer] = [weakref.ref(obj) for obj in found if id(obj) not in inner]
+    if optimizer not in _FOUND:
+        _FOUND[optimizer] = [weakref.ref(obj) for obj in _look(engine)]
     return [s for s in (ref() for ref in _FOUND[optimizer]) if s is not None]
+
+
+def _look(engine) -> list:
+    groups = engine.optimizer.param_groups  # one list: DeepSpeed's wrappers give their torch optimizer's
+    # an object recovery in place gave another's state (baft.plugin) is that one: the engines' own among them
+    known = {id(vars(scheduler)) for scheduler in _ENGINES}
+    found = []
+    for obj in gc.get_objects():
+        if (_is_scheduler(obj) and id(vars(obj)) not in known
+                and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups):
+            known.add(id(vars(obj)))
+            found.append(obj)
+    inner = {id(s) for obj in found for s in getattr(obj, "_schedulers", ())}
+    return [obj for obj in found if id(obj) not in inner]
 
 
 def capture(engine) -> Optional[list]:
@@ -62,7 +65,9 @@ def capture(engine) -> Optional[list]:
 
 def restore(engine, kept: list) -> Optional[str]:
     """Load ``kept`` (:func:`capture`'s) into the script's schedulers; None where done, else why not."""
-    found = script_schedulers(engine, look_again=True)
+    found = _look(engine)  # the script may make them after baft.initialize's restore: not kept until found
+    if found:
+        _FOUND[engine.optimizer] = [weakref.ref(obj) for obj in found]
     names = Counter(type(s).__qualname__ for s in found)
     wanted = Counter(name for name, _ in kept)
     if names != wanted:

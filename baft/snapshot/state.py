@@ -255,9 +255,10 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         client.restore(_torch_unblob(items["client_state"]))
     THIS_PROCESS.restored(items.get("loop"))
     restore = RngRestore(items["rng"], items.get("rng_between"))
-    # a loop that counts its calls is not taken back (its survivor's call trains to its step; a resumed process
-    # replays what stepped its schedulers): its schedulers are where the loop is
-    if "script_schedulers" in items and not THIS_PROCESS.counts_calls:
+    # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
+    # schedulers' states as it first started (baft.pipeline.loop); its schedulers are where its loop is
+    survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
+    if "script_schedulers" in items and not survivor:
         kept = _torch_unblob(items["script_schedulers"])
         if schedulers.restore(engine, kept) is not None:  # not made yet: by the first iteration
             restore.schedulers = (kept, groups)

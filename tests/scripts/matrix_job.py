@@ -2,11 +2,13 @@
 
 optimizer (torch Adam, AdamW, SGD with momentum, DeepSpeed's own Adam), scheduler (DeepSpeed's
 WarmupLR, WarmupDecayLR log and linear, WarmupCosineLR, OneCycle, a torch scheduler passed as
-``lr_scheduler=``; and one the script makes and steps itself after each step), precision and ZeRO (fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's
-own ``training_data=``, torchdata's ``StatefulDataLoader``, an iterator with ``state_dict``), dropout
-on either stage (from torch's generator, or Megatron's way: from DeepSpeed's model-parallel tracker), activation checkpointing, weights tied across the stages, a frozen block, gradient accumulation,
-the snapshot period and the calling form of ``initialize``; buffers a forward changes on each stage (BatchNorm's
-statistics, or a counter and an average updated in place, or rebound, with every parameter's ``.data`` rebound
+``lr_scheduler=``; and one the script makes and steps itself after each step), precision and ZeRO
+(fp32, bf16, ZeRO-1 fp32 or bf16 at dp=2), data (the engine's own ``training_data=``, torchdata's
+``StatefulDataLoader``, an iterator with ``state_dict``), dropout on either stage (from torch's
+generator, or Megatron's way: from DeepSpeed's model-parallel tracker), activation checkpointing,
+weights tied across the stages, a frozen block, gradient accumulation, the snapshot period and the
+calling form of ``initialize``; buffers a forward changes on each stage (BatchNorm's statistics, or
+a counter and an average updated in place, or rebound, with every parameter's ``.data`` rebound
 after each step). Every run crosses an epoch of its data.
 """
 
@@ -87,14 +89,25 @@ class Counted(nn.Module):
             else:
                 self.count += 1
                 self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
-        return self.lin(x - self.average) * (1 + 0.01 * self.count)
+        # bf16: DeepSpeed converts the parameters, not the buffers
+        return self.lin(x - self.average.to(x.dtype)) * (1 + 0.01 * self.count.to(x.dtype))
+
+
+class BatchNorm(nn.BatchNorm1d):
+    """BatchNorm computed in float32 (DeepSpeed's bf16 converts its parameters, not its running statistics)."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return nn.functional.batch_norm(x.float(), self.running_mean, self.running_var, self.weight.float(),
+                                        self.bias.float(), self.training, self.momentum, self.eps).to(x.dtype)
 
 
 def buffer_layer(case):
     """The layer of ``case["buffers"]`` whose buffers a forward changes, or None."""
     kind = case["buffers"]
     if kind == "batchnorm":
-        return LayerSpec(nn.BatchNorm1d, WIDTH)
+        return LayerSpec(BatchNorm, WIDTH)
     return None if kind == "none" else LayerSpec(Counted, rebind=kind == "rebind")
 
 
@@ -218,7 +231,9 @@ def step(engine, feed, case, own):
     engine.train_batch(data_iter=feed)
     if own is not None:
         own.step()
-    if case["buffers"] == "rebind":  # weight clipping as WGAN scripts do it: each parameter given new data
+    # weight clipping as WGAN scripts do it: each parameter given new data (in fp32 without ZeRO only: DeepSpeed's
+    # bf16 and ZeRO optimizers update flat buffers the parameters view, which new data would leave behind)
+    if case["buffers"] == "rebind" and case["precision"] == "fp32":
         with torch.no_grad():
             for param in engine.module.parameters():
                 param.data = param.data.clamp(-0.3, 0.3)
