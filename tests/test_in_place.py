@@ -223,6 +223,7 @@ print("groups before", groups_before(model))
 """
 
 
+@pytest.mark.slow  # DeepSpeed's process group loads its C++ communication op, which the suite builds meanwhile
 @pytest.mark.parametrize("own", [0, 2])
 def test_the_process_groups_a_script_makes_before_its_model_are_counted(tmp_path, own):
     """A replacement's script makes them again and a survivor's regroup does not: such a job replaces every rank on
