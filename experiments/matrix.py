@@ -237,7 +237,10 @@ def _recovery(run_dir: Path) -> list[dict]:
 def describe(case: Case) -> str:
     dropout = "+".join(f"s{i}" for i, on in enumerate(case.dropout) if on) or "off"
     faults = "; ".join(f"rank {f.rank} step {f.step} {f.phase}" for f in case.faults)
-    return (f"{case.optimizer}, {case.scheduler}, {case.precision}, data {case.data}, dropout {dropout}, "
+    if case.dropout_rng == "tracker" and dropout != "off":
+        dropout += " (tracker)"
+    return (f"{case.optimizer}, {case.scheduler}{' + own' if case.own_scheduler else ''}, {case.precision}, "
+            f"data {case.data}, dropout {dropout}, {'' if case.buffers == 'none' else f'buffers {case.buffers}, '}"
             f"{'checkpointing' if case.checkpointing else 'no checkpointing'}, {'tied' if case.tied else 'untied'}, "
             f"{'frozen block, ' if case.frozen else ''}{'seed_layers, ' if case.seed_layers else ''}"
             f"m={case.micro_batches}, period {case.period}, {case.form}, loop on {case.loop}, {case.recovery}; "
