@@ -61,6 +61,18 @@ def test_a_tensor_whose_shape_changed_is_an_error_naming_it():
         source.refresh()
 
 
+def test_optimizer_state_made_after_the_first_snapshot_is_an_error_naming_it():
+    """A parameter trained only since the first snapshot (unfrozen mid-run): its new state has no place in the layout."""
+    eng = engine()
+    bias = eng.module[0].bias
+    state = eng.optimizer.state.pop(bias)  # frozen when the first snapshot laid the state out
+    source = StateSource(eng, 1 << 20)
+    eng.optimizer.state[bias] = state
+    with pytest.raises(BaftError, match=r"^state tensor optim/0\.bias/exp_avg \(float32 \[4\]\) is new since the first "
+                                        r"snapshot laid the state out \(the optimizer's state of a parameter trained"):
+        source.refresh()
+
+
 @pytest.mark.parametrize("stream", [None, ThreadCopyStream()], ids=["host", "stream"])
 def test_the_buffers_are_copied_as_the_snapshot_begins_the_rest_left_for_the_bubbles(tmp_path, stream):
     eng = engine()

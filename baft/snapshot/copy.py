@@ -108,10 +108,14 @@ class StateSource:
 
     def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         laid_out = self._entries.get(name)
-        if laid_out is None or (laid_out.dtype, laid_out.shape) != (dtype_name(t), tuple(t.shape)):
-            was = "is new" if laid_out is None else f"was {laid_out.dtype} {list(laid_out.shape)}"
-            raise BaftError(f"state tensor {name} is now {dtype_name(t)} {list(t.shape)}, {was} when the first "
-                            f"snapshot laid the state out: a snapshot's layout is fixed for the run")
+        now = f"{dtype_name(t)} {list(t.shape)}"
+        if laid_out is None:
+            raise BaftError(f"state tensor {name} ({now}) is new since the first snapshot laid the state out (the "
+                            f"optimizer's state of a parameter trained only since: one unfrozen mid-run?); a "
+                            f"snapshot's layout is fixed for the run: train every parameter from the start")
+        if (laid_out.dtype, laid_out.shape) != (dtype_name(t), tuple(t.shape)):
+            raise BaftError(f"state tensor {name} is now {now}, was {laid_out.dtype} {list(laid_out.shape)} when the "
+                            f"first snapshot laid the state out: a snapshot's layout is fixed for the run")
         return state.byte_view(t)
 
     def view(self, chunk) -> torch.Tensor:
