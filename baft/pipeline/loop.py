@@ -165,7 +165,8 @@ def _collective(filename: str, loop: ast.AST) -> str:
     """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function of
     the same file it calls, as ``file:line (text)``; "" where none is."""
     tree = _parsed(filename)
-    functions = {node.name: node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    functions = {node.name: node for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module in ("torch.distributed", "deepspeed.comm") for alias in node.names}
 

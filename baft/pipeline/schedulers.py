@@ -74,7 +74,8 @@ def restore(engine, kept: list) -> Optional[str]:
         return (f"the snapshot holds the state of the learning-rate schedulers {dict(wanted)} the script made on "
                 f"its optimizer, and the script now has {dict(names) or 'none'}")
     if any(count > 1 for count in names.values()):
-        return f"the script has more than one learning-rate scheduler of a kind ({dict(names)}): baft cannot tell them apart"
+        return (f"the script has more than one learning-rate scheduler of a kind ({dict(names)}): baft cannot tell "
+                f"them apart")
     by_name = dict(kept)
     for scheduler in found:
         scheduler.load_state_dict(by_name[type(scheduler).__qualname__])

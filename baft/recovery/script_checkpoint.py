@@ -83,7 +83,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
         # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
         # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
         newer = restored is not None and step is not None and step > restored.step
-        if restored is None or step is None or (newer and not kept_client) or (step == restored.step and not kept_client):
+        if restored is None or step is None or (not kept_client and step >= restored.step):
             if newer:
                 if world.generation():  # a replacement: its peers kept their processes and the snapshot
                     raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "

@@ -35,13 +35,12 @@ import base64
 import io
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 import torch
 
 from baft.errors import BaftError
+from baft.pipeline import schedulers
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.loop import THIS_PROCESS
-from baft.pipeline import schedulers
 from baft.pipeline.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
@@ -91,9 +90,10 @@ def check_capturable(engine, data_iterator=None) -> None:
                       and not isinstance(module, torch.nn.SyncBatchNorm)]
     if replicas > 1 and own_statistics:
         # a snapshot keeps each replica's share of a stage's tensors, so a restore would give every replica a mix
-        problems.append(f"module {own_statistics[0]} ({type(engine.module.get_submodule(own_statistics[0])).__name__}) keeps "
-                        f"running statistics of its own replica's batches, which differ between the {replicas} "
-                        f"data-parallel replicas; use torch.nn.SyncBatchNorm, or track_running_stats=False")
+        name = own_statistics[0]
+        problems.append(f"module {name} ({type(engine.module.get_submodule(name)).__name__}) keeps running "
+                        f"statistics of its own replica's batches, which differ between the {replicas} data-parallel "
+                        f"replicas; use torch.nn.SyncBatchNorm, or track_running_stats=False")
     if problems:
         raise BaftError(" | ".join(problems))
 
