@@ -302,7 +302,7 @@ class Loop:
         self.to_replay = self.evaluated_until = k = engine.global_steps
         loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
         if k and not self.recorded:
-            raise BaftError(f"baft: {loop} counts its calls to train_batch, and the snapshot of step {k} this process "
+            raise BaftError(f"{loop} counts its calls to train_batch, and the snapshot of step {k} this process "
                             f"resumes from holds no record of them (the process that took it called train_batch "
                             f"from a loop on the engine's step, or the job started from a checkpoint): baft cannot "
                             f"tell how many of its calls were made. Loop on the engine's step (while "
@@ -388,7 +388,7 @@ class Loop:
     def _recorded(self, engine, kind: str, values: list, index: int, what: str):
         value = values[index] if index < len(values) else None
         if value is None:
-            raise BaftError(f"baft: the loop replays its calls before the restored step, and {what} returned nothing "
+            raise BaftError(f"the loop replays its calls before the restored step, and {what} returned nothing "
                             f"baft recorded (not a scalar, or trained before baft recorded it); loop on the engine's "
                             f"step (while engine.global_steps < N) to resume without replaying")
         return torch.tensor(float(value), dtype=getattr(torch, self.history.dtypes[kind]), device=engine.device)

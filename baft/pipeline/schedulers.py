@@ -37,10 +37,13 @@ def _is_scheduler(obj) -> bool:
 def script_schedulers(engine) -> list:
     """The schedulers stepping the engine's optimizer other than the engine's own (outermost only: the schedulers
     inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as first found."""
-    optimizer = engine.optimizer
-    if optimizer not in _FOUND:
-        _FOUND[optimizer] = [weakref.ref(obj) for obj in _look(engine)]
-    return [s for s in (ref() for ref in _FOUND[optimizer]) if s is not None]
+    if engine.optimizer not in _FOUND:
+        _keep(engine, _look(engine))
+    return [s for s in (ref() for ref in _FOUND[engine.optimizer]) if s is not None]
+
+
+def _keep(engine, found: list) -> None:
+    _FOUND[engine.optimizer] = [weakref.ref(obj) for obj in found]
 
 
 def _look(engine) -> list:
@@ -67,7 +70,7 @@ def restore(engine, kept: list) -> Optional[str]:
     """Load ``kept`` (:func:`capture`'s) into the script's schedulers; None where done, else why not."""
     found = _look(engine)  # the script may make them after baft.initialize's restore: not kept until found
     if found:
-        _FOUND[engine.optimizer] = [weakref.ref(obj) for obj in found]
+        _keep(engine, found)
     names = Counter(type(s).__qualname__ for s in found)
     wanted = Counter(name for name, _ in kept)
     if names != wanted:

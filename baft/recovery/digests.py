@@ -35,8 +35,8 @@ from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.rng import rng_states
-from baft.recovery.record import restart_count
 from baft.pipeline.schedulers import script_schedulers
+from baft.recovery.record import restart_count
 from baft.snapshot.state import loss_scaler
 
 DIGESTS_ENV = "BAFT_STATE_DIGESTS"

@@ -238,8 +238,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         groups = _torch_unblob(groups)
     else:  # written before baft pickled the groups: JSON values, tuples as lists
         groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in groups]
-    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
-        group.update(saved)
+    _set_param_groups(engine, groups)
     if "optimizer_scalars" in items:
         optimizer_adapter(engine).load_scalars(_torch_unblob(items["optimizer_scalars"]))
     if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
@@ -263,6 +262,12 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         if schedulers.restore(engine, kept) is not None:  # not made yet: by the first iteration
             restore.schedulers = (kept, groups)
     return restore
+
+
+def _set_param_groups(engine, groups: list) -> None:
+    """Each of the optimizer's param groups takes the hyper-parameters kept of it (its ``params`` stay)."""
+    for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
+        group.update(saved)
 
 
 def set_rng(rng: dict) -> None:
@@ -295,11 +300,10 @@ class RngRestore(InstructionHook):
             self.schedulers = None
             why = schedulers.restore(engine, kept)
             if why is not None:
-                raise BaftError(f"baft: {why}; resumed, its learning rates would not be those of an uninterrupted "
+                raise BaftError(f"{why}; resumed, its learning rates would not be those of an uninterrupted "
                                 f"run. Make them before the loop's first train_batch, or give one to "
                                 f"deepspeed.initialize (lr_scheduler=)")
-            for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
-                group.update(saved)
+            _set_param_groups(engine, groups)
 
     def cancel(self) -> None:
         """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
