@@ -30,8 +30,11 @@ def engines_own(scheduler) -> None:
 
 
 def _is_scheduler(obj) -> bool:
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        type(obj).__module__ == "deepspeed.runtime.lr_schedules" and hasattr(obj, "load_state_dict"))
+    # by type alone: isinstance reads the object's __class__, and some of gc's objects warn when read
+    # (torch.distributed.reduce_op)
+    kind = type(obj)
+    return issubclass(kind, torch.optim.lr_scheduler.LRScheduler) or (
+        kind.__module__ == "deepspeed.runtime.lr_schedules" and hasattr(kind, "load_state_dict"))
 
 
 def script_schedulers(engine) -> list:
