@@ -24,7 +24,7 @@ else
     BIG="--stages 1 --precision bf16 --d-model 2048 --layers 16 --heads 16 --seq 512 --micro-batch-size 4"
     SMALL="--stages 1 --precision bf16 --d-model 1024 --layers 12 --heads 16 --seq 512 --micro-batch-size 4"
     KILL_MODEL="--stages 1 --precision bf16"  # the example's own size, as in gpu.md section 1
-    ROUNDS_AA=10; ROUNDS_PROFILE=8; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
+    ROUNDS_AA=10; ROUNDS_PROFILE=${ROUNDS_PROFILE:-8}; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
 fi
 # baft at the planner's period beside baft/1 only on the 2.2 GB state: two baft policies' four slots of
 # 11.5 GB each and sync-copy's buffer would not fit one 128 GiB host at once
@@ -48,6 +48,9 @@ step() {
     echo "== $name ($(date +%T), $(left) s left)"
     timeout --kill-after=5 $(($(left) - 10)) "$@" >"$WORK/$name.log" 2>&1
     echo "rc=$? $name took $(($(date +%s) - t)) s"
+    # the GPU's clock-event counters (power capping slowed section 6's arms) after each step
+    { echo "after $name"; nvidia-smi -q -d PERFORMANCE | grep -E "SW Power Capping|Thermal|Power Braking"; } \
+        >>"$WORK/clocks.txt" 2>&1
     # the overhead table, pytest's verdict, the checksum rates, recovery reports, errors
     grep -v WARNING "$WORK/$name.log" | sed -n -e '/^policy /,/^$/p' -e '/^| arm/,/^$/p' -e '/chunk\|GB\/s\|agree\|passed\|failed/p' \
         -e '/kind\|T[0-4]\|resumed\|rror\|fork/p' | tail -n 30
@@ -63,15 +66,11 @@ step() {
   nvidia-smi -q -d CLOCK,PERFORMANCE | grep -E "Graphics|SM|Memory|Idle|Thermal|Power|Active"; } >"$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
 
-# which of the warm fork server's imports starts a thread (a CUDA driver thread refused the fork on the H200):
-# each module in the server's order and environment, the threads after it (gpu-todo.md item 4)
-step warm-threads 20 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 -c "
-import importlib, baft.warm.server as s
-for name in (*s.PRELOAD, *s.PRELOAD_LATER):
-    importlib.import_module(name)
-    print('after', name, ':', s.unforkable() or 'forkable', flush=True)"
+# which call in the warm fork server's imports starts a thread (a CUDA driver thread refused the fork on the H200),
+# in the server's order and environment, with the Python stack where it started (gpu-todo.md item 4)
+step warm-threads 40 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 experiments/warm_threads.py
 # gpu-todo.md item 1: where baft/1's cost at m=32 goes (its checksum kernels apart, a profiled block of each)
-step profile-big-m$M_HIGH 150 torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out "$WORK/profile-big" \
+step profile-big-m$M_HIGH 120 torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out "$WORK/profile-big" \
     --rounds $ROUNDS_PROFILE --block 3 $BIG --micro-batches $M_HIGH
 # then period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval), then
 # m=8, then the 2.2 GB state; the checksum and kill checks of section 5 last, as regressions
