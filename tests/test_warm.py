@@ -211,6 +211,19 @@ def test_a_server_that_imported_a_thread_refuses_to_fork_and_names_the_thread():
     assert "cannot fork after its imports (other threads: importer-pool; CUDA initialised: False)" in out.stdout
 
 
+def test_where_a_gpu_driver_is_there_the_server_imports_torch_alone_and_stays_forkable(tmp_path):
+    """DeepSpeed's import loads NVML where a GPU driver is there, which started a driver thread on an H200: the server
+    then imports torch's modules alone (each rank imports DeepSpeed itself), and can fork."""
+    driver = tmp_path / "nvidiactl"
+    driver.touch()
+    code = ("import sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); s.preload(eager=True); "
+            "print([m in sys.modules for m in ('torch.distributed', 'torch._dynamo', 'deepspeed', 'baft.plugin')])")
+    out = subprocess.run([sys.executable, "-c", code, str(driver)], capture_output=True, text=True,
+                         env=launch_env(), timeout=120)
+    assert out.returncode == 0, out.stderr  # preload exits with the refusal where it could not fork
+    assert out.stdout.split("\n")[-2] == "[True, True, False, False]"
+
+
 def test_a_spare_imports_what_a_script_imports_at_its_top_level_from_its_source(tmp_path):
     """:func:`baft.warm.spares.script_imports` reads the imports a script would make as it starts, never running it:
     plain, dotted, from-imports (a name may be a submodule), those in top-level try and if blocks; not a
