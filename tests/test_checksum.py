@@ -83,6 +83,20 @@ def test_a_run_of_chunks_gets_each_chunks_own_checksum(nbytes):
     assert [cs.hexdigest(int(s)) for s in sums] == expected
 
 
+def test_pieces_summed_side_by_side_get_each_pieces_own_checksum():
+    """of_many (the seal's small chunks): unaligned and empty pieces, and a set asked for again after another."""
+    rng = np.random.default_rng(3)
+    sums = cs.TorchSums()
+    sets = [[4096, 4096, 8], [5, 0, 4096 * 3 + 1003, 1, 16], [4096, 4096, 8], []]
+    for lengths in sets:
+        pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+        got = sums.of_many([torch.from_numpy(p) for p in pieces])
+        assert cs.hexdigests(got) == [cs.digest(p.tobytes()) for p in pieces]
+    slot = torch.from_numpy(rng.integers(0, 256, 1000, dtype=np.uint8))
+    views = [slot[3:100], slot[101:613]]  # views into one buffer at unaligned offsets, as a slot's are
+    assert cs.hexdigests(sums.of_many(views)) == [cs.digest(v.numpy().tobytes()) for v in views]
+
+
 def test_hexdigests_formats_each_sum_as_hexdigest_does():
     values = torch.tensor([0, 1, -1, 2**63 - 1, -2**63, 123456789012345])
     assert cs.hexdigests(values) == [cs.hexdigest(int(v)) for v in values] and cs.hexdigests(values[:0]) == []
@@ -105,6 +119,8 @@ def test_a_gpu_computes_the_hosts_checksum(monkeypatch):
     assert cs.hexdigests(sums.of_chunks(device, 1 << 20).cpu()) == expected
     monkeypatch.setattr(cs, "PRODUCT_BYTES", 3 << 20)  # the four whole chunks summed three, then one, at a time
     assert cs.hexdigests(sums.of_chunks(device, 1 << 20).cpu()) == expected
+    pieces = [device[3:4099], device[5000:5005], device[8192:8192 + 65536]]
+    assert cs.hexdigests(sums.of_many(pieces).cpu()) == [cs.digest(p.cpu().numpy().tobytes()) for p in pieces]
 
 
 def test_the_definition_in_the_persisted_format_doc_is_this_checksum():

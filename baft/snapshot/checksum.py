@@ -98,6 +98,7 @@ class TorchSums:
 
     def __init__(self):
         self._weights: dict[str, "torch.Tensor"] = {}
+        self._many = None  # of_many's last pieces' lengths, and their weights and bounds
 
     def _weights_on(self, device, words: int) -> "torch.Tensor":
         import torch
@@ -124,6 +125,26 @@ class TorchSums:
         words = data.view(torch.int64)
         return _dot(words, self._weights_on(data.device, words.numel())) + n
 
+    def of_many(self, pieces: list["torch.Tensor"]) -> "torch.Tensor":
+        """The checksums of several small flat uint8 tensors on one device, as one int64 tensor: a few operations
+        over their bytes side by side (each zero-padded to whole words), not a few per piece."""
+        import torch
+
+        lengths = tuple(p.numel() for p in pieces)
+        if self._many is None or self._many[0] != lengths:  # the seal asks for the same pieces every snapshot
+            words = -(-np.array(lengths, dtype=np.int64) // 8)
+            bounds = np.concatenate([[0], np.cumsum(words)])
+            within = np.arange(bounds[-1]) - np.repeat(bounds[:-1], words)
+            device = pieces[0].device if pieces else "cpu"
+            weights = self._weights_on(device, int(words.max(initial=1)))[torch.from_numpy(within).to(device)]
+            self._many = (lengths, weights, torch.from_numpy(bounds).to(device),
+                          torch.tensor(lengths, dtype=torch.int64, device=device))
+        _, weights, bounds, nbytes = self._many
+        padded = [p if n % 8 == 0 else torch.cat([p, p.new_zeros(8 - n % 8)]) for p, n in zip(pieces, lengths)]
+        products = torch.cat(padded).view(torch.int64) * weights if pieces else weights
+        running = torch.cat([products.new_zeros(1), products.cumsum(0)])  # wraps mod 2**64 as a sum does
+        return running[bounds[1:]] - running[bounds[:-1]] + nbytes
+
     def of_chunks(self, data: "torch.Tensor", chunk_bytes: int) -> "torch.Tensor":
         """The checksums of ``data`` cut into consecutive chunks of ``chunk_bytes`` (the last one may be
         shorter), as one int64 tensor: a few kernels for a whole run of chunks, not one per chunk."""
@@ -142,7 +163,7 @@ class TorchSums:
             sums = [torch.mul(rows[i:i + step], w).sum(dim=1) for i in range(0, full, step)]
         else:
             sums = [torch.dot(row, w).reshape(1) for row in rows]
-        sums = torch.cat(sums) + chunk_bytes
+        sums = (torch.cat(sums) if len(sums) > 1 else sums[0]) + chunk_bytes
         if full * chunk_bytes < n:
             sums = torch.cat([sums, self.of(data[full * chunk_bytes:]).reshape(1)])
         return sums

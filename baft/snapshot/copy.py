@@ -30,7 +30,7 @@ from baft.snapshot.checksum import TorchSums, hexdigest, hexdigests
 from baft.snapshot.layout import CommitRecord, Layout, model_signature, plan_layout
 from baft.snapshot.optimizers import dtype_name
 from baft.snapshot.slots import SnapshotWriter
-from baft.snapshot.streams import CopyStream, RunSums
+from baft.snapshot.streams import CopyStream, RunCopy, RunSums
 from baft.background import BackgroundThread
 from baft.errors import BaftError
 
@@ -194,16 +194,15 @@ class Snapshot:
             del self.pending[i]
         chosen.sort()
         runs = self.source.runs(chosen)
-        first = 0
+        copies, first = [], 0
         for run in runs:
-            src = self.source.view(run)
-            self.stream.copy(self._slot_view(run), src)
             count = -(-run.nbytes // self.source.chunk_bytes)
-            if run.nbytes >= SEALER_SUMS_BELOW:
-                sums = RunSums(chosen[first:first + count])
-                self.stream.checksum(sums, src, self.source.chunk_bytes)
+            sums = RunSums(chosen[first:first + count]) if run.nbytes >= SEALER_SUMS_BELOW else None
+            copies.append(RunCopy(self._slot_view(run), self.source.view(run), sums))
+            if sums is not None:
                 self.sums.append(sums)
             first += count
+        self.stream.copy(copies, self.source.chunk_bytes)
         return sum(run.nbytes for run in runs)
 
     def copy_while(self, keep_going: Callable[[], bool]) -> int:
@@ -240,21 +239,32 @@ class Snapshot:
         for i in indices:  # torch's dot releases the GIL: the threads sum side by side
             checksums[i] = hexdigest(int(self.source.sums.of(self._slot_view(self.source.layout.chunks[i]))))
 
-    def seal(self, threads: Optional[int] = None) -> CommitRecord:
-        """After the fence, off the trainer's path: gather the checksums computed as the chunks were copied,
-        compute the rest from the slot on ``threads`` threads (default :func:`seal_threads`; 1: this one, as
-        at interpreter exit, where no pool starts), then commit."""
-        if self.stream is not None:
-            self.stream.synchronize()
-        checksums = self._gathered()
+    def _sum_the_rest(self, checksums: list[Optional[str]], threads: int) -> None:
+        """The checksums not computed as their chunks were copied, from the slot: the small chunks side by side
+        (a transformer's norms and biases: a hundred chunks), the rest on ``threads`` threads."""
+        chunks = self.source.layout.chunks
+        small = [i for i, digest in enumerate(checksums) if digest is None and chunks[i].nbytes < SEALER_SUMS_BELOW]
+        if small:
+            for i, digest in zip(small, hexdigests(self.source.sums.of_many([self._slot_view(chunks[i])
+                                                                             for i in small]))):
+                checksums[i] = digest
         todo = [i for i, digest in enumerate(checksums) if digest is None]
-        threads = min(threads or seal_threads(), len(todo)) or 1
+        threads = min(threads, len(todo)) or 1
         if threads == 1:
             self._checksum_slot(checksums, todo)
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="baft-checksum") as pool:
                 list(pool.map(lambda part: self._checksum_slot(checksums, part),
                               [todo[k::threads] for k in range(threads)]))
+
+    def seal(self, threads: Optional[int] = None) -> CommitRecord:
+        """After the fence, off the trainer's path: gather the checksums computed as the chunks were copied,
+        compute the rest from the slot (on ``threads`` threads, default :func:`seal_threads`; 1: this one, as
+        at interpreter exit, where no pool starts), then commit."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        checksums = self._gathered()
+        self._sum_the_rest(checksums, threads or seal_threads())
         engine = self.source.engine
         record = CommitRecord(step=self.step, rank=engine.global_rank, stage=engine.stage_id,
                               dp_rank=engine.grid.get_data_parallel_rank(), layout=self.source.layout,

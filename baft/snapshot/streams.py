@@ -7,7 +7,7 @@ the bubble begins, and fences the stream before the optimizer step:
 
 - :class:`CudaCopyStream` — a CUDA side stream. ``after_compute`` makes it wait on an event
   recorded on the compute stream (the copies read the state the last optimizer step wrote),
-  ``copy`` is an asynchronous device-to-host DMA into pinned memory, ``checksum`` a few kernels
+  ``copy`` queues each run's asynchronous device-to-host DMA into pinned memory and a few kernels
   that sum the same source bytes into a small int64 tensor on the device, ``fence`` makes the
   compute stream wait on the copy stream's last event. The host never waits on the hot path,
   and never reads the copied bytes: the seal gathers the checksums in one small copy.
@@ -38,17 +38,32 @@ class RunSums:
     sums: Optional[torch.Tensor] = None
 
 
+@dataclass
+class RunCopy:
+    """A run's copy from the live state (``src``) into the slot (``dst``), and where the checksums of ``src``'s
+    chunks go (None: the seal computes them from the slot)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    sums: Optional[RunSums] = None
+
+
+def run_copies(runs: list[RunCopy], sums: TorchSums, chunk_bytes: int, non_blocking: bool = False) -> None:
+    """Each run's copy, then its checksums (``src`` cut into chunks of ``chunk_bytes``), in order."""
+    for run in runs:
+        run.dst.copy_(run.src, non_blocking=non_blocking)
+        if run.sums is not None:
+            run.sums.sums = sums.of_chunks(run.src, chunk_bytes)
+
+
 class CopyStream(Protocol):
     """An ordered queue of copies beside the compute."""
 
     def after_compute(self) -> None:
         """Copies queued from now on start only after the compute queued so far."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)``."""
-
-    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
-        """Queue the checksums of ``src`` cut into chunks of ``chunk_bytes``, into ``run.sums``."""
+    def copy(self, runs: list[RunCopy], chunk_bytes: int) -> None:
+        """Queue :func:`run_copies`."""
 
     def fence(self) -> None:
         """Compute queued from now on runs only after every copy queued so far."""
@@ -73,13 +88,9 @@ class CudaCopyStream:
     def after_compute(self) -> None:
         self.stream.wait_event(torch.cuda.current_stream().record_event())
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
-        with torch.cuda.stream(self.stream):  # after the compute the copies follow, beside them
-            run.sums = self.sums.of_chunks(src, chunk_bytes)
+    def copy(self, runs: list[RunCopy], chunk_bytes: int) -> None:
+        with torch.cuda.stream(self.stream):  # entered once per queue: its cost on the trainer's thread is per call
+            run_copies(runs, self.sums, chunk_bytes, non_blocking=True)
 
     def fence(self) -> None:
         self.last = self.stream.record_event()
@@ -120,13 +131,8 @@ class ThreadCopyStream:
     def after_compute(self) -> None:
         """Nothing to wait for: on CPU the compute queued so far has already run."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._thread.submit(lambda: self._run(lambda: dst.copy_(src)))
-
-    def checksum(self, run: RunSums, src: torch.Tensor, chunk_bytes: int) -> None:
-        def job():
-            run.sums = self.sums.of_chunks(src, chunk_bytes)
-        self._thread.submit(lambda: self._run(job))
+    def copy(self, runs: list[RunCopy], chunk_bytes: int) -> None:
+        self._thread.submit(lambda: self._run(lambda: run_copies(runs, self.sums, chunk_bytes)))
 
     def fence(self) -> None:
         self.synchronize()
