@@ -24,7 +24,7 @@ else
     BIG="--stages 1 --precision bf16 --d-model 2048 --layers 16 --heads 16 --seq 512 --micro-batch-size 4"
     SMALL="--stages 1 --precision bf16 --d-model 1024 --layers 12 --heads 16 --seq 512 --micro-batch-size 4"
     KILL_MODEL="--stages 1 --precision bf16"  # the example's own size, as in gpu.md section 1
-    ROUNDS_AA=10; ROUNDS_PROFILE=${ROUNDS_PROFILE:-8}; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
+    ROUNDS_AA=10; ROUNDS_PROFILE=${ROUNDS_PROFILE:-6}; ROUNDS_BIG=3; ROUNDS_SMALL=${ROUNDS_SMALL:-6}; M_LOW=8; M_HIGH=32
 fi
 # baft at the planner's period beside baft/1 only on the 2.2 GB state: two baft policies' four slots of
 # 11.5 GB each and sync-copy's buffer would not fit one 128 GiB host at once
@@ -66,29 +66,30 @@ step() {
   nvidia-smi -q -d CLOCK,PERFORMANCE | grep -E "Graphics|SM|Memory|Idle|Thermal|Power|Active"; } >"$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
 
-# which call in the warm fork server's imports starts a thread (a CUDA driver thread refused the fork on the H200),
-# in the server's order and environment, with the Python stack where it started (gpu-todo.md item 4)
-step warm-threads 40 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 experiments/warm_threads.py
-# gpu-todo.md item 1: where baft/1's cost at m=32 goes (its checksum kernels apart, a profiled block of each)
+# the device checksums of tests/test_checksum.py first (of_many is new since section 7), then gpu-todo.md in order
+step checksum 30 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_checksum.py && \
+    python3 experiments/checksum_throughput.py --gpu-gib 4"
+# gpu-todo.md item 1: baft/1 against none at m=32, and one profiled iteration (the host's work per snapshot)
 step profile-big-m$M_HIGH 120 torchrun --nproc-per-node 1 experiments/snapshot_profile.py --out "$WORK/profile-big" \
     --rounds $ROUNDS_PROFILE --block 3 $BIG --micro-batches $M_HIGH
-# then period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval), then
-# m=8, then the 2.2 GB state; the checksum and kill checks of section 5 last, as regressions
+# then period 1 at m=32 resolved to a point (ten rounds: overhead_report's interval)
 step compare-big-m$M_HIGH-aa 300 $BAFT compare $BIG --micro-batches $M_HIGH --policies none,none/1,baft/1 \
     --leftovers start --none-between --rounds $ROUNDS_AA --block 4 --out "$WORK/compare-big-m$M_HIGH-aa.json"
 nvidia-smi -q -d PERFORMANCE | grep -A12 "Clocks Event Reasons" >"$WORK/clocks-after.txt" 2>&1
+# item 2: the one-stage kill in place and warm (gpu.md section 7, cold in place: T1 4.83 s, T2 7.04 s); then
+# items 3 and 4, the 11.5 GB state at m=8 and the 2.2 GB state; the kill test of section 5 as a regression
+KILL="--example gpt $KILL_MODEL --iters 10 --policy baft --period 1 --max-restarts 1 \
+    --fault rank=0,step=6,phase=backward"
+step in-place 45 $BAFT train $KILL --in-place --run-dir "$WORK/in-place"
+step warm-relaunch 45 $BAFT train $KILL --run-dir "$WORK/warm-relaunch"
 step compare-big-m$M_LOW 90 $BAFT compare $BIG --micro-batches $M_LOW --policies $POLICIES --leftovers start \
     --none-between --rounds $((ROUNDS_BIG + 1)) --block 3 --out "$WORK/compare-big-m$M_LOW.json"
 step compare-small-m$M_HIGH 60 $BAFT compare $SMALL --micro-batches $M_HIGH --policies $POLICIES,baft,dcp-async/10 \
     --leftovers start --none-between --rounds $ROUNDS_SMALL --block 3 --out "$WORK/compare-small-m$M_HIGH.json"
 step compare-small-m$M_LOW 50 $BAFT compare $SMALL --micro-batches $M_LOW --policies $POLICIES,baft,dcp-async/10 \
     --leftovers start --none-between --rounds $ROUNDS_SMALL --block 3 --out "$WORK/compare-small-m$M_LOW.json"
-step checksum 30 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_checksum.py && \
-    python3 experiments/checksum_throughput.py --gpu-gib 4"
 step kill-gpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_precision.py -k gpu-bf16
-# issue 33 on a GPU: the one-stage kill of gpu.md section 1 (T1 8.38 s, T2 11.41 s cold) in place and warm
-KILL="--example gpt $KILL_MODEL --iters 10 --policy baft --period 1 --max-restarts 1 \
-    --fault rank=0,step=6,phase=backward"
-step in-place 45 $BAFT train $KILL --in-place --run-dir "$WORK/in-place"
-step warm-relaunch 45 $BAFT train $KILL --run-dir "$WORK/warm-relaunch"
+# which call in the warm fork server's full import list starts a thread (DeepSpeed's NVML probe on the H200: the
+# server imports torch alone there since), with the Python stack where it started
+step warm-threads 40 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 experiments/warm_threads.py
 echo "done in $(($(date +%s) - T0)) s"
