@@ -91,3 +91,20 @@ def test_the_buffers_are_copied_as_the_snapshot_begins_the_rest_left_for_the_bub
     for name in buffers:
         assert slot_bytes(snapshot, name) == before[name], name
     writer.close()
+
+
+def test_queued_copies_read_the_tensors_of_each_snapshots_begin_into_the_same_slot_again():
+    """A chunk set's views are made once per slot, and anew once a tensor is rebound."""
+    eng = engine()
+    source = StateSource(eng, 1 << 20)
+    buffer = torch.zeros(source.layout.nbytes, dtype=torch.uint8)
+    writer = SimpleNamespace(slot=0, begin=lambda step: buffer)  # one slot, as the policy's reuse of it
+    stream = ThreadCopyStream()
+    weight = eng.module[0].weight
+    for step in (1, 2, 3):
+        source.refresh()
+        snapshot = Snapshot(source, writer, step, {}, stream)
+        snapshot.queue(list(snapshot.pending))
+        stream.synchronize()
+        assert slot_bytes(snapshot, "param/0.weight") == bytes(weight.detach().numpy()), step
+        weight.data = weight.data + step  # rebound: the next snapshot copies from the new tensor

@@ -94,7 +94,7 @@ def test_a_stream_checksums_the_long_runs_as_it_copies_them_and_the_seal_the_sho
                "bias": torch.randn(100, generator=gen)}
     chunk_bytes = SEALER_SUMS_BELOW
     source = StateSource.__new__(StateSource)  # a source without an engine: its tensors as byte views
-    source.chunk_bytes, source._runs = chunk_bytes, {}
+    source.chunk_bytes, source._runs, source._run_views = chunk_bytes, {}, {}
     source.views = {name: t.view(torch.uint8) for name, t in tensors.items()}
     source.sums = TorchSums()
     source.layout = plan_layout([TensorEntry(n, "float32", tuple(t.shape), t.numel() * 4, "parameters")

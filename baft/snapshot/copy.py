@@ -88,9 +88,10 @@ class StateSource:
         self._live = state.live_tensors(engine)
         self.views: dict[str, torch.Tensor] = {}
         self._viewed: dict[str, int] = {}  # where each view's bytes are: a copy's differ from its tensor's
+        self._runs: dict[tuple[int, ...], list] = {}
+        self._run_views: dict[tuple, tuple] = {}  # (chunk set, slot buffer's id): the buffer, each run's views
         self.refresh()
         self.device = next((v.device for v in self.views.values() if v.is_cuda), torch.device("cpu"))
-        self._runs: dict[tuple[int, ...], list] = {}
 
     def refresh(self) -> None:
         """View the tensors the engine holds now (a tensor replaced since, or a parameter whose ``.data`` was
@@ -102,6 +103,7 @@ class StateSource:
             if self._viewed.get(name) != t.data_ptr():
                 view = self.views[name] = self._view(name, t)
                 self._viewed[name] = view.data_ptr()
+                self._run_views.clear()
         if seen != len(self.views):
             gone = sorted(set(self.views) - {name for name, _ in self._live()})
             raise BaftError(f"the state tensors {gone} are gone since the first snapshot laid the state out")
@@ -129,6 +131,17 @@ class StateSource:
         if runs is None:
             runs = self._runs[key] = copy_runs(self.layout.chunks, indices)
         return runs
+
+    def run_views(self, indices: list[int], buffer: torch.Tensor) -> list[tuple]:
+        """Each of :meth:`runs` with its view in the slot ``buffer`` and in the state: made once per chunk set and
+        slot, until :meth:`refresh` views a tensor anew (slicing is a few microseconds of the trainer's thread
+        per run)."""
+        key = (tuple(indices), id(buffer))
+        cached = self._run_views.get(key)
+        if cached is None or cached[0] is not buffer:
+            cached = self._run_views[key] = (buffer, [(run, buffer[run.offset:run.offset + run.nbytes], self.view(run))
+                                                      for run in self.runs(indices)])
+        return cached[1]
 
     def topology(self) -> dict:
         grid = self.engine.grid
@@ -190,20 +203,23 @@ class Snapshot:
         if not chosen:
             return 0
         self.stream.after_compute()
-        for i in chosen:
-            del self.pending[i]
+        if len(chosen) == len(self.pending):
+            self.pending.clear()
+        else:
+            for i in chosen:
+                del self.pending[i]
         chosen.sort()
-        runs = self.source.runs(chosen)
-        copies, first = [], 0
-        for run in runs:
+        copies, first, nbytes = [], 0, 0
+        for run, dst, src in self.source.run_views(chosen, self.buffer):
             count = -(-run.nbytes // self.source.chunk_bytes)
             sums = RunSums(chosen[first:first + count]) if run.nbytes >= SEALER_SUMS_BELOW else None
-            copies.append(RunCopy(self._slot_view(run), self.source.view(run), sums))
+            copies.append(RunCopy(dst, src, sums))
             if sums is not None:
                 self.sums.append(sums)
             first += count
+            nbytes += run.nbytes
         self.stream.copy(copies, self.source.chunk_bytes)
-        return sum(run.nbytes for run in runs)
+        return nbytes
 
     def copy_while(self, keep_going: Callable[[], bool]) -> int:
         copied = 0
