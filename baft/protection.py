@@ -36,6 +36,7 @@ class Protection:
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
         self.again = None  # what baft.initialize did, to do again in place after a peer was killed
         self.not_in_place: Optional[str] = None  # why not, where a peer's death replaces this rank instead
+        self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
 
     @property
     def root(self) -> str:
@@ -57,6 +58,7 @@ class Protection:
         from baft.recovery import record
         from baft.snapshot import state
 
+        self.data_position = data_iterator
         cfg, engine = self.config, self.engine
         state.check_capturable(engine, data_iterator)  # what baft cannot restore exactly is refused now, in one line
         if cfg.policy in IN_MEMORY:
@@ -84,9 +86,17 @@ class Protection:
         running its own code between them, and is about to train the next: the state that code may have changed
         (a learning rate, a scheduler of its own, its ``client_state``) is put back as it was when that step first
         started. Not the data position: the replayed calls read no batches (a loader's position is put back by
-        reading on to it)."""
+        reading on to it). A loop that took a new iterator of its resumable loader as it replayed (one per epoch)
+        would read on from that one's start: a ``BaftError`` says so."""
         from baft.snapshot import state
+        from baft.snapshot.data import ResumableLoader
 
+        position = self.data_position
+        if isinstance(position, ResumableLoader) and position.taken_since_restore():
+            raise BaftError("the loop took a new iterator of its data loader (iter(loader), once an epoch?) as it "
+                            "replayed its calls before the restored step: the restored position is in the first one, "
+                            "and this one reads from its epoch's start. Loop on the engine's step "
+                            "(while engine.global_steps < N), or take one iterator before the loop")
         if self.restored is not None and self.restored.items is not None:
             state.restore_items(self.engine, self.restored.items)
 

@@ -12,7 +12,7 @@ from deepspeed.utils import RepeatingLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
-from baft.snapshot.data import LoaderWithGenerator, data_position, not_restored
+from baft.snapshot.data import ResumableLoader, data_position, not_restored
 
 SAMPLES, BATCH = 14, 2  # 7 batches an epoch
 
@@ -63,7 +63,7 @@ def read(make, batches, restore_at=None, workers=0):
 @pytest.mark.parametrize("name", LOADERS)
 def test_a_restore_at_any_batch_reads_every_later_epoch_as_the_uninterrupted_loader(name):
     make = LOADERS[name]
-    assert isinstance(data_position(None, make(0)), LoaderWithGenerator)
+    assert isinstance(data_position(None, make(0)), ResumableLoader)
     reference = read(make, 21)
     if "distributed" not in name:  # a DistributedSampler repeats its order until the script calls set_epoch
         assert not torch.equal(reference[:7, :, 0], reference[7:14, :, 0]), "each epoch in its own order"
@@ -105,7 +105,7 @@ def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_load
     batches = iter(old)
     next(batches), next(batches)
     loader = StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
-    LoaderWithGenerator(loader).load_state_dict(old.state_dict())
+    ResumableLoader(loader).load_state_dict(old.state_dict())
     assert torch.equal(next(iter(loader))[:, 0], next(batches)[:, 0])
 
 

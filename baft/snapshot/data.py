@@ -43,8 +43,9 @@ class EngineLoaderPosition:
             next(repeating)
 
 
-class LoaderWithGenerator:
-    """A resumable loader (torchdata's ``StatefulDataLoader``) and the state of its ``generator``.
+class ResumableLoader:
+    """A resumable loader (torchdata's ``StatefulDataLoader``), the state of its ``generator`` where it has one,
+    and the iterator the script holds.
 
     Every iterator of a loader draws its base seed from the loader's ``generator``; given
     ``shuffle=True, generator=g``, the sampler draws each epoch's permutation from ``g`` too. The
@@ -52,12 +53,15 @@ class LoaderWithGenerator:
     replays the permutation but not the base seed drawn after it: the restored epoch reads right
     and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
     Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
-    puts both draws back.
+    puts both draws back. torchdata's own restore builds a new iterator for the next ``iter()``; one the
+    script already holds (taken before ``baft.initialize``, a survivor's in place, the epoch's own in a loop
+    that counts its calls) is made that one.
     """
 
     def __init__(self, loader):
         self.loader = loader
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
+        self.restored = None  # the iterator the latest restore built
 
     def state_dict(self) -> dict:
         if self.unread is not None:
@@ -67,7 +71,9 @@ class LoaderWithGenerator:
             if self.loader._iterator is restored and restored._num_yielded == saved["loader"]["_num_yielded"]:
                 return saved
             self.unread = None
-        return {"loader": self.loader.state_dict(), "generator": self.loader.generator.get_state()}
+        generator = self.loader.generator
+        return {"loader": self.loader.state_dict(),
+                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
 
     def load_state_dict(self, saved: dict) -> None:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
@@ -81,16 +87,21 @@ class LoaderWithGenerator:
         if live is not None and restored is not None and live is not restored:
             live.__class__, live.__dict__ = type(restored), restored.__dict__
             self.loader._iterator = live
-        self.loader.generator.set_state(saved["generator"])
+        if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
+            self.loader.generator.set_state(saved["generator"])
         if "_num_yielded" in kept["loader"]:
             self.unread = (kept, self.loader._iterator)
+        self.restored = self.loader._iterator
+
+    def taken_since_restore(self) -> bool:
+        """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
+        return self.restored is not None and self.loader._iterator is not self.restored
 
 
 def data_position(engine, data_iterator=None, training_data=None):
     """What baft saves and restores the data position with, or None when nothing says where the data stands."""
-    if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict") \
-            and isinstance(data_iterator.generator, torch.Generator):
-        return LoaderWithGenerator(data_iterator)
+    if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
+        return ResumableLoader(data_iterator)
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
         return EngineLoaderPosition(engine)
     return data_iterator
