@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from baft.errors import BaftError
@@ -48,6 +49,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
                "all_to_all_single", "send", "recv", "isend", "irecv"}  # torch.distributed's and deepspeed.comm's
+SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from the start by a new process
 KEPT_STARTS = 64  # steps whose starting generators a survivor keeps: a recovery in place goes back fewer
 
 
@@ -62,33 +64,37 @@ class LoopSite:
     # script's own?): resumed, it would run as many steps again as it ran from the start
     unread: bool = False
     collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
+    # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
+    from_step: bool = False
 
 
 def loop_around(frame) -> Optional[LoopSite]:
     """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's
     module level; None where no loop is found (the source unreadable, or the call in no loop)."""
-    loops: list[tuple[str, ast.AST, ast.AST]] = []  # (file, loop, its scope), innermost first
+    loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
     while frame is not None:
         filename = frame.f_code.co_filename
         tree = _parsed(filename)
         if tree is None:
             return None
         found = _loops_at(tree, frame.f_lineno)
-        loops += [(filename, loop, scope) for loop, scope in reversed(found)]
+        loops += [(filename, loop, scope, frame) for loop, scope in reversed(found)]
         if frame.f_code.co_name == "<module>":
             break
         frame = frame.f_back
     if not loops:
         return None
-    filename, innermost, _ = loops[0]
+    filename, innermost, _, _ = loops[0]
     header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
-    reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope in loops)
+    reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
-                    collective=next(filter(None, (_collective(file, loop) for file, loop, _ in loops)), ""),
-                    counts_calls=all(_counts_calls(loop, scope) for _, loop, scope in loops),
+                    collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
+                    counts_calls=all(_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops),
                     unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
-                                                  for _, loop, scope in loops))
+                                                  for _, loop, scope, _ in loops),
+                    from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
+                                  for _, loop, scope, _ in loops))
 
 
 def _parsed(filename: str) -> Optional[ast.Module]:
@@ -124,10 +130,12 @@ def _holds(node: ast.AST, line: int) -> bool:
     return start is not None and start <= line <= (node.end_lineno or start)
 
 
-def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
+def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
     """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)``, ``count()`` (or one of them in ``tqdm(...)``
     or ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
-    assigned from it; or a ``while`` over a counter of its own (:func:`_while_counts`)."""
+    assigned from it; in ``frame``, over a list, tuple or array the script holds (``for lr in lrs``) or a range
+    from 0 or 1 (``range(args.start, n)``), which a new process goes through from its start again; or a
+    ``while`` over a counter of its own (:func:`_while_counts`)."""
     if isinstance(loop, ast.While):
         return _while_counts(loop, scope)
     if not isinstance(loop, (ast.For, ast.AsyncFor)):
@@ -135,6 +143,10 @@ def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
     call = loop.iter
     while isinstance(call, ast.Call) and _name(call.func) in ("tqdm", "enumerate") and call.args:
         call = call.args[0]
+    if frame is not None and not _reads_engine_step(call, scope):
+        value = _value(call, frame)
+        if isinstance(value, range) and value.start in (0, 1) or isinstance(value, SEQUENCES[1:]):
+            return True  # a range from another start: the script's own resume position, perhaps
     if not isinstance(call, ast.Call):
         return False
     if _name(call.func) == "count":  # itertools.count(start): a range without an end
@@ -144,6 +156,21 @@ def _counts_calls(loop: ast.AST, scope: ast.AST) -> bool:
     if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
         return False
     return not _reads_engine_step(call, scope)
+
+
+def _value(expr: ast.AST, frame):
+    """What ``expr`` holds in ``frame``, where it only reads names, attributes, items and arithmetic, and calls
+    ``range`` or ``len`` (nothing it evaluates can change anything); None otherwise."""
+    allowed = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Load, ast.BinOp, ast.UnaryOp, ast.operator,
+               ast.unaryop, ast.Slice, ast.Tuple, ast.List, ast.Call)
+    for node in ast.walk(expr):
+        if not isinstance(node, allowed) or (isinstance(node, ast.Call) and not (
+                isinstance(node.func, ast.Name) and node.func.id in ("range", "len") and not node.keywords)):
+            return None
+    try:
+        return eval(compile(ast.Expression(expr), "<baft loop>", "eval"), frame.f_globals, frame.f_locals)
+    except Exception:  # a name bound only later, an item not there: not a value baft can read
+        return None
 
 
 def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
@@ -293,6 +320,10 @@ class Loop:
                   f"Loop on the engine's step (while engine.global_steps < N), or say \"loop\": \"calls\" in the "
                   f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
         if not self.counts_calls:
+            if self.site is not None and self.site.from_step:
+                self.not_in_place = (f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of calls "
+                                     f"from the step it started at: a survivor's, started before the restored step, "
+                                     f"would end before its replacement's")
             return
         if self.site is not None and self.site.collective:
             self.not_in_place = (f"its loop calls a collective between its calls to train_batch, at "
