@@ -205,3 +205,17 @@ def test_a_range_from_the_engines_step_is_a_fixed_number_of_calls_from_where_the
              "count from the engine's step", "a list from the engine's step"}
     for name, body in {**COUNTS, **STEPS}.items():
         assert _site(tmp_path, body)[0].from_step is (name in fixed), name
+
+
+def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(capsys):
+    from types import SimpleNamespace
+
+    from baft.pipeline.loop import Loop
+
+    loop, engine = Loop(), SimpleNamespace(global_steps=3, global_rank=0)
+    loop.record_eval(engine, torch.tensor(0.5))
+    assert capsys.readouterr().err == ""
+    loop.record_eval(engine, (torch.zeros(2), torch.ones(3)))
+    loop.record_eval(engine, (torch.zeros(2), torch.ones(3)))
+    said = capsys.readouterr().err
+    assert said.count("baft: eval_batch returned tuple at step 3, not a scalar (return_logits=True?)") == 1, said

@@ -149,7 +149,7 @@ class BaftPipelineEngine(PipelineEngine):
             return loop.replay_eval(self)
         value = super().eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches)
         if loop.counts_calls:
-            loop.history.record_eval(self.global_steps, value)
+            loop.record_eval(self, value)
         return value
 
     def save_checkpoint(self, *args, **kwargs):

@@ -291,6 +291,7 @@ class Loop:
         self.recorded = False  # whether the restored snapshot holds a loop's history
         self.not_in_place = ""  # why a peer's death relaunches every rank rather than replace it in place
         self.call_sites: set = set()  # where train_batch was called from (the first one: what the loop read)
+        self.said_unreplayable = False  # whether an eval_batch value a replay could not return was said
 
     def restored(self, items: Optional[dict]) -> None:
         """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
@@ -404,6 +405,17 @@ class Loop:
         """A call to ``train_batch``, replayed or not."""
         self.calls += 1
         self.evals_replayed = 0
+
+    def record_eval(self, engine, value) -> None:
+        """What ``eval_batch`` returned at the engine's step; said once where it cannot be replayed."""
+        self.history.record_eval(engine.global_steps, value)
+        if self.history.evals[engine.global_steps][-1] is None and not self.said_unreplayable:
+            self.said_unreplayable = True
+            if engine.global_rank == 0:
+                print(f"baft: eval_batch returned {type(value).__name__} at step {engine.global_steps}, not a scalar "
+                      f"(return_logits=True?): a process resumed after a fault replays the loop's calls before the "
+                      f"restored step and could not replay this one, and would stop there. Loop on the engine's step "
+                      f"(while engine.global_steps < N) to resume without replaying", file=sys.stderr, flush=True)
 
     def replay_train(self, engine):
         """What the next replayed ``train_batch`` call returns."""
