@@ -113,3 +113,22 @@ def test_initialize_names_what_a_restore_will_not_bring_back():
     assert "pass data_iterator=" in not_restored(None)
     assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
     assert "loader's 2 workers are in no saved state" in not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
+
+
+def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():
+    """``set_train_batch_size`` mid-run (a batch-size ramp): the position is what the loader gave, not the step times
+    the micro-batches of now; a restore goes on counting from it."""
+    from types import SimpleNamespace
+
+    from baft.snapshot.data import EngineLoaderPosition
+
+    engine = SimpleNamespace(global_steps=0, micro_batches=2, training_dataloader=None)
+    position = EngineLoaderPosition(engine)
+    engine.global_steps = 3
+    position.batch_size_changes()
+    engine.micro_batches, engine.global_steps = 4, 5
+    assert position.state_dict() == {"micro_batches": 3 * 2 + 2 * 4}
+    restored = EngineLoaderPosition(SimpleNamespace(global_steps=5, micro_batches=4, training_dataloader=None))
+    restored.load_state_dict(position.state_dict())
+    restored.engine.global_steps = 6
+    assert restored.state_dict() == {"micro_batches": 3 * 2 + 3 * 4}

@@ -119,6 +119,12 @@ class BaftPipelineEngine(PipelineEngine):
         loop.step_called_for = self.global_steps + 1
         return self._train_to(self.global_steps + 1, data_iter)
 
+    def set_train_batch_size(self, train_batch_size):
+        position = getattr(getattr(self, "baft", None), "data_position", None)
+        if hasattr(position, "batch_size_changes") and not THIS_PROCESS.replaying:  # the engine's own loader
+            position.batch_size_changes()
+        super().set_train_batch_size(train_batch_size)
+
     def _train_to(self, step: int, data_iter):
         """Train one step, or, in a loop that counts its calls, until the engine is at ``step`` however far back a
         recovery in place goes; the loss of the last step trained."""

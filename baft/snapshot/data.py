@@ -18,15 +18,24 @@ class EngineLoaderPosition:
 
     DeepSpeed reads that dataset through a ``DistributedSampler`` without shuffling, repeated
     (``RepeatingLoader``), on the first and last stages; each optimizer step takes
-    ``micro_batches`` of it. The position after step k is k x micro_batches, and a restore
-    starts the loader again and skips that far into its epoch (reading the skipped batches).
+    ``micro_batches`` of it (``set_train_batch_size`` changes how many: :meth:`batch_size_changes`). A
+    restore starts the loader again and skips as far into its epoch (reading the skipped batches).
     """
 
     def __init__(self, engine):
         self.engine = engine
+        self.read_before, self.since_step = 0, 0  # micro-batches read up to step since_step, at earlier sizes
+
+    def read(self) -> int:
+        """The micro-batches the loader has given by the engine's step."""
+        return self.read_before + (self.engine.global_steps - self.since_step) * self.engine.micro_batches
+
+    def batch_size_changes(self) -> None:
+        """Before the engine's batch size changes: the steps so far read at the size until now."""
+        self.read_before, self.since_step = self.read(), self.engine.global_steps
 
     def state_dict(self) -> dict:
-        return {"micro_batches": self.engine.global_steps * self.engine.micro_batches}
+        return {"micro_batches": self.read()}
 
     def load_state_dict(self, saved: dict) -> None:
         """Skip the engine's loader, fresh from ``initialize``, to the saved position (its iterator
@@ -35,6 +44,7 @@ class EngineLoaderPosition:
         At an epoch's end the uninterrupted run holds a spent iterator: the next read makes a new
         one, drawing its base seed from torch's generator inside that iteration. So a position at
         an epoch's end reads the fresh epoch to its end rather than stay at its start."""
+        self.read_before, self.since_step = saved["micro_batches"], self.engine.global_steps
         repeating = getattr(self.engine, "training_dataloader", None)
         if repeating is None:  # a middle stage reads no data
             return
