@@ -37,6 +37,7 @@ class Protection:
         self.again = None  # what baft.initialize did, to do again in place after a peer was killed
         self.not_in_place: Optional[str] = None  # why not, where a peer's death replaces this rank instead
         self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
+        self._read = set()  # the ids of the iterators train_batch was given, each checked once
 
     @property
     def root(self) -> str:
@@ -80,6 +81,17 @@ class Protection:
             if self.restored.items is not None and hasattr(self.policy, "keep_items"):
                 self.policy.keep_items(self.restored.step, self.restored.items)
         return self.restored
+
+    def reads(self, data_iter) -> None:
+        """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept."""
+        from baft.snapshot.data import foreign_iterator
+
+        if data_iter is None or id(data_iter) in self._read:
+            return
+        self._read.add(id(data_iter))
+        why = foreign_iterator(self.data_position, data_iter)
+        if why and self.engine.global_rank == 0:
+            self.warn(why)
 
     def replayed(self) -> None:
         """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),

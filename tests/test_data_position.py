@@ -132,3 +132,20 @@ def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had()
     restored.load_state_dict(position.state_dict())
     restored.engine.global_steps = 6
     assert restored.state_dict() == {"micro_batches": 3 * 2 + 3 * 4}
+
+
+def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
+    """itertools.cycle repeats its cached first pass; an iterator of another loader than the one given reads on from
+    its own start. The given loader's iterators, a RepeatingLoader of it and iterators of no loader pass."""
+    import itertools
+
+    from baft.snapshot.data import foreign_iterator
+
+    given = StatefulDataLoader(list(range(8)), batch_size=2)
+    other = StatefulDataLoader(list(range(6)), batch_size=2)
+    position = data_position(None, given)
+    assert "itertools.cycle" in foreign_iterator(position, itertools.cycle(given))
+    assert "another dataset (list)" in foreign_iterator(position, iter(other))
+    for fine in (iter(given), RepeatingLoader(given), iter([1, 2]), None):
+        assert foreign_iterator(position, fine) is None
+    assert foreign_iterator(None, iter(other)) is None  # nothing given: said once at initialize

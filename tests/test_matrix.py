@@ -46,9 +46,11 @@ CASES = {
         period=3, form="path", recovery="relaunch", faults=[Fault(2, 7, "copy")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
-        # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends
+        # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends; then,
+        # the batch size doubled from step 3, in step 7: resumes from step 6, 12 + 3 x 8 micro-batches into the data
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
-        recovery="relaunch", seed_layers=True, own_scheduler=True, faults=[Fault(0, 4, "optimizer")]),
+        recovery="relaunch", seed_layers=True, own_scheduler=True, batch_ramp=True,
+        faults=[Fault(0, 4, "optimizer"), Fault(1, 7, "backward")]),
     "sgd-onecycle-fp32-stateful": Case(
         # a loop on the engine's step: the survivor calls again for the step the restore took back, and its own
         # scheduler steps again after it

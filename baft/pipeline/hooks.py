@@ -106,6 +106,7 @@ class BaftPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         loop = THIS_PROCESS
         loop.decide(self, sys._getframe(1))
+        self.baft.reads(data_iter)
         if loop.replaying:
             value = loop.replay_train(self)
             # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
@@ -120,9 +121,13 @@ class BaftPipelineEngine(PipelineEngine):
         return self._train_to(self.global_steps + 1, data_iter)
 
     def set_train_batch_size(self, train_batch_size):
-        position = getattr(getattr(self, "baft", None), "data_position", None)
-        if hasattr(position, "batch_size_changes") and not THIS_PROCESS.replaying:  # the engine's own loader
-            position.batch_size_changes()
+        if train_batch_size != self.train_batch_size():
+            position = getattr(getattr(self, "baft", None), "data_position", None)
+            if hasattr(position, "batch_size_changes") and not THIS_PROCESS.replaying:  # the engine's own loader
+                position.batch_size_changes()
+            THIS_PROCESS.not_in_place = THIS_PROCESS.not_in_place or (
+                "the script changed the engine's batch size (set_train_batch_size): a survivor's new engine would "
+                "train the steps since the restored one at the configured size")
         super().set_train_batch_size(train_batch_size)
 
     def _train_to(self, step: int, data_iter):

@@ -8,6 +8,7 @@ its ``generator`` beside it, or the engine's own loader (``training_data=``).
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Optional
 
 import torch
@@ -129,4 +130,20 @@ def not_restored(position) -> Optional[str]:
         return (f"random numbers your dataset draws in the loader's {workers} workers are in no saved state: a resume "
                 f"inside an epoch draws others (the samples and their order resume exactly); draw them from a "
                 f"generator seeded by the sample index to make them resume too")
+    return None
+
+
+def foreign_iterator(position, data_iter) -> Optional[str]:
+    """Why the iterator ``train_batch`` reads would not resume with the data position baft keeps (``position``,
+    :func:`data_position`'s), where that can be told; None otherwise."""
+    if isinstance(data_iter, itertools.cycle):
+        return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
+                "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
+                "new iterator of the loader each epoch")
+    given = getattr(getattr(position, "loader", position), "dataset", None)
+    read = getattr(data_iter, "_dataset", None)  # a DataLoader's iterator
+    if given is not None and read is not None and read is not given:
+        return (f"train_batch reads an iterator of a loader over another dataset ({type(read).__name__}) than the "
+                f"data_iterator given to baft.initialize ({type(given).__name__}): its position is in no snapshot, "
+                f"and a resumed run reads it from its start")
     return None

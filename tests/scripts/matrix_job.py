@@ -228,6 +228,9 @@ def step(engine, feed, case, own):
     if case["scheduler"] == "none":  # the script's own learning rate, drawn from python's generator before each step
         for group in engine.optimizer.param_groups:
             group["lr"] = 0.01 * (1 + random.random())
+    if case["batch_ramp"]:  # a batch-size ramp: twice the micro-batches from step 3 on
+        size = engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * case["micro_batches"]
+        engine.set_train_batch_size(size * (2 if engine.global_steps >= 2 else 1))
     engine.train_batch(data_iter=feed)
     if own is not None:
         own.step()
