@@ -115,7 +115,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
     from baft.snapshot.data import data_position, not_restored
 
-    data_iterator = data_position(engine, data_iterator, given.get("training_data"))
+    data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
     protection.client_state = ClientState(client_state) if client_state is not None else None
     protection.hooks.digests = digests_hook(data_iterator)
     if cfg.policy != "none":

@@ -59,7 +59,6 @@ class Protection:
         from baft.recovery import record
         from baft.snapshot import state
 
-        self.data_position = data_iterator
         cfg, engine = self.config, self.engine
         state.check_capturable(engine, data_iterator)  # what baft cannot restore exactly is refused now, in one line
         if cfg.policy in IN_MEMORY:

@@ -22,7 +22,8 @@ CASES = {
     "warmuplr-bf16-deepspeed-examples-shape": Case(
         seed=12, optimizer="adam", scheduler="WarmupLR", precision="bf16", data="engine", dropout=[True, True],
         checkpointing=False, tied=False, frozen=False, micro_batches=2, period="auto", form="args",
-        recovery="in place", loop="calls", faults=[Fault(1, 6, "forward")]),  # the examples' own loop
+        # the examples' own loop; resumed from step 6, where an epoch of the engine's loader ends (12 micro-batches)
+        recovery="in place", loop="calls", faults=[Fault(1, 7, "forward")]),
     "warmup-decay-zero1-bf16-dp2": Case(
         seed=13, optimizer="sgd", scheduler="WarmupDecayLR-log", precision="zero1-bf16", data="set",
         dropout=[False, True], checkpointing=False, tied=False, frozen=False, micro_batches=2, period=3,
@@ -46,8 +47,8 @@ CASES = {
         period=3, form="path", recovery="relaunch", faults=[Fault(2, 7, "copy")]),
     "adamw-no-scheduler-bf16-engine-data": Case(
         seed=15, optimizer="adamw", scheduler="none", precision="bf16", data="engine", dropout=[True, False],
-        # killed in step 4's optimizer step: resumes from step 3, where an epoch of the engine's loader ends; then,
-        # the batch size doubled from step 3, in step 7: resumes from step 6, 12 + 3 x 8 micro-batches into the data
+        # the batch size doubled from step 3 on: killed in step 4's optimizer step, it resumes from step 3, 4 + 4 + 8
+        # micro-batches into the engine's loader (not 3 x 8), then killed in step 7, from step 6 (16 + 3 x 8)
         checkpointing=False, tied=True, frozen=False, micro_batches=4, period=1, form="path",
         recovery="relaunch", seed_layers=True, own_scheduler=True, batch_ramp=True,
         faults=[Fault(0, 4, "optimizer"), Fault(1, 7, "backward")]),
