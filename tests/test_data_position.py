@@ -145,7 +145,8 @@ def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
     other = StatefulDataLoader(list(range(6)), batch_size=2)
     position = data_position(None, given)
     assert "itertools.cycle" in foreign_iterator(position, itertools.cycle(given))
-    assert "another dataset (list)" in foreign_iterator(position, iter(other))
+    assert "another loader than the data_iterator given to baft.initialize (over another list)" in foreign_iterator(
+        position, iter(other))
     for fine in (iter(given), RepeatingLoader(given), iter([1, 2]), None):
         assert foreign_iterator(position, fine) is None
     assert foreign_iterator(None, iter(other)) is None  # nothing given: said once at initialize

@@ -143,7 +143,7 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
     given = getattr(getattr(position, "loader", position), "dataset", None)
     read = getattr(data_iter, "_dataset", None)  # a DataLoader's iterator
     if given is not None and read is not None and read is not given:
-        return (f"train_batch reads an iterator of a loader over another dataset ({type(read).__name__}) than the "
-                f"data_iterator given to baft.initialize ({type(given).__name__}): its position is in no snapshot, "
-                f"and a resumed run reads it from its start")
+        return (f"train_batch reads an iterator of another loader than the data_iterator given to baft.initialize "
+                f"(over another {type(read).__name__}): its position is in no snapshot, and a resumed run reads it "
+                f"from its start")
     return None
