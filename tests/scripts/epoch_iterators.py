@@ -1,0 +1,38 @@
+"""A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
+range(3)``): resumed in a later epoch, it would read that epoch from its start (tests/test_epoch_iterators.py)."""
+
+import deepspeed
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import baft
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 20  # 5 steps an epoch: 2 micro-batches of 2
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return x, x.sin().sum(dim=0, keepdim=True)
+
+
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 16, 1)],
+                       num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
+loader = StatefulDataLoader(Samples(), batch_size=2, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(3))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+          "baft": {"policy": "baft", "period": 1}}
+engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
+for epoch in range(3):
+    batches = iter(loader)
+    for _ in range(len(loader) // 2):
+        loss = engine.train_batch(data_iter=batches)
+        if engine.global_rank == 0:
+            print(f"step {engine.global_steps} loss {float(loss)!r}", flush=True)
