@@ -97,19 +97,21 @@ class Protection:
         running its own code between them, and is about to train the next: the state that code may have changed
         (a learning rate, a scheduler of its own, its ``client_state``) is put back as it was when that step first
         started. Not the data position: the replayed calls read no batches (a loader's position is put back by
-        reading on to it). A loop that took a new iterator of its resumable loader as it replayed (one per epoch)
-        would read on from that one's start: a ``BaftError`` says so."""
+        reading on to it), except where the loop took a new iterator of its resumable loader as it replayed (one
+        per epoch): that one is made the restored one, the loader's generator as then; where the restored step
+        ended an epoch, a ``BaftError`` says why it cannot."""
         from baft.snapshot import state
         from baft.snapshot.data import ResumableLoader
 
         position = self.data_position
-        if isinstance(position, ResumableLoader) and position.taken_since_restore():
+        again = position if isinstance(position, ResumableLoader) and position.taken_since_restore() else None
+        if again is not None and not again.inside_epoch():
             raise BaftError("the loop took a new iterator of its data loader (iter(loader), once an epoch?) as it "
-                            "replayed its calls before the restored step: the restored position is in the first one, "
-                            "and this one reads from its epoch's start. Loop on the engine's step "
-                            "(while engine.global_steps < N), or take one iterator before the loop")
+                            "replayed its calls before the restored step, which ended an epoch: baft cannot tell the "
+                            "next epoch's order from there. Loop on the engine's step (while engine.global_steps < N), "
+                            "or take one iterator before the loop")
         if self.restored is not None and self.restored.items is not None:
-            state.restore_items(self.engine, self.restored.items)
+            state.restore_items(self.engine, self.restored.items, again)
 
     def protect(self) -> None:
         """Snapshot as the policy says, report the recovery after the first resumed iteration, inject

@@ -73,6 +73,7 @@ class ResumableLoader:
         self.loader = loader
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
+        self.yielded = 0  # and the batches of its epoch it had read
 
     def state_dict(self) -> dict:
         if self.unread is not None:
@@ -98,15 +99,21 @@ class ResumableLoader:
         if live is not None and restored is not None and live is not restored:
             live.__class__, live.__dict__ = type(restored), restored.__dict__
             self.loader._iterator = live
+            self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
             self.loader.generator.set_state(saved["generator"])
         if "_num_yielded" in kept["loader"]:
             self.unread = (kept, self.loader._iterator)
         self.restored = self.loader._iterator
+        self.yielded = kept["loader"].get("_num_yielded", 0)
 
     def taken_since_restore(self) -> bool:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
         return self.restored is not None and self.loader._iterator is not self.restored
+
+    def inside_epoch(self) -> bool:
+        """Whether the position restored last is inside an epoch, not at its start or end."""
+        return 0 < self.yielded < len(self.loader)
 
 
 def data_position(engine, data_iterator=None, training_data=None):

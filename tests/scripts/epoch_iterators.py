@@ -1,5 +1,5 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
-range(3)``): resumed in a later epoch, it would read that epoch from its start (tests/test_epoch_iterators.py)."""
+range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py."""
 
 import deepspeed
 import torch
