@@ -63,6 +63,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
     assert recovery[0]["kind"] == "in place"
+    assert recovery[0]["T0"] > 0, recovery  # the work lost since the restored step ended (no losses.jsonl here)
     # rank 1 kept its process; rank 0's replacement was the spare, which had imported the script's module before
     # the kill (and not again after it)
     pids = processes(tmp_path / "digests")

@@ -159,7 +159,8 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
     started = psutil.Process().create_time()  # this process's (the module may be imported before a fork)
     failed_at = fault.get("time") or (max(progress.values()) if progress else started)
     step = restored.step if restored else 0
-    since = progress.get(step, failed_at)
+    # when the restored step ended: the script's losses.jsonl (the bundled example's), else the snapshot's own
+    since = progress.get(step) or ((restored.items or {}).get("ended_at") if restored else None) or failed_at
     t = {
         "T0": max(0.0, failed_at - since),
         # restart, interpreter, imports

@@ -129,7 +129,8 @@ class SnapshotPolicy(InstructionHook, Periodic):
         if self.restored_items and self.restored_items[0] == step:
             items = self.restored_items[1]
         else:
-            items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end)}
+            items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end),
+                     "ended_at": time.time()}  # the step's end: where a recovery's lost work (T0) starts
         self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
         self.last_step = step
         start = time.perf_counter()
