@@ -122,7 +122,7 @@ class BaftPipelineEngine(PipelineEngine):
 
     def set_train_batch_size(self, train_batch_size):
         if train_batch_size != self.train_batch_size():
-            position = getattr(getattr(self, "baft", None), "data_position", None)
+            position = self.baft.data_position
             if hasattr(position, "batch_size_changes") and not THIS_PROCESS.replaying:  # the engine's own loader
                 position.batch_size_changes()
             THIS_PROCESS.not_in_place = THIS_PROCESS.not_in_place or (

@@ -79,7 +79,7 @@ class StreamCopier:
     def started(self, snapshot, placement):
         if self.leftovers == "start":
             placed = {i for chunks in placement.values() for i in chunks}
-            snapshot.queue([i for i in snapshot.pending if i not in placed] if placed else list(snapshot.pending))
+            snapshot.queue([i for i in snapshot.pending if i not in placed])
 
     def bubble_begins(self, snapshot, chunks):
         return snapshot.queue(chunks)

@@ -136,11 +136,11 @@ class StateSource:
         """Each of :meth:`runs` with its view in the slot ``buffer`` and in the state: made once per chunk set and
         slot, until :meth:`refresh` views a tensor anew (slicing is a few microseconds of the trainer's thread
         per run)."""
-        key = (tuple(indices), id(buffer))
-        cached = self._run_views.get(key)
+        chunks = tuple(indices)
+        cached = self._run_views.get((chunks, id(buffer)))
         if cached is None or cached[0] is not buffer:
-            cached = self._run_views[key] = (buffer, [(run, buffer[run.offset:run.offset + run.nbytes], self.view(run))
-                                                      for run in self.runs(indices)])
+            cached = self._run_views[chunks, id(buffer)] = (
+                buffer, [(run, buffer[run.offset:run.offset + run.nbytes], self.view(run)) for run in self.runs(chunks)])
         return cached[1]
 
     def topology(self) -> dict:

@@ -1,16 +1,16 @@
 """The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every
 rank.
 
-It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`; where a GPU driver is
-there, :data:`TORCH` alone) single-threaded (a client that connects meanwhile waits in the listen queue), then
-answers each client by forking a child that becomes the rank: its own session (as torchrun starts a rank), the
-client's standard streams (passed over the socket), environment, working directory and ``argv``, generators
-seeded afresh as a new interpreter's are, and ``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and exits as the
-interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing every module one
-by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the client's
-connection, and kills the child when the client goes away (torchrun killed it), so rank and client live and die
-together. A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of
-the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped
+It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`; where a GPU driver is there,
+:data:`TORCH` alone) single-threaded (a client that connects meanwhile waits in the listen queue), then answers each
+client by forking a child that becomes the rank: its own session (as torchrun starts a rank), the client's standard
+streams (passed over the socket), environment, working directory and ``argv``, generators seeded afresh as a new
+interpreter's are, and ``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and
+exits as the interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing every
+module one by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the
+client's connection, and kills the child when the client goes away (torchrun killed it), so rank and client live and
+die together. A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one
+of the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped
 (:func:`_hear`).
 """
 
@@ -41,11 +41,15 @@ PRELOAD = (*TORCH, "deepspeed", "deepspeed.pipe",
            # what baft.initialize imports (a replacement's imports would be on its survivors' wait otherwise)
            "baft.plugin", "baft.protection", "baft.recovery.digests", "baft.recovery.script_checkpoint",
            "baft.snapshot.data")
+# What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
+# rank's T2 on a 2-core VM. Imported once the server is idle (a first launch's ranks do not wait for it);
+# where this DeepSpeed has no such module, nothing is lost but the time. A job that recovers in place imports
+# them first (``--eager``): its survivors then hold them frozen (:func:`_freeze`), not in every gc.collect.
+PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 # Where a GPU driver is there, DeepSpeed's import asks NVML how many GPUs there are, and loading NVML starts a
 # driver thread (an H200, gpu.md section 7): a rank forked after it could not use the GPU. There the server
 # imports torch's modules alone, and each rank imports DeepSpeed itself.
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")
-PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 IDLE = 1.0  # seconds without a request after which the server imports PRELOAD_LATER
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -57,29 +61,26 @@ def _die_with_parent(parent: int, sig: int) -> None:
         os._exit(1)
 
 
-def preload(eager: bool) -> None:
+def preload(eager: bool) -> list[str]:
     """Import what every rank imports, and with ``eager`` what some do (a SystemExit, with one line, where the server
-    could not fork after it)."""
+    could not fork after it); what is left to import once the server is idle."""
     import importlib
 
-    for name in preloaded():
+    first, later = (TORCH, ()) if gpu_driver() else (PRELOAD, PRELOAD_LATER)
+    for name in first:
         importlib.import_module(name)
-    for name in PRELOAD_LATER if eager and not gpu_driver() else ():
+    for name in later if eager else ():
         import_if_there(name)
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
     _freeze()
+    return [] if eager else list(later)
 
 
 def gpu_driver() -> bool:
     """Whether a GPU driver's device files are on this machine."""
     return any(os.path.exists(path) for path in GPU_DRIVER_FILES)
-
-
-def preloaded() -> tuple[str, ...]:
-    """The modules the server imports before it forks a rank."""
-    return TORCH if gpu_driver() else PRELOAD
 
 
 def _freeze() -> None:
@@ -224,8 +225,7 @@ def serve(path: str, parent: int, eager: bool = False) -> None:
     listener.bind(path + ".new")
     listener.listen(256)
     os.rename(path + ".new", path)  # the launcher starts torchrun once the path exists
-    preload(eager)
-    ForkServer(path, listener, later=[] if eager or gpu_driver() else list(PRELOAD_LATER)).run()
+    ForkServer(path, listener, later=preload(eager)).run()
 
 
 class ForkServer:
