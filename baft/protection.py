@@ -72,7 +72,7 @@ class Protection:
             record.mark("restore_start")
             loaded = self.policy.restore(engine)
             record.mark("restore_end")
-            self.restored = Restored(loaded[0], "disk", 1, rng=loaded[1]) if loaded else None
+            self.restored = Restored(loaded[0], "disk", 1, rng=loaded[1], items=loaded[2]) if loaded else None
             if loaded and engine.global_rank == 0:
                 print(f"baft: resumed from step {loaded[0]} (disk, {cfg.policy})", flush=True)
         if self.restored is not None:
@@ -98,18 +98,20 @@ class Protection:
         (a learning rate, a scheduler of its own, its ``client_state``) is put back as it was when that step first
         started. Not the data position: the replayed calls read no batches (a loader's position is put back by
         reading on to it), except where the loop took a new iterator of its resumable loader as it replayed (one
-        per epoch): that one is made the restored one, the loader's generator as then; where the restored step
-        ended an epoch, a ``BaftError`` says why it cannot."""
+        per epoch): that one is made the restored one, the loader's generator as then; where the restored
+        position is a spent epoch's (a disk checkpoint taken as the step ended, before the loop's next
+        ``iter()``), a ``BaftError`` says why it cannot."""
         from baft.snapshot import state
         from baft.snapshot.data import ResumableLoader
 
         position = self.data_position
         again = position if isinstance(position, ResumableLoader) and position.taken_since_restore() else None
-        if again is not None and not again.inside_epoch():
+        if again is not None and again.spent():
             raise BaftError("the loop took a new iterator of its data loader (iter(loader), once an epoch?) as it "
-                            "replayed its calls before the restored step, which ended an epoch: baft cannot tell the "
-                            "next epoch's order from there. Loop on the engine's step (while engine.global_steps < N), "
-                            "or take one iterator before the loop")
+                            "replayed its calls, and the restored step's checkpoint was taken at its epoch's end, "
+                            "before that iter(): baft cannot tell the next epoch's order from there. Use the policy "
+                            "baft, loop on the engine's step (while engine.global_steps < N), or take one iterator "
+                            "before the loop")
         if self.restored is not None and self.restored.items is not None:
             state.restore_items(self.engine, self.restored.items, again)
 

@@ -112,15 +112,16 @@ class DiskCheckpoint(InstructionHook, Periodic):
     def close(self):
         self.wait()  # the last async save must land before its process group goes
 
-    def restore(self, engine) -> Optional[tuple[int, InstructionHook]]:
-        """Load the newest checkpoint every rank has (the usual restart): its step and the hook that sets
-        its RNG states at the next iteration's start; None when no rank has a checkpoint."""
+    def restore(self, engine) -> Optional[tuple[int, InstructionHook, dict]]:
+        """Load the newest checkpoint every rank has (the usual restart): its step, the hook that sets its RNG
+        states at the next iteration's start, and its small state (what a loop that counts its calls puts back
+        once it has replayed them); None when no rank has a checkpoint."""
         if self.kind == "deepspeed":
             path, client = engine.load_checkpoint(str(self.save_dir)) if self.save_dir.exists() else (None, None)
             if path is None:
                 return None
-            return engine.global_steps, state.restore_items(engine, own_items(engine, client[ITEMS_KEY]),
-                                                            self.data_iterator)
+            items = own_items(engine, client[ITEMS_KEY])
+            return engine.global_steps, state.restore_items(engine, items, self.data_iterator), items
         if self.kind == "torch-save":
             mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
             step = self._newest_common(mine)
@@ -131,12 +132,13 @@ class DiskCheckpoint(InstructionHook, Periodic):
             live = state.state_tensors(engine)
             for name, tensor in saved["tensors"].items():
                 live[name].copy_(tensor)
-            return step, state.restore_items(engine, saved["items"], self.data_iterator)
+            return step, state.restore_items(engine, saved["items"], self.data_iterator), saved["items"]
         # dcp-async: a checkpoint is complete once DCP wrote its .metadata, after every rank's data
         step = self._newest_common([int(p.name[4:]) for p in self.save_dir.glob("step*") if (p / ".metadata").is_file()])
         if step is None:
             return None
-        return step, self._load_dcp(engine, self.save_dir / f"step{step}")
+        items = self._load_dcp(engine, self.save_dir / f"step{step}")
+        return step, state.restore_items(engine, items, self.data_iterator), items
 
     def _newest_common(self, mine: list[int]) -> Optional[int]:
         """The newest step every rank has a checkpoint of; None where no rank has any. Ranks that have some
@@ -152,7 +154,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
                             f"none; refusing to start again from step 0")
         return common
 
-    def _load_dcp(self, engine, path: Path) -> InstructionHook:
+    def _load_dcp(self, engine, path: Path) -> dict:
         from torch.distributed.checkpoint import FileSystemReader, load
 
         prefix = f"rank{engine.global_rank}/"
@@ -164,7 +166,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
         target = {prefix + k: v for k, v in state.state_tensors(engine).items()}
         target[prefix + "items"] = ""
         load(target, checkpoint_id=str(path), process_group=self.group)
-        return state.restore_items(engine, json.loads(target[prefix + "items"]), self.data_iterator)
+        return json.loads(target[prefix + "items"])
 
 
 def _entries_of(tensors: dict):

@@ -111,9 +111,10 @@ class ResumableLoader:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
         return self.restored is not None and self.loader._iterator is not self.restored
 
-    def inside_epoch(self) -> bool:
-        """Whether the position restored last is inside an epoch, not at its start or end."""
-        return 0 < self.yielded < len(self.loader)
+    def spent(self) -> bool:
+        """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
+        taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
+        return self.yielded >= len(self.loader)
 
 
 def data_position(engine, data_iterator=None, training_data=None):

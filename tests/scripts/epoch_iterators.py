@@ -1,6 +1,8 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py."""
 
+import sys
+
 import deepspeed
 import torch
 import torch.nn as nn
@@ -28,7 +30,7 @@ loader = StatefulDataLoader(Samples(), batch_size=2, shuffle=True, drop_last=Tru
                             generator=torch.Generator().manual_seed(3))
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-          "baft": {"policy": "baft", "period": 1}}
+          "baft": {"policy": sys.argv[1] if len(sys.argv) > 1 else "baft", "period": 1}}
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
 for epoch in range(3):
     batches = iter(loader)
