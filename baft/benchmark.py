@@ -39,7 +39,7 @@ from baft.config import BaftConfig, parse_policies
 from baft.examples import worker
 from baft.pipeline.hook import Hooks, InstructionHook
 from baft.pipeline.profiler import sync_device
-from baft.snapshot.baselines import DiskCheckpoint
+from baft.snapshot.baselines import KEEP, DiskCheckpoint
 from baft.snapshot.build import make_policy
 from baft.snapshot.metrics import PolicyMetrics
 
@@ -184,7 +184,8 @@ def clear_disk(hook, saves: int) -> float | None:
     dist.barrier()
     nbytes = None
     if dist.get_rank() == 0 and hook.save_dir.exists():
-        nbytes = sum(f.stat().st_size for f in hook.save_dir.rglob("*") if f.is_file()) / max(saves, 1)
+        kept = max(min(saves, KEEP), 1)  # the hook keeps its newest KEEP saves
+        nbytes = sum(f.stat().st_size for f in hook.save_dir.rglob("*") if f.is_file()) / kept
         shutil.rmtree(hook.save_dir)
     dist.barrier()
     return nbytes

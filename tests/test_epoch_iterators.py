@@ -52,3 +52,6 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     assert len(resumed) == 10 and resumed == {step: reference[step] for step in resumed}
     said = [line for line in (disk.stdout + disk.stderr).splitlines() if "took a new iterator" in line]
     assert said and said[0].startswith("baft: error: the loop took a new iterator of its data loader"), said
+    # in the run directory, not shared memory, and the newest two kept of each rank's (every step's, before)
+    kept = sorted(p.name for p in (tmp_path / "torch-save" / "checkpoints").iterdir())
+    assert kept == ["step10-rank0.pt", "step10-rank1.pt", "step9-rank0.pt", "step9-rank1.pt"]

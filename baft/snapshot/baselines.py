@@ -7,6 +7,7 @@ steps, the way jobs checkpoint today, and restores the newest checkpoint every r
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,7 @@ from baft.snapshot import state
 from baft.snapshot.metrics import Periodic, PolicyMetrics
 from baft.snapshot.optimizers import entry
 
+KEEP = 2  # checkpoints kept: a rank killed as it saved leaves the one before as the newest every rank has
 ITEMS_KEY = "baft_items"  # where the deepspeed baseline keeps the small items (RNG, data position) in client_state
 
 
@@ -86,7 +88,21 @@ class DiskCheckpoint(InstructionHook, Periodic):
             self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"),
                                       process_group=self.group, async_stager=self._stager())
         self.saved.append(step)
+        self._prune(engine)
         self.stall += time.perf_counter() - start
+
+    def _prune(self, engine) -> None:
+        """Remove all but the newest ``KEEP`` checkpoints: each rank its own files (torch-save), rank 0 the
+        directories every rank writes into (deepspeed's tags, DCP's, whose newest may still be in flight)."""
+        if self.kind == "torch-save":
+            paths = self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")
+        elif engine.global_rank == 0:
+            paths = (p for p in self.save_dir.glob("*step*") if p.is_dir())
+        else:
+            return
+        by_step = sorted(paths, key=lambda p: int(p.name.split("step")[1].split("-")[0]))
+        for old in by_step[:-KEEP]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     def _stager(self):
         """DCP's stager with pinned staging buffers on a GPU (the fast path DCP offers), staged before

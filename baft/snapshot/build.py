@@ -48,7 +48,8 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
     if cfg.policy in ("sync-copy", "thread-copy"):
         cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
         return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
-    save_dir = cfg.save_dir or str(Path(shm_root(cfg, engine.global_rank)) / "disk")
+    save_dir = cfg.save_dir or str(Path(cfg.run_dir) / "checkpoints" if cfg.run_dir
+                                    else Path(shm_root(cfg, engine.global_rank)) / "disk")
     return DiskCheckpoint(cfg.policy, save_dir, period or 1, data_iterator)
 
 
