@@ -185,14 +185,18 @@ def test_the_history_goes_through_a_commit_record_exactly(dtype):
     """What a replayed call returns is what the call returned, bit for bit, through the commit record's JSON."""
     history = History()
     losses = [torch.tensor(v, dtype=dtype) for v in (2.3456789, 1.0 / 3, 1e-7)]
-    for step, loss in enumerate(losses, 1):
-        history.record_train(step, loss)
+    for step, (loss, samples) in enumerate(zip(losses, (4, 12, 18)), 1):  # a batch-size ramp: 4, then 8 a step
+        history.record_train(step, loss, samples)
     history.record_eval(2, torch.tensor(0.123456789, dtype=dtype))
     history.record_eval(2, (torch.zeros(2), torch.ones(3)))  # logits too: a value baft cannot replay
-    history.record_train(3, losses[2])  # step 3 trained again (in place): replaces its value
+    history.record_train(3, losses[2], samples=20)  # step 3 trained again (in place): replaces its value
     restored = History.from_items(json.loads(json.dumps(history.items())))
     assert restored.train == [float(v) for v in losses] and restored.dtypes == {"train": str(dtype)[6:],
                                                                                 "eval": str(dtype)[6:]}
+    # the engine's global_samples a replayed call leaves, as the step left it (a count of the calls times the
+    # batch size gave 16 after step 2); where a history written before baft kept them does not say, that count
+    assert [restored.samples_after(step, batch_size=8) for step in (1, 2, 3, 4)] == [4, 12, 20, 32]
+    assert History.from_items({**history.items(), "samples": []}).samples_after(2, batch_size=8) == 16
     assert restored.evals == {2: [float(torch.tensor(0.123456789, dtype=dtype)), None]}
     again = torch.tensor(restored.train[1], dtype=getattr(torch, restored.dtypes["train"]))
     assert again.dtype == dtype and torch.equal(again, losses[1])

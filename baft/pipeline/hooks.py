@@ -110,7 +110,8 @@ class BaftPipelineEngine(PipelineEngine):
         if loop.replaying:
             value = loop.replay_train(self)
             # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
-            self.global_steps, self.global_samples = loop.calls, loop.calls * self.train_batch_size()
+            self.global_steps = loop.calls
+            self.global_samples = loop.history.samples_after(loop.calls, self.train_batch_size())
             if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
                 self.baft.hooks.rng.between_steps()
             return value
@@ -177,7 +178,7 @@ class BaftPipelineEngine(PipelineEngine):
         finally:
             self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
         if THIS_PROCESS.counts_calls:  # what a replay of this call returns, in the snapshots from the next on
-            THIS_PROCESS.history.record_train(self.global_steps, loss)
+            THIS_PROCESS.history.record_train(self.global_steps, loss, self.global_samples)
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss

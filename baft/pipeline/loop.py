@@ -237,12 +237,14 @@ class History:
     keeps its own (its loop does not run again the evaluations after the restored step)."""
 
     train: list = field(default_factory=list)  # train[k - 1]: the value of step k
+    samples: list = field(default_factory=list)  # samples[k - 1]: the engine's global_samples after step k
     evals: dict = field(default_factory=dict)  # step -> the values eval_batch returned while the engine was there
     dtypes: dict = field(default_factory=dict)  # "train", "eval": the dtype of the values
 
-    def record_train(self, step: int, value) -> None:
-        del self.train[step - 1:]  # a step trained again (in place, after a restore) replaces what it had
+    def record_train(self, step: int, value, samples: int) -> None:
+        del self.train[step - 1:], self.samples[step - 1:]  # a step trained again (in place, after a restore)
         self.train.append(self._value("train", value))
+        self.samples.append(samples)
 
     def record_eval(self, step: int, value) -> None:
         self.evals.setdefault(step, []).append(self._value("eval", value))
@@ -263,12 +265,18 @@ class History:
                 i -= 1
             values[i:] = [float(v) if isinstance(v, torch.Tensor) else v for v in values[i:]]
         # copies: the commit record is written on another thread while training records on
-        return {"train": list(self.train), "evals": {str(k): list(v) for k, v in self.evals.items()},
-                "dtypes": dict(self.dtypes)}
+        return {"train": list(self.train), "samples": list(self.samples),
+                "evals": {str(k): list(v) for k, v in self.evals.items()}, "dtypes": dict(self.dtypes)}
 
     @classmethod
     def from_items(cls, items: dict) -> "History":
-        return cls(list(items["train"]), {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]))
+        return cls(list(items["train"]), list(items.get("samples", [])),
+                   {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]))
+
+    def samples_after(self, step: int, batch_size: int) -> int:
+        """The engine's ``global_samples`` after ``step`` (at ``batch_size`` a step, where an earlier snapshot's
+        history does not say)."""
+        return self.samples[step - 1] if step <= len(self.samples) else step * batch_size
 
 
 class Loop:
