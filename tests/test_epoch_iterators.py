@@ -5,6 +5,7 @@ no reason: baft's snapshot of a step is taken as the next begins, past the loop'
 (``torch-save``, taken as a step ends) the same holds inside an epoch (the replayed loop's state was not put back:
 silently another order), and at an epoch's end, where the checkpoint holds the spent iterator, it stops in one line."""
 
+import json
 import re
 import subprocess
 import sys
@@ -17,10 +18,10 @@ from baft.cli.launch import launch_env
 SCRIPT = Path(__file__).parent / "scripts" / "epoch_iterators.py"
 
 
-def train(tmp_path, name, faults=(), policy="baft"):
+def train(tmp_path, name, faults=(), policy="baft", workers=0, in_place=False):
     cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", str(len(faults)),
-           "--run-dir", str(tmp_path / name), *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT),
-           policy]
+           *(["--in-place"] if in_place else []), "--run-dir", str(tmp_path / name),
+           *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, str(workers)]
     return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
 
 
@@ -55,3 +56,20 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     # in the run directory, not shared memory, and the newest two kept of each rank's (every step's, before)
     kept = sorted(p.name for p in (tmp_path / "torch-save" / "checkpoints").iterdir())
     assert kept == ["step10-rank0.pt", "step10-rank1.pt", "step9-rank0.pt", "step9-rank1.pt"]
+
+
+@pytest.mark.slow
+def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loaders_workers(tmp_path):
+    """The survivor's iterator, made the restored one, takes over the restored iterator's worker processes: they were
+    shut down under it as the restored one was collected (torchdata 0.11): the survivor read nothing more
+    (StopIteration, or a closed queue with persistent workers, then a relaunch), or, workers started again
+    without their state, another order, silently."""
+    reference = train(tmp_path, "reference", workers=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # rank 0 survives both kills: in the second epoch (resumed from step 6) and at its end (from step 10)
+    run = train(tmp_path, "in-place", ("rank=1,step=8,phase=backward", "rank=1,step=12,phase=backward,restart=1"),
+                workers=2, in_place=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "in-place" / "recovery.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 6), ("in place", 10)]
+    assert losses(tmp_path, "in-place") == losses(tmp_path, "reference")

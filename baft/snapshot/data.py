@@ -12,6 +12,7 @@ import itertools
 from typing import Optional
 
 import torch
+from torch.utils.data._utils import signal_handling
 
 
 class EngineLoaderPosition:
@@ -97,7 +98,7 @@ class ResumableLoader:
         self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
         if live is not None and restored is not None and live is not restored:
-            live.__class__, live.__dict__ = type(restored), restored.__dict__
+            _take_over(live, restored)
             self.loader._iterator = live
             self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
@@ -115,6 +116,22 @@ class ResumableLoader:
         """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
         taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
         return self.yielded >= len(self.loader)
+
+
+class _Handed:
+    """What an iterator becomes once another took its state: nothing left to shut down when it is collected."""
+
+
+def _take_over(live, restored) -> None:
+    """Make the iterator the script holds (``live``) the ``restored`` one: ``live``'s own loader workers shut
+    down, ``restored``'s workers and queues its own (``restored``, collected, would shut them down under it)."""
+    if hasattr(live, "_shutdown_workers"):
+        live._shutdown_workers()
+    live.__class__, live.__dict__ = type(restored), restored.__dict__
+    restored.__class__, restored.__dict__ = _Handed, {}
+    if getattr(live, "_worker_pids_set", False):  # torch's SIGCHLD handler knows the workers by their iterator's id
+        signal_handling._remove_worker_pids(id(restored))
+        signal_handling._set_worker_pids(id(live), tuple(w.pid for w in live._workers))
 
 
 def data_position(engine, data_iterator=None, training_data=None):

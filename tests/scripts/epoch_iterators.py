@@ -1,5 +1,6 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
-range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py."""
+range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py. Arguments: the
+policy (baft), the loader's workers (0)."""
 
 import sys
 
@@ -27,6 +28,7 @@ torch.manual_seed(0)
 model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 16, 1)],
                        num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
 loader = StatefulDataLoader(Samples(), batch_size=2, shuffle=True, drop_last=True,
+                            num_workers=int(sys.argv[2]) if len(sys.argv) > 2 else 0,
                             generator=torch.Generator().manual_seed(3))
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
