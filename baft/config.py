@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -113,6 +114,11 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
     """The ``"baft"`` section of a DeepSpeed config dict, validated; disabled when absent."""
     doc = (ds_config or {}).get("baft")
     if doc is None:
+        keys = {k.lower(): k for k in ds_config or {} if isinstance(k, str)}
+        near = difflib.get_close_matches("baft", keys, n=1, cutoff=0.75)
+        if near:  # "bafts", "Baft": the run would be unprotected without a word
+            raise ConfigError(f"{keys[near[0]]!r}: not a DeepSpeed key; did you mean \"baft\"? (without a \"baft\" "
+                              f"section baft takes no snapshots)")
         return BaftConfig(enabled=False)
     _section(BaftConfig, doc, "baft")
     values = {}

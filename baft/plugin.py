@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -103,6 +104,9 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     mark("init_end")
     engines_own(scheduler)
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
+    if "baft" not in ds_config and os.environ.get(LAUNCHER_ENV["run_dir"]) and engine.global_rank == 0:
+        print("baft: warning: the DeepSpeed config has no \"baft\" section: the script runs unprotected (no "
+              "snapshots; a restart begins again at step 0)", file=sys.stderr, flush=True)
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
     from baft.protection import Protection
