@@ -1,12 +1,17 @@
 """Which training loops count their calls to ``train_batch`` (:mod:`baft.pipeline.loop`), read from their source."""
 
 import json
+import re
 import runpy
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from baft.cli.launch import launch_env
 from baft.pipeline.loop import History
 
 STUB = """
@@ -17,7 +22,7 @@ class Engine:
     global_steps = 0
     def train_batch(self):
         global SITE
-        SITE = loop_around(sys._getframe(1))
+        SITE = loop_around(sys._getframe(1), kept=(self,))
 
 engine = Engine()
 args = type("Args", (), {"steps": 2, "epochs": 1})()
@@ -88,6 +93,26 @@ def test_a_loop_that_counts_its_calls(tmp_path, name):
 def test_a_loop_that_resumes_with_the_engine(tmp_path, name):
     site, _ = _site(tmp_path, STEPS[name])
     assert site is not None and not site.counts_calls, (name, site)
+
+
+def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_such(tmp_path):
+    """State baft does not keep, set between the calls (a curriculum's difficulty on the data, a trainer's counter):
+    a survivor in place would train the steps since the restored one with its latest value."""
+    sets = {"curriculum": ("class Data:\n    active = 0\ndata = Data()\nwhile engine.global_steps < N:\n"
+                           "    data.active = min(8, 2 + engine.global_steps)\n    engine.train_batch()\n"
+                           "    engine.global_steps += 1", 5, "data.active = min(8, 2 + engine.global_steps)"),
+            "a trainer's counter": ("class Trainer:\n    step = 0\n    def fit(self):\n        for _ in range(N):\n"
+                                    "            engine.train_batch()\n            self.step += 1\nTrainer().fit()",
+                                    6, "self.step += 1")}
+    for name, (body, line, text) in sets.items():
+        site, script = _site(tmp_path, body)
+        assert site.sets_state == f"{script}:{len(STUB.splitlines()) + line} ({text})", (name, site)
+    # the engine's (kept), a module's, one the loop made, an item, a plain name: none of them
+    kept = ("import torch\nfor _ in range(N):\n    engine.global_steps += 1\n    torch.backends.mkldnn.enabled = True\n"
+            "    for group in [type('G', (), {})()]:\n        group.lr = 0.1\n    losses = {}\n    losses[_] = 1.0\n"
+            "    seen = _\n    engine.train_batch()")
+    assert _site(tmp_path, kept)[0].sets_state == ""
+    assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 
 
 def test_a_while_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
@@ -223,3 +248,25 @@ def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(caps
     loop.record_eval(engine, (torch.zeros(2), torch.ones(3)))
     said = capsys.readouterr().err
     assert said.count("baft: eval_batch returned tuple at step 3, not a scalar (return_logits=True?)") == 1, said
+
+
+@pytest.mark.slow
+def test_a_loop_that_sets_state_baft_does_not_keep_has_every_rank_replaced_in_place(tmp_path):
+    """tests/scripts/curriculum.py sets its data's difficulty before each step: a survivor trained step 3 again,
+    inside its call for step 5, at step 5's difficulty, silently. Every rank is replaced instead, as said at start."""
+    script = Path(__file__).parent / "scripts" / "curriculum.py"
+    runs = {}
+    for name, extra in (("reference", []), ("in-place", ["--in-place", "--fault", "rank=1,step=5,phase=backward"])):
+        proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
+                               "--run-dir", str(tmp_path / name), *extra, "--", str(script)],
+                              capture_output=True, text=True, env=launch_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (tmp_path / name / "output.log").read_text()
+    printed = {name: dict(re.findall(r"^\[0\] step (\d+) loss (\S+)$", log, re.M)) for name, log in runs.items()}
+    assert len(printed["reference"]) == 8 and printed["in-place"] == printed["reference"]
+    said = re.findall(r"^\[0\] baft: on a fault every rank is replaced, not only the killed one: its loop sets "
+                      r"\S+curriculum.py:\d+ \(data.active = (.*)\) between", runs["in-place"], re.M)
+    assert said == ["min(8, 2 + engine.global_steps)"], said
+    record = json.loads((tmp_path / "in-place" / "recovery.jsonl").read_text())
+    assert (record["kind"], record["restored_step"]) == ("in place", 3)
+    assert "rank 0 lost a peer and cannot recover in place (its loop sets" in runs["in-place"]

@@ -34,6 +34,7 @@ import ast
 import copy
 import linecache
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,6 +44,7 @@ import torch
 from baft.errors import BaftError
 from baft.pipeline.rng import rng_states, set_rng_states
 from baft.pipeline.schedulers import script_schedulers
+from baft.recovery import world
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -66,11 +68,14 @@ class LoopSite:
     collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
     # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
     from_step: bool = False
+    # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
+    sets_state: str = ""
 
 
-def loop_around(frame) -> Optional[LoopSite]:
+def loop_around(frame, kept=()) -> Optional[LoopSite]:
     """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's
-    module level; None where no loop is found (the source unreadable, or the call in no loop)."""
+    module level; None where no loop is found (the source unreadable, or the call in no loop). ``kept``: objects
+    whose attributes the loops may set without saying so (the engine, whose state baft keeps)."""
     loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -94,7 +99,9 @@ def loop_around(frame) -> Optional[LoopSite]:
                     unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
                                                   for _, loop, scope, _ in loops),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
-                                  for _, loop, scope, _ in loops))
+                                  for _, loop, scope, _ in loops),
+                    sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
+                                                  for file, loop, _, frame in loops)), ""))
 
 
 def _parsed(filename: str) -> Optional[ast.Module]:
@@ -186,6 +193,26 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
     return counted and bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
+
+
+def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
+    """The first assignment in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
+    ``self.step += 1``), but of a module or one of ``kept``, as ``file:line (text)``; "" where none is."""
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    found = []
+    for node in ast.walk(loop):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            base = target
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                base = base.value
+            if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
+                continue
+            value = frame.f_locals.get(base.id, frame.f_globals.get(base.id))
+            if not isinstance(value, types.ModuleType) and not any(value is k for k in kept):
+                found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
+    return min(found)[1] if found else ""
 
 
 def _collective(filename: str, loop: ast.AST) -> str:
@@ -321,7 +348,10 @@ class Loop:
             return
         self.decided = True
         mode = engine.baft.config.loop
-        self.site = loop_around(frame) if mode == "auto" else None
+        client = getattr(engine.baft, "client_state", None)
+        self.site = loop_around(frame, kept=(engine, getattr(client, "source", None))) if mode == "auto" else None
+        if self.site is not None and self.site.sets_state:
+            self._sets_state(engine)
         self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls)
         if self.site is not None and self.site.unread and engine.global_rank == 0:
             print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
@@ -357,6 +387,17 @@ class Loop:
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+
+    def _sets_state(self, engine) -> None:
+        """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
+        one (two at a snapshot every step: the latest is committed as the next step ends) with its latest value, as
+        the loop left it; a new process runs the loop again. Said at start where recovery in place is on."""
+        self.not_in_place = (f"its loop sets {self.site.sets_state} between its calls to train_batch, which baft does "
+                             f"not keep: a survivor would train the steps since the restored one with its latest value")
+        if world.available() and world.generation() == 0 and engine.global_rank == 0:
+            print(f"baft: on a fault every rank is replaced, not only the killed one: {self.not_in_place}. Keep it in "
+                  f"a state baft saves (client_state= of baft.initialize, or the data iterator's state_dict) for its "
+                  f"survivors to recover in place", file=sys.stderr, flush=True)
 
     def _elsewhere(self, engine, frame) -> None:
         """``train_batch`` called from another place than before: said where its loop is of the other kind."""

@@ -1,0 +1,48 @@
+"""Curriculum learning: before each step the loop sets its data's difficulty from the engine's step
+(``data.active``: the features past it zeroed), state baft does not keep. tests/test_loop.py kills a rank in place."""
+
+import deepspeed
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+import baft
+
+
+class Curriculum:
+    """Batches of ``active`` features, the rest zero; its position restorable, its difficulty not."""
+
+    def __init__(self):
+        self.position, self.active = 0, 2
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(self.position))
+        self.position += 1
+        x[:, self.active:] = 0
+        return x, x.sum(dim=1, keepdim=True)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(25)
+model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 16, 1)],
+                       num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+          "optimizer": {"type": "Adam", "params": {"lr": 5e-3, "torch_adam": True}},
+          "baft": {"policy": "baft", "period": 1}}
+data = Curriculum()
+engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
+while engine.global_steps < 8:
+    data.active = min(8, 2 + engine.global_steps)
+    loss = engine.train_batch(data_iter=data)
+    if engine.global_rank == 0:
+        print(f"step {engine.global_steps} loss {float(loss)!r}", flush=True)
