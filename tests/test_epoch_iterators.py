@@ -26,8 +26,9 @@ def train(tmp_path, name, faults=(), policy="baft", workers=0, in_place=False):
 
 
 def losses(tmp_path, name) -> dict[str, str]:
-    """Each step's loss as rank 0 printed it last (a resumed run prints again the steps it replays)."""
-    return dict(re.findall(r"^\[0\] step (\d+) loss (\S+)$", (tmp_path / name / "output.log").read_text(), re.M))
+    """Each step's loss and learning rate (DeepSpeed's scheduler's) as rank 0 printed them last (a resumed run prints
+    again the steps it replays: their learning rate was the restored step's, before)."""
+    return dict(re.findall(r"^\[0\] step (\d+) loss (\S+ lr \S+)$", (tmp_path / name / "output.log").read_text(), re.M))
 
 
 @pytest.mark.slow

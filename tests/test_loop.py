@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from baft.cli.launch import launch_env
-from baft.pipeline.loop import History
+from baft.pipeline.loop import Column, History
 
 STUB = """
 import sys
@@ -207,24 +207,50 @@ def test_the_loop_key_is_validated():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_history_goes_through_a_commit_record_exactly(dtype):
-    """What a replayed call returns is what the call returned, bit for bit, through the commit record's JSON."""
+    """What a replayed call returns is what the call returned, bit for bit, through the commit record's JSON; and
+    what the script's code after it read of the engine (its global_samples, its learning rates)."""
     history = History()
     losses = [torch.tensor(v, dtype=dtype) for v in (2.3456789, 1.0 / 3, 1e-7)]
     for step, (loss, samples) in enumerate(zip(losses, (4, 12, 18)), 1):  # a batch-size ramp: 4, then 8 a step
-        history.record_train(step, loss, samples)
+        history.record_train(step, loss, samples, lrs=[0.1 * step, 0.01 * step])
     history.record_eval(2, torch.tensor(0.123456789, dtype=dtype))
     history.record_eval(2, (torch.zeros(2), torch.ones(3)))  # logits too: a value baft cannot replay
-    history.record_train(3, losses[2], samples=20)  # step 3 trained again (in place): replaces its value
+    history.record_train(3, losses[2], samples=20, lrs=[0.5])  # step 3 trained again (in place), a group fewer
+    history.record_train(4, (torch.zeros(1), torch.ones(1)), samples=28, lrs=[0.6, 0.06])  # not a number
     restored = History.from_items(json.loads(json.dumps(history.items())))
-    assert restored.train == [float(v) for v in losses] and restored.dtypes == {"train": str(dtype)[6:],
-                                                                                "eval": str(dtype)[6:]}
+    assert [restored.value(step) for step in (1, 2, 3, 4, 5)] == [*(float(v) for v in losses), None, None]
+    assert restored.dtypes == {"train": str(dtype)[6:], "eval": str(dtype)[6:]}
     # the engine's global_samples a replayed call leaves, as the step left it (a count of the calls times the
     # batch size gave 16 after step 2); where a history written before baft kept them does not say, that count
-    assert [restored.samples_after(step, batch_size=8) for step in (1, 2, 3, 4)] == [4, 12, 20, 32]
+    assert [restored.samples_after(step, batch_size=8) for step in (1, 2, 3, 4, 5)] == [4, 12, 20, 28, 40]
     assert History.from_items({**history.items(), "samples": []}).samples_after(2, batch_size=8) == 16
+    assert restored.lrs_after(2) == [0.2, 0.02] and restored.lrs_after(3)[0] == 0.5 and restored.lrs_after(5) == []
     assert restored.evals == {2: [float(torch.tensor(0.123456789, dtype=dtype)), None]}
-    again = torch.tensor(restored.train[1], dtype=getattr(torch, restored.dtypes["train"]))
+    again = torch.tensor(restored.value(2), dtype=getattr(torch, restored.dtypes["train"]))
     assert again.dtype == dtype and torch.equal(again, losses[1])
+
+
+def test_a_long_history_is_encoded_once_per_block_and_read_back_exactly():
+    """A commit record holds the whole history with every snapshot: each block of steps is encoded once (as JSON
+    floats, 100,000 steps took 130 ms a snapshot), and a step trained again drops the blocks after it."""
+    history, steps = History(), 2 * Column.BLOCK + 5
+    for step in range(1, steps + 1):
+        history.record_train(step, torch.tensor(step / 7, dtype=torch.float32), samples=8 * step, lrs=[1 / step])
+    first = history.items()
+    assert len(history.train.blocks) == 2
+    history.record_train(Column.BLOCK - 1, torch.tensor(-1.0), samples=-1, lrs=[-1.0])  # in place, far back
+    assert len(history.train.blocks) == 0 and len(history.train.values) == Column.BLOCK - 1
+    for step in range(Column.BLOCK, steps + 1):
+        history.record_train(step, torch.tensor(step / 7, dtype=torch.float32), samples=8 * step, lrs=[1 / step])
+    again = History.from_items(json.loads(json.dumps(history.items())))
+    expected = [float(torch.tensor(step / 7, dtype=torch.float32)) for step in range(1, steps + 1)]
+    expected[Column.BLOCK - 2] = -1.0
+    assert [again.value(step) for step in range(1, steps + 1)] == expected
+    assert again.lrs_after(steps) == [1 / steps] and again.samples_after(Column.BLOCK - 1, 8) == -1
+    assert History.from_items(first).value(Column.BLOCK - 1) == float(torch.tensor((Column.BLOCK - 1) / 7))
+    # a record written before baft packed the history: JSON lists, None for a value not replayable
+    old = History.from_items({"train": [1.5, None], "evals": {}, "dtypes": {"train": "float32"}})
+    assert (old.value(1), old.value(2), old.lrs_after(1), old.samples_after(2, 4)) == (1.5, None, [], 8)
 
 
 def test_a_range_from_the_engines_step_is_a_fixed_number_of_calls_from_where_the_process_started(tmp_path):

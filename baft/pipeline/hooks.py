@@ -112,6 +112,9 @@ class BaftPipelineEngine(PipelineEngine):
             # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
             self.global_steps = loop.calls
             self.global_samples = loop.history.samples_after(loop.calls, self.train_batch_size())
+            for group, lr in zip(self.optimizer.param_groups, loop.history.lrs_after(loop.calls)):
+                if lr == lr:  # NaN: a group the step had not
+                    group["lr"] = lr  # what get_lr() said then (baft.replayed puts the restored step's back)
             if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
                 self.baft.hooks.rng.between_steps()
             return value
@@ -178,7 +181,7 @@ class BaftPipelineEngine(PipelineEngine):
         finally:
             self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
         if THIS_PROCESS.counts_calls:  # what a replay of this call returns, in the snapshots from the next on
-            THIS_PROCESS.history.record_train(self.global_steps, loss, self.global_samples)
+            THIS_PROCESS.history.record_train(self.global_steps, loss, self.global_samples, self.get_lr())
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss

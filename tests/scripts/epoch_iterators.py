@@ -32,6 +32,8 @@ loader = StatefulDataLoader(Samples(), batch_size=2, shuffle=True, drop_last=Tru
                             generator=torch.Generator().manual_seed(3))
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                       "warmup_num_steps": 12}},
           "baft": {"policy": sys.argv[1] if len(sys.argv) > 1 else "baft", "period": 1}}
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
 for epoch in range(3):
@@ -39,4 +41,4 @@ for epoch in range(3):
     for _ in range(len(loader) // 2):
         loss = engine.train_batch(data_iter=batches)
         if engine.global_rank == 0:
-            print(f"step {engine.global_steps} loss {float(loss)!r}", flush=True)
+            print(f"step {engine.global_steps} loss {float(loss)!r} lr {engine.get_lr()[0]!r}", flush=True)
