@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from baft.cli.launch import launch_env
-from baft.pipeline.loop import Column, History
+from baft.pipeline.history import Column, History
 
 STUB = """
 import sys
-from baft.pipeline.loop import loop_around
+from baft.pipeline.loop_source import loop_around
 
 class Engine:
     global_steps = 0

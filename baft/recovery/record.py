@@ -42,7 +42,7 @@ from typing import Optional
 import psutil
 
 from baft import faults as fault_log
-from baft.config import WARM_RANK_ENV
+from baft.config import GENERATION_ENV, WARM_RANK_ENV
 from baft.errors import BaftError
 from baft.jsonfile import parse_object
 from baft.pipeline.hook import InstructionHook
@@ -59,7 +59,6 @@ PHASE_NAMES = {
     "T4": "T4 warm-up",
 }
 KINDS = ("in place", "warm relaunch", "cold relaunch")
-GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is in (baft.recovery.world)
 EARLIER_ENV = "BAFT_EARLIER_IN_PLACE"  # recoveries in place of torchrun's earlier attempts
 SOURCES = (*RESTORE_SOURCES, "fresh")  # where a restart's state came from: a restore source, or none
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from baft.accelerator import collective_device
-from baft.config import STORE_ENV
-from baft.recovery.record import EARLIER_ENV, GENERATION_ENV, torchrun_attempt
+from baft.config import GENERATION_ENV, STORE_ENV
+from baft.recovery.record import EARLIER_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone

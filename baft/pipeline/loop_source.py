@@ -1,0 +1,223 @@
+"""The loops around a call to ``train_batch``, read from the script's source (:func:`loop_around`): whether they
+count their calls, read the engine's step, call a collective or set state between the calls
+(:mod:`baft.pipeline.loop` acts on what they are)."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv"}  # torch.distributed's and deepspeed.comm's
+SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from the start by a new process
+
+
+@dataclass(frozen=True)
+class LoopSite:
+    """The loops around a call to ``train_batch`` (outermost first), as read from the source."""
+
+    where: str  # file:line of the innermost loop
+    text: str  # that loop's header
+    counts_calls: bool
+    # none of the loops reads the engine's step, and one is a ``while`` over something else (a counter of the
+    # script's own?): resumed, it would run as many steps again as it ran from the start
+    unread: bool = False
+    collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
+    # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
+    from_step: bool = False
+    # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
+    sets_state: str = ""
+
+
+def loop_around(frame, kept=()) -> Optional[LoopSite]:
+    """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's
+    module level; None where no loop is found (the source unreadable, or the call in no loop). ``kept``: objects
+    whose attributes the loops may set without saying so (the engine, whose state baft keeps)."""
+    loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        tree = _parsed(filename)
+        if tree is None:
+            return None
+        found = _loops_at(tree, frame.f_lineno)
+        loops += [(filename, loop, scope, frame) for loop, scope in reversed(found)]
+        if frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    if not loops:
+        return None
+    filename, innermost, _, _ = loops[0]
+    header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
+              if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
+    reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
+    return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
+                    collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
+                    counts_calls=all(_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops),
+                    unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
+                                                  for _, loop, scope, _ in loops),
+                    from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
+                                  for _, loop, scope, _ in loops),
+                    sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
+                                                  for file, loop, _, frame in loops)), ""))
+
+
+def _parsed(filename: str) -> Optional[ast.Module]:
+    linecache.checkcache(filename)  # the file as it is now, not as a traceback once read it
+    source = "".join(linecache.getlines(filename))
+    if not source:
+        return None
+    try:
+        return ast.parse(source, filename)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _loops_at(tree: ast.Module, line: int) -> list[tuple[ast.AST, ast.AST]]:
+    """(loop, scope) for the loops whose body holds ``line``, outermost first, within the innermost function
+    (or the module) that holds it: the loops of that frame."""
+    loops: list[tuple[ast.AST, ast.AST]] = []
+    scope: ast.AST = tree
+    node: ast.AST = tree
+    while True:
+        inner = next((child for child in ast.iter_child_nodes(node) if _holds(child, line)), None)
+        if inner is None:
+            return loops
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            loops, scope = [], inner
+        elif isinstance(inner, (ast.For, ast.AsyncFor, ast.While)) and any(_holds(s, line) for s in inner.body):
+            loops.append((inner, scope))
+        node = inner
+
+
+def _holds(node: ast.AST, line: int) -> bool:
+    start = getattr(node, "lineno", None)
+    return start is not None and start <= line <= (node.end_lineno or start)
+
+
+def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
+    """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)``, ``count()`` (or one of them in ``tqdm(...)``
+    or ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
+    assigned from it; in ``frame``, over a list, tuple or array the script holds (``for lr in lrs``) or a range
+    from 0 or 1 (``range(args.start, n)``), which a new process goes through from its start again; or a
+    ``while`` over a counter of its own (:func:`_while_counts`)."""
+    if isinstance(loop, ast.While):
+        return _while_counts(loop, scope)
+    if not isinstance(loop, (ast.For, ast.AsyncFor)):
+        return False
+    call = loop.iter
+    while isinstance(call, ast.Call) and _name(call.func) in ("tqdm", "enumerate") and call.args:
+        call = call.args[0]
+    if frame is not None and not _reads_engine_step(call, scope):
+        value = _value(call, frame)
+        if isinstance(value, range) and value.start in (0, 1) or isinstance(value, SEQUENCES[1:]):
+            return True  # a range from another start: the script's own resume position, perhaps
+    if not isinstance(call, ast.Call):
+        return False
+    if _name(call.func) == "count":  # itertools.count(start): a range without an end
+        return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in call.args)
+    if not (_name(call.func) in ("range", "trange") and call.args):
+        return False
+    if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
+        return False
+    return not _reads_engine_step(call, scope)
+
+
+def _value(expr: ast.AST, frame):
+    """What ``expr`` holds in ``frame``, where it only reads names, attributes, items and arithmetic, and calls
+    ``range`` or ``len`` (nothing it evaluates can change anything); None otherwise."""
+    allowed = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Load, ast.BinOp, ast.UnaryOp, ast.operator,
+               ast.unaryop, ast.Slice, ast.Tuple, ast.List, ast.Call)
+    for node in ast.walk(expr):
+        if not isinstance(node, allowed) or (isinstance(node, ast.Call) and not (
+                isinstance(node.func, ast.Name) and node.func.id in ("range", "len") and not node.keywords)):
+            return None
+    try:
+        return eval(compile(ast.Expression(expr), "<baft loop>", "eval"), frame.f_globals, frame.f_locals)
+    except Exception:  # a name bound only later, an item not there: not a value baft can read
+        return None
+
+
+def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
+    """``while i < n`` (or ``<=``, ``!=``) where ``i`` is set to a number in the scope and ``i += 1`` in the loop."""
+    test = loop.test
+    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Lt, ast.LtE, ast.NotEq))) or _reads_engine_step(test, scope):
+        return False
+    counter = test.left.id
+    counted = any(isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name)
+                  and node.target.id == counter and isinstance(node.value, ast.Constant) and node.value.value == 1
+                  for node in ast.walk(loop))
+    started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
+    return counted and bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
+
+
+def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
+    """The first assignment in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
+    ``self.step += 1``), but of a module or one of ``kept``, as ``file:line (text)``; "" where none is."""
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    found = []
+    for node in ast.walk(loop):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            base = target
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                base = base.value
+            if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
+                continue
+            value = frame.f_locals.get(base.id, frame.f_globals.get(base.id))
+            if not isinstance(value, types.ModuleType) and not any(value is k for k in kept):
+                found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
+    return min(found)[1] if found else ""
+
+
+def _collective(filename: str, loop: ast.AST) -> str:
+    """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function of
+    the same file it calls, as ``file:line (text)``; "" where none is."""
+    tree = _parsed(filename)
+    functions = {node.name: node for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module in ("torch.distributed", "deepspeed.comm") for alias in node.names}
+
+    def is_collective(call: ast.Call) -> bool:
+        func = call.func
+        if isinstance(func, ast.Name):
+            return func.id in COLLECTIVES and func.id in imported
+        return (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES
+                and any(word in ast.unparse(func.value) for word in ("dist", "comm")))
+
+    calls = [node for node in ast.walk(loop) if isinstance(node, ast.Call)]
+    for call in calls + [node for call in calls if isinstance(call.func, ast.Name) and call.func.id in functions
+                         for node in ast.walk(functions[call.func.id]) if isinstance(node, ast.Call)]:
+        if is_collective(call):
+            return f"{filename}:{call.lineno} ({ast.unparse(call)})"
+    return ""
+
+
+def _name(func: ast.AST) -> str:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
+    if any(word in ast.unparse(expr) for word in ENGINE_STEP):
+        return True
+    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    for node in ast.walk(scope):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        if node is not scope and getattr(node, "value", None) is not None and any(
+                isinstance(t, ast.Name) and t.id in names for t in targets):
+            if any(word in ast.unparse(node.value) for word in ENGINE_STEP):
+                return True
+    return False
