@@ -9,6 +9,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import deepspeed
 
@@ -104,9 +105,9 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     mark("init_end")
     engines_own(scheduler)
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
-    if "baft" not in ds_config and os.environ.get(LAUNCHER_ENV["run_dir"]) and engine.global_rank == 0:
-        print("baft: warning: the DeepSpeed config has no \"baft\" section: the script runs unprotected (no "
-              "snapshots; a restart begins again at step 0)", file=sys.stderr, flush=True)
+    said = unprotected(ds_config)
+    if said and engine.global_rank == 0:
+        print(f"baft: warning: {said}", file=sys.stderr, flush=True)
     if not cfg.enabled and not profile_dir:
         return engine, optimizer, loader, scheduler
     from baft.protection import Protection
@@ -148,6 +149,14 @@ def _config_source(given: dict):
 
 
 LAUNCHER_ENV = {"run_id": "BAFT_RUN_ID", "shm_root": "BAFT_SHM_ROOT", "run_dir": "BAFT_RUN_DIR"}
+
+
+def unprotected(ds_config: dict) -> Optional[str]:
+    """What to say where ``baft train`` launched a script whose DeepSpeed config has no ``"baft"`` section."""
+    if "baft" in ds_config or not os.environ.get(LAUNCHER_ENV["run_dir"]):
+        return None
+    return ("the DeepSpeed config has no \"baft\" section: the script runs unprotected (no snapshots; a restart "
+            "begins again at step 0)")
 
 
 def _with_launcher_defaults(cfg, ds_config: dict):

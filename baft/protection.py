@@ -38,6 +38,7 @@ class Protection:
         self.not_in_place: Optional[str] = None  # why not, where a peer's death replaces this rank instead
         self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
+        self._last_read = None  # the iterator train_batch was given at its last call
 
     @property
     def root(self) -> str:
@@ -82,9 +83,21 @@ class Protection:
         return self.restored
 
     def reads(self, data_iter) -> None:
-        """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept."""
-        from baft.snapshot.data import foreign_iterator
+        """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;
+        where it is another iterator than at the last call, and not one of the loader baft keeps (an epoch's), the
+        call's own (``train_batch(iter(batches))``): a survivor in place would train the steps since the restored
+        one from it, so a fault replaces every rank."""
+        from baft.pipeline.loop import THIS_PROCESS
+        from baft.snapshot.data import ResumableLoader, foreign_iterator
 
+        last, self._last_read = self._last_read, data_iter
+        kept = self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
+        if last is not None and data_iter is not last and data_iter is not kept:
+            THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one made "
+                                                   "for each call?): a survivor would train the steps since the "
+                                                   "restored one from the latest call's",
+                                      "Pass train_batch the same iterator every call, or one of the data iterator "
+                                      "given to baft.initialize, for its survivors to recover in place")
         if data_iter is None or id(data_iter) in self._read:
             return
         self._read.add(id(data_iter))

@@ -75,6 +75,17 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
+def test_a_config_without_a_baft_section_is_said_to_run_unprotected_under_baft_train(monkeypatch):
+    from baft.plugin import LAUNCHER_ENV, unprotected
+
+    monkeypatch.delenv(LAUNCHER_ENV["run_dir"], raising=False)
+    assert unprotected({"train_batch_size": 4}) is None  # plain deepspeed or torchrun: nothing to say
+    monkeypatch.setenv(LAUNCHER_ENV["run_dir"], "runs/first")  # what baft train tells every rank
+    assert unprotected({"train_batch_size": 4, "baft": {"enabled": False}}) is None  # said so in the config
+    assert unprotected({"train_batch_size": 4}).startswith('the DeepSpeed config has no "baft" section: the script '
+                                                           'runs unprotected')
+
+
 def test_a_bad_timeout_names_the_key():
     from baft.config import parse_config
     from baft.errors import ConfigError

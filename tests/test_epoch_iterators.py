@@ -3,7 +3,8 @@ epoch's end it reads on as the uninterrupted run did (the iterator the replay to
 the restored one: before, it read that epoch from its start, silently; at an epoch's end it stopped in one line, for
 no reason: baft's snapshot of a step is taken as the next begins, past the loop's iter()). Under a disk checkpoint
 (``torch-save``, taken as a step ends) the same holds inside an epoch (the replayed loop's state was not put back:
-silently another order), and at an epoch's end, where the checkpoint holds the spent iterator, it stops in one line."""
+silently another order), and at an epoch's end, where the checkpoint holds the spent iterator, it stops in one line.
+The loader reads through two worker processes in every run."""
 
 import json
 import re
@@ -18,10 +19,10 @@ from baft.cli.launch import launch_env
 SCRIPT = Path(__file__).parent / "scripts" / "epoch_iterators.py"
 
 
-def train(tmp_path, name, faults=(), policy="baft", workers=0, in_place=False):
+def train(tmp_path, name, faults=(), policy="baft", in_place=False):
     cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", str(len(faults)),
            *(["--in-place"] if in_place else []), "--run-dir", str(tmp_path / name),
-           *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, str(workers)]
+           *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, "2"]
     return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
 
 
@@ -31,11 +32,18 @@ def losses(tmp_path, name) -> dict[str, str]:
     return dict(re.findall(r"^\[0\] step (\d+) loss (\S+ lr \S+)$", (tmp_path / name / "output.log").read_text(), re.M))
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run's directory."""
+    directory = tmp_path_factory.mktemp("epochs")
+    run = train(directory, "reference")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(losses(directory, "reference")) == 15
+    return directory
+
+
 @pytest.mark.slow
-def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end(tmp_path):
-    reference = train(tmp_path, "reference")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert len(losses(tmp_path, "reference")) == 15
+def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end(tmp_path, reference):
     # baft's snapshot of step 3 (7, 11), copied in the bubbles of step 4 (8, 12), is not committed when a rank is
     # killed as that step computes: resumed from step 2 in the first epoch, 6 in the second, 10 at the second's end
     faults = ("rank=1,step=4,phase=backward", "rank=1,step=8,phase=backward,restart=1",
@@ -43,15 +51,15 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     run = train(tmp_path, "baft", faults)
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.findall(r"resumed from step (\d+) ", (tmp_path / "baft" / "output.log").read_text()) == ["2", "6", "10"]
-    assert losses(tmp_path, "baft") == losses(tmp_path, "reference")
+    assert losses(tmp_path, "baft") == losses(reference, "reference")
     # a checkpoint at each step's end: killed in step 8's forward, resumed from step 7, inside the second epoch; in
     # step 11's, from step 10: a spent iterator, the next epoch's order not in the checkpoint
     disk = train(tmp_path, "torch-save", ("rank=0,step=8,phase=forward", "rank=0,step=11,phase=forward,restart=1"), "torch-save")
     assert disk.returncode != 0
     log = (tmp_path / "torch-save" / "output.log").read_text()
     assert re.findall(r"resumed from step (\d+) ", log) == ["7", "10"]
-    resumed, reference = losses(tmp_path, "torch-save"), losses(tmp_path, "reference")
-    assert len(resumed) == 10 and resumed == {step: reference[step] for step in resumed}
+    resumed, uninterrupted = losses(tmp_path, "torch-save"), losses(reference, "reference")
+    assert len(resumed) == 10 and resumed == {step: uninterrupted[step] for step in resumed}
     said = [line for line in (disk.stdout + disk.stderr).splitlines() if "took a new iterator" in line]
     assert said and said[0].startswith("baft: error: the loop took a new iterator of its data loader"), said
     # in the run directory, not shared memory, and the newest two kept of each rank's (every step's, before)
@@ -60,17 +68,15 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
 
 
 @pytest.mark.slow
-def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loaders_workers(tmp_path):
+def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loaders_workers(tmp_path, reference):
     """The survivor's iterator, made the restored one, takes over the restored iterator's worker processes: they were
     shut down under it as the restored one was collected (torchdata 0.11): the survivor read nothing more
     (StopIteration, or a closed queue with persistent workers, then a relaunch), or, workers started again
     without their state, another order, silently."""
-    reference = train(tmp_path, "reference", workers=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
     # rank 0 survives both kills: in the second epoch (resumed from step 6) and at its end (from step 10)
     run = train(tmp_path, "in-place", ("rank=1,step=8,phase=backward", "rank=1,step=12,phase=backward,restart=1"),
-                workers=2, in_place=True)
+                in_place=True)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "in-place" / "recovery.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 6), ("in place", 10)]
-    assert losses(tmp_path, "in-place") == losses(tmp_path, "reference")
+    assert losses(tmp_path, "in-place") == losses(reference, "reference")

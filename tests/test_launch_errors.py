@@ -149,12 +149,3 @@ def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log
 def test_the_deepspeed_configs_a_scripts_arguments_name(args, found):
     assert config_files(args) == found
 
-
-def test_a_config_without_a_baft_section_is_said_to_run_unprotected(tmp_path):
-    script, config = user_files(tmp_path)
-    config.write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "baft"}))
-    proc = baft_train(tmp_path, script, "--config", config)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    said = [line for line in screen(proc) if "no \"baft\" section" in line]
-    assert said == ['baft: warning: the DeepSpeed config has no "baft" section: the script runs unprotected (no '
-                    'snapshots; a restart begins again at step 0)'], screen(proc)

@@ -278,21 +278,29 @@ def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(caps
 
 @pytest.mark.slow
 def test_a_loop_that_sets_state_baft_does_not_keep_has_every_rank_replaced_in_place(tmp_path):
-    """tests/scripts/curriculum.py sets its data's difficulty before each step: a survivor trained step 3 again,
-    inside its call for step 5, at step 5's difficulty, silently. Every rank is replaced instead, as said at start."""
+    """tests/scripts/curriculum.py sets its data's difficulty before each step, or gives each call a new iterator: a
+    survivor trained step 3 again, inside its call for step 5, at step 5's difficulty or from step 5's iterator,
+    silently. Every rank is replaced instead, as said at start."""
     script = Path(__file__).parent / "scripts" / "curriculum.py"
+    fault = ["--in-place", "--fault", "rank=1,step=5,phase=backward"]
     runs = {}
-    for name, extra in (("reference", []), ("in-place", ["--in-place", "--fault", "rank=1,step=5,phase=backward"])):
+    for name, extra, shape in (("reference", [], "attribute"), ("attribute", fault, "attribute"),
+                               ("per-call", fault, "per-call")):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
-                               "--run-dir", str(tmp_path / name), *extra, "--", str(script)],
+                               "--run-dir", str(tmp_path / name), *extra, "--", str(script), shape],
                               capture_output=True, text=True, env=launch_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = (tmp_path / name / "output.log").read_text()
     printed = {name: dict(re.findall(r"^\[0\] step (\d+) loss (\S+)$", log, re.M)) for name, log in runs.items()}
-    assert len(printed["reference"]) == 8 and printed["in-place"] == printed["reference"]
-    said = re.findall(r"^\[0\] baft: on a fault every rank is replaced, not only the killed one: its loop sets "
-                      r"\S+curriculum.py:\d+ \(data.active = (.*)\) between", runs["in-place"], re.M)
-    assert said == ["min(8, 2 + engine.global_steps)"], said
-    record = json.loads((tmp_path / "in-place" / "recovery.jsonl").read_text())
-    assert (record["kind"], record["restored_step"]) == ("in place", 3)
-    assert "rank 0 lost a peer and cannot recover in place (its loop sets" in runs["in-place"]
+    assert len(printed["reference"]) == 8
+    why = {"attribute": r"its loop sets \S+curriculum.py:\d+ \(data.active = min\(8, 2 \+ engine.global_steps\)\) "
+                        r"between its calls to train_batch, which baft does not keep",
+           "per-call": r"train_batch reads another iterator than at its last call \(one made for each call\?\)"}
+    for name in ("attribute", "per-call"):
+        assert printed[name] == printed["reference"], name
+        said = re.findall(rf"^\[0\] baft: on a fault every rank is replaced, not only the killed one: {why[name]}",
+                          runs[name], re.M)
+        assert len(said) == 1, (name, said)
+        record = json.loads((tmp_path / name / "recovery.jsonl").read_text())
+        assert (record["kind"], record["restored_step"]) == ("in place", 3), name
+        assert re.search(rf"rank 0 lost a peer and cannot recover in place \({why[name]}", runs[name]), name

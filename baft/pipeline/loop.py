@@ -132,14 +132,23 @@ class Loop:
     def _sets_state(self, engine) -> None:
         """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
         one (two at a snapshot every step: the latest is committed as the next step ends) with its latest value, as
-        the loop left it; a new process runs the loop again. Said at start where recovery in place is on."""
-        self.not_in_place = (f"its loop sets {self.site.sets_state} between its calls to train_batch, which baft does "
-                             f"not keep: a survivor would train the steps since the restored one with its latest value")
+        the loop left it; a new process runs the loop again."""
+        self.no_survivors(engine, f"its loop sets {self.site.sets_state} between its calls to train_batch, which "
+                                  f"baft does not keep: a survivor would train the steps since the restored one with "
+                                  f"its latest value",
+                          "Keep it in a state baft saves (client_state= of baft.initialize, or the data iterator's "
+                          "state_dict) for its survivors to recover in place")
+
+    def no_survivors(self, engine, why: str, advice: str) -> None:
+        """A peer's death replaces this rank too, not only the killed one (``why``): said once, by rank 0, where
+        recovery in place is on."""
+        if self.not_in_place:
+            return
+        self.not_in_place = why
         in_place = STORE_ENV in os.environ  # a killed rank is replaced in place (baft.recovery.world.available)
         if in_place and os.environ.get(GENERATION_ENV, "0") == "0" and engine.global_rank == 0:
-            print(f"baft: on a fault every rank is replaced, not only the killed one: {self.not_in_place}. Keep it in "
-                  f"a state baft saves (client_state= of baft.initialize, or the data iterator's state_dict) for its "
-                  f"survivors to recover in place", file=sys.stderr, flush=True)
+            print(f"baft: on a fault every rank is replaced, not only the killed one: {why}. {advice}",
+                  file=sys.stderr, flush=True)
 
     def _elsewhere(self, engine, frame) -> None:
         """``train_batch`` called from another place than before: said where its loop is of the other kind."""

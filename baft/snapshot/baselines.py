@@ -88,21 +88,24 @@ class DiskCheckpoint(InstructionHook, Periodic):
             self.pending = async_save(tensors, checkpoint_id=str(self.save_dir / f"step{step}"),
                                       process_group=self.group, async_stager=self._stager())
         self.saved.append(step)
-        self._prune(engine)
+        self._prune(engine, step)
         self.stall += time.perf_counter() - start
 
-    def _prune(self, engine) -> None:
-        """Remove all but the newest ``KEEP`` checkpoints: each rank its own files (torch-save), rank 0 the
-        directories every rank writes into (deepspeed's tags, DCP's, whose newest may still be in flight)."""
+    def _prune(self, engine, step: int) -> None:
+        """Remove all but the newest ``KEEP`` checkpoints, ``step``'s among them: each rank its own files
+        (torch-save), rank 0 the directories every rank writes into (deepspeed's tags; DCP's, whose newest may
+        not be there yet: it is written in the background)."""
         if self.kind == "torch-save":
-            paths = self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")
+            paths = list(self.save_dir.glob(f"step*-rank{engine.global_rank}.pt"))
         elif engine.global_rank == 0:
-            paths = (p for p in self.save_dir.glob("*step*") if p.is_dir())
+            paths = [p for p in self.save_dir.glob("*step*") if p.is_dir()]
         else:
             return
-        by_step = sorted(paths, key=lambda p: int(p.name.split("step")[1].split("-")[0]))
-        for old in by_step[:-KEEP]:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        steps = {path: int(path.name.split("step")[1].split("-")[0]) for path in paths}
+        kept = sorted(set(steps.values()) | {step})[-KEEP:]
+        for path, saved in steps.items():
+            if saved not in kept:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _stager(self):
         """DCP's stager with pinned staging buffers on a GPU (the fast path DCP offers), staged before

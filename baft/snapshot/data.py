@@ -74,14 +74,14 @@ class ResumableLoader:
         self.loader = loader
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
-        self.yielded = 0  # and the batches of its epoch it had read
+        self.yielded: Optional[int] = 0  # and the batches of its epoch it had read (None: its state does not say)
 
     def state_dict(self) -> dict:
         if self.unread is not None:
             # a restored iterator that has read nothing states itself wrongly (torchdata 0.11's distributed
             # sampler says it has yielded nothing): the position is the one restored
             saved, restored = self.unread
-            if self.loader._iterator is restored and restored._num_yielded == saved["loader"]["_num_yielded"]:
+            if self.loader._iterator is restored and restored._num_yielded == _yielded(saved["loader"]):
                 return saved
             self.unread = None
         generator = self.loader.generator
@@ -103,10 +103,10 @@ class ResumableLoader:
             self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
             self.loader.generator.set_state(saved["generator"])
-        if "_num_yielded" in kept["loader"]:
+        self.yielded = _yielded(kept["loader"])
+        if self.yielded is not None:
             self.unread = (kept, self.loader._iterator)
         self.restored = self.loader._iterator
-        self.yielded = kept["loader"].get("_num_yielded", 0)
 
     def taken_since_restore(self) -> bool:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
@@ -115,7 +115,17 @@ class ResumableLoader:
     def spent(self) -> bool:
         """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
         taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
-        return self.yielded >= len(self.loader)
+        return (self.yielded or 0) >= len(self.loader)
+
+
+def _yielded(state: dict) -> Optional[int]:
+    """The batches of its epoch a loader's state says its iterator has given (torchdata 0.11: at the top with no
+    workers, in the main process's snapshot and the steps since with workers); None where it does not say."""
+    if "_num_yielded" in state:
+        return state["_num_yielded"]
+    if "_snapshot" in state:
+        return state["_snapshot"]["_snapshot_step"] + state.get("_steps_since_snapshot", 0)
+    return None
 
 
 class _Handed:

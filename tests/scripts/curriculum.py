@@ -1,5 +1,9 @@
 """Curriculum learning: before each step the loop sets its data's difficulty from the engine's step
-(``data.active``: the features past it zeroed), state baft does not keep. tests/test_loop.py kills a rank in place."""
+(``data.active``: the features past it zeroed), state baft does not keep; or, with the argument ``per-call``, gives
+each call a new iterator at the step's position and difficulty (the same batches). tests/test_loop.py kills a rank
+in place."""
+
+import sys
 
 import deepspeed
 import torch
@@ -12,8 +16,8 @@ import baft
 class Curriculum:
     """Batches of ``active`` features, the rest zero; its position restorable, its difficulty not."""
 
-    def __init__(self):
-        self.position, self.active = 0, 2
+    def __init__(self, position=0, active=2):
+        self.position, self.active = position, active
 
     def __iter__(self):
         return self
@@ -39,10 +43,20 @@ model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), 
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 5e-3, "torch_adam": True}},
           "baft": {"policy": "baft", "period": 1}}
+per_call = sys.argv[1:] == ["per-call"]
 data = Curriculum()
-engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
-while engine.global_steps < 8:
-    data.active = min(8, 2 + engine.global_steps)
-    loss = engine.train_batch(data_iter=data)
+engine, *_ = baft.initialize(model=model, config=config, data_iterator=None if per_call else data)
+
+
+def report(loss):
     if engine.global_rank == 0:
         print(f"step {engine.global_steps} loss {float(loss)!r}", flush=True)
+
+
+if per_call:
+    while engine.global_steps < 8:  # a step reads 2 micro-batches
+        report(engine.train_batch(data_iter=Curriculum(2 * engine.global_steps, min(8, 2 + engine.global_steps))))
+else:
+    while engine.global_steps < 8:
+        data.active = min(8, 2 + engine.global_steps)
+        report(engine.train_batch(data_iter=data))
