@@ -84,25 +84,29 @@ def check_capturable(engine, data_iterator=None) -> None:
                                     and callable(getattr(obj, "load_state_dict", None))):
             problems.append(f"{what} {type(obj).__module__}.{type(obj).__qualname__}: baft cannot save its state, "
                             f"so a resumed run would silently differ; {way_out}")
-    replicas = engine.grid.get_data_parallel_world_size()
-    own_statistics = [name for name, module in engine.module.named_modules()
-                      if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
-                      and not isinstance(module, torch.nn.SyncBatchNorm)]
-    if replicas > 1 and own_statistics:
-        # a snapshot keeps each replica's share of a stage's tensors, so a restore would give every replica a mix
-        name = own_statistics[0]
-        problems.append(f"module {name} ({type(engine.module.get_submodule(name)).__name__}) keeps running "
-                        f"statistics of its own replica's batches, which differ between the {replicas} data-parallel "
-                        f"replicas; use torch.nn.SyncBatchNorm, or track_running_stats=False")
     if problems:
         raise BaftError(" | ".join(problems))
 
 
+def _replicas(engine) -> tuple[int, int]:
+    """(this rank's data-parallel replica, the replicas of its stage)."""
+    grid = getattr(engine, "grid", None)
+    return (grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()) if grid is not None else (0, 1)
+
+
+def _buffer_name(name: str, replica: int, replicas: int) -> str:
+    """A module buffer's name in a snapshot. Each data-parallel replica keeps its own: a forward sets a buffer from
+    the replica's own batches (BatchNorm's running statistics, a running mean), so the replicas' differ, and a
+    share of each (the parameters') would restore a mix."""
+    return f"buffer/{name}" if replicas == 1 else f"buffer/dp{replica}/{name}"
+
+
 def _module_state(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
+    replica, replicas = _replicas(engine)
     for name, p in engine.module.named_parameters():
         yield f"param/{name}", "parameters", p.data
     for name, b in engine.module.named_buffers():
-        yield f"buffer/{name}", "other", b
+        yield _buffer_name(name, replica, replicas), "other", b
 
 
 def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -113,8 +117,12 @@ def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def tensor_entries(engine) -> list[TensorEntry]:
-    """Every tensor of the stage's state, the partitions other replicas own included."""
-    return [entry(name, t, kind) for name, kind, t in _module_state(engine)] + optimizer_adapter(engine).entries()
+    """Every tensor of the stage's state, the partitions and buffers other replicas own included."""
+    _, replicas = _replicas(engine)
+    params = [entry(f"param/{name}", p.data, "parameters") for name, p in engine.module.named_parameters()]
+    buffers = [entry(_buffer_name(name, d, replicas), b, "other", owner=d if replicas > 1 else None)
+               for d in range(replicas) for name, b in engine.module.named_buffers()]
+    return params + buffers + optimizer_adapter(engine).entries()
 
 
 def state_tensors(engine) -> dict[str, torch.Tensor]:
@@ -139,8 +147,9 @@ def live_tensors(engine) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
     (``self.count = self.count + 1``), an optimizer state tensor replaced, each gives the tensor that holds its
     value now. The module is walked once, here: a snapshot calls it at each begin, and walking the module of a
     thousand tensors takes milliseconds (the optimizer's state is the adapter's to walk)."""
+    replica, replicas = _replicas(engine)
     params = [(f"param/{name}", p) for name, p in engine.module.named_parameters()]
-    buffers = [(f"buffer/{name}", _owner(engine.module, name)._buffers, name.rpartition(".")[2])
+    buffers = [(_buffer_name(name, replica, replicas), _owner(engine.module, name)._buffers, name.rpartition(".")[2])
                for name, _ in engine.module.named_buffers()]
     adapter = optimizer_adapter(engine)
 
