@@ -181,11 +181,11 @@ def _fit_problem(engine, shards: dict) -> Optional[str]:
     Partitioned optimizer state (fp32 masters and moments under ZeRO-1 or bf16) is owned by one
     replica: it can only be restored with the same number of replicas, each from its own shard.
     """
-    views = state.byte_views(engine)
+    views = _views(engine, shards)
     dp, me = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     for record, _ in shards.values():
         owners = {t.name: t.owner for t in record.layout.tensors}
-        if any(o is not None for o in owners.values()):
+        if any(t.owner is not None and t.kind == "optimizer" for t in record.layout.tensors):
             if record.layout.num_shards != dp:
                 return (f"snapshot of step {record.step} holds optimizer state partitioned over "
                         f"{record.layout.num_shards} data-parallel replicas (ZeRO-1 or bf16 master weights); "
@@ -221,9 +221,20 @@ def _coverage_problem(engine, step: int, shards: dict) -> Optional[str]:
     return None
 
 
-def _apply(engine, shards: dict) -> None:
-    """Copy the shards into the engine's tensors; replicas broadcast the shards others lack."""
+def _views(engine, shards: dict) -> dict:
+    """This rank's tensors as a restore fills them, by the names the snapshot's chunks have: its module buffers
+    as replica 0 named them too, where the snapshot had another number of replicas."""
     views = state.byte_views(engine)
+    num_shards = next(iter(shards.values()))[0].layout.num_shards if shards else 1
+    if num_shards != engine.grid.get_data_parallel_world_size():
+        views.update(state.buffer_views(engine, 0, num_shards))
+    return views
+
+
+def _apply(engine, shards: dict) -> None:
+    """Copy the shards into the engine's tensors; replicas broadcast the shards others lack (and, where the
+    snapshot had another number of replicas, replica 0's module buffers)."""
+    views = _views(engine, shards)
     for record, data in shards.values():
         source = torch.frombuffer(data, dtype=torch.uint8, count=record.layout.nbytes)
         for chunk in record.layout.chunks:
@@ -239,14 +250,15 @@ def _apply(engine, shards: dict) -> None:
     dist.all_gather_object(have, sorted(shards), group=group)
     ranks = dist.get_process_group_ranks(group)
     num_shards = max(max(h) + 1 for h in have if h)
-    entries = state.tensor_entries(engine)
-    owned = {e.name for e in entries if e.owner is not None}  # each replica restored its own partitions
+    replicated = [e for e in state.tensor_entries(engine) if e.owner is None]  # each replica restored its own
     for shard in range(num_shards):
         holders = [i for i, h in enumerate(have) if shard in h]
         if len(holders) == dp:
             continue
-        for chunk in plan_layout(entries, shard=shard, num_shards=num_shards).chunks:
-            if chunk.tensor in owned:
-                continue
+        for chunk in plan_layout(replicated, shard=shard, num_shards=num_shards).chunks:
             dist.broadcast(views[chunk.tensor][chunk.start:chunk.start + chunk.nbytes], src=ranks[holders[0]],
                            group=group)
+    if num_shards != dp:  # replica 0's buffers, from a holder of its shard, for every replica
+        holder = ranks[next(i for i, h in enumerate(have) if 0 in h)]
+        for view in state.buffer_views(engine, 0, num_shards).values():
+            dist.broadcast(view, src=holder, group=group)

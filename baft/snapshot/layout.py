@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -78,8 +79,7 @@ class Layout:
     @property
     def fingerprint(self) -> str:
         """Identifies the stage's tensors (names, dtypes, shapes), independent of sharding."""
-        desc = json.dumps([[t.name, t.dtype, list(t.shape)] for t in self.tensors])
-        return hashlib.sha256(desc.encode()).hexdigest()[:16]
+        return _digest(self.tensors)
 
     def tensor(self, name: str) -> TensorEntry:
         return self._by_name[name]
@@ -117,7 +117,14 @@ class Layout:
 
 def model_signature(tensors: Iterable[TensorEntry]) -> str:
     """Identifies the model a stage's state belongs to: its parameters and buffers, not optimizer state."""
-    desc = json.dumps([[t.name, t.dtype, list(t.shape)] for t in tensors if t.kind != "optimizer"])
+    return _digest(t for t in tensors if t.kind != "optimizer")
+
+
+def _digest(tensors: Iterable[TensorEntry]) -> str:
+    """Of the tensors' names, dtypes and shapes; the replicas' own copies of a module buffer
+    (``buffer/dp<d>/<name>``) as one, so that it does not depend on the number of replicas."""
+    described = {(re.sub(r"^buffer/dp\d+/", "buffer/", t.name), t.dtype, tuple(t.shape)): None for t in tensors}
+    desc = json.dumps([[name, dtype, list(shape)] for name, dtype, shape in described])
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 

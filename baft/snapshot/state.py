@@ -116,6 +116,12 @@ def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield name, "optimizer", t
 
 
+def buffer_views(engine, replica: int, replicas: int) -> dict[str, torch.Tensor]:
+    """This rank's module buffers as :func:`byte_view` s, named as replica ``replica`` of ``replicas`` names its
+    own (a restore with another number of replicas than the snapshot's gives every replica replica 0's)."""
+    return {_buffer_name(name, replica, replicas): byte_view(b) for name, b in engine.module.named_buffers()}
+
+
 def tensor_entries(engine) -> list[TensorEntry]:
     """Every tensor of the stage's state, the partitions and buffers other replicas own included."""
     _, replicas = _replicas(engine)
