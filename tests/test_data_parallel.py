@@ -1,9 +1,14 @@
 """pp=2 x dp=2: each replica snapshots its 1/dp shard; restarts work with the same or fewer replicas."""
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from baft.cli.launch import launch_env
 from conftest import TINY, run_worker, run_ranks
 
 
@@ -45,3 +50,24 @@ def test_restart_with_fewer_replicas_resumes_from_the_same_snapshot_and_another_
     assert proc.returncode != 0
     assert "snapshots were taken with 2 pipeline stages, this run has 4; restart with 2 stages" in proc.stderr
     assert len(losses(run_dir)) == len(before) + len(after), "the refused run trained nothing"
+
+
+@pytest.mark.slow
+def test_each_replica_keeps_its_own_module_buffers_and_fewer_replicas_take_replica_0s(tmp_path):
+    """A BatchNorm's running statistics are each replica's own (its batches'): a snapshot held a share of each
+    replica's, so a restore gave both a mix. Restarted with one replica, it takes replica 0's."""
+    script = Path(__file__).parent / "scripts" / "replica_buffers.py"
+
+    def train(nprocs, steps):
+        proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", str(nprocs), "--run-dir",
+                               str(tmp_path / "run"), "--", str(script), str(steps)],
+                              capture_output=True, text=True, env=launch_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return (tmp_path / "run" / "output.log").read_text()
+
+    two = train(4, 3)  # pp=2 x dp=2: ranks 0 and 1 are the first stage's replicas
+    ended = dict(re.findall(r"^\[\d\] rank [01] replica (\d) ends at step 3: (\[\[.*\]\])$", two, re.M))
+    assert set(ended) == {"0", "1"} and ended["0"] != ended["1"], ended
+    one = train(2, 4)
+    started = re.findall(r"^\[0\] rank 0 replica 0 starts at step (\d+): (\[\[.*\]\])$", one, re.M)
+    assert started[-1] == ("3", ended["0"]), started

@@ -308,7 +308,7 @@ def _say_what_is_kept(configs, run: Path) -> None:
     newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
     if newest and all(newest) and not kept_in_memory:
         click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / 'persisted'}: `baft train` "
-                   "again with a larger --iters goes on from it")
+                   f"again with this --run-dir goes on from it (the example: with a larger --iters)")
 
 
 def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:

@@ -89,10 +89,9 @@ class Loop:
             return
         self.decided = True
         mode = engine.baft.config.loop
-        client = getattr(engine.baft, "client_state", None)
-        self.site = loop_around(frame, kept=(engine, getattr(client, "source", None))) if mode == "auto" else None
+        self.site = loop_around(frame, kept=self._kept(engine)) if mode == "auto" else None
         if self.site is not None and self.site.sets_state:
-            self._sets_state(engine)
+            self._sets_state(engine, self.site)
         self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls)
         if self.site is not None and self.site.unread and engine.global_rank == 0:
             print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
@@ -129,11 +128,11 @@ class Loop:
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
 
-    def _sets_state(self, engine) -> None:
+    def _sets_state(self, engine, site: LoopSite) -> None:
         """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
         one (two at a snapshot every step: the latest is committed as the next step ends) with its latest value, as
         the loop left it; a new process runs the loop again."""
-        self.no_survivors(engine, f"its loop sets {self.site.sets_state} between its calls to train_batch, which "
+        self.no_survivors(engine, f"its loop sets {site.sets_state} between its calls to train_batch, which "
                                   f"baft does not keep: a survivor would train the steps since the restored one with "
                                   f"its latest value",
                           "Keep it in a state baft saves (client_state= of baft.initialize, or the data iterator's "
@@ -150,12 +149,20 @@ class Loop:
             print(f"baft: on a fault every rank is replaced, not only the killed one: {why}. {advice}",
                   file=sys.stderr, flush=True)
 
+    @staticmethod
+    def _kept(engine) -> tuple:
+        """The objects whose attributes a loop may set without saying so: the engine, the script's client_state."""
+        return engine, getattr(getattr(engine.baft, "client_state", None), "source", None)
+
     def _elsewhere(self, engine, frame) -> None:
-        """``train_batch`` called from another place than before: said where its loop is of the other kind."""
-        if engine.baft.config.loop != "auto" or self.site is None or engine.global_rank != 0:
+        """``train_batch`` called from another place than before: said where its loop is of the other kind, or sets
+        state baft does not keep (a curriculum after a warm-up)."""
+        if engine.baft.config.loop != "auto" or self.site is None:
             return
-        other = loop_around(frame)
-        if other is None or other.counts_calls == self.counts_calls:
+        other = loop_around(frame, kept=self._kept(engine))
+        if other is not None and other.sets_state:
+            self._sets_state(engine, other)
+        if other is None or other.counts_calls == self.counts_calls or engine.global_rank != 0:
             return
         kinds = {True: "counts its calls", False: "does not count its calls"}
         print(f"baft: train_batch is called now from the loop at {other.where} ({other.text}), which "

@@ -1,7 +1,7 @@
 """Curriculum learning: before each step the loop sets its data's difficulty from the engine's step
-(``data.active``: the features past it zeroed), state baft does not keep; or, with the argument ``per-call``, gives
-each call a new iterator at the step's position and difficulty (the same batches). tests/test_loop.py kills a rank
-in place."""
+(``data.active``: the features past it zeroed), state baft does not keep; with the argument ``warm-up``, after a
+first step from a loop of its own; with ``per-call``, it gives each call a new iterator at the step's position and
+difficulty instead. The batches are the same in all three. tests/test_loop.py kills a rank in place."""
 
 import sys
 
@@ -43,7 +43,8 @@ model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), 
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 5e-3, "torch_adam": True}},
           "baft": {"policy": "baft", "period": 1}}
-per_call = sys.argv[1:] == ["per-call"]
+shape = sys.argv[1]
+per_call = shape == "per-call"
 data = Curriculum()
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=None if per_call else data)
 
@@ -57,6 +58,8 @@ if per_call:
     while engine.global_steps < 8:  # a step reads 2 micro-batches
         report(engine.train_batch(data_iter=Curriculum(2 * engine.global_steps, min(8, 2 + engine.global_steps))))
 else:
+    while shape == "warm-up" and engine.global_steps < 1:  # at the first step's difficulty (2)
+        report(engine.train_batch(data_iter=data))
     while engine.global_steps < 8:
         data.active = min(8, 2 + engine.global_steps)
         report(engine.train_batch(data_iter=data))
