@@ -14,14 +14,14 @@ if os.environ.get("USER_DATA_IMPORTS"):  # tests/test_user_script.py: which proc
 class Samples:
     """Deterministic regression batches with a restorable position."""
 
-    def __init__(self, batch=8, width=32):
-        self.batch, self.width, self.position = batch, width, 0
+    def __init__(self, batch=8, width=32, position=0, first_seed=0):
+        self.batch, self.width, self.position, self.first_seed = batch, width, position, first_seed
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        gen = torch.Generator().manual_seed(self.position)
+        gen = torch.Generator().manual_seed(self.first_seed + self.position)
         self.position += 1
         x = torch.randn(self.batch, self.width, generator=gen)
         return x, x.sin().sum(dim=1, keepdim=True)
