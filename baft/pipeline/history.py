@@ -115,8 +115,10 @@ class History:
 
     @classmethod
     def from_items(cls, items: dict) -> "History":
-        return cls(Column.decoded(items["train"], "float64"), Column.decoded(items.get("samples", []), "int64"),
-                   Column.decoded(items.get("lrs", []), "float64"), items.get("groups", 0),
-                   set(items.get("unreplayable", [])) | {i + 1 for i, v in enumerate(items["train"]) if v is None}
-                   if isinstance(items["train"], list) else set(items.get("unreplayable", [])),
+        train = items["train"]
+        unreplayable = set(items.get("unreplayable", []))
+        if isinstance(train, list):  # a record written before baft packed the history: None where not replayable
+            unreplayable |= {step for step, value in enumerate(train, 1) if value is None}
+        return cls(Column.decoded(train, "float64"), Column.decoded(items.get("samples", []), "int64"),
+                   Column.decoded(items.get("lrs", []), "float64"), items.get("groups", 0), unreplayable,
                    {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]))

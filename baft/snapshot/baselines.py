@@ -101,7 +101,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
             paths = [p for p in self.save_dir.glob("*step*") if p.is_dir()]
         else:
             return
-        steps = {path: int(path.name.split("step")[1].split("-")[0]) for path in paths}
+        steps = {path: _step_of(path) for path in paths}
         kept = sorted(set(steps.values()) | {step})[-KEEP:]
         for path, saved in steps.items():
             if saved not in kept:
@@ -142,7 +142,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
             items = own_items(engine, client[ITEMS_KEY])
             return engine.global_steps, state.restore_items(engine, items, self.data_iterator), items
         if self.kind == "torch-save":
-            mine = [int(p.name[4:].split("-")[0]) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
+            mine = [_step_of(p) for p in self.save_dir.glob(f"step*-rank{engine.global_rank}.pt")]
             step = self._newest_common(mine)
             if step is None:
                 return None
@@ -153,7 +153,7 @@ class DiskCheckpoint(InstructionHook, Periodic):
                 live[name].copy_(tensor)
             return step, state.restore_items(engine, saved["items"], self.data_iterator), saved["items"]
         # dcp-async: a checkpoint is complete once DCP wrote its .metadata, after every rank's data
-        step = self._newest_common([int(p.name[4:]) for p in self.save_dir.glob("step*") if (p / ".metadata").is_file()])
+        step = self._newest_common([_step_of(p) for p in self.save_dir.glob("step*") if (p / ".metadata").is_file()])
         if step is None:
             return None
         items = self._load_dcp(engine, self.save_dir / f"step{step}")
@@ -186,6 +186,12 @@ class DiskCheckpoint(InstructionHook, Periodic):
         target[prefix + "items"] = ""
         load(target, checkpoint_id=str(path), process_group=self.group)
         return json.loads(target[prefix + "items"])
+
+
+def _step_of(path: Path) -> int:
+    """The step a checkpoint's file or directory is of: ``step7-rank0.pt`` (torch-save), ``step7`` (DCP),
+    ``global_step7`` (DeepSpeed's tag)."""
+    return int(path.name.split("step")[1].split("-")[0])
 
 
 def _entries_of(tensors: dict):
