@@ -16,6 +16,7 @@ import pytest
 from baft.cli.launch import launch_env
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
+from baft.snapshot import slots
 from conftest import TINY, run_worker
 
 
@@ -254,7 +255,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     said = re.search(r"^baft: resumed from step (\d+) \(disk\)$", resumed.stdout, re.MULTILINE)
     assert said, resumed.stdout[-2000:]
     restored = int(said[1])
-    assert restored in (4, 5)  # the snapshot of step 5 commits during iteration 6, which the fault cut short
+    # the snapshot of step 5 commits during iteration 6, which the fault cut short; step 4's may still be sealing
+    # on the killed rank (a rank begins a snapshot while at most in_flight - 1 others seal)
+    assert 5 - (slots.SLOTS - 2) <= restored <= 5, restored
     after = losses(run_dir)[5:]
     assert [r["step"] for r in after] == list(range(restored + 1, 11))
     for r in after:
