@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
-from baft.cli.preflight import config_files
+from baft.cli.preflight import config_files, unprotected_initialize
 from baft.cli.runlog import LOG_NAME
 
 # A user's script: a 2-stage pipeline of linear layers under baft.initialize, its DeepSpeed config from --config.
@@ -115,6 +115,27 @@ def test_options_that_cannot_go_together_are_one_line_before_anything_launches(t
     assert screen(proc) == [said] and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("source, line", [
+    ("import deepspeed\n\nengine, *_ = deepspeed.initialize(model=m, config=c)\n", 3),
+    ("import deepspeed as ds\nimport baft.config\nds.initialize(model=m)\n", 3),
+    ("from deepspeed import initialize as start\nif True:\n    start(model=m)\n", 3),
+    ("import deepspeed\nimport baft\ndeepspeed.init_distributed()\nbaft.initialize(model=m)\n", None),
+    ("import deepspeed\nfrom baft import initialize\ninitialize(model=m)\n", None),
+    ("import baft, deepspeed\ninit = baft.initialize if protect else deepspeed.initialize\ninit(model=m)\n", None),
+    ("from my_trainer import build\nengine = build()\n", None),  # reached through the script's own modules
+    ("import deepspeed\ndef f(:\n", None),  # its ranks report its own SyntaxError
+])
+def test_a_script_that_calls_deepspeed_initialize_instead_of_baft_is_named_with_its_line(tmp_path, source, line):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    said = unprotected_initialize(str(script))
+    if line is None:
+        assert said is None, said
+    else:
+        assert said == (f"{script}:{line} calls deepspeed.initialize, not baft.initialize: its ranks take no "
+                        "snapshots, and a restart begins again at step 0 (baft.initialize takes the same arguments)")
+
+
 def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
     proc = baft_train(tmp_path, tmp_path / "nonexistent.py")
     said = assert_one_line(proc, "nonexistent.py: no such file$")
@@ -125,15 +146,18 @@ def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
 @pytest.mark.slow
 def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log(tmp_path):
     """The ranks find it (DeepSpeed asserts train_batch_size = micro-batch x accumulation x replicas); torchrun
-    restarts them into it, so every rank's traceback is in the log twice, and the screen has its line once."""
+    restarts them into it, so every rank's traceback is in the log twice, and the screen has its line once. The
+    script calls deepspeed.initialize: the launch says so before it starts (it would train unprotected)."""
     script, config = user_files(tmp_path, train_batch_size=7)
+    script.write_text(SCRIPT.replace("baft.initialize", "deepspeed.initialize"))
     proc = baft_train(tmp_path, script, "--config", config, max_restarts=1)
     log = tmp_path / "run" / LOG_NAME
     assertion = ("AssertionError: Check batch related parameters. train_batch_size is not equal to "
                  "micro_batch_per_gpu * gradient_acc_step * world_size 7 != 4 * 1 * 1")
     said = assert_one_line(proc, re.escape(assertion))
     assert re.fullmatch(rf"baft: error: rank [01]: {re.escape(assertion)}; every rank's output is in {log}", said)
-    assert screen(proc) == [f"baft: every rank's output goes to {log}", said]
+    assert screen(proc) == [f"baft: every rank's output goes to {log}",  # stdout, then stderr
+                            f"baft: warning: {unprotected_initialize(str(script))}", said]
     text = log.read_text()
     assert text.count(assertion) >= 2 and "Traceback" in text and "Root Cause" in text, "the log keeps everything"
     assert_nothing_left(tmp_path)

@@ -202,7 +202,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
-    from baft.cli.preflight import check_script_launch
+    from baft.cli.preflight import check_script_launch, unprotected_initialize
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
@@ -213,6 +213,9 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
         raise BaftError("--spares: spares replace a killed rank in place; give --in-place too")
     if command:
         check_script_launch(list(command))
+        said = unprotected_initialize(command[0]) if not command[0].startswith("-") else None
+        if said:
+            click.echo(f"baft: warning: {said}", err=True)
         if hang_timeout is not None:
             raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
     from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun

@@ -6,6 +6,9 @@ rank's traceback, and a launch that starts managers and ranks only to stop them.
 
 from __future__ import annotations
 
+import ast
+from typing import Optional
+
 from baft.config import parse_config
 from baft.errors import ConfigError
 from baft.jsonfile import read_bytes, read_json
@@ -21,6 +24,38 @@ def check_script_launch(command: list[str]) -> None:
     check_readable(command[0])
     for path in config_files(command[1:]):
         check_baft_section(path)
+
+
+def unprotected_initialize(path: str) -> Optional[str]:
+    """Where a script calls ``deepspeed.initialize`` and never names ``baft.initialize`` (one line: its ranks would
+    take no snapshots), or None. A script that reaches either only through modules of its own is not judged."""
+    try:
+        tree = ast.parse(read_bytes(path, expected="a training script"), filename=path)
+    except (SyntaxError, ValueError):  # the script's own error, which its ranks report
+        return None
+    aliases = {"deepspeed": set(), "baft": set()}  # names bound to the module
+    functions = {"deepspeed": set(), "baft": set()}  # names bound to its initialize
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in aliases:
+                    aliases[alias.name].add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module in functions:
+            functions[node.module].update(a.asname or a.name for a in node.names if a.name == "initialize")
+
+    def names_initialize(expr, module: str) -> bool:
+        if isinstance(expr, ast.Attribute):
+            return expr.attr == "initialize" and isinstance(expr.value, ast.Name) and expr.value.id in aliases[module]
+        return isinstance(expr, ast.Name) and expr.id in functions[module]
+
+    if any(names_initialize(node, "baft") for node in ast.walk(tree)):
+        return None
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and names_initialize(node.func, "deepspeed")]
+    if not calls:
+        return None
+    line = min(call.lineno for call in calls)
+    return (f"{path}:{line} calls deepspeed.initialize, not baft.initialize: its ranks take no snapshots, and a "
+            "restart begins again at step 0 (baft.initialize takes the same arguments)")
 
 
 def check_readable(path: str) -> None:
