@@ -1,4 +1,13 @@
-"""Errors that are the user's to fix: the CLI prints them as one line, never a traceback."""
+"""Errors that are the user's to fix (the CLI prints them as one line, never a traceback), and the words by
+which a rank's error says that a peer's process is gone."""
+
+# gloo's words in a send, a receive or a collective whose peer died
+LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+
+
+def says_peer_lost(message: str) -> bool:
+    """Whether an error's ``message`` is that of a communication failing because a peer's process is gone."""
+    return any(sign in message for sign in LOST_PEER)
 
 
 class BaftError(Exception):

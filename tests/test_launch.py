@@ -88,21 +88,32 @@ def test_a_fault_asked_for_that_the_run_never_reached_is_named():
 
 
 def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
-    """A rank's ValueError in a training step is a fault to restart past once; the same again, it is the run's error."""
+    """A rank's ValueError in a training step is a fault to restart past once; the same again, it is the run's error,
+    also where torchrun saw its peer fail first (the peer's receive failed as the raising rank exited)."""
     import io
 
     from baft.cli.runlog import _Watch
 
-    stopped = []
-    watch = _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
-    attempt = ["[1] Traceback (most recent call last):\n", '[1]   File "e.py", line 9, in train_batch\n',
-               "[1] ValueError: step 6: lr must be positive\n",
-               "[W] torch.distributed.elastic ... [default0] failed (exitcode: 1) local_rank: 1 (pid: 42) of binary\n"]
-    killed = "[W] torch.distributed.elastic ... [default0] failed (exitcode: -9) local_rank: 0 (pid: 43) of binary\n"
-    for line in [*attempt, killed, *attempt]:  # a kill between: not the same ending twice in a row
-        watch._read(line, "stderr")
-    assert not stopped and watch.error is None
-    for line in attempt:
-        watch._read(line, "stderr")
-    assert stopped and watch.error == ("rank 1: ValueError: step 6: lr must be positive (it ended the attempt before "
-                                       "too: a restart does not help)")
+    raised = ["[1] Traceback (most recent call last):\n", '[1]   File "e.py", line 9, in train_batch\n',
+              "[1] ValueError: step 6: lr must be positive\n"]
+    echo = ["[0] [rank0]: Traceback (most recent call last):\n", '[0] [rank0]:   File "e.py", line 9, in train_batch\n',
+            "[0] [rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:{port}. This is typically\n"]
+    failed = "[W] torch.distributed.elastic ... [default0] failed (exitcode: {code}) local_rank: {rank} (pid: 42) of bin\n"
+    attempt = [*raised, failed.format(code=1, rank=1)]
+    peer_first = [*raised, echo[0], echo[1], echo[2].format(port=9856), failed.format(code=1, rank=0)]
+    killed = failed.format(code=-9, rank=0)
+    for ending in (attempt, peer_first):
+        stopped = []
+        watch = _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+        for line in [*ending, killed, *ending]:  # a kill between: not the same ending twice in a row
+            watch._read(line, "stderr")
+        assert not stopped and watch.error is None
+        for line in ending:
+            watch._read(line.replace("9856", "34506"), "stderr")
+        assert stopped and watch.error == ("rank 1: ValueError: step 6: lr must be positive (it ended the attempt "
+                                           "before too: a restart does not help)")
+    watch = _Watch(io.StringIO(), lambda: None, 5, 5)
+    for port in (9856, 34506):  # a peer's echo alone, twice, is no error of the run's
+        for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:
+            watch._read(line, "stderr")
+    assert watch.error is None

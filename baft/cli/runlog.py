@@ -33,6 +33,8 @@ from typing import IO, Callable, Optional
 
 import click
 
+from baft.errors import says_peer_lost
+
 LOG_NAME = "output.log"
 KEEP_LAUNCHES = 3  # launches whose torchrun files stay in RUN_DIR/torchrun (output.log has every line anyway)
 LOG_LIMIT = 256 << 20  # past this, a launch starts output.log afresh, keeping the old one as output.log.1
@@ -211,7 +213,10 @@ class _Watch:
         self.tracebacks: dict[str, _Traceback] = {}
         self.exceptions: dict[str, _RankException] = {}  # each rank's last
         self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
-        self.ended_before: Optional[tuple[str, str]] = None  # (rank, its exception) that ended the attempt before
+        # (rank, exception) raised in a training step, not a lost peer's echo: this attempt's so far, and those that
+        # ended the attempt before (none where a rank was killed)
+        self.raised: set[tuple[str, str]] = set()
+        self.ended_before: frozenset[tuple[str, str]] = frozenset()
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
@@ -237,6 +242,8 @@ class _Watch:
         exception = self.tracebacks.setdefault(match[1], _Traceback()).feed(line[match.end():])
         if exception is not None:
             self.exceptions[match[1]] = exception
+            if exception.in_step and not says_peer_lost(exception.line):
+                self.raised.add((match[1], exception.line))
         error = baft_error(line)
         if error is None:
             return on_screen(line, stream)
@@ -247,15 +254,18 @@ class _Watch:
 
     def _same_again(self) -> None:
         """A rank that ends an attempt with the error in a training step that ended the one before (not a signal: a
-        fault) will end every one with it: the restarts left are not tried, and the error is the run's. (One raised
-        outside a step is the run's already, said once the restarts are spent: :meth:`outcome`.)"""
-        exitcode, rank = self.failed
-        exception = self.exceptions.get(rank)
-        ended = (rank, exception.line) if exitcode > 0 and exception is not None and exception.in_step else None
-        if ended is not None and ended == self.ended_before and self.error is None:
-            self.error = f"rank {rank}: {exception.line} (it ended the attempt before too: a restart does not help)"
+        fault) will end every one with it: the restarts left are not tried, and the error is the run's. The rank
+        torchrun saw fail first may be a peer whose receive failed as the raising rank exited: its echo is no
+        attempt's ending. (One raised outside a step is the run's already, said once the restarts are spent:
+        :meth:`outcome`.)"""
+        exitcode, _ = self.failed
+        ended = frozenset(self.raised) if exitcode > 0 else frozenset()
+        again = sorted(ended & self.ended_before)
+        if again and self.error is None:
+            rank, line = again[0]
+            self.error = f"rank {rank}: {line} (it ended the attempt before too: a restart does not help)"
             self.stop()
-        self.ended_before = ended
+        self.ended_before, self.raised = ended, set()
 
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or

@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.config import GENERATION_ENV, STORE_ENV
+from baft.errors import says_peer_lost
 from baft.recovery.record import EARLIER_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
 # what a gloo or NCCL error says when the peer's process is gone
-LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 REPLACED_ENV = "BAFT_WORLD_REPLACED"  # how many ranks of this process's world are replacements
 # seconds a survivor has to come to the new world before it is replaced too (see _meet): one computing comes at its
 # next send or receive, one blocked in a collective at once (_hang_up); a backstop
@@ -62,7 +62,7 @@ def _store() -> dist.TCPStore:
 
 def lost_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective's or a receive's failing because a peer's process is gone."""
-    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in LOST_PEER)
+    return isinstance(error, RuntimeError) and says_peer_lost(str(error))
 
 
 def _replaced_on_lost_peer(kind, error, trace) -> None:
