@@ -141,6 +141,19 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
         assert refused.returncode == 2 and f"a manager (pid {manager}) serves it" in refused.stderr
         assert (node / "rank1").is_dir(), "a refused clean removed nothing"
 
+        # the run directory deleted (here: moved aside): a launch of its path neither resumes nor drops them unasked
+        shutil.move(run_dir, tmp_path / "aside")
+        refused = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(),
+                                 timeout=60)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+        assert (f"baft: error: {run_dir}: no such run directory, but {node.parent} keeps the snapshots an earlier run "
+                f"of it left (rank 0 step ") in refused.stderr, refused.stderr
+        assert (f"`mkdir {run_dir}` and launch again to go on from them, or free them to start afresh with `baft "
+                f"manager clean {node}` (after `baft manager stop --shm-root {node}`: its manager, pid {manager}, "
+                "serves it still)") in refused.stderr, refused.stderr
+        assert not run_dir.exists() and alive(manager)
+        shutil.move(tmp_path / "aside", run_dir)
+
         resumed = subprocess.run(baft_train(run_dir, last + 3), capture_output=True, text=True, env=launch_env(),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
@@ -168,28 +181,36 @@ def test_launcher_killed_by_sigkill_stops_its_training_and_resumes_from_the_mana
 
 
 @pytest.mark.slow
-def test_a_snapshot_the_manager_cannot_write_at_the_end_stays_in_shared_memory(tmp_path):
-    """At the end of a run the manager writes the newest snapshot to RUN_DIR/persisted before freeing shared
-    memory; when that write fails (here its directory was replaced by a file), it frees nothing, the launch
-    says where the snapshot is, and the next launch resumes from memory."""
+def test_a_launch_stopped_by_sigterm_keeps_in_shared_memory_the_snapshot_its_manager_cannot_write(tmp_path):
+    """SIGTERM to ``baft train`` (a scheduler's preemption) ends the launch as its end would: torchrun stops the
+    ranks, and the manager writes the newest snapshot to RUN_DIR/persisted before freeing shared memory; when
+    that write fails (here its directory was replaced by a file), it frees nothing, the launch says where the
+    snapshot is, and the next launch resumes from memory."""
     run_dir = tmp_path / "run"
     node = Path(SHM_ROOT) / run_id(run_dir) / "node0"
     target = run_dir / "persisted" / "node0"
-    with training(tmp_path, run_dir, 8, logged=2) as first:
+    with training(tmp_path, run_dir, 200, logged=3) as first:
         shutil.rmtree(target)  # the manager made it at its start
         target.write_text("not a directory")
-        assert first.wait(timeout=300) == 0, first.out.read_text()[-3000:]
+        trainers = descendants(first.pid)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 128 + signal.SIGTERM, first.out.read_text()[-3000:]
         said = first.out.read_text()
+        assert f"baft: stopped by SIGTERM; every rank's output is in {run_dir / 'output.log'}" in said, said[-2000:]
         assert f"baft: node 0's manager could not write its newest snapshot to {target}" in said, said[-2000:]
         assert f"`baft manager clean {node}` frees it" in said
+        assert not any(alive(p) for p in [*trainers, first.manager]), described([*trainers, first.manager])
         assert slots.rank_ids(node) == [0, 1], "the manager freed the snapshot it could not write"
         assert "is not on disk: its shared-memory snapshots stay" in (run_dir / "manager-node0.log").read_text()
+        kept = min(slots.committed(node, r)[0].record.step for r in (0, 1))
+        last = max(r["step"] for r in losses(run_dir))
 
         target.unlink()
-        resumed = subprocess.run(baft_train(run_dir, 10), capture_output=True, text=True, env=launch_env(),
+        resumed = subprocess.run(baft_train(run_dir, last + 2), capture_output=True, text=True, env=launch_env(),
                                  timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-        assert "baft: resumed from step 8 (memory)" in resumed.stdout, resumed.stdout[-2000:]
-        assert f"baft: step 10 is kept in {run_dir / 'persisted'}" in resumed.stdout
-        assert [r["step"] for r in losses(run_dir)] == list(range(1, 11))
+        assert f"baft: resumed from step {kept} (memory)" in resumed.stdout, resumed.stdout[-2000:]
+        assert f"baft: step {last + 2} is kept in {run_dir / 'persisted'}" in resumed.stdout
+        steps = [r["step"] for r in losses(run_dir)]
+        assert steps == [*range(1, last + 1), *range(kept + 1, last + 3)], steps
         assert not node.parent.exists(), "the second launch wrote its snapshot and freed the shared memory"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from pathlib import Path
 
@@ -220,7 +221,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
             raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
     from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
     from baft.cli.launch import run_id as launch_run_id
-    from baft.cli.runlog import LOG_NAME, run_logged, torchrun_options, trim_run_logs
+    from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, torchrun_options, trim_run_logs
     from baft.config import TRACE_DIR_ENV
     from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
     from baft.config import REPLACE_ENV, SPARES_ENV
@@ -229,8 +230,10 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
 
     asked = [chaos.parse_fault(fault) for fault in faults]
     run = Path(run_dir).resolve()
-    run.mkdir(parents=True, exist_ok=True)
     run_id, shm = launch_run_id(run), SHM_ROOT
+    if not run.exists():
+        _refuse_an_earlier_runs_snapshots(run, Path(shm) / run_id)
+    run.mkdir(parents=True, exist_ok=True)
     procs = nprocs or model["stages"] * dp
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
@@ -262,20 +265,24 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     elif not configs:
         configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
     log = run / LOG_NAME
-    with exclusive_run(run), server:
-        for pid in retire_all(configs):
-            click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
-                       "this launch's managers adopt its snapshots")
-        _warn_unserved_snapshots(shm, run_id)
-        trim_run_logs(run)
-        if warm:
-            server.start(env, eager=in_place)
-        start_all(configs, log_dir=run)
-        try:
-            outcome = run_logged(cmd, env, log)
-        finally:
-            stop_all(configs)
-            _say_what_is_kept(configs, run)
+    try:
+        with sigterm_stops(), exclusive_run(run), server:
+            for pid in retire_all(configs):
+                click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
+                           "this launch's managers adopt its snapshots")
+            _warn_unserved_snapshots(shm, run_id)
+            trim_run_logs(run)
+            if warm:
+                server.start(env, eager=in_place)
+            start_all(configs, log_dir=run)
+            try:
+                outcome = run_logged(cmd, env, log)
+            finally:
+                stop_all(configs)
+                _say_what_is_kept(configs, run)
+    except Terminated:
+        click.echo(f"baft: stopped by SIGTERM; every rank's output is in {log}", err=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
     if (run / "recovery.jsonl").exists():
         from baft.cli.report import render_recovery_text
         from baft.recovery.record import load_recoveries
@@ -312,6 +319,24 @@ def _say_what_is_kept(configs, run: Path) -> None:
     if newest and all(newest) and not kept_in_memory:
         click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / 'persisted'}: `baft train` "
                    f"again with this --run-dir goes on from it (the example: with a larger --iters)")
+
+
+def _refuse_an_earlier_runs_snapshots(run: Path, top: Path) -> None:
+    """A run directory that does not exist, where shared memory keeps the snapshots of an earlier run of the same
+    path (its directory deleted after its launch was killed): going on from them, or dropping them, is the user's
+    choice to make, never one made without a word."""
+    from baft.manager import inventory
+
+    held = [root for root in inventory.scan(top) if root.newest_steps]
+    if not held:
+        return
+    serving = [root for root in held if root.manager_pid is not None]
+    raise BaftError(
+        f"{run}: no such run directory, but {top} keeps the snapshots an earlier run of it left ("
+        f"{'; '.join(root.held() for root in held)}): `mkdir {run}` and launch again to go on from them, or free them "
+        f"to start afresh with `baft manager clean {' '.join(str(root.path) for root in held)}`"
+        + "".join(f" (after `baft manager stop --shm-root {root.path}`: its manager, pid {root.manager_pid}, serves "
+                  "it still)" for root in serving))
 
 
 def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Optional
@@ -50,6 +51,7 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 # other stream (``baft: resumed from step 2``)
 _EXCEPTION = re.compile(r"(?!baft:)[A-Za-z_][\w.]*(:( |$)|\s*$)")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TERMINATED_GRACE = 2.0  # seconds torchrun has to end on a SIGTERM of its own before baft train sends one
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
 # What DeepSpeed prints while it sets up, as rank 0 prints it (in the log, not on the screen).
@@ -135,6 +137,12 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
             reader.start()
         try:
             code = proc.wait()
+        except Terminated:
+            try:  # a signal to the whole process group reached torchrun too: a second would cut its shutdown short
+                proc.wait(TERMINATED_GRACE)
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # torchrun stops its ranks on SIGTERM
+            raise
         finally:  # on Ctrl-C torchrun got the signal too: let it stop its ranks
             proc.wait()
             for reader in readers:
@@ -143,6 +151,25 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
     if code != 0 and not (outcome.error or outcome.exception):
         watch.print_tails()
     return outcome
+
+
+class Terminated(Exception):
+    """SIGTERM reached ``baft train`` (a scheduler preempting the job, ``kill``), inside :func:`sigterm_stops`."""
+
+
+@contextmanager
+def sigterm_stops():
+    """Within: SIGTERM raises :class:`Terminated` (once; a second is ignored), so a launch ends as after Ctrl-C:
+    torchrun stops its ranks, and the managers write the newest snapshot to disk before they free its memory."""
+    def terminated(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _dies_with(parent: int):
