@@ -19,10 +19,10 @@ from baft.cli.launch import launch_env
 SCRIPT = Path(__file__).parent / "scripts" / "epoch_iterators.py"
 
 
-def train(tmp_path, name, faults=(), policy="baft", in_place=False):
+def train(tmp_path, name, faults=(), policy="baft", in_place=False, loop=()):
     cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", str(len(faults)),
            *(["--in-place"] if in_place else []), "--run-dir", str(tmp_path / name),
-           *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, "2"]
+           *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, "2", *loop]
     return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
 
 
@@ -52,6 +52,12 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.findall(r"resumed from step (\d+) ", (tmp_path / "baft" / "output.log").read_text()) == ["2", "6", "10"]
     assert losses(tmp_path, "baft") == losses(reference, "reference")
+    # DeepSpeed's RepeatingLoader of the loader given as the data iterator (refused before: no state_dict of its own)
+    # resumes with the loader it wraps: here at the second epoch's end, where it takes the third's iterator
+    run = train(tmp_path, "repeating", ("rank=0,step=12,phase=forward",), loop=("repeating",))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"resumed from step (\d+) ", (tmp_path / "repeating" / "output.log").read_text()) == ["10"]
+    assert losses(tmp_path, "repeating") == losses(reference, "reference")
     # a checkpoint at each step's end: killed in step 8's forward, resumed from step 7, inside the second epoch; in
     # step 11's, from step 10: a spent iterator, the next epoch's order not in the checkpoint
     disk = train(tmp_path, "torch-save", ("rank=0,step=8,phase=forward", "rank=0,step=11,phase=forward,restart=1"), "torch-save")

@@ -12,6 +12,7 @@ import itertools
 from typing import Optional
 
 import torch
+from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
 
 
@@ -146,6 +147,8 @@ def _take_over(live, restored) -> None:
 
 def data_position(engine, data_iterator=None, training_data=None):
     """What baft saves and restores the data position with, or None when nothing says where the data stands."""
+    if isinstance(data_iterator, RepeatingLoader):  # DeepSpeed's: each epoch an iter() of the loader it wraps
+        return data_position(engine, data_iterator.loader, training_data)
     if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
         return ResumableLoader(data_iterator)
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader

@@ -1,6 +1,8 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
-range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py. Arguments: the
-policy (baft), the loader's workers (0)."""
+range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
+argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
+data iterator, in a loop on the engine's step. Arguments: the policy (baft), the loader's workers (0), the loop.
+Either loop prints the same steps."""
 
 import sys
 
@@ -8,6 +10,7 @@ import deepspeed
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.utils import RepeatingLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import baft
@@ -35,10 +38,21 @@ config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
                                                        "warmup_num_steps": 12}},
           "baft": {"policy": sys.argv[1] if len(sys.argv) > 1 else "baft", "period": 1}}
-engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
-for epoch in range(3):
-    batches = iter(loader)
-    for _ in range(len(loader) // 2):
-        loss = engine.train_batch(data_iter=batches)
-        if engine.global_rank == 0:
-            print(f"step {engine.global_steps} loss {float(loss)!r} lr {engine.get_lr()[0]!r}", flush=True)
+
+
+def report(loss) -> None:
+    if engine.global_rank == 0:
+        print(f"step {engine.global_steps} loss {float(loss)!r} lr {engine.get_lr()[0]!r}", flush=True)
+
+
+if sys.argv[3:] == ["repeating"]:
+    data = RepeatingLoader(loader)  # its first iterator taken before baft.initialize restores the loader
+    engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
+    while engine.global_steps < 3 * len(loader) // 2:
+        report(engine.train_batch(data_iter=data))
+else:
+    engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
+    for epoch in range(3):
+        batches = iter(loader)
+        for _ in range(len(loader) // 2):
+            report(engine.train_batch(data_iter=batches))
