@@ -224,6 +224,29 @@ def test_where_a_gpu_driver_is_there_the_server_imports_torch_alone_and_stays_fo
     assert out.stdout.split("\n")[-2] == "[True, True, False, False]"
 
 
+def test_the_servers_forks_read_its_detection_of_the_cpu_and_start_no_process_for_it(tmp_path):
+    """py-cpuinfo detects the CPU in a new interpreter at every call (1.5 s), and DeepSpeed's CPU op builders call it
+    twice each time a process loads an op (FusedAdam for a config's "Adam" on CPU): 3 s of every rank's
+    deepspeed.initialize, at every relaunch and in every replacement in place. The server detects it once."""
+    import cpuinfo
+
+    driver = tmp_path / "nvidiactl"  # the server's shortest preload: torch alone
+    driver.touch()
+    code = ("import json, subprocess, sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); "
+            "s.preload(eager=True)\n"
+            "def started(*args, **kwargs): raise AssertionError(f'a process started: {args}')\n"
+            "subprocess.Popen = started\n"
+            "import cpuinfo\n"
+            "info = [cpuinfo.get_cpu_info() for _ in range(2)]\n"
+            "info[0]['flags'].clear()  # a caller's change is its own\n"
+            "print(json.dumps(info[1]))")
+    out = subprocess.run([sys.executable, "-c", code, str(driver)], capture_output=True, text=True,
+                         env=launch_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    forked, fresh = json.loads(out.stdout.splitlines()[-1]), cpuinfo.get_cpu_info()
+    assert (forked["arch"], forked["flags"]) == (fresh["arch"], fresh["flags"]) and fresh["flags"]
+
+
 def test_a_spare_imports_what_a_script_imports_at_its_top_level_from_its_source(tmp_path):
     """:func:`baft.warm.spares.script_imports` reads the imports a script would make as it starts, never running it:
     plain, dotted, from-imports (a name may be a submodule), those in top-level try and if blocks; not a

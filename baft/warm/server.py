@@ -1,8 +1,9 @@
 """The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every
 rank.
 
-It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`; where a GPU driver is there,
-:data:`TORCH` alone) single-threaded (a client that connects meanwhile waits in the listen queue), then answers each
+It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`, and detects the CPU for
+DeepSpeed's op builders; where a GPU driver is there, :data:`TORCH` alone) single-threaded (a client that connects
+meanwhile waits in the listen queue; what ``--eager`` does first is otherwise done once it is idle), then answers each
 client by forking a child that becomes the rank: its own session (as torchrun starts a rank), the client's standard
 streams (passed over the socket), environment, working directory and ``argv``, generators seeded afresh as a new
 interpreter's are, and ``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and
@@ -17,7 +18,9 @@ of the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new for
 from __future__ import annotations
 
 import atexit
+import copy
 import ctypes
+import functools
 import gc
 import io
 import json
@@ -31,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV, WARM_RANK_ENV
 from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
@@ -50,7 +53,7 @@ PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 # driver thread (an H200, gpu.md section 7): a rank forked after it could not use the GPU. There the server
 # imports torch's modules alone, and each rank imports DeepSpeed itself.
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")
-IDLE = 1.0  # seconds without a request after which the server imports PRELOAD_LATER
+IDLE = 1.0  # seconds without a request after which the server does what preload() left for later
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -61,21 +64,35 @@ def _die_with_parent(parent: int, sig: int) -> None:
         os._exit(1)
 
 
-def preload(eager: bool) -> list[str]:
-    """Import what every rank imports, and with ``eager`` what some do (a SystemExit, with one line, where the server
-    could not fork after it); what is left to import once the server is idle."""
+def preload(eager: bool) -> list[Callable[[], None]]:
+    """Import what every rank imports, and with ``eager`` what some do, and detect the CPU (a SystemExit, with one
+    line, where the server could not fork after it); what is left to do once the server is idle."""
     import importlib
 
     first, later = (TORCH, ()) if gpu_driver() else (PRELOAD, PRELOAD_LATER)
     for name in first:
         importlib.import_module(name)
-    for name in later if eager else ():
-        import_if_there(name)
+    later = [_detect_cpu_once, *(functools.partial(import_if_there, name) for name in later)]
+    while eager and later:
+        later.pop(0)()
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
     _freeze()
-    return [] if eager else list(later)
+    return later
+
+
+def _detect_cpu_once() -> None:
+    """py-cpuinfo detects the CPU in a new interpreter at every call (1.5 s on a 2-core VM), and DeepSpeed's CPU op
+    builders call it twice each time a process loads an op (``FusedAdam`` for a config's ``"Adam"`` on CPU,
+    ``DeepSpeedCPUAdam``): 3 s of every rank's ``deepspeed.initialize``, at every relaunch and in every replacement.
+    Every fork runs on this CPU: detect it once, here, and let the forks read that."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed's builders fall back to lscpu without it
+        return
+    detected = cpuinfo.get_cpu_info()
+    cpuinfo.get_cpu_info = lambda: copy.deepcopy(detected)
 
 
 def gpu_driver() -> bool:
@@ -232,7 +249,7 @@ class ForkServer:
     """The server's state once it has imported: its listener, its children (ranks and spares) and what it keeps
     for the jobs that recover in place."""
 
-    def __init__(self, path: str, listener: socket.socket, later: list[str]):
+    def __init__(self, path: str, listener: socket.socket, later: list[Callable[[], None]]):
         self.path, self.listener, self.later = path, listener, later
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -256,7 +273,7 @@ class ForkServer:
             listening = [self.listener] if self.listener else []
             ready = select.select([*listening, self.wake_r, *watched], [], [], timeout)[0]
             if not ready and self.later:
-                self._import_later()
+                self._do_later()
                 continue
             for conn in ready:
                 if conn is self.listener:
@@ -281,8 +298,8 @@ class ForkServer:
         shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)  # the launcher's, made for this server alone
         os._exit(0)
 
-    def _import_later(self) -> None:
-        import_if_there(self.later.pop(0))
+    def _do_later(self) -> None:
+        self.later.pop(0)()
         _freeze()
         refusal = unforkable()
         if refusal:  # the ranks already forked go on; new ones start cold
