@@ -44,13 +44,17 @@ JOBS = {
     "zero1": ["--stages", "2", "--data-parallel", "2", "--precision", "bf16", "--zero-stage", "1"],
 }
 # a script of the user's, not the example: DeepSpeedExamples' pipeline example in shape (tests/scripts/example_pipe.py,
-# fp32, its CNN on CIFAR-sized data, the engine's own loader with its worker processes)
-SCRIPT_JOBS = {"ds-examples": Path(__file__).resolve().parents[1] / "tests" / "scripts" / "example_pipe.py"}
+# fp32, its CNN on CIFAR-sized data, the engine's own loader with its worker processes); ds-examples-fused with its
+# own config's optimizer, "Adam" without torch_adam: DeepSpeed's FusedAdam op, loaded as every rank starts
+EXAMPLE_PIPE = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "example_pipe.py"
 DS_EXAMPLES_CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10 ** 9,
                       "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
                       "baft": {"policy": "baft", "period": 1}}
+SCRIPT_JOBS = {"ds-examples": DS_EXAMPLES_CONFIG,
+               "ds-examples-fused": {**DS_EXAMPLES_CONFIG, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}}
 JOB_NAMES = {"fp32": "fp32, pp=2", "bf16": "bf16, pp=2", "zero1": "ZeRO-1 bf16, pp=2 x dp=2",
-             "ds-examples": "DeepSpeedExamples shape, fp32, pp=2"}
+             "ds-examples": "DeepSpeedExamples shape, fp32, pp=2",
+             "ds-examples-fused": "DeepSpeedExamples shape, FusedAdam, fp32, pp=2"}
 FAULT_STEPS = (5, 9, 13)
 ITERS = 16
 ARMS = ("cold", "warm", "in place")
@@ -66,8 +70,8 @@ def one_run(model: str, job: str, arm: str, run_dir: Path) -> list[dict]:
     common = ["--max-restarts", str(len(FAULT_STEPS)), *faults, *ARM_FLAGS[arm]]
     if job in SCRIPT_JOBS:
         run_dir.mkdir(parents=True)
-        (run_dir / "ds_config.json").write_text(json.dumps(DS_EXAMPLES_CONFIG))
-        script = [str(SCRIPT_JOBS[job]), "--steps", str(ITERS), "--deepspeed",
+        (run_dir / "ds_config.json").write_text(json.dumps(SCRIPT_JOBS[job]))
+        script = [str(EXAMPLE_PIPE), "--steps", str(ITERS), "--deepspeed",
                   "--deepspeed_config", str(run_dir / "ds_config.json")]
         code, _ = train(run_dir, ["--nprocs", "2", *common], script=script)
     else:
@@ -92,9 +96,8 @@ def summarize(faults: list[dict]) -> dict:
 def render(doc: dict) -> str:
     lines = ["# Kill to resumed step: cold and warm relaunch, recovery in place", "", *header(doc["provenance"], doc["wall_s"]),
              *(f"- model {name}: the example GPT, {' '.join(MODELS[name])}" for name in doc["models"]),
-             *([f"- {JOB_NAMES['ds-examples']}: `tests/scripts/example_pipe.py` under `baft train --nprocs 2 -- ...`, "
-                f"its config {json.dumps(DS_EXAMPLES_CONFIG)}"] if any(k.startswith("script/") for k in doc["jobs"])
-               else []),
+             *(f"- {JOB_NAMES[job]}: `tests/scripts/example_pipe.py` under `baft train --nprocs 2 -- ...`, its config "
+               f"{json.dumps(SCRIPT_JOBS[job])}" for job in SCRIPT_JOBS if f"script/{job}" in doc["jobs"]),
              f"- {ITERS} steps, a snapshot every step (`--period 1`)",
              f"- faults: rank 1 SIGKILLed in the backward pass of steps {', '.join(map(str, FAULT_STEPS))} "
              f"(`--max-restarts {len(FAULT_STEPS)}`); the arms' order rotates run by run",
