@@ -37,6 +37,13 @@ LOADERS = {
         generator=torch.Generator().manual_seed(5)),
     "shuffle, no generator": lambda workers: StatefulDataLoader(  # its draws from torch's generator, which baft sets
         Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers),
+    "torch's RandomSampler with its generator": lambda workers: StatefulDataLoader(  # drawn on in no loader state
+        Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
+        sampler=torch.utils.data.RandomSampler(Noisy(), generator=torch.Generator().manual_seed(8)),
+        generator=torch.Generator().manual_seed(9)),
+    "torch's RandomSampler, no generator": lambda workers: StatefulDataLoader(  # it draws from torch's
+        Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
+        sampler=torch.utils.data.RandomSampler(Noisy())),
     "distributed sampler, generator": lambda workers: StatefulDataLoader(
         Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
         sampler=StatefulDistributedSampler(Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6),
@@ -49,10 +56,11 @@ def read(make, batches, restore_at=None, workers=0):
     saved after ``restore_at`` of them and restored into a new loader and process-wide generator state."""
     torch.manual_seed(0)
     loader = make(workers)
+    position = data_position(None, loader)  # as baft.initialize makes it, before the script's iter()
     feed, out = RepeatingLoader(loader), []
     for i in range(batches):
         if i == restore_at:
-            saved, rng = data_position(None, loader).state_dict(), torch.get_rng_state()
+            saved, rng = position.state_dict(), torch.get_rng_state()
             torch.manual_seed(99)  # a new process: its own draws until baft sets the RNG states
             loader = make(workers)
             data_position(None, loader).load_state_dict(saved)
@@ -82,11 +90,12 @@ def test_a_position_saved_again_before_the_restored_loader_reads_restores_it_too
     reference = read(make, 14)
     for restore_at in (3, 7, 9):
         loader = make(0)
+        position = data_position(None, loader)
         feed = RepeatingLoader(loader)
         for _ in range(restore_at):
             next(feed)
         once = data_position(None, make(0))  # one per run, as baft.initialize makes it
-        once.load_state_dict(data_position(None, loader).state_dict())
+        once.load_state_dict(position.state_dict())
         twice = make(0)
         data_position(None, twice).load_state_dict(once.state_dict())
         resumed = RepeatingLoader(twice)
@@ -160,10 +169,11 @@ def test_an_iterator_taken_before_the_restore_reads_on_from_the_restored_positio
     """One the script took before baft.initialize (or a survivor's in place) is made the restored one."""
     torch.manual_seed(0)
     loader = LOADERS[name](0)
+    position = data_position(None, loader)  # the run saved from took its iterator after baft.initialize
     batches = iter(loader)
     for _ in range(3):
         next(batches)
-    saved, rng = data_position(None, loader).state_dict(), torch.get_rng_state()
+    saved, rng = position.state_dict(), torch.get_rng_state()
     reference = [next(batches) for _ in range(4)]  # to the epoch's end
     torch.manual_seed(99)
     restored = LOADERS[name](0)
@@ -171,3 +181,50 @@ def test_an_iterator_taken_before_the_restore_reads_on_from_the_restored_positio
     data_position(None, restored).load_state_dict(saved)
     torch.set_rng_state(rng)
     assert all(torch.equal(next(taken), batch) for batch in reference)
+
+
+@pytest.mark.parametrize("name", LOADERS)
+def test_a_survivor_that_read_on_into_the_next_epoch_reads_again_from_the_restored_position(name):
+    """In place, a survivor's loader has read on past the restored position, here into the next epoch, its
+    sampler drawing that epoch's order: restored (by a position made again, as the survivor's initialize is),
+    its iterator reads the restored epoch on and every later one as the uninterrupted loader did (before, torch's
+    samplers drew another order: torchdata rebuilds the restored iterator from the sampler as it stands)."""
+    torch.manual_seed(0)
+    loader = LOADERS[name](0)
+    position = data_position(None, loader)
+    feed = RepeatingLoader(loader)
+    for _ in range(3):
+        next(feed)
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    reference = [next(feed) for _ in range(12)]  # the first epoch's end, the second, into the third
+    data_position(None, loader).load_state_dict(saved)
+    torch.set_rng_state(rng)
+    assert all(torch.equal(next(feed), batch) for batch in reference)
+
+
+def test_a_distributed_sampler_restores_as_the_epoch_its_script_set_when_the_restored_epoch_began():
+    """``set_epoch`` seeds each epoch's order; the survivor's sampler stands at a later epoch than the restored one, a
+    new process's at the first."""
+    def loader():
+        return StatefulDataLoader(Noisy(), batch_size=BATCH, drop_last=True, sampler=torch.utils.data.DistributedSampler(
+            Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6))
+
+    def epoch(data, position, e):  # the script's loop, each epoch
+        data.sampler.set_epoch(e)
+        return iter(data)
+
+    survivor = loader()
+    position = data_position(None, survivor)
+    batches = epoch(survivor, position, 0)
+    next(batches)
+    batches = epoch(survivor, position, 1)
+    next(batches)
+    saved = position.state_dict()
+    reference = list(batches)
+    live = epoch(survivor, position, 2)  # the survivor's loop went on to the next epoch
+    data_position(None, survivor).load_state_dict(saved)
+    samples = [b[:, 0].tolist() for b in reference]  # (not the noise: torch's generator, which baft sets)
+    assert [b[:, 0].tolist() for b in live] == samples, "the survivor's"
+    fresh = loader()
+    data_position(None, fresh).load_state_dict(saved)
+    assert [b[:, 0].tolist() for b in iter(fresh)] == samples, "a new process's"

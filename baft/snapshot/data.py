@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
+from torchdata.stateful_dataloader import Stateful
 
 
 class EngineLoaderPosition:
@@ -66,13 +68,16 @@ class ResumableLoader:
     replays the permutation but not the base seed drawn after it: the restored epoch reads right
     and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
     Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
-    puts both draws back. torchdata's own restore builds a new iterator for the next ``iter()``; one the
+    puts both draws back. A sampler of torch's own keeps its state outside the loader's: it is saved as each
+    epoch's iterator is made (:func:`_record_epoch_starts`). torchdata's own restore builds a new iterator for the
+    next ``iter()``; one the
     script already holds (taken before ``baft.initialize``, a survivor's in place, the epoch's own in a loop
     that counts its calls) is made that one.
     """
 
     def __init__(self, loader):
         self.loader = loader
+        _record_epoch_starts(loader.sampler)
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         self.yielded: Optional[int] = 0  # and the batches of its epoch it had read (None: its state does not say)
@@ -87,7 +92,8 @@ class ResumableLoader:
             self.unread = None
         generator = self.loader.generator
         return {"loader": self.loader.state_dict(),
-                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
+                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+                "sampler": getattr(self.loader.sampler, EPOCH_START, None)}
 
     def load_state_dict(self, saved: dict) -> None:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
@@ -96,7 +102,8 @@ class ResumableLoader:
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
         self.loader.load_state_dict(saved["loader"])
-        self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
+        with _as_epoch_started(self.loader.sampler, saved.get("sampler")):
+            self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
         if live is not None and restored is not None and live is not restored:
             _take_over(live, restored)
@@ -127,6 +134,79 @@ def _yielded(state: dict) -> Optional[int]:
     if "_snapshot" in state:
         return state["_snapshot"]["_snapshot_step"] + state.get("_steps_since_snapshot", 0)
     return None
+
+
+EPOCH_START = "_baft_epoch_start"  # a sampler's own state as it made its latest iterator
+RESTORING = "_baft_restoring"  # the state it makes the restored iterator from
+
+
+def _record_epoch_starts(sampler) -> None:
+    """Make ``sampler`` keep its own state as it makes each epoch's iterator (:data:`EPOCH_START`), where the loader's
+    state leaves it out: torch's samplers that draw from their ``generator`` (``RandomSampler``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``; without one, from torch's generator) or are seeded by their
+    ``epoch`` (``DistributedSampler``). torchdata rebuilds a restored iterator from the sampler as it stands: a
+    survivor's had drawn on, a new process's stands where the first epoch began. Its class becomes a subclass
+    that records the state and is otherwise its own; torchdata's samplers keep their state themselves."""
+    if sampler is None or isinstance(sampler, Stateful) or type(sampler).__module__.startswith("torchdata."):
+        return
+    if not (hasattr(sampler, "generator") or isinstance(getattr(sampler, "epoch", None), int)):
+        return
+    own = type(sampler)
+    if own.__dict__.get("_baft_records_epoch_starts"):
+        return
+    if own not in _RECORDING:
+        def __iter__(self):
+            restoring = self.__dict__.get(RESTORING)
+            if restoring is not None:  # torchdata makes the restored iterator in three tries: each as the epoch began
+                _set_sampler_state(self, restoring)
+            state = _sampler_state(self)
+            setattr(self, EPOCH_START, state)
+            indices = own.__iter__(self)
+            if state["torch"] is None:
+                return indices
+            # a generator function draws at its first next(): from torch's generator, that is now, as recorded
+            first = next(indices, _END)
+            return indices if first is _END else itertools.chain([first], indices)
+        _RECORDING[own] = type(own.__name__, (own,), {"__iter__": __iter__, "__module__": own.__module__,
+                                                       "__qualname__": own.__qualname__,
+                                                       "_baft_records_epoch_starts": True})
+    sampler.__class__ = _RECORDING[own]
+
+
+_RECORDING: dict[type, type] = {}
+_END = object()
+
+
+def _sampler_state(sampler) -> dict:
+    generator = getattr(sampler, "generator", False)
+    return {"generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+            "torch": torch.get_rng_state() if generator is None else None,
+            "epoch": getattr(sampler, "epoch", None)}
+
+
+def _set_sampler_state(sampler, saved: dict) -> None:
+    if saved["generator"] is not None:
+        sampler.generator.set_state(saved["generator"])
+    if saved["torch"] is not None:
+        torch.set_rng_state(saved["torch"])
+    if saved["epoch"] is not None:
+        sampler.epoch = saved["epoch"]
+
+
+@contextmanager
+def _as_epoch_started(sampler, saved: Optional[dict]):
+    """Within: each iterator ``sampler`` makes is made as it stood when the restored iterator's epoch began (``saved``,
+    :data:`EPOCH_START`'s); torch's generator is set back afterwards (a restore sets it as the next iteration
+    starts)."""
+    if saved is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        setattr(sampler, RESTORING, saved)
+        try:
+            yield
+        finally:
+            delattr(sampler, RESTORING)
 
 
 class _Handed:

@@ -30,9 +30,11 @@ deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 16, 1)],
                        num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
-loader = StatefulDataLoader(Samples(), batch_size=2, shuffle=True, drop_last=True,
+# torch's sampler, not torchdata's: each epoch's order drawn from a generator of its own, which no loader state holds
+loader = StatefulDataLoader(Samples(), batch_size=2, drop_last=True,
+                            sampler=torch.utils.data.RandomSampler(Samples(), generator=torch.Generator().manual_seed(3)),
                             num_workers=int(sys.argv[2]) if len(sys.argv) > 2 else 0,
-                            generator=torch.Generator().manual_seed(3))
+                            generator=torch.Generator().manual_seed(4))
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
