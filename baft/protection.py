@@ -39,6 +39,7 @@ class Protection:
         self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
         self._last_read = None  # the iterator train_batch was given at its last call
+        self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
 
     @property
     def root(self) -> str:
@@ -92,6 +93,8 @@ class Protection:
 
         last, self._last_read = self._last_read, data_iter
         kept = self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
+        if last is not None and data_iter is not last and data_iter is kept:
+            self.epoch_began = self.engine.global_steps + 1
         if last is not None and data_iter is not last and data_iter is not kept:
             THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one made "
                                                    "for each call?): a survivor would train the steps since the "
@@ -148,6 +151,22 @@ class Protection:
 
             self.hooks.liveness = Heartbeat(self.root, self.engine.global_rank, record.restart_count(), cfg.run_dir,
                                             cfg.hang_timeout, cfg.progress_timeout).start(self.engine)
+
+    def epoch_behind(self) -> Optional[str]:
+        """Why a survivor's loop cannot go on in place, or None: it took a new iterator of its loader (an epoch's)
+        after the newest step every rank holds, where a restore would go back to (its iterator would be made the
+        restored one, and the steps its call trains from there would read past that epoch's end, from the wrong
+        iterator). Read from the node's shared memory as the fault is seen: seals that finish since only add steps."""
+        from baft.snapshot import slots
+
+        if self.epoch_began is None:
+            return None
+        held = [{info.record.step for info in slots.committed(self.root, rank)} for rank in slots.rank_ids(self.root)]
+        newest = max(set.intersection(*held), default=None) if held else None
+        if newest is not None and newest >= self.epoch_began - 1:
+            return None
+        return (f"its loop took a new iterator of its data loader for step {self.epoch_began}, after the newest step "
+                f"every rank holds ({newest}): the steps its call would train again start in the epoch before")
 
     def recover(self, error: BaseException) -> bool:
         """Recover this rank in place from ``error``, raised by ``train_batch`` (:mod:`baft.recovery.in_place`);

@@ -79,10 +79,15 @@ def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loa
     shut down under it as the restored one was collected (torchdata 0.11): the survivor read nothing more
     (StopIteration, or a closed queue with persistent workers, then a relaunch), or, workers started again
     without their state, another order, silently."""
-    # rank 0 survives both kills: in the second epoch (resumed from step 6) and at its end (from step 10)
-    run = train(tmp_path, "in-place", ("rank=1,step=8,phase=backward", "rank=1,step=12,phase=backward,restart=1"),
+    # killed in step 6's backward, the restore goes back to step 4, inside the first epoch, and rank 0 had taken the
+    # second's iterator for step 6: its call would train steps 5 and 6 from the first's (step 6 past its end), so it
+    # is replaced too; rank 0 survives the second kill, at the second epoch's end (resumed from step 10)
+    run = train(tmp_path, "in-place", ("rank=1,step=6,phase=backward", "rank=1,step=12,phase=backward,restart=1"),
                 in_place=True)
     assert run.returncode == 0, run.stderr[-3000:]
+    log = (tmp_path / "in-place" / "output.log").read_text()
+    assert ("baft: rank 0 lost a peer and cannot recover in place (its loop took a new iterator of its data loader "
+            "for step 6, after the newest step every rank holds (4)") in log, log[-3000:]
     records = [json.loads(line) for line in (tmp_path / "in-place" / "recovery.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 6), ("in place", 10)]
+    assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 4), ("in place", 10)]
     assert losses(tmp_path, "in-place") == losses(reference, "reference")

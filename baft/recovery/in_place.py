@@ -31,6 +31,8 @@ def recover(engine, error: BaseException) -> bool:
     for baft to do (no replacement can come), and the error stands."""
     protection = engine.baft
     why = protection.not_in_place or THIS_PROCESS.not_in_place
+    if not why and protection.again is not None and world.available() and world.lost_peer(error):
+        why = protection.epoch_behind()
     if protection.again is None or why or not world.available() or not world.lost_peer(error):
         if why and world.lost_peer(error):
             error.baft_not_in_place = why  # what the rank's replacement says as it goes
