@@ -56,6 +56,17 @@ COUNTS = {
     "range from an attribute": "for step in range(args.epochs - 1, args.steps):\n    engine.train_batch()",
     "a list of learning rates": "lrs = [0.1, 0.05]\nfor lr in lrs:\n    engine.train_batch()",
     "a slice of a list": "lrs = [0.1, 0.05, 0.01]\nfor lr in lrs[1:]:\n    engine.train_batch()",
+    # forms round six's scripts used, each before trained as many steps again after a resume
+    "a progress bar held": ("from tqdm import tqdm\nbar = tqdm(range(N), disable=True)\nfor step in bar:\n"
+                            "    engine.train_batch()"),
+    "trange": "from tqdm import trange\nfor step in trange(N, disable=True):\n    engine.train_batch()",
+    "numpy's arange": "import numpy as np\nfor step in np.arange(N):\n    engine.train_batch()",
+    "a list of a range": "for step in list(range(N)):\n    engine.train_batch()",
+    "islice of count": ("import itertools\nfor step in itertools.islice(itertools.count(), N):\n"
+                        "    engine.train_batch()"),
+    "zip of counts": ("import itertools\nfor step, _ in zip(range(N), itertools.repeat(None)):\n"
+                      "    engine.train_batch()"),
+    "reversed": "for left in reversed(range(N)):\n    engine.train_batch()",
 }
 STEPS = {
     "while on the engine's step": "while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1",
@@ -73,6 +84,9 @@ STEPS = {
     "count from the engine's step": ("from itertools import count\nfor step in count(engine.global_steps):\n"
                                      "    engine.train_batch()\n    break"),
     "data inside a range": "for epoch in range(args.epochs):\n    for batch in loader:\n        engine.train_batch()",
+    "zip with data": "for step, batch in zip(range(N), loader):\n    engine.train_batch()",
+    "a name assigned twice": ("from tqdm import tqdm\nbar = tqdm(range(N))\nbar = loader\nfor step in bar:\n"
+                              "    engine.train_batch()"),
 }
 
 

@@ -104,31 +104,50 @@ def _holds(node: ast.AST, line: int) -> bool:
 
 
 def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
-    """A ``for`` over ``range(n)``, ``range(1, n + 1)``, ``trange(n)``, ``count()`` (or one of them in ``tqdm(...)``
-    or ``enumerate(...)``): a start that is a number, bounds that neither read the engine's step nor a name
-    assigned from it; in ``frame``, over a list, tuple or array the script holds (``for lr in lrs``) or a range
-    from 0 or 1 (``range(args.start, n)``), which a new process goes through from its start again; or a
-    ``while`` over a counter of its own (:func:`_while_counts`)."""
+    """A ``for`` over a count of its own (:func:`_counted`), or a ``while`` over a counter of its own
+    (:func:`_while_counts`)."""
     if isinstance(loop, ast.While):
         return _while_counts(loop, scope)
-    if not isinstance(loop, (ast.For, ast.AsyncFor)):
-        return False
-    call = loop.iter
-    while isinstance(call, ast.Call) and _name(call.func) in ("tqdm", "enumerate") and call.args:
-        call = call.args[0]
-    if frame is not None and not _reads_engine_step(call, scope):
-        value = _value(call, frame)
+    return isinstance(loop, (ast.For, ast.AsyncFor)) and _counted(loop.iter, scope, frame)
+
+
+# what goes through its first argument, call for call: a progress bar, an enumeration, a copy; the count is its own
+PASSED_THROUGH = ("tqdm", "enumerate", "list", "tuple", "reversed", "iter")
+RANGES = ("range", "trange", "arange")  # python's, tqdm's, numpy's and torch's
+
+
+def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bool:
+    """Whether ``expr`` is a count a new process goes through from its start again: a ``range(n)``, ``range(1, n +
+    1)``, ``trange(n)``, ``np.arange(n)``, ``count()`` or ``islice`` of one, whose start is a number and whose bounds
+    neither read the engine's step nor a name assigned from it; one of them passed through ``tqdm``, ``enumerate``,
+    ``list``, ``tuple``, ``reversed`` or a ``zip`` of counts (``repeat`` aside); a name the scope assigns one of
+    them to once (``bar = tqdm(range(n))``); in ``frame``, a list, tuple or array the script holds (``for lr in
+    lrs``) or a range from 0 or 1 (``range(args.start, n)``, read at that call)."""
+    if frame is not None and not _reads_engine_step(expr, scope):
+        value = _value(expr, frame)
         if isinstance(value, range) and value.start in (0, 1) or isinstance(value, SEQUENCES[1:]):
             return True  # a range from another start: the script's own resume position, perhaps
-    if not isinstance(call, ast.Call):
+    if isinstance(expr, ast.Name) and resolved < 3:
+        assigned = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == expr.id for t in node.targets)]
+        return len(assigned) == 1 and _counted(assigned[0], scope, frame, resolved + 1)
+    if not isinstance(expr, ast.Call):
         return False
-    if _name(call.func) == "count":  # itertools.count(start): a range without an end
-        return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in call.args)
-    if not (_name(call.func) in ("range", "trange") and call.args):
+    name, args = _name(expr.func), expr.args
+    if name in PASSED_THROUGH and args:
+        return _counted(args[0], scope, frame, resolved)
+    if name == "zip" and args:  # as long as its shortest count; ``repeat(x)`` counts nothing of its own
+        counts = [arg for arg in args if not (isinstance(arg, ast.Call) and _name(arg.func) == "repeat")]
+        return bool(counts) and all(_counted(arg, scope, frame, resolved) for arg in counts)
+    if name == "islice" and len(args) > 1:
+        return _counted(args[0], scope, frame, resolved) and not _reads_engine_step(expr, scope)
+    if name == "count":  # itertools.count(start): a range without an end
+        return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in args)
+    if not (name in RANGES and args):
         return False
-    if len(call.args) > 1 and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, int)):
+    if len(args) > 1 and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, int)):
         return False
-    return not _reads_engine_step(call, scope)
+    return not _reads_engine_step(expr, scope)
 
 
 def _value(expr: ast.AST, frame):
