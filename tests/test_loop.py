@@ -129,9 +129,13 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 
 
-def test_a_while_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
+def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
+    """A ``while`` over a counter baft cannot read, or a ``for`` over what it cannot tell from a count or the data (a
+    function's result): resumed, it would run its steps again, and is said at start."""
     site, _ = _site(tmp_path, "step = 0\nwhile step < N:\n    engine.train_batch()\n    step += len(loader)")
     assert site.unread and not site.counts_calls and site.text == "while step < N", site
+    site, _ = _site(tmp_path, "def steps():\n    return [0, 1]\nfor step in steps():\n    engine.train_batch()")
+    assert site.unread and not site.counts_calls and site.text == "for step in steps()", site
     assert not any(_site(tmp_path, STEPS[name])[0].unread for name in STEPS)
     assert not any(_site(tmp_path, COUNTS[name])[0].unread for name in COUNTS)
 

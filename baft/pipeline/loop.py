@@ -95,9 +95,10 @@ class Loop:
         self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls)
         if self.site is not None and self.site.unread and engine.global_rank == 0:
             print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
-                  f"engine's step: resumed after a fault it would run as many steps again as it ran from the start. "
-                  f"Loop on the engine's step (while engine.global_steps < N), or say \"loop\": \"calls\" in the "
-                  f"baft section if it counts its calls from 0", file=sys.stderr, flush=True)
+                  f"engine's step, and baft cannot read what it counts: resumed after a fault it would run as many "
+                  f"steps again as it ran from the start. Loop on the engine's step (while engine.global_steps < N), "
+                  f"or say \"loop\": \"calls\" in the baft section if it counts its calls from 0",
+                  file=sys.stderr, flush=True)
         if not self.counts_calls:
             if self.site is not None and self.site.from_step:
                 self.not_in_place = (f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of calls "

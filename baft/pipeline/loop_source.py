@@ -29,7 +29,8 @@ class LoopSite:
     text: str  # that loop's header
     counts_calls: bool
     # none of the loops reads the engine's step, and one is a ``while`` over something else (a counter of the
-    # script's own?): resumed, it would run as many steps again as it ran from the start
+    # script's own?) or a ``for`` over what baft cannot tell (a count it cannot read?): resumed, it would run as many
+    # steps again as it ran from the start
     unread: bool = False
     collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
     # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
@@ -62,8 +63,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=all(_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops),
-                    unread=not reads_step and any(isinstance(loop, ast.While) and not _counts_calls(loop, scope)
-                                                  for _, loop, scope, _ in loops),
+                    unread=not reads_step and any(not (_counts_calls(loop, scope, frame) or _goes_on_itself(loop, frame))
+                                                  for _, loop, scope, frame in loops),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
@@ -148,6 +149,25 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
     if len(args) > 1 and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, int)):
         return False
     return not _reads_engine_step(expr, scope)
+
+
+def _goes_on_itself(loop: ast.AST, frame) -> bool:
+    """A ``for`` over an object the script holds that is neither a count nor a sequence (a loader, an iterator: it
+    goes on from the restored data position), possibly through ``tqdm`` or ``enumerate``, or zipped; or over a range
+    from a start of the script's own (its own resume position, perhaps)."""
+    if not isinstance(loop, (ast.For, ast.AsyncFor)):
+        return False
+    own_start = isinstance(loop.iter, ast.Call) and _name(loop.iter.func) in RANGES and len(loop.iter.args) > 1
+    return own_start or _data(loop.iter, frame)
+
+
+def _data(expr: ast.AST, frame) -> bool:
+    if isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
+        return _data(expr.args[0], frame)
+    if isinstance(expr, ast.Call) and _name(expr.func) == "zip":
+        return any(_data(arg, frame) for arg in expr.args)
+    value = _value(expr, frame)
+    return hasattr(value, "__iter__") and not isinstance(value, SEQUENCES)
 
 
 def _value(expr: ast.AST, frame):
