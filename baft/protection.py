@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from baft.config import IN_MEMORY, BaftConfig, node_of
+from baft.config import IN_MEMORY, BaftConfig, PersistConfig, node_of
 from baft.errors import BaftError
 from baft.pipeline.hook import Hooks
 from baft.pipeline.hooks import attach, detach
@@ -222,7 +222,30 @@ class Protection:
                       log_path=manager_log(cfg.run_dir, node) if cfg.run_dir else None)
             dist.barrier()
         # a restore may rebuild from parity or read from disk: allow it time
-        return ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: self.warn(m.removeprefix("baft: ")))
+        client = ManagerClient.try_connect(root, timeout=120.0, warn=lambda m: self.warn(m.removeprefix("baft: ")))
+        if client is not None and engine.global_rank == 0:
+            status = client.status()
+            ignored = settings_not_applied(cfg, status, node_of(cfg, engine.global_rank))
+            if ignored:
+                self.warn(f"the node's manager (pid {status['pid']}) runs with settings of its own, not this "
+                          f"config's {'; '.join(ignored)}: `baft train` starts it with its options (--persist-every; "
+                          f"on disk in RUN_DIR/persisted), `baft manager start` with its own")
+        return client
+
+
+def settings_not_applied(cfg: BaftConfig, status: dict, node: int) -> list[str]:
+    """The keys of the ``"baft"`` section, each with its value and the running manager's (``status``, its
+    ``status()``), that ask this node's manager for what it does not do: it was started with settings of its own."""
+    persist, defaults = status.get("persist") or {}, PersistConfig()
+    wanted = {"persist.dir": str(Path(cfg.persist.dir) / f"node{node}") if cfg.persist.dir else None,
+              "persist.every": cfg.persist.every or None, "persist.seconds": cfg.persist.seconds or None,
+              "persist.keep": cfg.persist.keep if cfg.persist.keep != defaults.keep else None,
+              "memory_limit": cfg.memory_limit}
+    running = {"persist.dir": persist.get("dir"), "persist.every": persist.get("every"),
+               "persist.seconds": persist.get("seconds"), "persist.keep": persist.get("keep"),
+               "memory_limit": status["memory"]["limit"]}
+    return [f"{key} {value} (the manager's: {running[key] if running[key] is not None else 'none'})"
+            for key, value in wanted.items() if value is not None and value != running[key]]
 
 
 def manager_config(cfg: BaftConfig, node: int, root):

@@ -45,3 +45,21 @@ def test_three_slots_where_the_memory_limit_allows_no_more(shm_root):
             assert record.step == 6 and record.verify(data) is None
     finally:
         stop(node_root)
+
+
+def test_the_keys_that_ask_a_running_manager_for_what_it_does_not_do_are_named():
+    """A rank that finds its node's manager running (`baft train` started it with its options) names the keys of its
+    "baft" section that manager does not apply, with the manager's value, rather than drop them without a word."""
+    from baft.config import parse_config
+    from baft.protection import settings_not_applied
+
+    train = {"memory": {"limit": None}, "persist": {"dir": "/run/persisted/node0", "every": 4, "seconds": None,
+                                                    "keep": 3}}
+    asked = parse_config({"baft": {"persist": {"dir": "/run/persisted", "every": 4}}})
+    assert settings_not_applied(asked, train, 0) == []
+    asked = parse_config({"baft": {"memory_limit": 1024, "persist": {"dir": "/elsewhere", "every": 1, "keep": 5}}})
+    assert settings_not_applied(asked, train, 0) == [
+        "persist.dir /elsewhere/node0 (the manager's: /run/persisted/node0)", "persist.every 1 (the manager's: 4)",
+        "persist.keep 5 (the manager's: 3)", "memory_limit 1024 (the manager's: none)"]
+    assert settings_not_applied(asked, {"memory": {"limit": 1024}, "persist": None}, 0)[0] == \
+        "persist.dir /elsewhere/node0 (the manager's: none)"

@@ -48,7 +48,8 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
-    cfg = config(tmp_path, "protected.json", bubble_map=str(bmap))
+    # a memory limit the running manager (baft train's) does not have: said, not silently dropped
+    cfg = config(tmp_path, "protected.json", bubble_map=str(bmap), memory_limit=2 ** 36)
     imports = tmp_path / "imports.jsonl"  # each process that imported the script's own module user_data, and when
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--in-place", "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT),
@@ -60,6 +61,8 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert clean.stdout.count("engine PipelineEngine") == 2
     assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert ("runs with settings of its own, not this config's memory_limit 68719476736 (the manager's: none): "
+            "`baft train` starts it with its options") in faulty.stderr, faulty.stderr[-3000:]
     recovery = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert recovery[0]["source"] == "memory" and recovery[0]["restored_step"] >= 3
     assert recovery[0]["kind"] == "in place"

@@ -155,7 +155,8 @@ class Persister:
         if self.config.dir is None:
             return None
         with self._lock:
-            return {"dir": str(self.config.dir), "last_step": self.state.last_step,
+            return {"dir": str(self.config.dir), "every": self.config.persist_every,
+                    "seconds": self.config.persist_seconds, "keep": self.config.keep, "last_step": self.state.last_step,
                     "last_time": self.state.last_time, "writing": self.state.writing,
                     "error": self.state.error, "write_seconds": self.state.write_seconds,
                     "line": self.line()}
