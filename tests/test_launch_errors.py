@@ -30,6 +30,7 @@ import baft
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
+parser.add_argument("--n", type=int)  # what torchrun would take for its own (--nnodes, --nproc-per-node, ...)
 args = parser.parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
 model = PipelineModule(layers=[nn.Linear(4, 4), nn.Linear(4, 1)], num_stages=2, loss_fn=nn.MSELoss())
@@ -150,7 +151,7 @@ def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log
     script calls deepspeed.initialize: the launch says so before it starts (it would train unprotected)."""
     script, config = user_files(tmp_path, train_batch_size=7)
     script.write_text(SCRIPT.replace("baft.initialize", "deepspeed.initialize"))
-    proc = baft_train(tmp_path, script, "--config", config, max_restarts=1)
+    proc = baft_train(tmp_path, script, "--config", config, "--n", 1, max_restarts=1)
     log = tmp_path / "run" / LOG_NAME
     assertion = ("AssertionError: Check batch related parameters. train_batch_size is not equal to "
                  "micro_batch_per_gpu * gradient_acc_step * world_size 7 != 4 * 1 * 1")

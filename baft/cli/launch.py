@@ -52,7 +52,8 @@ def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module:
     ``options`` are more of torchrun's own (``--tee``, ``--log-dir``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *options]
-    return cmd + (["-m"] if module else []) + module_args
+    # "--": a script's own option that abbreviates one of torchrun's (``--n 40``) is the script's
+    return cmd + (["-m"] if module else []) + ["--", *module_args]
 
 
 def flags(opts: dict) -> list[str]:
