@@ -70,9 +70,8 @@ class ResumableLoader:
     Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
     puts both draws back. A sampler of torch's own keeps its state outside the loader's: it is saved as each
     epoch's iterator is made (:func:`_record_epoch_starts`). torchdata's own restore builds a new iterator for the
-    next ``iter()``; one the
-    script already holds (taken before ``baft.initialize``, a survivor's in place, the epoch's own in a loop
-    that counts its calls) is made that one.
+    next ``iter()``; one the script already holds (taken before ``baft.initialize``, a survivor's in place, the
+    epoch's own in a loop that counts its calls) is made that one.
     """
 
     def __init__(self, loader):
