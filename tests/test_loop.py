@@ -129,6 +129,20 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 
 
+def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
+    """``iteration += 1`` feeding a warm-up in a loop on the engine's step: no snapshot holds it, so a resumed run
+    starts it again from 0 (said at start, where the loop does not count its calls)."""
+    body = ("iteration = 0\nwhile engine.global_steps < N:\n    iteration += 1\n    lr = min(1, iteration / 6)\n"
+            "    engine.train_batch()\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, body)
+    assert not site.counts_calls and site.own_count == f"{script}:{STUB.count(chr(10)) + 3} (iteration += 1)", site
+    for name in STEPS:  # a counter from the engine's step resumes with it
+        assert _site(tmp_path, STEPS[name])[0].own_count == "", name
+    logged = ("total = 0.0\nwhile engine.global_steps < N:\n    total += engine.train_batch() or 0.5\n"
+              "    engine.global_steps += 1\n    print(total)")
+    assert _site(tmp_path, logged)[0].own_count == "", "a sum, not a count"
+
+
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
     """A ``while`` over a counter baft cannot read, or a ``for`` over what it cannot tell from a count or the data (a
     function's result): resumed, it would run its steps again, and is said at start."""

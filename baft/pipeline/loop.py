@@ -100,6 +100,12 @@ class Loop:
                   f"or say \"loop\": \"calls\" in the baft section if it counts its calls from 0",
                   file=sys.stderr, flush=True)
         if not self.counts_calls:
+            if self.site is not None and self.site.own_count and engine.global_rank == 0:
+                print(f"baft: the loop at {self.site.where} ({self.site.text}) adds to a count of the script's own, "
+                      f"{self.site.own_count}, which no snapshot holds: resumed after a fault it starts again from "
+                      f"its first value, not where the uninterrupted run had it. Count with the engine's step "
+                      f"(engine.global_steps), or keep it in client_state= of baft.initialize",
+                      file=sys.stderr, flush=True)
             if self.site is not None and self.site.from_step:
                 self.not_in_place = (f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of calls "
                                      f"from the step it started at: a survivor's, started before the restored step, "

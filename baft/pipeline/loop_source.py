@@ -37,6 +37,8 @@ class LoopSite:
     from_step: bool = False
     # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
     sets_state: str = ""
+    # where the loops add a number to a name they read and did not start (``iteration += 1``), file:line and text
+    own_count: str = ""
 
 
 def loop_around(frame, kept=()) -> Optional[LoopSite]:
@@ -68,7 +70,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
-                                                  for file, loop, _, frame in loops)), ""))
+                                                  for file, loop, _, frame in loops)), ""),
+                    own_count=next(filter(None, (_own_count(file, loop, scope) for file, loop, scope, _ in loops)), ""))
 
 
 def _parsed(filename: str) -> Optional[ast.Module]:
@@ -218,6 +221,25 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
             if not isinstance(value, types.ModuleType) and not any(value is k for k in kept):
                 found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
     return min(found)[1] if found else ""
+
+
+def _own_count(filename: str, loop: ast.AST, scope: ast.AST) -> str:
+    """The first ``name += <number>`` in ``loop`` whose name the loop reads elsewhere and does not set otherwise, nor
+    its scope from the engine's step (a count of the script's own, started before the loop: ``iteration += 1``
+    feeding a warm-up), as ``file:line (text)``; "" where none is."""
+    loaded = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    set_otherwise = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                     for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Name)}
+    if isinstance(loop, (ast.For, ast.AsyncFor)):
+        set_otherwise |= {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    for node in ast.walk(loop):
+        if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and isinstance(node.op, ast.Add)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)
+                and node.target.id in loaded and node.target.id not in set_otherwise
+                and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
+            return f"{filename}:{node.lineno} ({ast.unparse(node)})"
+    return ""
 
 
 def _collective(filename: str, loop: ast.AST) -> str:
