@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import tempfile
 from pathlib import Path
 
@@ -12,8 +11,9 @@ from baft.accelerator import quiet_detection
 from baft.cli.demo import demo
 from baft.cli.launch import SHM_ROOT
 from baft.cli.options import example_options, executor_options, user_errors
-from baft.config import IN_MEMORY, POLICIES
+from baft.cli.train import train
 from baft.errors import BaftError
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="baft")
@@ -156,211 +156,6 @@ def plan_cmd(bubble_map, out, budget):
     result.save(path)
     click.echo(render_plan_text(result))
     click.echo(f"wrote {path}")
-
-
-@main.command()
-@click.option("--example", type=click.Choice(["gpt"]), help="Train the bundled example instead of a script.")
-@example_options
-@click.option("--iters", default=20, show_default=True, help="Train until this optimizer step.")
-@click.option("--policy", default="baft", show_default=True,
-              type=click.Choice(POLICIES))
-@click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
-@executor_options
-@click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
-@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
-@click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
-              help="Where losses.jsonl, recovery.jsonl and checkpoints go.")
-@click.option("--max-restarts", default=3, show_default=True, help="Elastic restarts after a failure.")
-@click.option("--nprocs", type=int, help="Processes for a script (default: stages x data-parallel).")
-@click.option("--manager/--no-manager", default=True, show_default=True,
-              help="Start this node's snapshot manager for the run (stopped at the end).")
-@click.option("--warm/--cold", default=True, show_default=True,
-              help="Fork every rank, and every restarted rank, from a process that has imported torch and DeepSpeed.")
-@click.option("--in-place/--relaunch", "in_place", default=False, show_default=True,
-              help="A killed rank of a one-node warm job is replaced and its peers recover in their own processes; "
-                   "for a script whose loop stops on engine.global_steps (README: Recovery in place).")
-@click.option("--spares", default=1, show_default=True, type=click.IntRange(min=0),
-              help="With --in-place: processes kept ready to replace a killed rank, the script's imports done "
-                   "(0: a replacement is forked when a rank dies, and imports them itself).")
-@click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
-@click.option("--nodes", default=1, show_default=True,
-              help="Simulated nodes: one manager each, in one parity group over loopback.")
-@click.option("--hang-timeout", type=float,
-              help="The example: seconds a rank may be silent before its node's manager kills it (default 60; "
-                   "0: never). A script sets baft.hang_timeout in its config.")
-@click.option("--fault", "faults", multiple=True, help="Inject a fault: rank=R,step=S,phase=P[,restart=N].")
-@click.option("--trace", "trace_dir", type=click.Path(file_okay=False),
-              help="Every rank writes its per-instruction trace, with baft's copies, here (baft show DIR draws it).")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@user_errors
-def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_file, run_dir, max_restarts, nprocs,
-          manager, warm, in_place, spares, persist_every, nodes, hang_timeout, faults, trace_dir, command, dp, **model):
-    """Train under a snapshot policy, restarting from the newest snapshot after a failure.
-
-    Either ``--example gpt`` or, after ``--``, a training script (and its arguments) that
-    calls ``baft.initialize``; it runs under torchrun with ``--max-restarts``, each rank forked from a
-    warm process of the node (``--cold``: started afresh, as plain torchrun starts it). Every rank's
-    output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
-    prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
-    """
-    from baft.cli.preflight import check_script_launch, unprotected_initialize
-
-    if bool(example) == bool(command):
-        raise BaftError("give either --example gpt or a training script after --, not both or neither")
-    if in_place and not warm:
-        raise BaftError("--in-place: a killed rank is replaced by the node's warm server, which --cold turns off")
-    given = click.get_current_context().get_parameter_source("spares") is not click.core.ParameterSource.DEFAULT
-    if given and not in_place:
-        raise BaftError("--spares: spares replace a killed rank in place; give --in-place too")
-    if command:
-        check_script_launch(list(command))
-        said = unprotected_initialize(command[0]) if not command[0].startswith("-") else None
-        if said:
-            click.echo(f"baft: warning: {said}", err=True)
-        if hang_timeout is not None:
-            raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
-    from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
-    from baft.cli.launch import run_id as launch_run_id
-    from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, torchrun_options, trim_run_logs
-    from baft.config import TRACE_DIR_ENV
-    from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
-    from baft.config import REPLACE_ENV, SPARES_ENV
-    from baft.recovery import chaos
-    from baft.warm import WarmServer, warmable
-
-    asked = [chaos.parse_fault(fault) for fault in faults]
-    run = Path(run_dir).resolve()
-    run_id, shm = launch_run_id(run), SHM_ROOT
-    if not run.exists():
-        _refuse_an_earlier_runs_snapshots(run, Path(shm) / run_id)
-    run.mkdir(parents=True, exist_ok=True)
-    procs = nprocs or model["stages"] * dp
-    if procs % nodes:
-        raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
-    env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
-                      **({chaos.ENV: ";".join(faults)} if faults else {}),
-                      **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
-    server = WarmServer.running(env) or WarmServer()
-    configs, program = [], list(command)
-    if example:
-        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
-                "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
-                "run_id": run_id, "shm_root": shm, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout}
-        if nodes > 1 or persist_every:
-            configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
-            args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
-                        parity_k=configs[0].parity_k, persist_every=persist_every, persist_dir=str(run / "persisted"))
-        program = ["-m", *example_args(args)]
-    warm = warm and warmable(program)
-    if warm:
-        program = server.program(program)
-        env.update(server.env())
-        if in_place:  # each killed rank is replaced in place while torchrun's restarts are left
-            env.update({REPLACE_ENV: str(max_restarts), SPARES_ENV: str(spares)})
-    cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
-    if warm:  # torchrun itself forked too: its import of torch, and its exit's freeing of it, come off every launch
-        cmd = server.command(cmd)
-    if not (manager and policy in IN_MEMORY):
-        configs = []
-    elif not configs:
-        configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
-    log = run / LOG_NAME
-    try:
-        with sigterm_stops(), exclusive_run(run), server:
-            for pid in retire_all(configs):
-                click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
-                           "this launch's managers adopt its snapshots")
-            _warn_unserved_snapshots(shm, run_id)
-            trim_run_logs(run)
-            if warm:
-                server.start(env, eager=in_place)
-            start_all(configs, log_dir=run)
-            try:
-                outcome = run_logged(cmd, env, log)
-            finally:
-                stop_all(configs)
-                _say_what_is_kept(configs, run)
-    except Terminated:
-        click.echo(f"baft: stopped by SIGTERM; every rank's output is in {log}", err=True)
-        raise SystemExit(128 + signal.SIGTERM) from None
-    if (run / "recovery.jsonl").exists():
-        from baft.cli.report import render_recovery_text
-        from baft.recovery.record import load_recoveries
-
-        click.echo(render_recovery_text(load_recoveries(run)))
-    if outcome.error:
-        raise BaftError(outcome.error)
-    if outcome.code == 0:
-        from baft import faults as fault_log
-
-        for fault in chaos.not_fired(asked, fault_log.read(run)):
-            click.echo(f"baft: --fault {fault} never happened: the run has no such rank or node, or attempt "
-                       f"{fault.restart} never came to step {fault.step}'s {fault.phase}", err=True)
-    if outcome.code != 0:
-        raise BaftError(f"{outcome.exception or f'training failed (exit code {outcome.code})'}; "
-                        f"every rank's output is in {log}")
-    if trace_dir:
-        click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
-
-
-def _say_what_is_kept(configs, run: Path) -> None:
-    """After the managers stopped: the step the run goes on from, on disk; or, where a manager could not
-    write it, the shared memory it kept instead (never freed unwritten)."""
-    from baft.manager import persist
-    from baft.manager.nodes import manager_log
-    from baft.snapshot import slots
-
-    kept_in_memory = [c for c in configs if slots.rank_ids(c.shm_root)]
-    for c in kept_in_memory:
-        click.echo(f"baft: node {c.node_id}'s manager could not write its newest snapshot to {c.dir} (see "
-                   f"{manager_log(run, c.node_id)}); it kept {c.shm_root} in shared memory: `baft train` "
-                   f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
-    newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
-    if newest and all(newest) and not kept_in_memory:
-        click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / 'persisted'}: `baft train` "
-                   f"again with this --run-dir goes on from it (the example: with a larger --iters)")
-
-
-def _refuse_an_earlier_runs_snapshots(run: Path, top: Path) -> None:
-    """A run directory that does not exist, where shared memory keeps the snapshots of an earlier run of the same
-    path (its directory deleted after its launch was killed): going on from them, or dropping them, is the user's
-    choice to make, never one made without a word."""
-    from baft.manager import inventory
-
-    held = [root for root in inventory.scan(top) if root.newest_steps]
-    if not held:
-        return
-    serving = [root for root in held if root.manager_pid is not None]
-    raise BaftError(
-        f"{run}: no such run directory, but {top} keeps the snapshots an earlier run of it left ("
-        f"{'; '.join(root.held() for root in held)}): `mkdir {run}` and launch again to go on from them, or free them "
-        f"to start afresh with `baft manager clean {' '.join(str(root.path) for root in held)}`"
-        + "".join(f" (after `baft manager stop --shm-root {root.path}`: its manager, pid {root.manager_pid}, serves "
-                  "it still)" for root in serving))
-
-
-def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:
-    """Say when other runs' snapshots hold shared memory with no manager to serve or free them
-    (their ``baft train`` was killed): they take host memory until freed."""
-    from baft.manager import inventory
-
-    stale = [r for r in inventory.scan(shm_root) if r.manager_pid is None and r.newest_steps
-             and run_id not in r.path.relative_to(shm_root).parts]
-    if stale:
-        click.echo(f"baft: {shm_root} holds {sum(r.nbytes for r in stale) / 1e6:.1f} MB of snapshots in "
-                   f"{len(stale)} node root(s) of other runs that no manager serves; `baft manager ls` lists them, "
-                   "`baft manager clean ROOT` frees one", err=True)
-
-
-def _fresh_trace_dir(trace_dir) -> Path:
-    """The trace directory, emptied of an earlier run's traces (a rank writes its own at exit)."""
-    from baft.pipeline.merge import trace_paths
-
-    path = Path(trace_dir).resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    for old in trace_paths(path):
-        old.unlink()
-    return path
 
 
 @main.group()
@@ -539,3 +334,4 @@ def compare(example, policies, rounds, block, none_between, shuffle, bubble_map,
 
 
 main.add_command(demo)
+main.add_command(train)
