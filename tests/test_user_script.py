@@ -94,6 +94,7 @@ def test_every_node_starts_its_own_manager_when_configs_name_their_node(tmp_path
         assert f"no manager answers for node {node}; starting one" in proc.stderr, proc.stderr[-3000:]
         assert (tmp_path / "run" / f"manager-node{node}.log").exists()
     assert "no snapshot manager reachable" not in proc.stderr
+    assert "runs with settings of its own" not in proc.stderr, "the managers the config started are as it asks"
     assert sorted(p.name for p in (tmp_path / "persisted").iterdir()) == ["node0", "node1"]
     for node in (0, 1):  # started by the ranks, they outlive the job until stopped (baft train stops its own)
         stop(shm_root / "nodes" / f"node{node}")
