@@ -202,12 +202,13 @@ def test_a_survivor_that_read_on_into_the_next_epoch_reads_again_from_the_restor
     assert all(torch.equal(next(feed), batch) for batch in reference)
 
 
-def test_a_distributed_sampler_restores_as_the_epoch_its_script_set_when_the_restored_epoch_began():
-    """``set_epoch`` seeds each epoch's order; the survivor's sampler stands at a later epoch than the restored one, a
-    new process's at the first."""
+@pytest.mark.parametrize("sampler", [torch.utils.data.DistributedSampler, StatefulDistributedSampler])
+def test_a_distributed_sampler_restores_as_the_epoch_its_script_set_when_the_restored_epoch_began(sampler):
+    """``set_epoch`` seeds each epoch's order (in no sampler's state, torchdata's included); the survivor's sampler
+    stands at a later epoch than the restored one, a new process's at the first."""
     def loader():
-        return StatefulDataLoader(Noisy(), batch_size=BATCH, drop_last=True, sampler=torch.utils.data.DistributedSampler(
-            Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6))
+        return StatefulDataLoader(Noisy(), batch_size=BATCH, drop_last=True,
+                                  sampler=sampler(Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6))
 
     def epoch(data, position, e):  # the script's loop, each epoch
         data.sampler.set_epoch(e)

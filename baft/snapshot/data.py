@@ -145,10 +145,9 @@ def _record_epoch_starts(sampler) -> None:
     ``SubsetRandomSampler``, ``WeightedRandomSampler``; without one, from torch's generator) or are seeded by their
     ``epoch`` (``DistributedSampler``). torchdata rebuilds a restored iterator from the sampler as it stands: a
     survivor's had drawn on, a new process's stands where the first epoch began. Its class becomes a subclass
-    that records the state and is otherwise its own; torchdata's samplers keep their state themselves."""
-    if sampler is None or isinstance(sampler, Stateful) or type(sampler).__module__.startswith("torchdata."):
-        return
-    if not (hasattr(sampler, "generator") or isinstance(getattr(sampler, "epoch", None), int)):
+    that records the state and is otherwise its own; torchdata's samplers keep their draws themselves, not the
+    epoch a ``StatefulDistributedSampler`` is set to."""
+    if sampler is None or not (_draws(sampler) or isinstance(getattr(sampler, "epoch", None), int)):
         return
     own = type(sampler)
     if own.__dict__.get("_baft_records_epoch_starts"):
@@ -176,8 +175,14 @@ _RECORDING: dict[type, type] = {}
 _END = object()
 
 
+def _draws(sampler) -> bool:
+    """Whether ``sampler`` draws from a generator (its own, or torch's where it has none) in no saved state."""
+    return (hasattr(sampler, "generator") and not isinstance(sampler, Stateful)
+            and not type(sampler).__module__.startswith("torchdata."))
+
+
 def _sampler_state(sampler) -> dict:
-    generator = getattr(sampler, "generator", False)
+    generator = getattr(sampler, "generator", False) if _draws(sampler) else False
     return {"generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
             "torch": torch.get_rng_state() if generator is None else None,
             "epoch": getattr(sampler, "epoch", None)}
