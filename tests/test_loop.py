@@ -67,6 +67,9 @@ COUNTS = {
     "zip of counts": ("import itertools\nfor step, _ in zip(range(N), itertools.repeat(None)):\n"
                       "    engine.train_batch()"),
     "reversed": "for left in reversed(range(N)):\n    engine.train_batch()",
+    "a trainer's own start, at 0": ("start_epoch = start_step = 0\nfor epoch in range(start_epoch, args.epochs):\n"
+                                    "    for step in range(start_step if epoch == start_epoch else 0, N):\n"
+                                    "        engine.train_batch()"),
 }
 STEPS = {
     "while on the engine's step": "while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1",
@@ -121,10 +124,11 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
     for name, (body, line, text) in sets.items():
         site, script = _site(tmp_path, body)
         assert site.sets_state == f"{script}:{len(STUB.splitlines()) + line} ({text})", (name, site)
-    # the engine's (kept), a module's, one the loop made, an item, a plain name: none of them
+    # the engine's (kept), a module's, one the loop made, an item, a plain name, an epoch's iterator (which one
+    # train_batch reads is checked at each call): none of them
     kept = ("import torch\nfor _ in range(N):\n    engine.global_steps += 1\n    torch.backends.mkldnn.enabled = True\n"
             "    for group in [type('G', (), {})()]:\n        group.lr = 0.1\n    losses = {}\n    losses[_] = 1.0\n"
-            "    seen = _\n    engine.train_batch()")
+            "    seen = _\n    args.batches = iter(loader)\n    engine.train_batch()")
     assert _site(tmp_path, kept)[0].sets_state == ""
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 

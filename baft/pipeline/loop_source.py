@@ -174,10 +174,11 @@ def _data(expr: ast.AST, frame) -> bool:
 
 
 def _value(expr: ast.AST, frame):
-    """What ``expr`` holds in ``frame``, where it only reads names, attributes, items and arithmetic, and calls
-    ``range`` or ``len`` (nothing it evaluates can change anything); None otherwise."""
+    """What ``expr`` holds in ``frame``, where it only reads names, attributes, items, arithmetic, comparisons and
+    conditions, and calls ``range`` or ``len`` (nothing it evaluates can change anything); None otherwise."""
     allowed = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Load, ast.BinOp, ast.UnaryOp, ast.operator,
-               ast.unaryop, ast.Slice, ast.Tuple, ast.List, ast.Call)
+               ast.unaryop, ast.Slice, ast.Tuple, ast.List, ast.Call, ast.IfExp, ast.Compare, ast.cmpop, ast.BoolOp,
+               ast.boolop)
     for node in ast.walk(expr):
         if not isinstance(node, allowed) or (isinstance(node, ast.Call) and not (
                 isinstance(node.func, ast.Name) and node.func.id in ("range", "len") and not node.keywords)):
@@ -205,10 +206,14 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
 
 def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     """The first assignment in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
-    ``self.step += 1``), but of a module or one of ``kept``, as ``file:line (text)``; "" where none is."""
+    ``self.step += 1``), but of a module or one of ``kept``, as ``file:line (text)``; "" where none is. An
+    ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is not state: which iterator ``train_batch``
+    reads is checked at every call (:meth:`baft.protection.Protection.reads`)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     found = []
     for node in ast.walk(loop):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _name(node.value.func) == "iter":
+            continue
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) else []
         for target in targets:
