@@ -133,6 +133,43 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 
 
+DECIDED = """
+import sys
+from types import SimpleNamespace
+from baft.pipeline.loop import Loop
+
+LOOP = Loop()
+LOOP.script_resumed = {resumed}
+
+class Engine:
+    global_steps = global_rank = 0
+    baft = SimpleNamespace(config=SimpleNamespace(loop="auto"), client_state=None)
+    def train_batch(self):
+        LOOP.decide(self, sys._getframe(1))
+
+engine = Engine()
+start_epoch, start_step = {start}, 1
+for epoch in range(start_epoch, 3):
+    for step in range(start_step if epoch == start_epoch else 0, 4):
+        engine.train_batch()
+        break
+    break
+"""
+
+
+def test_a_range_from_a_start_read_at_the_call_counts_its_calls_unless_the_script_resumed_itself_to_it(tmp_path):
+    """A trainer's ``range(self.start_epoch, n)`` at 0 or 1 counts its calls from its start (replayed after a
+    resume); where the script's own load_checkpoint returned the restored step's client_state and the loop starts
+    from it (epoch 1, step 1), the loop resumes itself: no call is replayed."""
+    for start, resumed, counts in ((0, False, True), (1, True, False), (1, False, True), (0, True, False)):
+        script = tmp_path / f"decided{start}{resumed}.py"
+        script.write_text(DECIDED.format(start=start, resumed=resumed))
+        loop = runpy.run_path(str(script), run_name="__main__")["LOOP"]
+        assert loop.site.start_read and loop.counts_calls == counts, (start, resumed, loop.site)
+    site, _ = _site(tmp_path, "for step in range(0, N):\n    engine.train_batch()")
+    assert site.counts_calls and not site.start_read, "a start in the source is no start read at the call"
+
+
 def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     """``iteration += 1`` feeding a warm-up in a loop on the engine's step: no snapshot holds it, so a resumed run
     starts it again from 0 (said at start, where the loop does not count its calls)."""

@@ -68,6 +68,8 @@ class Loop:
         self.not_in_place = ""  # why a peer's death relaunches every rank rather than replace it in place
         self.call_sites: set = set()  # where train_batch was called from (the first one: what the loop read)
         self.said_unreplayable = False  # whether an eval_batch value a replay could not return was said
+        # whether the script's own load_checkpoint returned the restored step's client_state: it resumes itself
+        self.script_resumed = False
 
     def restored(self, items: Optional[dict]) -> None:
         """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
@@ -92,7 +94,9 @@ class Loop:
         self.site = loop_around(frame, kept=self._kept(engine)) if mode == "auto" else None
         if self.site is not None and self.site.sets_state:
             self._sets_state(engine, self.site)
-        self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls)
+        # a range from a start read at the call counts from 0, unless the script resumed itself to that start
+        self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls
+                                                and not (self.site.start_read and self.script_resumed))
         if self.site is not None and self.site.unread and engine.global_rank == 0:
             print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
                   f"engine's step, and baft cannot read what it counts: resumed after a fault it would run as many "

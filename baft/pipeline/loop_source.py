@@ -39,6 +39,9 @@ class LoopSite:
     sets_state: str = ""
     # where the loops add a number to a name they read and did not start (``iteration += 1``), file:line and text
     own_count: str = ""
+    # one of the loops is a range from a start read at the call (``range(start, n)``): 0 or 1 then, it counts its
+    # calls, unless the script resumed itself to that start
+    start_read: bool = False
 
 
 def loop_around(frame, kept=()) -> Optional[LoopSite]:
@@ -71,7 +74,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
                                                   for file, loop, _, frame in loops)), ""),
-                    own_count=next(filter(None, (_own_count(file, loop, scope) for file, loop, scope, _ in loops)), ""))
+                    own_count=next(filter(None, (_own_count(file, loop, scope) for file, loop, scope, _ in loops)), ""),
+                    start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
 def _parsed(filename: str) -> Optional[ast.Module]:
@@ -118,6 +122,17 @@ def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
 # what goes through its first argument, call for call: a progress bar, an enumeration, a copy; the count is its own
 PASSED_THROUGH = ("tqdm", "enumerate", "list", "tuple", "reversed", "iter")
 RANGES = ("range", "trange", "arange")  # python's, tqdm's, numpy's and torch's
+
+
+def _start_read(loop: ast.AST) -> bool:
+    """A ``for`` over a range (through ``tqdm``, ``enumerate``, ...) whose start is no number in the source."""
+    if not isinstance(loop, (ast.For, ast.AsyncFor)):
+        return False
+    expr = loop.iter
+    while isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
+        expr = expr.args[0]
+    return (isinstance(expr, ast.Call) and _name(expr.func) in RANGES and len(expr.args) > 1
+            and not (isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, int)))
 
 
 def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bool:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
+from baft.pipeline.loop import THIS_PROCESS
 from baft.recovery import world
 
 
@@ -95,6 +96,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
                              f"checkpoint is newer, but what it does not hold (the generators' states, unless the "
                              f"script saves them) is not restored: the run may differ from an uninterrupted one from "
                              f"here. Give baft.initialize client_state= to resume exactly from step {restored.step}")
+                THIS_PROCESS.script_resumed = True
             return load(load_dir, tag, *args, **kwargs)
         kept = f"step {restored.step} ({restored.source})"
         if not kept_client:
@@ -107,6 +109,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
         again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
         _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the client_state "
                      f"of step {restored.step}")
+        THIS_PROCESS.script_resumed = True
         return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
     engine.load_checkpoint = load_checkpoint
