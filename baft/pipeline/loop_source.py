@@ -68,8 +68,9 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=all(_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops),
-                    unread=not reads_step and any(not (_counts_calls(loop, scope, frame) or _goes_on_itself(loop, frame))
-                                                  for _, loop, scope, frame in loops),
+                    unread=not reads_step and (_count_around_data(loops) or any(
+                        not (_counts_calls(loop, scope, frame) or _goes_on_itself(loop, frame))
+                        for _, loop, scope, frame in loops)),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
@@ -167,6 +168,15 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
     if len(args) > 1 and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, int)):
         return False
     return not _reads_engine_step(expr, scope)
+
+
+def _count_around_data(loops: list) -> bool:
+    """A loop over the data inside one that counts from a start in the source (``for epoch in range(3): for batch in
+    loader``): resumed, the data goes on from the restored position, the count from its start again."""
+    counts = [_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops]
+    return (any(not count and isinstance(loop, (ast.For, ast.AsyncFor)) and _data(loop.iter, frame)
+                for count, (_, loop, _, frame) in zip(counts, loops))
+            and any(count and not _start_read(loop) for count, (_, loop, _, _) in zip(counts, loops)))
 
 
 def _goes_on_itself(loop: ast.AST, frame) -> bool:
