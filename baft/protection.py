@@ -91,6 +91,8 @@ class Protection:
         from baft.pipeline.loop import THIS_PROCESS
         from baft.snapshot.data import ResumableLoader, foreign_iterator
 
+        if isinstance(self.data_position, ResumableLoader):
+            self.data_position.reads(data_iter)
         last, self._last_read = self._last_read, data_iter
         kept = self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
         if last is not None and data_iter is not last and data_iter is kept:

@@ -229,3 +229,37 @@ def test_a_distributed_sampler_restores_as_the_epoch_its_script_set_when_the_res
     fresh = loader()
     data_position(None, fresh).load_state_dict(saved)
     assert [b[:, 0].tolist() for b in iter(fresh)] == samples, "a new process's"
+
+
+@pytest.mark.parametrize("name", ["shuffle, generator", "torch's RandomSampler with its generator"])
+def test_an_iterator_taken_again_before_the_restored_one_read_is_made_the_restored_one(name):
+    """A trainer takes iter() of its loader as it is made and again as its loop starts, as the run it resumes did:
+    the first, the restored one, is left unread, and train_batch reads the second; that one goes on from the restored
+    position (before, it read the epoch from its start). Once the restored position is an epoch's end, a new
+    iterator is the next epoch's."""
+    torch.manual_seed(0)
+    loader = LOADERS[name](0)
+    position = data_position(None, loader)
+    iter(loader)  # the trainer's __init__
+    batches = iter(loader)  # its loop
+    for _ in range(3):
+        next(batches)
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    reference = [next(batches) for _ in range(4)]  # to the epoch's end
+    with pytest.raises(StopIteration):
+        next(batches)
+    next_epoch = next(iter(loader))[:, 0]
+    torch.manual_seed(99)
+    restored = LOADERS[name](0)
+    again = data_position(None, restored)
+    again.load_state_dict(saved)
+    iter(restored)
+    taken = iter(restored)
+    again.reads(taken)  # train_batch's first call
+    torch.set_rng_state(rng)
+    assert all(torch.equal(next(taken), batch) for batch in reference)
+    with pytest.raises(StopIteration):
+        next(taken)
+    following = iter(restored)  # the next epoch's: the restored one has read
+    again.reads(following)
+    assert torch.equal(next(following)[:, 0], next_epoch)

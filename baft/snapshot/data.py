@@ -115,6 +115,18 @@ class ResumableLoader:
             self.unread = (kept, self.loader._iterator)
         self.restored = self.loader._iterator
 
+    def reads(self, data_iter) -> None:
+        """``train_batch`` reads ``data_iter``: where it is an iterator of this loader made since the restore while the
+        restored one has read nothing (a script that takes ``iter()`` again before its loop, as the run it resumes
+        did), that one is made the restored one; an iterator taken once the restored position is an epoch's end is
+        the next epoch's."""
+        if self.unread is None or data_iter is None or data_iter is not self.loader._iterator:
+            return
+        saved, restored = self.unread
+        if data_iter is restored or restored._num_yielded != _yielded(saved["loader"]) or self.spent():
+            return
+        self.load_state_dict(saved)
+
     def taken_since_restore(self) -> bool:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
         return self.restored is not None and self.loader._iterator is not self.restored
