@@ -67,6 +67,8 @@ COUNTS = {
     "zip of counts": ("import itertools\nfor step, _ in zip(range(N), itertools.repeat(None)):\n"
                       "    engine.train_batch()"),
     "reversed": "for left in reversed(range(N)):\n    engine.train_batch()",
+    "its own resume position, none yet": ("resume = None\nfor step in range(int(resume or 0), max(N, 1)):\n"
+                                          "    engine.train_batch()"),
     "a trainer's own start, at 0": ("start_epoch = start_step = 0\nfor epoch in range(start_epoch, args.epochs):\n"
                                     "    for step in range(start_step if epoch == start_epoch else 0, N):\n"
                                     "        engine.train_batch()"),

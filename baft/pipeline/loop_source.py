@@ -123,6 +123,7 @@ def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
 # what goes through its first argument, call for call: a progress bar, an enumeration, a copy; the count is its own
 PASSED_THROUGH = ("tqdm", "enumerate", "list", "tuple", "reversed", "iter")
 RANGES = ("range", "trange", "arange")  # python's, tqdm's, numpy's and torch's
+PURE = ("range", "len", "int", "min", "max", "abs")  # builtins a loop's bounds call that change nothing
 
 
 def _start_read(loop: ast.AST) -> bool:
@@ -200,13 +201,13 @@ def _data(expr: ast.AST, frame) -> bool:
 
 def _value(expr: ast.AST, frame):
     """What ``expr`` holds in ``frame``, where it only reads names, attributes, items, arithmetic, comparisons and
-    conditions, and calls ``range`` or ``len`` (nothing it evaluates can change anything); None otherwise."""
+    conditions, and calls :data:`PURE` builtins (nothing it evaluates can change anything); None otherwise."""
     allowed = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Load, ast.BinOp, ast.UnaryOp, ast.operator,
                ast.unaryop, ast.Slice, ast.Tuple, ast.List, ast.Call, ast.IfExp, ast.Compare, ast.cmpop, ast.BoolOp,
                ast.boolop)
     for node in ast.walk(expr):
         if not isinstance(node, allowed) or (isinstance(node, ast.Call) and not (
-                isinstance(node.func, ast.Name) and node.func.id in ("range", "len") and not node.keywords)):
+                isinstance(node.func, ast.Name) and node.func.id in PURE and not node.keywords)):
             return None
     try:
         return eval(compile(ast.Expression(expr), "<baft loop>", "eval"), frame.f_globals, frame.f_locals)
