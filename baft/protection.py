@@ -40,6 +40,8 @@ class Protection:
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
         self._last_read = None  # the iterator train_batch was given at its last call
         self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
+        self._kept_at_last_read = (None, 0)  # the loader's iterator at train_batch's last call, and what it had read
+        self._said_pulled = False
 
     @property
     def root(self) -> str:
@@ -97,6 +99,10 @@ class Protection:
         kept = self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
         if last is not None and data_iter is not last and data_iter is kept:
             self.epoch_began = self.engine.global_steps + 1
+        read = getattr(kept, "_num_yielded", 0)
+        if data_iter is not kept and (kept, read) != self._kept_at_last_read and kept is self._kept_at_last_read[0]:
+            self._pulled_by_the_loop()
+        self._kept_at_last_read = (kept, read)
         if last is not None and data_iter is not last and data_iter is not kept:
             THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one made "
                                                    "for each call?): a survivor would train the steps since the "
@@ -109,6 +115,17 @@ class Protection:
         why = foreign_iterator(self.data_position, data_iter)
         if why and self.engine.global_rank == 0:
             self.warn(why)
+
+    def _pulled_by_the_loop(self) -> None:
+        """The loop read batches of the loader baft keeps between two calls, and gives ``train_batch`` iterators of
+        its own (``for batch in loader: engine.train_batch(iter([batch]))``): said once."""
+        if self._said_pulled or self.engine.global_rank != 0:
+            return
+        self._said_pulled = True
+        self.warn("the loop takes its batches from the data loader itself and gives train_batch an iterator of them "
+                  "at each call: baft saves the loader's position as the next step begins, after the loop took that "
+                  "step's batches, so a resumed run would skip them. Give train_batch an iterator of the loader "
+                  "(batches = iter(loader)), from which it reads the micro-batches itself")
 
     def replayed(self) -> None:
         """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),

@@ -263,3 +263,41 @@ def test_an_iterator_taken_again_before_the_restored_one_read_is_made_the_restor
     following = iter(restored)  # the next epoch's: the restored one has read
     again.reads(following)
     assert torch.equal(next(following)[:, 0], next_epoch)
+
+
+def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_skip_them_when_resumed(capsys):
+    """``for batch in loader: engine.train_batch(iter([batch]))``: the position baft saves as the next step begins is
+    past the batch the loop took for it, so a resumed run would skip it; said once. An iterator of the loader read
+    by train_batch, or the loop's own batches from elsewhere, are not."""
+    from types import SimpleNamespace
+
+    from baft.config import parse_config
+    from baft.protection import Protection
+
+    def calls(feed) -> str:
+        engine = SimpleNamespace(global_steps=0, global_rank=0)
+        protection = Protection(engine, parse_config({"baft": {}}))
+        loader = LOADERS["shuffle, generator"](0)
+        protection.data_position = data_position(None, loader)
+        feed(protection, loader, engine)
+        return capsys.readouterr().err
+
+    def own_batches(protection, loader, engine):
+        for batch in loader:
+            protection.reads(iter([batch]))
+            engine.global_steps += 1
+
+    def the_loaders_iterator(protection, loader, engine):
+        batches = iter(loader)
+        for _ in range(3):
+            protection.reads(batches)
+            next(batches)
+            engine.global_steps += 1
+
+    def elsewhere(protection, loader, engine):
+        for batch in [torch.zeros(2)] * 3:
+            protection.reads(iter([batch]))
+
+    said = calls(own_batches)
+    assert said.count("the loop takes its batches from the data loader itself") == 1, said
+    assert "takes its batches" not in calls(the_loaders_iterator) + calls(elsewhere)
