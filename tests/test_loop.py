@@ -200,7 +200,7 @@ def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
     assert not any(_site(tmp_path, COUNTS[name])[0].unread for name in COUNTS)
 
 
-def test_a_collective_between_the_calls_is_found_in_the_loop_or_a_function_it_calls(tmp_path):
+def test_a_collective_between_the_calls_is_found_in_the_loop_or_a_function_or_method_it_calls(tmp_path):
     """A replacement in place replays a loop that counts its calls alone: a collective there would wait for peers that
     are not (:mod:`baft.recovery.in_place` relaunches every rank instead)."""
     never = "    if engine.global_steps < 0:  # read, not run: no process group here\n    "
@@ -213,6 +213,11 @@ def test_a_collective_between_the_calls_is_found_in_the_loop_or_a_function_it_ca
             "barrier()",
         f"from deepspeed import comm\nfor _ in range(N):\n    engine.train_batch()\n{never}    comm.broadcast(x, 0)":
             "comm.broadcast(x, 0)",
+        # a trainer's method, through another (round seven's hung in place)
+        ("import torch.distributed as dist\nclass Trainer:\n    def mean(self, x):\n        dist.all_reduce(x)\n"
+         "    def evaluate(self):\n        return self.mean(1)\n    def fit(self):\n        for _ in range(N):\n"
+         "            engine.train_batch()\n            if engine.global_steps < 0:\n                self.evaluate()\n"
+         "Trainer().fit()"): "dist.all_reduce(x)",
     }
     for body, call in found.items():
         site, script = _site(tmp_path, body)

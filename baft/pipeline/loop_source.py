@@ -274,8 +274,9 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST) -> str:
 
 
 def _collective(filename: str, loop: ast.AST) -> str:
-    """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function of
-    the same file it calls, as ``file:line (text)``; "" where none is."""
+    """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function or
+    method of the same file it calls (``evaluate()``, ``self.evaluate()``), and those they call, as ``file:line
+    (text)``; "" where none is."""
     tree = _parsed(filename)
     functions = {node.name: node for node in ast.walk(tree)
                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -289,11 +290,16 @@ def _collective(filename: str, loop: ast.AST) -> str:
         return (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES
                 and any(word in ast.unparse(func.value) for word in ("dist", "comm")))
 
-    calls = [node for node in ast.walk(loop) if isinstance(node, ast.Call)]
-    for call in calls + [node for call in calls if isinstance(call.func, ast.Name) and call.func.id in functions
-                         for node in ast.walk(functions[call.func.id]) if isinstance(node, ast.Call)]:
-        if is_collective(call):
-            return f"{filename}:{call.lineno} ({ast.unparse(call)})"
+    bodies, seen = [loop], set()
+    while bodies:
+        calls = [node for node in ast.walk(bodies.pop(0)) if isinstance(node, ast.Call)]
+        for call in calls:
+            if is_collective(call):
+                return f"{filename}:{call.lineno} ({ast.unparse(call)})"
+            called = _name(call.func)
+            if called in functions and called not in seen:
+                seen.add(called)
+                bodies.append(functions[called])
     return ""
 
 
