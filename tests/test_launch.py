@@ -113,7 +113,12 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
         assert stopped and watch.error == ("rank 1: ValueError: step 6: lr must be positive (it ended the attempt "
                                            "before too: a restart does not help)")
     watch = _Watch(io.StringIO(), lambda: None, 5, 5)
+    for line in peer_first:  # the last attempt's, no restart left: its line is the run's reason
+        watch._read(line, "stderr")
+    assert watch.outcome(1).exception == ("rank 1: ValueError: step 6: lr must be positive (in a training step, with "
+                                          "no restart left)")
+    watch = _Watch(io.StringIO(), lambda: None, 5, 5)
     for port in (9856, 34506):  # a peer's echo alone, twice, is no error of the run's
         for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:
             watch._read(line, "stderr")
-    assert watch.error is None
+    assert watch.error is None and watch.outcome(1).exception is None

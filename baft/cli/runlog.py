@@ -297,7 +297,8 @@ class _Watch:
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
         else the exception the rank torchrun saw fail first died of, when raised outside a training step
-        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank)."""
+        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank), or else one
+        raised in a step, not an echo, that ended the last attempt (no restart was left to get past it)."""
         if code == 0:
             return Outcome(0)
         if self.error is not None:
@@ -306,6 +307,9 @@ class _Watch:
         exception = self.exceptions.get(rank)
         if exitcode > 0 and exception is not None and not exception.in_step:
             return Outcome(code, exception=f"rank {rank}: {exception.line}")
+        if self.ended_before:
+            rank, line = min(self.ended_before)
+            return Outcome(code, exception=f"rank {rank}: {line} (in a training step, with no restart left)")
         return Outcome(code)
 
     def print_tails(self) -> None:
