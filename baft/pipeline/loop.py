@@ -97,19 +97,17 @@ class Loop:
         # a range from a start read at the call counts from 0, unless the script resumed itself to that start
         self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls
                                                 and not (self.site.start_read and self.script_resumed))
-        if self.site is not None and self.site.unread and engine.global_rank == 0:
-            print(f"baft: the loop at {self.site.where} ({self.site.text}) around train_batch does not read the "
-                  f"engine's step, and baft cannot read what it counts: resumed after a fault it would run as many "
-                  f"steps again as it ran from the start. Loop on the engine's step (while engine.global_steps < N), "
-                  f"or say \"loop\": \"calls\" in the baft section if it counts its calls from 0",
-                  file=sys.stderr, flush=True)
+        if self.site is not None and self.site.unread:
+            self._say(engine, "around train_batch does not read the engine's step, and baft cannot read what it "
+                              "counts: resumed after a fault it would run as many steps again as it ran from the "
+                              "start. Loop on the engine's step (while engine.global_steps < N), or say \"loop\": "
+                              "\"calls\" in the baft section if it counts its calls from 0")
         if not self.counts_calls:
-            if self.site is not None and self.site.own_count and engine.global_rank == 0:
-                print(f"baft: the loop at {self.site.where} ({self.site.text}) adds to a count of the script's own, "
-                      f"{self.site.own_count}, which no snapshot holds: resumed after a fault it starts again from "
-                      f"its first value, not where the uninterrupted run had it. Count with the engine's step "
-                      f"(engine.global_steps), or keep it in client_state= of baft.initialize",
-                      file=sys.stderr, flush=True)
+            if self.site is not None and self.site.own_count:
+                self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
+                                  f"holds: resumed after a fault it starts again from its first value, not where the "
+                                  f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
+                                  f"keep it in client_state= of baft.initialize")
             if self.site is not None and self.site.from_step:
                 self.not_in_place = (f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of calls "
                                      f"from the step it started at: a survivor's, started before the restored step, "
@@ -138,6 +136,11 @@ class Loop:
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+
+    def _say(self, engine, what: str) -> None:
+        """One line about the loop read at the first call, by rank 0."""
+        if engine.global_rank == 0:
+            print(f"baft: the loop at {self.site.where} ({self.site.text}) {what}", file=sys.stderr, flush=True)
 
     def _sets_state(self, engine, site: LoopSite) -> None:
         """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
