@@ -65,12 +65,13 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
     reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
+    counts = [_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops]
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
-                    counts_calls=all(_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops),
-                    unread=not reads_step and (_count_around_data(loops) or any(
-                        not (_counts_calls(loop, scope, frame) or _goes_on_itself(loop, frame))
-                        for _, loop, scope, frame in loops)),
+                    counts_calls=all(counts),
+                    unread=not reads_step and (_count_around_data(loops, counts) or any(
+                        not (count or _goes_on_itself(loop, frame))
+                        for count, (_, loop, _, frame) in zip(counts, loops))),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
@@ -126,13 +127,18 @@ RANGES = ("range", "trange", "arange")  # python's, tqdm's, numpy's and torch's
 PURE = ("range", "len", "int", "min", "max", "abs")  # builtins a loop's bounds call that change nothing
 
 
+def _through(expr: ast.AST) -> ast.AST:
+    """``expr`` without the :data:`PASSED_THROUGH` calls around it."""
+    while isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
+        expr = expr.args[0]
+    return expr
+
+
 def _start_read(loop: ast.AST) -> bool:
     """A ``for`` over a range (through ``tqdm``, ``enumerate``, ...) whose start is no number in the source."""
     if not isinstance(loop, (ast.For, ast.AsyncFor)):
         return False
-    expr = loop.iter
-    while isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
-        expr = expr.args[0]
+    expr = _through(loop.iter)
     return (isinstance(expr, ast.Call) and _name(expr.func) in RANGES and len(expr.args) > 1
             and not (isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, int)))
 
@@ -171,10 +177,10 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
     return not _reads_engine_step(expr, scope)
 
 
-def _count_around_data(loops: list) -> bool:
+def _count_around_data(loops: list, counts: list[bool]) -> bool:
     """A loop over the data inside one that counts from a start in the source (``for epoch in range(3): for batch in
-    loader``): resumed, the data goes on from the restored position, the count from its start again."""
-    counts = [_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops]
+    loader``): resumed, the data goes on from the restored position, the count from its start again. ``counts``:
+    whether each of ``loops`` counts its calls."""
     return (any(not count and isinstance(loop, (ast.For, ast.AsyncFor)) and _data(loop.iter, frame)
                 for count, (_, loop, _, frame) in zip(counts, loops))
             and any(count and not _start_read(loop) for count, (_, loop, _, _) in zip(counts, loops)))
@@ -191,8 +197,7 @@ def _goes_on_itself(loop: ast.AST, frame) -> bool:
 
 
 def _data(expr: ast.AST, frame) -> bool:
-    if isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
-        return _data(expr.args[0], frame)
+    expr = _through(expr)
     if isinstance(expr, ast.Call) and _name(expr.func) == "zip":
         return any(_data(arg, frame) for arg in expr.args)
     value = _value(expr, frame)
