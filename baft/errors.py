@@ -1,7 +1,7 @@
 """Errors that are the user's to fix (the CLI prints them as one line, never a traceback), and the words by
 which a rank's error says that a peer's process is gone."""
 
-# gloo's words in a send, a receive or a collective whose peer died
+# what a gloo or NCCL error says when the peer's process is gone
 LOST_PEER = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 
 

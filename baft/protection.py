@@ -93,22 +93,25 @@ class Protection:
         from baft.pipeline.loop import THIS_PROCESS
         from baft.snapshot.data import ResumableLoader, foreign_iterator
 
-        if isinstance(self.data_position, ResumableLoader):
-            self.data_position.reads(data_iter)
-        last, self._last_read = self._last_read, data_iter
-        kept = self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
-        if last is not None and data_iter is not last and data_iter is kept:
-            self.epoch_began = self.engine.global_steps + 1
+        loader = self.data_position if isinstance(self.data_position, ResumableLoader) else None
+        if loader is not None:
+            loader.reads(data_iter)
+        kept = loader.loader._iterator if loader is not None else None  # the latest iterator of the kept loader
         read = getattr(kept, "_num_yielded", 0)
-        if data_iter is not kept and (kept, read) != self._kept_at_last_read and kept is self._kept_at_last_read[0]:
+        before, read_before = self._kept_at_last_read
+        if data_iter is not kept and kept is before and read != read_before:
             self._pulled_by_the_loop()
         self._kept_at_last_read = (kept, read)
-        if last is not None and data_iter is not last and data_iter is not kept:
-            THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one made "
-                                                   "for each call?): a survivor would train the steps since the "
-                                                   "restored one from the latest call's",
-                                      "Pass train_batch the same iterator every call, or one of the data iterator "
-                                      "given to baft.initialize, for its survivors to recover in place")
+        last, self._last_read = self._last_read, data_iter
+        if last is not None and data_iter is not last:
+            if data_iter is kept:  # an epoch's
+                self.epoch_began = self.engine.global_steps + 1
+            else:
+                THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one "
+                                                       "made for each call?): a survivor would train the steps since "
+                                                       "the restored one from the latest call's",
+                                          "Pass train_batch the same iterator every call, or one of the data iterator "
+                                          "given to baft.initialize, for its survivors to recover in place")
         if data_iter is None or id(data_iter) in self._read:
             return
         self._read.add(id(data_iter))

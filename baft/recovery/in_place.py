@@ -30,11 +30,11 @@ def recover(engine, error: BaseException) -> bool:
     """Recover ``engine``'s rank in place from ``error``, raised by its ``train_batch``; False where that is not
     for baft to do (no replacement can come), and the error stands."""
     protection = engine.baft
-    why = protection.not_in_place or THIS_PROCESS.not_in_place
-    if not why and protection.again is not None and world.available() and world.lost_peer(error):
-        why = protection.epoch_behind()
-    if protection.again is None or why or not world.available() or not world.lost_peer(error):
-        if why and world.lost_peer(error):
+    lost = world.lost_peer(error)
+    possible = protection.again is not None and world.available() and lost
+    why = protection.not_in_place or THIS_PROCESS.not_in_place or (possible and protection.epoch_behind())
+    if not possible or why:
+        if why and lost:
             error.baft_not_in_place = why  # what the rank's replacement says as it goes
         return False
     seen = time.time()

@@ -31,7 +31,6 @@ from baft.errors import says_peer_lost
 from baft.recovery.record import EARLIER_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
-# what a gloo or NCCL error says when the peer's process is gone
 REPLACED_ENV = "BAFT_WORLD_REPLACED"  # how many ranks of this process's world are replacements
 # seconds a survivor has to come to the new world before it is replaced too (see _meet): one computing comes at its
 # next send or receive, one blocked in a collective at once (_hang_up); a backstop
