@@ -184,6 +184,20 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     logged = ("total = 0.0\nwhile engine.global_steps < N:\n    total += engine.train_batch() or 0.5\n"
               "    engine.global_steps += 1\n    print(total)")
     assert _site(tmp_path, logged)[0].own_count == "", "a sum, not a count"
+    # a trainer's, in a method its loop calls (round seven's probe: printed only, it restarted at 0)
+    trainer = ("class Trainer:\n    def __init__(self):\n        self.global_step = 0\n"
+               "    def on_step_end(self):\n        self.global_step += 1\n        print(self.global_step)\n"
+               "    def fit(self):\n        while engine.global_steps < N:\n            engine.train_batch()\n"
+               "            engine.global_steps += 1\n            self.on_step_end()\nTrainer().fit()")
+    site, script = _site(tmp_path, trainer)
+    assert site.own_count == f"{script}:{STUB.count(chr(10)) + 5} (self.global_step += 1)", site
+    # ... not where the trainer resumes it itself, nor where the object is one baft keeps (the engine here)
+    resumed = trainer.replace("print(self.global_step)", "print(self.global_step)\n    def load(self, state):\n"
+                                                          "        self.global_step = state['step']")
+    assert _site(tmp_path, resumed)[0].own_count == "", "the script's own resume sets it"
+    kept = ("engine.calls = 0\nwhile engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1\n"
+            "    engine.calls += 1\n    print(engine.calls)")
+    assert _site(tmp_path, kept)[0].own_count == "", "an attribute of a kept object"
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):

@@ -37,7 +37,8 @@ class LoopSite:
     from_step: bool = False
     # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
     sets_state: str = ""
-    # where the loops add a number to a name they read and did not start (``iteration += 1``), file:line and text
+    # where the loops (or what they call) add a number to a count of the script's own, file:line and text
+    # (``iteration += 1``, a trainer's ``self.global_step += 1``)
     own_count: str = ""
     # one of the loops is a range from a start read at the call (``range(start, n)``): 0 or 1 then, it counts its
     # calls, unless the script resumed itself to that start
@@ -76,7 +77,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
                                                   for file, loop, _, frame in loops)), ""),
-                    own_count=next(filter(None, (_own_count(file, loop, scope) for file, loop, scope, _ in loops)), ""),
+                    own_count=next(filter(None, (_own_count(file, loop, scope, frame, kept)
+                                                  for file, loop, scope, frame in loops)), ""),
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -259,10 +261,13 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     return min(found)[1] if found else ""
 
 
-def _own_count(filename: str, loop: ast.AST, scope: ast.AST) -> str:
-    """The first ``name += <number>`` in ``loop`` whose name the loop reads elsewhere and does not set otherwise, nor
-    its scope from the engine's step (a count of the script's own, started before the loop: ``iteration += 1``
-    feeding a warm-up), as ``file:line (text)``; "" where none is."""
+def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str:
+    """The first count of the script's own the loop adds a number to, started before it and read again (resumed, it
+    starts from its first value), as ``file:line (text)``; "" where none is: ``name += <number>`` in ``loop`` whose name
+    the loop reads elsewhere and does not set otherwise, nor its scope from the engine's step (``iteration += 1``
+    feeding a warm-up); or ``obj.attr += <number>`` in the loop or a function or method of the same file it calls
+    (a trainer's ``self.global_step += 1`` in its ``on_step_end``), read there too, that the file sets to nothing but
+    a number (no resume of its own) on an object that is not one of ``kept``."""
     loaded = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     set_otherwise = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AnnAssign))
                      for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
@@ -270,21 +275,49 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST) -> str:
     if isinstance(loop, (ast.For, ast.AsyncFor)):
         set_otherwise |= {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     for node in ast.walk(loop):
-        if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and isinstance(node.op, ast.Add)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)
-                and node.target.id in loaded and node.target.id not in set_otherwise
+        if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in loaded
+                and node.target.id not in set_otherwise
                 and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
             return f"{filename}:{node.lineno} ({ast.unparse(node)})"
+    reached = [node for body in _reached(filename, loop) for node in ast.walk(body)]
+    read = {n.attr for n in reached if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+    resumed = {t.attr for node in ast.walk(_parsed(filename)) if isinstance(node, ast.Assign)
+               and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int))
+               for t in node.targets if isinstance(t, ast.Attribute)}
+    for node in reached:
+        if (_adds_a_number(node) and isinstance(node.target, ast.Attribute) and isinstance(node.target.value, ast.Name)
+                and node.target.attr in read and node.target.attr not in resumed | set(ENGINE_STEP)):
+            owner = frame.f_locals.get(node.target.value.id, frame.f_globals.get(node.target.value.id))
+            if not any(owner is k for k in kept):
+                return f"{filename}:{node.lineno} ({ast.unparse(node)})"
     return ""
+
+
+def _adds_a_number(node: ast.AST) -> bool:
+    return (isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, int))
+
+
+def _reached(filename: str, loop: ast.AST) -> list[ast.AST]:
+    """``loop`` and the functions and methods of the same file it calls (``evaluate()``, ``self.evaluate()``), and
+    those they call."""
+    functions = {node.name: node for node in ast.walk(_parsed(filename))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    reached, seen = [loop], set()
+    for body in reached:
+        for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
+            called = _name(call.func)
+            if called in functions and called not in seen:
+                seen.add(called)
+                reached.append(functions[called])
+    return reached
 
 
 def _collective(filename: str, loop: ast.AST) -> str:
     """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function or
-    method of the same file it calls (``evaluate()``, ``self.evaluate()``), and those they call, as ``file:line
-    (text)``; "" where none is."""
+    method of the same file it calls, and those they call (:func:`_reached`), as ``file:line (text)``; "" where none
+    is."""
     tree = _parsed(filename)
-    functions = {node.name: node for node in ast.walk(tree)
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module in ("torch.distributed", "deepspeed.comm") for alias in node.names}
 
@@ -295,16 +328,10 @@ def _collective(filename: str, loop: ast.AST) -> str:
         return (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES
                 and any(word in ast.unparse(func.value) for word in ("dist", "comm")))
 
-    bodies, seen = [loop], set()
-    while bodies:
-        calls = [node for node in ast.walk(bodies.pop(0)) if isinstance(node, ast.Call)]
-        for call in calls:
+    for body in _reached(filename, loop):
+        for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
             if is_collective(call):
                 return f"{filename}:{call.lineno} ({ast.unparse(call)})"
-            called = _name(call.func)
-            if called in functions and called not in seen:
-                seen.add(called)
-                bodies.append(functions[called])
     return ""
 
 
