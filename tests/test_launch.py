@@ -122,3 +122,35 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
         for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:
             watch._read(line, "stderr")
     assert watch.error is None and watch.outcome(1).exception is None
+
+
+def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_skews_no_single_node(monkeypatch):
+    """``baft.cli.torchrun`` replaces two things of torch's rendezvous (each restart spent 0.3-1.2 s in them): the
+    event name read off ``inspect.stack()``, by the same name read off the frame; and under ``--standalone`` the
+    random wait that skews nodes rejoining together, while a poll's wait stays."""
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from baft.cli import torchrun
+
+    def record(name_of):  # as DynamicRendezvousHandler._record names its event, two frames up
+        return name_of()
+
+    def _add_to_participants(name_of):
+        return record(name_of)
+
+    assert _add_to_participants(torchrun._method_name) == _add_to_participants(dynamic_rendezvous.get_method_name)
+    assert _add_to_participants(torchrun._method_name) == "_add_to_participants"
+    assert torchrun._method_name(depth=10 ** 6) == "no_method_name"
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
+    for argv, skewed in ((["--standalone", "--nproc-per-node=2", "--", "train.py"], False),
+                         (["--nnodes=2", "--", "train.py", "--standalone"], True)):
+        waits, ran = [], []
+        monkeypatch.setattr(dynamic_rendezvous, "_delay", waits.append)
+        monkeypatch.setattr(torch.distributed.run, "main", ran.append)
+        torchrun.main(argv)
+        assert ran == [argv]
+        dynamic_rendezvous._delay((0, 0.3))
+        dynamic_rendezvous._delay(1)
+        assert waits == ([(0, 0.3)] if skewed else []) + [1], argv

@@ -1,7 +1,8 @@
 """Start training processes through torch's elastic launcher (``torchrun``).
 
 baft writes no supervisor of its own: ``torch.distributed.run`` starts one process per
-rank, and with ``--max-restarts`` restarts them all when one dies.
+rank, and with ``--max-restarts`` restarts them all when one dies (run as :mod:`baft.cli.torchrun`, without two
+waits of its rendezvous a one-node restart does not need).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def torchrun(nprocs: int, module_args: list[str], max_restarts: int = 0, module:
              options: list[str] = ()) -> list[str]:
     """The command that runs ``python -m <module_args>`` (or a script) on ``nprocs`` local ranks;
     ``options`` are more of torchrun's own (``--tee``, ``--log-dir``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+    cmd = [sys.executable, "-m", "baft.cli.torchrun", "--standalone", f"--nproc-per-node={nprocs}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *options]
     # "--": a script's own option that abbreviates one of torchrun's (``--n 40``) is the script's
     return cmd + (["-m"] if module else []) + ["--", *module_args]
