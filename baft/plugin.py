@@ -63,12 +63,19 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     own_state = client_state is not None and not hasattr(client_state, "load_state_dict")
     own_groups = world.groups_before(bound.arguments.get("model")) if world.available() else 0
     if getattr(engine, "baft", None) is not None and world.available():
-        if wrapped or own_state or own_groups:
-            engine.baft.not_in_place = (
-                "the optimizer object DeepSpeed wrapped cannot be wrapped again" if wrapped else
-                "its client_state comes back only through the script's own load_checkpoint" if own_state else
-                f"the script made {own_groups} process groups before its PipelineModule, which a replacement makes "
-                f"again and a survivor cannot make with it")
+        if wrapped:
+            THIS_PROCESS.no_survivors(engine, "the optimizer object DeepSpeed wrapped cannot be wrapped again",
+                                      "Give deepspeed.initialize a callable making the optimizer, or the optimizer "
+                                      "in its config, for its survivors to recover in place")
+        elif own_state:
+            THIS_PROCESS.no_survivors(engine, "its client_state comes back only through the script's own "
+                                              "load_checkpoint",
+                                      "Give client_state= an object with state_dict() and load_state_dict() for its "
+                                      "survivors to recover in place")
+        elif own_groups:
+            THIS_PROCESS.no_survivors(engine, f"the script made {own_groups} process groups before its "
+                                              f"PipelineModule, which a replacement makes again and a survivor cannot "
+                                              f"make with it")
         else:
             engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
                                                   [base_optimizer(returned[1])])

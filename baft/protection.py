@@ -34,8 +34,9 @@ class Protection:
         self.restored: Optional[Restored] = None
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
-        self.again = None  # what baft.initialize did, to do again in place after a peer was killed
-        self.not_in_place: Optional[str] = None  # why not, where a peer's death replaces this rank instead
+        # what baft.initialize did, to do again in place after a peer was killed (None where it cannot: the reason is
+        # baft.pipeline.loop.THIS_PROCESS.not_in_place)
+        self.again = None
         self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
         self._last_read = None  # the iterator train_batch was given at its last call

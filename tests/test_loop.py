@@ -373,6 +373,40 @@ def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(caps
     assert said.count("baft: eval_batch returned tuple at step 3, not a scalar (return_logits=True?)") == 1, said
 
 
+def test_a_batch_size_the_script_changes_has_every_rank_replaced_in_place_said_once_first_reason_kept(
+        monkeypatch, capsys):
+    """``set_train_batch_size`` (a batch-size ramp): a survivor's new engine would train at the configured size, so a
+    fault replaces every rank; the reason is kept as the one record and said once, by rank 0, where recovery in place
+    is on. A later reason is neither kept nor said."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from baft.config import GENERATION_ENV, STORE_ENV
+    from baft.pipeline import hooks
+    from baft.pipeline.loop import Loop
+
+    loop = Loop()
+    monkeypatch.setattr(hooks, "THIS_PROCESS", loop)
+    monkeypatch.setenv(STORE_ENV, "127.0.0.1:1")
+    monkeypatch.setenv(GENERATION_ENV, "0")
+    sizes = []
+    monkeypatch.setattr(PipelineEngine, "set_train_batch_size", lambda self, size: sizes.append(size))
+    engine = hooks.BaftPipelineEngine.__new__(hooks.BaftPipelineEngine)  # no DeepSpeed engine: the override alone
+    engine.global_rank, engine.baft, engine.train_batch_size = 0, SimpleNamespace(data_position=None), lambda: 8
+    engine.set_train_batch_size(8)  # the size it has: nothing to say
+    assert (loop.not_in_place, capsys.readouterr().err) == ("", "")
+    engine.set_train_batch_size(16)
+    engine.set_train_batch_size(32)
+    loop.no_survivors(engine, "a later reason", "Not said")
+    said = capsys.readouterr().err
+    why = ("the script changed the engine's batch size (set_train_batch_size): a survivor's new engine would train "
+           "the steps since the restored one at the configured size")
+    assert loop.not_in_place == why and sizes == [8, 16, 32]
+    assert said.count(f"baft: on a fault every rank is replaced, not only the killed one: {why}. ") == 1, said
+    assert "later" not in said
+
+
 @pytest.mark.slow
 def test_a_loop_that_sets_state_baft_does_not_keep_has_every_rank_replaced_in_place(tmp_path):
     """tests/scripts/curriculum.py sets its data's difficulty before each step (after a warm-up loop too), or gives

@@ -129,9 +129,11 @@ class BaftPipelineEngine(PipelineEngine):
             position = self.baft.data_position
             if hasattr(position, "batch_size_changes") and not THIS_PROCESS.replaying:  # the engine's own loader
                 position.batch_size_changes()
-            THIS_PROCESS.not_in_place = THIS_PROCESS.not_in_place or (
-                "the script changed the engine's batch size (set_train_batch_size): a survivor's new engine would "
-                "train the steps since the restored one at the configured size")
+            THIS_PROCESS.no_survivors(self, "the script changed the engine's batch size (set_train_batch_size): a "
+                                            "survivor's new engine would train the steps since the restored one at "
+                                            "the configured size",
+                                      "Keep the batch size the DeepSpeed config sets for its survivors to recover in "
+                                      "place")
         super().set_train_batch_size(train_batch_size)
 
     def _train_to(self, step: int, data_iter):

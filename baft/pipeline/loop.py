@@ -65,7 +65,8 @@ class Loop:
         self.peers: Optional[dict] = None  # in a replacement in place: the survivors' progress()
         self.started: dict[int, dict] = {}  # step -> generators and hyper-parameters as its iteration started
         self.recorded = False  # whether the restored snapshot holds a loop's history
-        self.not_in_place = ""  # why a peer's death relaunches every rank rather than replace it in place
+        # why a peer's death relaunches every rank rather than replace it in place: the first no_survivors() was told
+        self.not_in_place = ""
         self.call_sites: set = set()  # where train_batch was called from (the first one: what the loop read)
         self.said_unreplayable = False  # whether an eval_batch value a replay could not return was said
         # whether the script's own load_checkpoint returned the restored step's client_state: it resumes itself
@@ -109,14 +110,18 @@ class Loop:
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
                                   f"keep it in client_state= of baft.initialize")
             if self.site is not None and self.site.from_step:
-                self.not_in_place = (f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of calls "
-                                     f"from the step it started at: a survivor's, started before the restored step, "
-                                     f"would end before its replacement's")
+                self.no_survivors(engine, f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of "
+                                          f"calls from the step it started at: a survivor's, started before the "
+                                          f"restored step, would end before its replacement's",
+                                  "Loop on the engine's step (while engine.global_steps < N) for its survivors to "
+                                  "recover in place")
             return
         if self.site is not None and self.site.collective:
-            self.not_in_place = (f"its loop calls a collective between its calls to train_batch, at "
-                                 f"{self.site.collective}: a replacement replaying the calls before the restored step "
-                                 f"would wait there for peers that are not")
+            self.no_survivors(engine, f"its loop calls a collective between its calls to train_batch, at "
+                                      f"{self.site.collective}: a replacement replaying the calls before the restored "
+                                      f"step would wait there for peers that are not",
+                              "Loop on the engine's step (while engine.global_steps < N), which replays no calls, for "
+                              "its survivors to recover in place")
         # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
         self.to_replay = self.evaluated_until = k = engine.global_steps
         loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
@@ -152,16 +157,17 @@ class Loop:
                           "Keep it in a state baft saves (client_state= of baft.initialize, or the data iterator's "
                           "state_dict) for its survivors to recover in place")
 
-    def no_survivors(self, engine, why: str, advice: str) -> None:
+    def no_survivors(self, engine, why: str, advice: str = "") -> None:
         """A peer's death replaces this rank too, not only the killed one (``why``): said once, by rank 0, where
-        recovery in place is on."""
+        recovery in place is on. The one record of why this process cannot recover in place
+        (:func:`baft.recovery.in_place.recover` reads it): the first reason given is kept, later ones are not said."""
         if self.not_in_place:
             return
         self.not_in_place = why
         in_place = STORE_ENV in os.environ  # a killed rank is replaced in place (baft.recovery.world.available)
         if in_place and os.environ.get(GENERATION_ENV, "0") == "0" and engine.global_rank == 0:
-            print(f"baft: on a fault every rank is replaced, not only the killed one: {why}. {advice}",
-                  file=sys.stderr, flush=True)
+            print(f"baft: on a fault every rank is replaced, not only the killed one: {why}.{' ' if advice else ''}"
+                  f"{advice}", file=sys.stderr, flush=True)
 
     @staticmethod
     def _kept(engine) -> tuple:
