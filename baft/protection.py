@@ -31,6 +31,7 @@ class Protection:
         self.schedule = config.schedule
         self.hooks = Hooks()
         self.client_state = None  # the script's own state (a ClientState), where it gave one
+        self.load_guard = None  # what the engine's load_checkpoint calls, once restored (recovery.script_checkpoint)
         self.restored: Optional[Restored] = None
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory

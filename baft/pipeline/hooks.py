@@ -174,6 +174,12 @@ class BaftPipelineEngine(PipelineEngine):
             return True
         return super().save_checkpoint(*args, **kwargs)
 
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        guard = self.baft.load_guard  # baft.recovery.script_checkpoint's, once baft restored (None before, or unset)
+        load = super().load_checkpoint
+        return load(load_dir, tag, *args, **kwargs) if guard is None else guard(self, load, load_dir, tag, *args,
+                                                                                  **kwargs)
+
     def _protected_batch(self, data_iter):
         for hook in self.baft.hooks:
             hook.iteration_start(self)

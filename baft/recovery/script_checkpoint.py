@@ -22,6 +22,7 @@ so the counters are right after a fault that came before the script's first chec
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from typing import Optional
@@ -74,45 +75,47 @@ def checkpoint_step(load_dir, tag=None) -> tuple[Optional[str], Optional[int]]:
 
 
 def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
-    """Make ``engine.load_checkpoint`` keep a snapshot baft restored over an older checkpoint (module docstring)."""
-    load = engine.load_checkpoint
+    """Make ``engine.load_checkpoint`` keep a snapshot baft restored over an older checkpoint (module docstring): the
+    protected engine's method (:meth:`baft.pipeline.hooks.BaftPipelineEngine.load_checkpoint`) calls the guard from
+    now on, until the protection closes and gives the engine back as DeepSpeed made it."""
+    engine.baft.load_guard = functools.partial(_guarded_load, client_state)
 
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        restored = engine.baft.restored
-        path, step = checkpoint_step(load_dir, tag)
-        kept_client = client_state is not None and client_state.restored is not None
-        # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
-        # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
-        newer = restored is not None and step is not None and step > restored.step
-        if restored is None or step is None or (not kept_client and step >= restored.step):
-            if newer:
-                if world.generation():  # a replacement: its peers kept their processes and the snapshot
-                    raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "
-                                       f"{step} from {path}, newer than the step {restored.step} its peers restored; "
-                                       f"every rank starts again instead")
-                if restored.rng is not None:
-                    restored.rng.cancel()  # whatever the script keeps of the generators is the run's now
-                _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): the "
-                             f"checkpoint is newer, but what it does not hold (the generators' states, unless the "
-                             f"script saves them) is not restored: the run may differ from an uninterrupted one from "
-                             f"here. Give baft.initialize client_state= to resume exactly from step {restored.step}")
-                THIS_PROCESS.script_resumed = True
-            return load(load_dir, tag, *args, **kwargs)
-        kept = f"step {restored.step} ({restored.source})"
-        if not kept_client:
-            raise BaftError(f"engine.load_checkpoint({load_dir}) would roll this run back from {kept} to the "
-                            f"checkpoint's step {step}: pass baft.initialize client_state=, an object with "
-                            f"state_dict()/load_state_dict() or a callable giving what your script saves as "
-                            f"save_checkpoint(client_state=...) ({{}} if nothing), and load_checkpoint returns it as "
-                            f"of step {restored.step}")
-        redo = f"step {step} is" if step == restored.step + 1 else f"steps {restored.step + 1}-{step} are"
-        again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
-        _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the client_state "
-                     f"of step {restored.step}")
-        THIS_PROCESS.script_resumed = True
-        return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
-    engine.load_checkpoint = load_checkpoint
+def _guarded_load(client_state: Optional[ClientState], engine, load, load_dir, tag=None, *args, **kwargs):
+    """What ``engine.load_checkpoint(load_dir, tag, ...)`` does on a protected engine; ``load``: DeepSpeed's."""
+    restored = engine.baft.restored
+    path, step = checkpoint_step(load_dir, tag)
+    kept_client = client_state is not None and client_state.restored is not None
+    # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
+    # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
+    newer = restored is not None and step is not None and step > restored.step
+    if restored is None or step is None or (not kept_client and step >= restored.step):
+        if newer:
+            if world.generation():  # a replacement: its peers kept their processes and the snapshot
+                raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "
+                                   f"{step} from {path}, newer than the step {restored.step} its peers restored; "
+                                   f"every rank starts again instead")
+            if restored.rng is not None:
+                restored.rng.cancel()  # whatever the script keeps of the generators is the run's now
+            _say(engine, f"baft: loaded step {step} from {path} over step {restored.step} ({restored.source}): the "
+                         f"checkpoint is newer, but what it does not hold (the generators' states, unless the "
+                         f"script saves them) is not restored: the run may differ from an uninterrupted one from "
+                         f"here. Give baft.initialize client_state= to resume exactly from step {restored.step}")
+            THIS_PROCESS.script_resumed = True
+        return load(load_dir, tag, *args, **kwargs)
+    kept = f"step {restored.step} ({restored.source})"
+    if not kept_client:
+        raise BaftError(f"engine.load_checkpoint({load_dir}) would roll this run back from {kept} to the "
+                        f"checkpoint's step {step}: pass baft.initialize client_state=, an object with "
+                        f"state_dict()/load_state_dict() or a callable giving what your script saves as "
+                        f"save_checkpoint(client_state=...) ({{}} if nothing), and load_checkpoint returns it as "
+                        f"of step {restored.step}")
+    redo = f"step {step} is" if step == restored.step + 1 else f"steps {restored.step + 1}-{step} are"
+    again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
+    _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the client_state "
+                 f"of step {restored.step}")
+    THIS_PROCESS.script_resumed = True
+    return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
 
 def _say(engine, line: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import set_random_seed
 
 import baft
@@ -101,6 +102,10 @@ def main():
         progress.consumed_samples += MICRO_BATCH * MICRO_BATCHES
         if progress.iteration % args.save_every == 0:
             engine.save_checkpoint(args.ckpt, client_state=progress.state_dict())
+    # closed, baft gives the engine back as DeepSpeed made it: its load_checkpoint too, not baft's guard
+    engine.baft.close()
+    assert type(engine) is PipelineEngine and "load_checkpoint" not in vars(engine), type(engine)
+    assert engine.load_checkpoint.__func__ is PipelineEngine.load_checkpoint, engine.load_checkpoint
 
 
 if __name__ == "__main__":
