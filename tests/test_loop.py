@@ -53,6 +53,9 @@ COUNTS = {
                         "    engine.train_batch()"),
     "count from 1": "from itertools import count\nfor step in count(1):\n    engine.train_batch()\n    break",
     "range from a variable at 0": "start = 0\nfor step in range(start, N):\n    engine.train_batch()",
+    "range from a variable at 0, through tqdm": ("from tqdm import tqdm\nstart = 0\n"
+                                                 "for step in tqdm(range(start, N), disable=True):\n"
+                                                 "    engine.train_batch()"),
     "range from an attribute": "for step in range(args.epochs - 1, args.steps):\n    engine.train_batch()",
     "a list of learning rates": "lrs = [0.1, 0.05]\nfor lr in lrs:\n    engine.train_batch()",
     "a slice of a list": "lrs = [0.1, 0.05, 0.01]\nfor lr in lrs[1:]:\n    engine.train_batch()",
@@ -81,6 +84,10 @@ STEPS = {
                                       "    engine.train_batch()"),
     "range from the script's own start": ("start = args.epochs + 3\nfor step in range(start, start + N):\n"
                                           "    engine.train_batch()"),
+    # read as the range alone: not a loop baft cannot read (round eight's review: said to be unread)
+    "range from the script's own start, through tqdm": ("from tqdm import tqdm\nstart = args.epochs + 3\n"
+                                                        "for step in tqdm(range(start, start + N), disable=True):\n"
+                                                        "    engine.train_batch()"),
     "a list from the engine's step": ("lrs = [0.1] * (N - engine.global_steps)\nfor lr in lrs:\n"
                                       "    engine.train_batch()"),
     "a counter from the engine's step": ("step = engine.global_steps\nwhile step < N:\n    engine.train_batch()\n"
@@ -170,6 +177,11 @@ def test_a_range_from_a_start_read_at_the_call_counts_its_calls_unless_the_scrip
         assert loop.site.start_read and loop.counts_calls == counts, (start, resumed, loop.site)
     site, _ = _site(tmp_path, "for step in range(0, N):\n    engine.train_batch()")
     assert site.counts_calls and not site.start_read, "a start in the source is no start read at the call"
+    # through tqdm (or enumerate, ...) a range is read as the range alone
+    plain, wrapped = (_site(tmp_path, STEPS[f"range from the script's own start{how}"])[0]
+                      for how in ("", ", through tqdm"))
+    assert ((plain.start_read, plain.counts_calls, plain.unread) == (wrapped.start_read, wrapped.counts_calls,
+                                                                     wrapped.unread) == (True, False, False)), wrapped
 
 
 def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):

@@ -136,13 +136,17 @@ def _through(expr: ast.AST) -> ast.AST:
     return expr
 
 
-def _start_read(loop: ast.AST) -> bool:
-    """A ``for`` over a range (through ``tqdm``, ``enumerate``, ...) whose start is no number in the source."""
-    if not isinstance(loop, (ast.For, ast.AsyncFor)):
-        return False
-    expr = _through(loop.iter)
+def _range_from_own_start(expr: ast.AST) -> bool:
+    """A range (through ``tqdm``, ``enumerate``, ...) whose start is no number in the source: a start of the script's
+    own (``range(args.start, n)``: its own resume position, perhaps)."""
+    expr = _through(expr)
     return (isinstance(expr, ast.Call) and _name(expr.func) in RANGES and len(expr.args) > 1
             and not (isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, int)))
+
+
+def _start_read(loop: ast.AST) -> bool:
+    """A ``for`` over a range from a start of the script's own (:func:`_range_from_own_start`)."""
+    return isinstance(loop, (ast.For, ast.AsyncFor)) and _range_from_own_start(loop.iter)
 
 
 def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bool:
@@ -174,9 +178,7 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
         return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in args)
     if not (name in RANGES and args):
         return False
-    if len(args) > 1 and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, int)):
-        return False
-    return not _reads_engine_step(expr, scope)
+    return not _range_from_own_start(expr) and not _reads_engine_step(expr, scope)
 
 
 def _count_around_data(loops: list, counts: list[bool]) -> bool:
@@ -192,10 +194,7 @@ def _goes_on_itself(loop: ast.AST, frame) -> bool:
     """A ``for`` over an object the script holds that is neither a count nor a sequence (a loader, an iterator: it
     goes on from the restored data position), possibly through ``tqdm`` or ``enumerate``, or zipped; or over a range
     from a start of the script's own (its own resume position, perhaps)."""
-    if not isinstance(loop, (ast.For, ast.AsyncFor)):
-        return False
-    own_start = isinstance(loop.iter, ast.Call) and _name(loop.iter.func) in RANGES and len(loop.iter.args) > 1
-    return own_start or _data(loop.iter, frame)
+    return isinstance(loop, (ast.For, ast.AsyncFor)) and (_range_from_own_start(loop.iter) or _data(loop.iter, frame))
 
 
 def _data(expr: ast.AST, frame) -> bool:
