@@ -14,6 +14,8 @@ from baft.errors import ConfigError
 PROFILE_DIR_ENV = "BAFT_PROFILE_DIR"
 PROFILE_ITERS_ENV = "BAFT_PROFILE_ITERS"
 TRACE_DIR_ENV = "BAFT_TRACE_DIR"  # every rank writes its run trace there
+# what `baft train -- script` tells the script's ranks, by the "baft" section's key it stands for (baft.plugin)
+LAUNCHER_ENV = {"run_id": "BAFT_RUN_ID", "shm_root": "BAFT_SHM_ROOT", "run_dir": "BAFT_RUN_DIR"}
 # In-place recovery (baft.recovery.world): how many killed ranks of a job the server replaces (the launcher's
 # budget), the c10d store where survivors and replacements meet (the server's), and the mark of a replacement.
 REPLACE_ENV = "BAFT_REPLACE_RANKS"
@@ -23,6 +25,7 @@ GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is 
 SPARES_ENV = "BAFT_SPARES"  # spare processes a job that recovers in place keeps (baft.warm.spares)
 WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (the recovery record's "warm relaunch")
 
+DEFAULT_CHUNK_BYTES = 1 << 20  # bytes of a snapshot's chunk, each checksummed and copied in one piece
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
 IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots a node's manager keeps
 # how baft copies in a bubble: while the host waits in a receive (CPU), or queued on a copy stream
@@ -60,7 +63,7 @@ class BaftConfig:
     period: Union[int, str] = "auto"
     executor: str = "auto"
     leftovers: str = "fence"  # stream executor: where the chunks no bubble holds are queued
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shm_root: str = "/dev/shm/baft"
     run_id: str = "default"
     node_id: Optional[int] = None  # this process's node; default rank // ranks_per_node

@@ -13,7 +13,7 @@ from typing import Optional
 
 import deepspeed
 
-from baft.config import PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
+from baft.config import LAUNCHER_ENV, PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.jsonfile import read_json
 from baft.pipeline.loop import THIS_PROCESS
 from baft.pipeline.schedulers import engines_own
@@ -153,9 +153,6 @@ def _config_source(given: dict):
             return given[key]
     args = given.get("args")
     return getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-
-
-LAUNCHER_ENV = {"run_id": "BAFT_RUN_ID", "shm_root": "BAFT_SHM_ROOT", "run_dir": "BAFT_RUN_DIR"}
 
 
 def unprotected(ds_config: dict) -> Optional[str]:

@@ -10,7 +10,7 @@ import click
 
 from baft.cli.launch import SHM_ROOT
 from baft.cli.options import example_options, executor_options, user_errors
-from baft.config import IN_MEMORY, POLICIES
+from baft.config import IN_MEMORY, LAUNCHER_ENV, POLICIES
 from baft.errors import BaftError
 
 
@@ -93,7 +93,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     procs = nprocs or model["stages"] * dp
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
-    env = launch_env({"BAFT_RUN_ID": run_id, "BAFT_SHM_ROOT": shm, "BAFT_RUN_DIR": str(run),
+    env = launch_env({LAUNCHER_ENV["run_id"]: run_id, LAUNCHER_ENV["shm_root"]: shm, LAUNCHER_ENV["run_dir"]: str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
     server = WarmServer.running(env) or WarmServer()

@@ -14,6 +14,7 @@ from typing import Optional
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, RecvActivation, RecvGrad
 
 from baft import faults as fault_log
+from baft.manager.control import INFO_NAME
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.chaos import Fault
 from baft.snapshot.optimizers import before_base_step
@@ -58,7 +59,7 @@ class ChaosHook(InstructionHook):
 
     def _kill_manager(self) -> None:
         try:
-            os.kill(json.loads((Path(self.node_root) / "manager.json").read_text())["pid"], signal.SIGKILL)
+            os.kill(json.loads((Path(self.node_root) / INFO_NAME).read_text())["pid"], signal.SIGKILL)
         except (OSError, ValueError, KeyError):
             pass  # no manager on this node, or another rank of the node got it first
 

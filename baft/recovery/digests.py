@@ -37,10 +37,9 @@ from baft.pipeline.hook import InstructionHook
 from baft.pipeline.rng import rng_states
 from baft.pipeline.schedulers import script_schedulers
 from baft.recovery.record import restart_count
-from baft.snapshot.state import loss_scaler
+from baft.snapshot.state import ENGINE_COUNTERS, loss_scaler
 
 DIGESTS_ENV = "BAFT_STATE_DIGESTS"
-_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
 _SCALARS = (bool, int, float, str, bytes, type(None))
@@ -83,7 +82,7 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
     """The digest of each part of this rank's training state, by part name."""
     generators = ((f"rng.{name}", data) for name, gen in rng_states().items() for _, data in _leaves(gen, ""))
     nested = {"optimizer": engine.optimizer.state_dict(),
-              "counters": {k: getattr(engine, k, None) for k in _COUNTERS}}
+              "counters": {k: getattr(engine, k, None) for k in ENGINE_COUNTERS}}
     if getattr(engine, "lr_scheduler", None) is not None:
         nested["lr_scheduler"] = engine.lr_scheduler.state_dict()
     own = script_schedulers(engine)

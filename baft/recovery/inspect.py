@@ -69,7 +69,7 @@ def _persisted_step(path: Path, verify: bool, lines: list[str], failures: list[s
 
 
 def _shm_rank(path: Path, verify: bool, lines: list[str], failures: list[str]) -> None:
-    rank = int(path.name[len("rank"):])
+    rank = slots.rank_of(path)
     infos = slots.read_slots(path)
     lines.append(f"rank {rank} (shared memory) {path}")
     for info in sorted(infos, key=lambda s: -(s.record.step if s.record else -1)):

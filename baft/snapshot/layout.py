@@ -19,10 +19,10 @@ from typing import Iterable, Optional
 
 import xxhash
 
+from baft.config import DEFAULT_CHUNK_BYTES
 from baft.snapshot.checksum import digest
 
 FORMAT_VERSION = 2  # 2: chunk checksums are baft.snapshot.checksum's weighted sums; 1: xxh3-64
-DEFAULT_CHUNK_BYTES = 1 << 20
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 

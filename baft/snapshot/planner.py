@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from baft.config import DEFAULT_CHUNK_BYTES
 from baft.errors import ConfigError
 from baft.jsonfile import load_versioned, renamed, write_json_atomic
 from baft.pipeline.bubblemap import Bubble, BubbleMap
@@ -173,7 +174,7 @@ def choose_period(ranks: list[RankPlan], budget: float = DEFAULT_BUDGET) -> int:
     return next((p for p in range(1, bound) if worst(p) / p <= budget), bound)
 
 
-def plan(bmap: BubbleMap, chunk_bytes: int = 1 << 20, budget: float = DEFAULT_BUDGET,
+def plan(bmap: BubbleMap, chunk_bytes: int = DEFAULT_CHUNK_BYTES, budget: float = DEFAULT_BUDGET,
          margin: float = DEFAULT_MARGIN, period: Optional[int] = None, source: str = "") -> Plan:
     """Plan every rank of a measured bubble map, with chunks of ``chunk_bytes``."""
     ranks = []

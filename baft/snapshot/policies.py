@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from baft.config import DEFAULT_CHUNK_BYTES
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.rng import rng_states
 from baft.snapshot import state
@@ -50,7 +51,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
     name = "none"
     stream: Optional[CopyStream] = None  # where snapshots queue their copies; None: the host copies them
 
-    def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = 1 << 20, data_iterator=None,
+    def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_iterator=None,
                  link=None):
         self.shm_root, self.period, self.chunk_bytes = shm_root, period, chunk_bytes
         self.data_iterator, self.link = data_iterator, link

@@ -45,7 +45,7 @@ from baft.pipeline.rng import drawn_between, from_json, rng_states, set_rng_stat
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
 _ADAPTER = "_baft_adapter"  # the attribute of an optimizer that holds its adapter
@@ -204,7 +204,7 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True) ->
     walked after. The RNG states are :func:`capture_rng`'s. ``script_schedulers``: look for the schedulers the
     script made (False before its loop has run: they are looked for once per optimizer)."""
     items = {
-        "counters": {k: int(getattr(engine, k, 0)) for k in _ENGINE_COUNTERS},
+        "counters": {k: int(getattr(engine, k, 0)) for k in ENGINE_COUNTERS},
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
