@@ -444,7 +444,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
     assert not (ckpt / "step-00000002").exists(), "step 2 visible after a kill mid-write: not atomic (or the write beat the kill)"
     assert partial[0].exists()
     assert [s.step for s in persist.list_steps(ckpt)] == [1]
-    loaded = persist.load_latest(ckpt)
+    loaded = persist.read_snapshot(persist.list_steps(ckpt)[0].path)
     assert [r.step for r, _ in loaded] == [1, 1]
     for got, want in zip(loaded, first):
         assert same_snapshot(got, *want)
@@ -452,7 +452,7 @@ def test_manager_killed_during_a_disk_write_keeps_the_previous_snapshot(tmp_path
     managers(config)
     wait_for(lambda: control.status(root)["persist"]["last_step"] == 2, timeout=60, what="step 2 persisted")
     assert not partial[0].exists()
-    assert [r.step for r, _ in persist.load_latest(ckpt)] == [2, 2]
+    assert [r.step for r, _ in persist.read_snapshot(persist.list_steps(ckpt)[0].path)] == [2, 2]
     for t in trainers:
         t.close()
 
@@ -496,7 +496,8 @@ def test_persist_every_n_writes_multiples_of_n_and_the_newest_on_stop(tmp_path, 
     wait_for(lambda: not (root / "rank0").exists(), what="stop")
     assert [s.step for s in persist.list_steps(ckpt)] == [8, 6]
     want = data_for(0, 8, t.layout.nbytes)
-    assert same_snapshot(persist.load_latest(ckpt)[0], record_for(0, 8, t.layout, want), want)
+    newest = persist.read_snapshot(persist.list_steps(ckpt)[0].path)
+    assert same_snapshot(newest[0], record_for(0, 8, t.layout, want), want)
 
 
 def test_restarted_rank_is_accepted_after_persistence_with_any_replica_count(tmp_path, in_process):

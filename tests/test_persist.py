@@ -19,6 +19,20 @@ from baft.snapshot.slots import SnapshotWriter, load_verified
 TOPO = {"pipe": 2, "data": 1, "world": 2}
 
 
+def load_latest(directory, ranks=None, expect=None, log=None):
+    """The newest persisted snapshot whose files all verify, as a restore reads it: a corrupt or truncated one is
+    reported through ``log`` (naming the file and chunk) and the next older one tried; one from another run, model
+    or topology is refused."""
+    for found in persist.list_steps(directory, log):
+        persist.check_identity(found, expect)
+        try:
+            return persist.read_snapshot(found.path, ranks)
+        except BaftError as err:
+            if log:
+                log(str(err))
+    return None
+
+
 def make_snapshot(rank, step, shard=0, num_shards=1, seed=None, run_id="run-a", scale=1, tensors=None):
     tensors = tensors or [
         TensorEntry("layer.weight", "float32", (64 * scale, 33), 64 * scale * 33 * 4, "parameters"),
@@ -95,7 +109,7 @@ def test_rewriting_a_step_replaces_it_whole(tmp_path):
     persist.write_snapshot(tmp_path, node(2, seed=1))
     snaps = node(2, seed=2)
     persist.write_snapshot(tmp_path, snaps)
-    assert same(persist.load_latest(tmp_path), snaps)
+    assert same(load_latest(tmp_path), snaps)
 
 
 @pytest.mark.parametrize("where", ["persisted", "truncated"])
@@ -115,7 +129,7 @@ def test_corrupt_newest_is_refused_naming_the_chunk_and_older_used(tmp_path, whe
         file.write_bytes(bytes(data[:-10]))
         expect = r"rank1\.safetensors: holds \d+ bytes, the manifest says"
     logs = []
-    loaded = persist.load_latest(tmp_path, log=logs.append)
+    loaded = load_latest(tmp_path, log=logs.append)
     assert same(loaded, older)
     assert len(logs) == 1 and "\n" not in logs[0]
     import re
@@ -127,16 +141,16 @@ def test_corrupt_newest_is_refused_naming_the_chunk_and_older_used(tmp_path, whe
 def test_foreign_directory_is_refused_in_one_line(tmp_path):
     persist.write_snapshot(tmp_path, node(4, run_id="run-b"))
     with pytest.raises(BaftError, match="from run 'run-b', this run is 'run-a'") as err:
-        persist.load_latest(tmp_path, expect=persist.Identity("run-a"))
+        load_latest(tmp_path, expect=persist.Identity("run-a"))
     assert "\n" not in str(err.value)
     other = persist.Identity("run-b", "m0", {"pipe": 4, "data": 1})
     with pytest.raises(BaftError, match="taken with 2 pipeline stages, this run has 4"):
-        persist.load_latest(tmp_path, expect=other)
+        load_latest(tmp_path, expect=other)
     # what a restarted trainer announces (no world size), and another replica count: both accepted
     for topology in ({"pipe": 2, "data": 1}, {"pipe": 2, "data": 2}):
-        assert persist.load_latest(tmp_path, expect=persist.Identity("run-b", "m0", topology)) is not None
+        assert load_latest(tmp_path, expect=persist.Identity("run-b", "m0", topology)) is not None
     with pytest.raises(BaftError, match="from model 'm0', this model is 'm9'"):
-        persist.load_latest(tmp_path, expect=persist.Identity("run-b", "m9"))
+        load_latest(tmp_path, expect=persist.Identity("run-b", "m9"))
 
 
 def test_every_stage_of_a_node_finds_its_own_model_in_its_snapshot(tmp_path):
@@ -148,9 +162,9 @@ def test_every_stage_of_a_node_finds_its_own_model_in_its_snapshot(tmp_path):
     persist.write_snapshot(tmp_path, snaps)
     for rank in (0, 1):
         expect = persist.Identity("run-a", f"stage{rank}", {"pipe": 2})
-        assert same(persist.load_latest(tmp_path, ranks=[rank], expect=expect), [snaps[rank]])
+        assert same(load_latest(tmp_path, ranks=[rank], expect=expect), [snaps[rank]])
     with pytest.raises(BaftError, match="from model 'stage0', this model is 'stage7'"):
-        persist.load_latest(tmp_path, expect=persist.Identity("run-a", "stage7"))
+        load_latest(tmp_path, expect=persist.Identity("run-a", "stage7"))
 
 
 def test_half_written_directory_is_never_taken(tmp_path):
@@ -160,7 +174,7 @@ def test_half_written_directory_is_never_taken(tmp_path):
     half.mkdir()
     (half / "rank0.safetensors").write_bytes(b"\0" * 100)
     assert [s.step for s in persist.list_steps(tmp_path)] == [1]
-    assert persist.load_latest(tmp_path)[0][0].step == 1
+    assert load_latest(tmp_path)[0][0].step == 1
     persist.write_snapshot(tmp_path, node(3), keep=5)
     assert not half.exists()
 
@@ -191,7 +205,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_snapshot(tmp_path):
     assert "\n" not in line and "cannot persist step 2" in line and str(tmp_path) in line
     assert "File too large" in line
     assert [s.step for s in persist.list_steps(tmp_path)] == [1]
-    assert same(persist.load_latest(tmp_path), older)
+    assert same(load_latest(tmp_path), older)
     assert not list(tmp_path.glob(".tmp-*"))
 
 

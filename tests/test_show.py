@@ -7,7 +7,7 @@ from matplotlib.image import imread
 
 from baft.pipeline.bubblemap import Bubble, BubbleMap, InstructionTiming, RankProfile, StateBytes
 from baft.snapshot.planner import Plan, plan
-from baft.cli.figures import draw_plan, draw_run, draw_timeline, instruction_kind, timeline_lanes
+from baft.cli.figures import draw_run, draw_timeline, instruction_kind, timeline_lanes
 from baft.cli.show import fit_verdict, render_plan_text, render_run_text, render_text, snapshot_bytes, stage_rows
 from baft.pipeline.timeline import Costs, analytic_bubble_map, simulate
 from baft.snapshot.trace import RankCopies, RunTimeline
@@ -205,11 +205,6 @@ def test_draw_analytic_timelines(tmp_path):
     assert_png(draw_timeline(timeline.bubble_map(), tmp_path / "ops.png", timeline=timeline))
     assert_png(draw_timeline(analytic_bubble_map("1f1b", 4, 8, UNIFORM), tmp_path / "sub" / "busy.png",
                              title="1F1B, 4 stages"))
-
-
-def test_draw_plan(tmp_path):
-    bmap = hand_map(bandwidth=0.5e9)
-    assert_png(draw_plan(plan(bmap, chunk_bytes=1_000_000), bmap, tmp_path / "plan.png"))
 
 
 def hand_run() -> RunTimeline:

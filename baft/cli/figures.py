@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from baft.cli.show import copies_line, ms, pct
+from baft.cli.show import copies_line, pct
 from baft.pipeline.bubblemap import Bubble, BubbleMap, RankProfile
-from baft.snapshot.planner import Plan, RankPlan
 
 if TYPE_CHECKING:
     from baft.pipeline.timeline import Timeline
@@ -127,31 +126,6 @@ def draw_run(run: RunTimeline, path, title: str | None = None) -> Path:
         lane.label += f"\ncopied in bubbles {pct(rank.share_in_bubbles)}\nstall {rank.stall * 1e3:.2f} ms"
     title = title or f"{bmap.schedule}, {bmap.stages} stages x {bmap.micro_batches} micro-batches, {copies_line(run)}"
     return _save(_figure(bmap, lanes, title, copies, "copy (measured)", flushes), path)
-
-
-def draw_plan(plan: Plan, bmap: BubbleMap, path, title: str | None = None,
-              timeline: Timeline | None = None) -> Path:
-    """:func:`draw_timeline` with the plan's copies drawn inside the bubbles they are planned into."""
-    lanes = timeline_lanes(bmap, timeline)
-    copies = {}
-    for i, lane in enumerate(lanes):
-        rank_plan = _plan_for_lane(plan, lane)
-        if rank_plan is None:
-            continue
-        by_instruction = {b.instruction: b for b in lane.bubbles}
-        copies[i] = [(by_instruction[b.instruction].start, b.nbytes / rank_plan.bandwidth)
-                     for b in rank_plan.bubbles if b.instruction in by_instruction]
-        if rank_plan.stall > 0:
-            lane.label += f"\nstall {ms(rank_plan.stall)} ms"
-    title = title or (_figure_title(bmap) + f" + plan (every {plan.period} it., "
-                                            f"overhead {plan.predicted_overhead:.2%})")
-    return _save(_figure(bmap, lanes, title, copies), path)
-
-
-def _plan_for_lane(plan: Plan, lane: Lane) -> RankPlan | None:
-    if lane.rank is not None:
-        return plan.for_rank(lane.rank)
-    return next((r for r in plan.ranks if r.stage == lane.stage), None)
 
 
 def _figure_title(bmap: BubbleMap) -> str:

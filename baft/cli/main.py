@@ -310,7 +310,6 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 
 
 @main.command()
-@click.option("--example", type=click.Choice(["gpt"]), default="gpt", show_default=True)
 @example_options
 @click.option("--policies", default="none,sync-copy,baft", show_default=True,
               help="Comma-separated: none, sync-copy, thread-copy, baft, torch-save, deepspeed, dcp-async; "
@@ -326,7 +325,7 @@ def simulate(preset, scenario, overrides, measured, measured_overhead):
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Write the run here (JSON): every iteration's figures per rank, periods, bytes, baft's plans.")
 @user_errors
-def compare(example, policies, rounds, block, none_between, shuffle, bubble_map, out, dp, **model):
+def compare(policies, rounds, block, none_between, shuffle, bubble_map, out, dp, **model):
     """Compare snapshot policies on one run, interleaved, and print the overhead table."""
     from baft.cli.compare import launch_compare, render
 

@@ -364,22 +364,3 @@ def check_identity(step: PersistedStep, expect: Optional[Identity]) -> None:
     if problem:
         raise BaftError(f"{step.path}: snapshot {problem}; point --dir elsewhere or remove it")
 
-
-def load_latest(directory, ranks: Optional[Iterable[int]] = None, step: Optional[int] = None,
-                expect: Optional[Identity] = None, log: Log = None) -> Optional[list[tuple[CommitRecord, bytes]]]:
-    """The newest persisted snapshot (or exactly ``step``) whose files all verify.
-
-    A corrupt or truncated snapshot is reported through ``log``, naming the file and chunk,
-    and the next older one is tried. One from another run, model or topology is refused.
-    """
-    ranks = None if ranks is None else list(ranks)
-    for found in list_steps(directory, log):
-        if step is not None and found.step != step:
-            continue
-        check_identity(found, expect)
-        try:
-            return read_snapshot(found.path, ranks)
-        except BaftError as err:
-            if log:
-                log(str(err))
-    return None

@@ -211,10 +211,3 @@ class CommitRecord:
             if checksum(view[chunk.offset:chunk.offset + chunk.nbytes], self.version) != expected:
                 return f"chunk {chunk.index} ({chunk.tensor} bytes {chunk.start}..{chunk.start + chunk.nbytes}) fails its checksum"
         return None
-
-
-def chunk_bytes_of(record: CommitRecord, data) -> Iterable[tuple[Chunk, memoryview]]:
-    """Each chunk of a snapshot with its bytes in ``data`` (the slot buffer)."""
-    view = memoryview(data)
-    for chunk in record.layout.chunks:
-        yield chunk, view[chunk.offset:chunk.offset + chunk.nbytes]

@@ -48,7 +48,6 @@ from baft.snapshot.streams import CopyStream
 class SnapshotPolicy(InstructionHook, Periodic):
     """Takes a snapshot at every ``period``-th step boundary into the rank's shared-memory slots."""
 
-    name = "none"
     stream: Optional[CopyStream] = None  # where snapshots queue their copies; None: the host copies them
 
     def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_iterator=None,
@@ -225,8 +224,6 @@ class BubbleExecutor(SnapshotPolicy):
     clock reads per bubble, none per chunk).
     """
 
-    name = "baft"
-
     def __init__(self, *args, plan: Optional[RankPlan] = None, copier: Optional[Copier] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.plan, self.copier = plan, copier or HostCopier()
@@ -291,8 +288,6 @@ class BubbleExecutor(SnapshotPolicy):
 class SyncCopy(SnapshotPolicy):
     """Copy the whole state at the start of the iteration, then commit."""
 
-    name = "sync-copy"
-
     def iteration_start(self, engine):
         super().iteration_start(engine)
         if self.snapshot is not None:
@@ -303,8 +298,6 @@ class SyncCopy(SnapshotPolicy):
 
 class ThreadCopy(SnapshotPolicy):
     """Copy in a background thread that ignores bubbles; join before the optimizer step."""
-
-    name = "thread-copy"
 
     def started(self):
         snapshot = self.snapshot

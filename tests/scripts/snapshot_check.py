@@ -21,7 +21,7 @@ from baft.examples.worker import build, parse_args
 from baft.pipeline.hook import InstructionHook
 from baft.snapshot import copy, slots, state
 from baft.snapshot.build import shm_root
-from baft.snapshot.layout import CommitRecord, chunk_bytes_of
+from baft.snapshot.layout import CommitRecord
 
 extra = argparse.ArgumentParser()
 extra.add_argument("--out", required=True)
@@ -68,7 +68,9 @@ class Reference(InstructionHook):
         if found is None:
             return
         record, buf = found
-        for chunk, got in chunk_bytes_of(record, buf):
+        view = memoryview(buf)
+        for chunk in record.layout.chunks:
+            got = view[chunk.offset:chunk.offset + chunk.nbytes]
             want = tensors[chunk.tensor][chunk.start:chunk.start + chunk.nbytes].numpy().tobytes()
             if bytes(got) != want:
                 self.mismatches.append(f"step {step} chunk {chunk.index} ({chunk.tensor})")
