@@ -1,6 +1,6 @@
 """DeepSpeed's ``PipelineEngine`` with a selectable schedule and per-instruction hooks.
 
-``attach(engine)`` turns the engine ``deepspeed.initialize`` returned into a
+``attach(engine, baft)`` turns the engine ``deepspeed.initialize`` returned into a
 :class:`BaftPipelineEngine` in place (same object, subclass), so DeepSpeed is used as
 shipped: its own ``_exec_schedule`` runs the schedule, through baft's instruction map. Every
 handler there calls the hooks around DeepSpeed's own, with the instruction's index in the

@@ -1,8 +1,9 @@
 """Copying one snapshot of a rank's state into a shared-memory slot, chunk by chunk.
 
-A :class:`Snapshot` is taken at a step boundary: it captures the small items and picks a
-slot, its views those of the tensors the engine holds then (:meth:`StateSource.refresh`: a buffer
-or optimizer state tensor replaced, a parameter's ``.data`` rebound); ``copy_first`` copies the
+A :class:`Snapshot` is taken at a step boundary, of the small items its policy captured then
+(:meth:`~baft.snapshot.policies.SnapshotPolicy.begin`): it picks a slot, its views those of the
+tensors the engine holds then (:meth:`StateSource.refresh`: a buffer or optimizer state tensor
+replaced, a parameter's ``.data`` rebound); ``copy_first`` copies the
 module's buffers before the iteration's first forward changes them; ``copy`` moves one chunk
 (and checksums its source, when the trainer has time to spare); ``queue`` puts runs of chunks
 on a copy stream, each run's checksums computed there from the same source bytes (on a GPU by
@@ -11,7 +12,8 @@ step changes them; ``seal`` gathers the checksums, computes those not yet done f
 and writes the commit record. Only ``copy_first`` and the fence are on the trainer's path: a
 :class:`Sealer` seals on a thread of its own, and a snapshot counts only once its commit
 record, with every chunk's checksum, exists. The policies (bubble-aware executor, synchronous
-copy, background thread) differ only in *when* they call ``copy``.
+copy, background thread) differ only in *when* they move the chunks; the executor's copier
+(:mod:`baft.snapshot.copiers`) decides *how*: ``copy`` on the host, or ``queue`` on a copy stream.
 """
 
 from __future__ import annotations
