@@ -172,25 +172,31 @@ class Manager:
     def held(self) -> dict:
         """Per rank, the steps this manager can serve from memory (verified), parity and disk."""
         self.ranks.verify_all()
-        parity = self.parity.steps(self.config.node_id)
-        disk = persist.list_steps(self.config.dir) if self.config.dir is not None else []
+        parity, disk = self._parity_and_disk()
         memory = self.ranks.memory_steps()
         # a replaced node's ranks have not said hello yet: what parity or disk holds of them counts too
-        known = set(memory) | {r for _, ranks in parity.values() for r in ranks} | {r for p in disk for r in p.ranks}
-        return {"ranks": {str(rank): {
-            "memory": memory.get(rank, []),
-            "parity": sorted((s for s, (_, ranks) in parity.items() if rank in ranks), reverse=True),
-            "disk": [p.step for p in disk if rank in p.ranks],
-        } for rank in sorted(known)}}
+        known = (set(memory) | {r for _, ranks in parity.values() for r in ranks}
+                 | {r for p in disk.values() for r in p.ranks})
+        per_rank = {}
+        for rank in sorted(known):
+            in_parity, on_disk = _steps_of(rank, parity, disk)
+            per_rank[str(rank)] = {"memory": memory.get(rank, []), "parity": in_parity, "disk": on_disk}
+        return {"ranks": per_rank}
+
+    def _parity_and_disk(self) -> tuple[dict, dict]:
+        """What this node's parity holds (step -> (bundle, ranks)) and its disk (step -> PersistedStep, newest
+        first), where a snapshot is looked for after memory."""
+        parity = self.parity.steps(self.config.node_id)
+        disk = {p.step: p for p in persist.list_steps(self.config.dir)} if self.config.dir is not None else {}
+        return parity, disk
 
     def restore(self, rank: int, step: Optional[int] = None) -> dict:
         """Make ``rank``'s snapshot of ``step`` (newest available by default) readable in shared memory."""
         refused: list[str] = []
-        parity = self.parity.steps(self.config.node_id)
-        disk = {p.step: p for p in persist.list_steps(self.config.dir)} if self.config.dir is not None else {}
+        parity, disk = self._parity_and_disk()
         memory = self.ranks.in_memory(rank)
-        candidates = set(memory) | {s for s, (_, ranks) in parity.items() if rank in ranks} | \
-            {s for s, p in disk.items() if rank in p.ranks}
+        in_parity, on_disk = _steps_of(rank, parity, disk)
+        candidates = set(memory) | set(in_parity) | set(on_disk)
         if step is not None:
             candidates &= {step}
         for s in sorted(candidates, reverse=True):
@@ -329,6 +335,13 @@ class Manager:
 _PEER_OPS = {"group", "share_put", "share_list", "share_get"}
 _LOCAL_OPS = {"hello", "commit", "status", "held", "restore", "rebuild", "shutdown"}
 _REMOTE_OPS = {"status", "held", "rebuild"}
+
+
+def _steps_of(rank: int, parity: dict, disk: dict) -> tuple[list[int], list[int]]:
+    """The steps of ``rank``'s snapshot that ``parity`` and ``disk`` (:meth:`Manager._parity_and_disk`) hold, newest
+    first."""
+    return (sorted((s for s, (_, ranks) in parity.items() if rank in ranks), reverse=True),
+            [s for s, p in disk.items() if rank in p.ranks])
 
 
 class _Handler(socketserver.StreamRequestHandler):
