@@ -10,6 +10,9 @@
 - ``nodes``     one manager per node of a run
 - ``erasure``   parity across nodes (Reed-Solomon) so a lost node's shards can be rebuilt
 - ``persist``   committed snapshots on disk: the format, written atomically
+- ``heartbeat`` a rank's heartbeat file, which lets its manager tell a hung rank from a slow one
+- ``watchdog``  the manager's watch over the heartbeats: a hung rank is killed, for torchrun to relaunch
+- ``inventory`` what a shared-memory directory holds: its node roots, their snapshots, their managers
 
 May import ``snapshot`` (the slots and commit records it keeps); never ``recovery`` or above.
 """

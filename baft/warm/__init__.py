@@ -13,6 +13,11 @@ torchrun would have started it. ``baft train`` starts torchrun itself through a 
 imports torch too.
 
 The client is a file of the standard library only (run by path, it imports nothing of baft).
+
+- ``__init__`` :class:`WarmServer`: the launcher's side, starting (or finding) the node's server
+- ``server``   the fork server: imports once, forks every rank, supervises and replaces them
+- ``client``   a rank as torchrun starts it: asks the server to fork it, mirrors the forked rank
+- ``spares``   spare ranks, forked ahead of a fault, that import what the script imports and wait
 """
 
 from __future__ import annotations
