@@ -101,12 +101,21 @@ def _buffer_name(name: str, replica: int, replicas: int) -> str:
     return f"buffer/{name}" if replicas == 1 else f"buffer/dp{replica}/{name}"
 
 
+def _module_tensors(module: torch.nn.Module, replica: int,
+                    replicas: int) -> Iterator[tuple[str, str, str, torch.Tensor]]:
+    """(name in a snapshot, kind, name in ``module``, tensor) of every parameter (the ``Parameter``: its ``.data`` is
+    the state), then every buffer, named as replica ``replica`` of ``replicas`` names its own: the one walk of the
+    module that names its state, so that the layout (:func:`tensor_entries`) and the views (:func:`live_tensors`)
+    name and order it alike."""
+    for name, p in module.named_parameters():
+        yield f"param/{name}", "parameters", name, p
+    for name, b in module.named_buffers():
+        yield _buffer_name(name, replica, replicas), "other", name, b
+
+
 def _module_state(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
-    replica, replicas = _replicas(engine)
-    for name, p in engine.module.named_parameters():
-        yield f"param/{name}", "parameters", p.data
-    for name, b in engine.module.named_buffers():
-        yield _buffer_name(name, replica, replicas), "other", b
+    for key, kind, _, t in _module_tensors(engine.module, *_replicas(engine)):
+        yield key, kind, t.data if kind == "parameters" else t
 
 
 def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -119,15 +128,18 @@ def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
 def buffer_views(engine, replica: int, replicas: int) -> dict[str, torch.Tensor]:
     """This rank's module buffers as :func:`byte_view` s, named as replica ``replica`` of ``replicas`` names its
     own (a restore with another number of replicas than the snapshot's gives every replica replica 0's)."""
-    return {_buffer_name(name, replica, replicas): byte_view(b) for name, b in engine.module.named_buffers()}
+    return {key: byte_view(b) for key, kind, _, b in _module_tensors(engine.module, replica, replicas)
+            if kind == "other"}
 
 
 def tensor_entries(engine) -> list[TensorEntry]:
     """Every tensor of the stage's state, the partitions and buffers other replicas own included."""
     _, replicas = _replicas(engine)
-    params = [entry(f"param/{name}", p.data, "parameters") for name, p in engine.module.named_parameters()]
-    buffers = [entry(_buffer_name(name, d, replicas), b, "other", owner=d if replicas > 1 else None)
-               for d in range(replicas) for name, b in engine.module.named_buffers()]
+    params = [entry(key, p.data, kind) for key, kind, _, p in _module_tensors(engine.module, 0, replicas)
+              if kind == "parameters"]
+    buffers = [entry(key, b, kind, owner=d if replicas > 1 else None)
+               for d in range(replicas) for key, kind, _, b in _module_tensors(engine.module, d, replicas)
+               if kind == "other"]
     return params + buffers + optimizer_adapter(engine).entries()
 
 
@@ -153,10 +165,11 @@ def live_tensors(engine) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
     (``self.count = self.count + 1``), an optimizer state tensor replaced, each gives the tensor that holds its
     value now. The module is walked once, here: a snapshot calls it at each begin, and walking the module of a
     thousand tensors takes milliseconds (the optimizer's state is the adapter's to walk)."""
-    replica, replicas = _replicas(engine)
-    params = [(f"param/{name}", p) for name, p in engine.module.named_parameters()]
-    buffers = [(_buffer_name(name, replica, replicas), _owner(engine.module, name)._buffers, name.rpartition(".")[2])
-               for name, _ in engine.module.named_buffers()]
+    module = engine.module
+    named = list(_module_tensors(module, *_replicas(engine)))
+    params = [(key, p) for key, kind, _, p in named if kind == "parameters"]
+    buffers = [(key, _owner(module, name)._buffers, name.rpartition(".")[2]) for key, kind, name, _ in named
+               if kind == "other"]
     adapter = optimizer_adapter(engine)
 
     def now():
