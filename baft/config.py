@@ -6,6 +6,7 @@ import difflib
 import os
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Optional, Union
 
 from baft.errors import ConfigError
@@ -25,6 +26,7 @@ GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is 
 SPARES_ENV = "BAFT_SPARES"  # spare processes a job that recovers in place keeps (baft.warm.spares)
 WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (the recovery record's "warm relaunch")
 
+DEFAULT_SHM_ROOT = "/dev/shm/baft"  # the top shared-memory directory: <top>/<run_id>/node<N> per node (node_root)
 DEFAULT_CHUNK_BYTES = 1 << 20  # bytes of a snapshot's chunk, each checksummed and copied in one piece
 POLICIES = ("none", "baft", "sync-copy", "thread-copy", "deepspeed", "torch-save", "dcp-async")
 IN_MEMORY = ("baft", "sync-copy", "thread-copy")  # the policies whose snapshots a node's manager keeps
@@ -64,7 +66,7 @@ class BaftConfig:
     executor: str = "auto"
     leftovers: str = "fence"  # stream executor: where the chunks no bubble holds are queued
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    shm_root: str = "/dev/shm/baft"
+    shm_root: str = DEFAULT_SHM_ROOT
     run_id: str = "default"
     node_id: Optional[int] = None  # this process's node; default rank // ranks_per_node
     ranks_per_node: Optional[int] = None  # default: torchrun's LOCAL_WORLD_SIZE (all local ranks share a node)
@@ -188,6 +190,18 @@ def _timeout(key: str, value) -> Optional[float]:
     if value < MIN_TIMEOUT:
         raise ConfigError(f"baft.{key}: expected 0 or null (off) or at least {MIN_TIMEOUT:g} second, got {value!r}")
     return float(value)
+
+
+def node_root(top, run_id: str, node: int) -> Path:
+    """The shared-memory root of a run's node (its manager's ``shm_root``, its ranks' slots): ``top/run_id/node<N>``,
+    ``top`` being the config's ``shm_root``. Ranks and their manager meet only where they spell it alike."""
+    return node_dir(Path(top) / run_id, node)
+
+
+def node_dir(parent, node: int) -> Path:
+    """A node's own directory under ``parent``: ``parent/node<N>`` (its shared-memory root, its persisted
+    snapshots)."""
+    return Path(parent) / f"node{node}"
 
 
 def node_of(cfg: BaftConfig, rank: int) -> int:

@@ -15,12 +15,12 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from baft.config import IN_MEMORY, BaftConfig, PersistConfig, node_of
+from baft.config import IN_MEMORY, BaftConfig, PersistConfig, node_dir, node_of
 from baft.errors import BaftError
 from baft.pipeline.hook import Hooks
 from baft.pipeline.hooks import attach, detach
 from baft.recovery.record import Restored
-from baft.snapshot.build import make_policy, shm_root, warn
+from baft.snapshot.build import make_policy, rank_node_root, warn
 
 
 class Protection:
@@ -48,7 +48,7 @@ class Protection:
     @property
     def root(self) -> str:
         """The shared-memory root of this rank's node."""
-        return shm_root(self.config, self.engine.global_rank)
+        return rank_node_root(self.config, self.engine.global_rank)
 
     def warn(self, message: str) -> None:
         warn(self.engine, message)
@@ -261,7 +261,7 @@ def settings_not_applied(cfg: BaftConfig, status: dict, node: int) -> list[str]:
     """The keys of the ``"baft"`` section, each with its value and the running manager's (``status``, its
     ``status()``), that ask this node's manager for what it does not do: it was started with settings of its own."""
     persist, defaults = status.get("persist") or {}, PersistConfig()
-    wanted = {"persist.dir": str(Path(cfg.persist.dir) / f"node{node}") if cfg.persist.dir else None,
+    wanted = {"persist.dir": str(node_dir(cfg.persist.dir, node)) if cfg.persist.dir else None,
               "persist.every": cfg.persist.every or None, "persist.seconds": cfg.persist.seconds or None,
               "persist.keep": cfg.persist.keep if cfg.persist.keep != defaults.keep else None,
               "memory_limit": cfg.memory_limit}
@@ -276,7 +276,7 @@ def manager_config(cfg: BaftConfig, node: int, root):
     """The manager a config asks for on ``node``."""
     from baft.manager.config import ManagerConfig, parse_group
 
-    persist_dir = Path(cfg.persist.dir) / f"node{node}" if cfg.persist.dir else None
+    persist_dir = node_dir(cfg.persist.dir, node) if cfg.persist.dir else None
     return ManagerConfig(node_id=node, shm_root=Path(root), dir=persist_dir,
                          group=parse_group(",".join(cfg.parity.group)) if cfg.parity.group else (),
                          parity_k=cfg.parity.k if cfg.parity.group else None,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import set_random_seed
 
 import baft
-from baft.config import EXECUTORS, LEFTOVERS, POLICIES, TIMEOUTS
+from baft.config import DEFAULT_SHM_ROOT, EXECUTORS, LEFTOVERS, POLICIES, TIMEOUTS
 from baft.errors import BaftError
 from baft.examples.gpt import PARTITIONS, GPTConfig, MicroBatches, SyntheticTokens, gpt_pipeline, stateful_loader
 from baft.manager.protocol import ManagerUnavailable
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bubble-map", default=None)
     p.add_argument("--plan", default=None)
     p.add_argument("--run-id", default="default")
-    p.add_argument("--shm-root", default="/dev/shm/baft")
+    p.add_argument("--shm-root", default=DEFAULT_SHM_ROOT)
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulate nodes of this many ranks")
     p.add_argument("--parity-group", default=None, help="ID@host:port,... of the nodes' managers")
     p.add_argument("--parity-k", type=int, default=None)

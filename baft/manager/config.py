@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from baft.config import DEFAULT_SHM_ROOT, node_dir
 from baft.errors import BaftError
 from baft.manager import erasure
 from baft.manager.protocol import check_socket_path, socket_path
@@ -202,7 +203,7 @@ def parse_args(argv: Optional[list[str]] = None) -> ManagerConfig:
     args = parser.parse_args(argv)
     config = ManagerConfig(
         node_id=args.node_id,
-        shm_root=args.shm_root or Path(slots.DEFAULT_ROOT) / f"node{args.node_id}",
+        shm_root=args.shm_root or node_dir(DEFAULT_SHM_ROOT, args.node_id),
         dir=args.dir,
         group=parse_group(args.group) if args.group else (),
         parity_k=args.parity_k,

@@ -11,12 +11,9 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+from baft.config import node_dir, node_root
 from baft.manager.config import ManagerConfig, Member
 from baft.manager.control import retire, start, stop
-
-
-def node_root(shm_root, run_id: str, node: int) -> Path:
-    return Path(shm_root) / run_id / f"node{node}"
 
 
 def free_ports(count: int) -> list[int]:
@@ -38,7 +35,7 @@ def node_configs(shm_root, run_id: str, nodes: int, persist_dir: Optional[Path] 
     if nodes > 1:
         group = tuple(Member(n, "127.0.0.1", port) for n, port in enumerate(free_ports(nodes)))
     return [ManagerConfig(node_id=n, shm_root=node_root(shm_root, run_id, n),
-                          dir=(persist_dir / f"node{n}") if persist_dir else None,
+                          dir=node_dir(persist_dir, n) if persist_dir else None,
                           group=group, parity_k=(parity_k or nodes - 1) if group else None,
                           persist_every=persist_every).validate()
             for n in range(nodes)]

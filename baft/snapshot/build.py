@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from baft.accelerator import collective_device
-from baft.config import BaftConfig, node_of
+from baft.config import BaftConfig, node_of, node_root
 from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.hook import InstructionHook
@@ -32,9 +32,9 @@ def warn(engine, message: str) -> None:
     print(f"baft: rank {engine.global_rank}: {message}", file=sys.stderr, flush=True)
 
 
-def shm_root(cfg: BaftConfig, rank: int) -> str:
-    """The shared-memory root of the node that keeps ``rank``'s snapshots."""
-    return str(Path(cfg.shm_root) / cfg.run_id / f"node{node_of(cfg, rank)}")
+def rank_node_root(cfg: BaftConfig, rank: int) -> str:
+    """The shared-memory root of the node that keeps ``rank``'s snapshots (:func:`baft.config.node_root`)."""
+    return str(node_root(cfg.shm_root, cfg.run_id, node_of(cfg, rank)))
 
 
 def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> InstructionHook:
@@ -42,14 +42,14 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
     period = cfg.period if isinstance(cfg.period, int) else None
     common = dict(chunk_bytes=cfg.chunk_bytes, data_iterator=data_iterator, link=link)
     if cfg.policy == "baft":
-        root = shm_root(cfg, engine.global_rank)
+        root = rank_node_root(cfg, engine.global_rank)
         return PlannedExecutor(cfg, root, period=period or 1, fixed_period=period,
                                copier=copier_for(cfg.executor, engine.device, cfg.leftovers), **common)
     if cfg.policy in ("sync-copy", "thread-copy"):
         cls = SyncCopy if cfg.policy == "sync-copy" else ThreadCopy
-        return cls(shm_root(cfg, engine.global_rank), period=period or 1, **common)
+        return cls(rank_node_root(cfg, engine.global_rank), period=period or 1, **common)
     save_dir = cfg.save_dir or str(Path(cfg.run_dir) / "checkpoints" if cfg.run_dir
-                                    else Path(shm_root(cfg, engine.global_rank)) / "disk")
+                                    else Path(rank_node_root(cfg, engine.global_rank)) / "disk")
     return DiskCheckpoint(cfg.policy, save_dir, period or 1, data_iterator)
 
 

@@ -50,9 +50,9 @@ class SnapshotPolicy(InstructionHook, Periodic):
 
     stream: Optional[CopyStream] = None  # where snapshots queue their copies; None: the host copies them
 
-    def __init__(self, shm_root: str, period: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_iterator=None,
+    def __init__(self, node_root: str, period: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_iterator=None,
                  link=None):
-        self.shm_root, self.period, self.chunk_bytes = shm_root, period, chunk_bytes
+        self.node_root, self.period, self.chunk_bytes = node_root, period, chunk_bytes
         self.data_iterator, self.link = data_iterator, link
         self.source: Optional[StateSource] = None
         self.writer: Optional[SnapshotWriter] = None
@@ -93,9 +93,9 @@ class SnapshotPolicy(InstructionHook, Periodic):
                 count = self.link.hello(self.source)  # the manager sizes the slots, or refuses
             else:
                 rank = engine.global_rank
-                count = slot_count(self.source.layout.nbytes, host_room(self.shm_root, rank),
-                                   str(rank_dir(self.shm_root, rank)))
-            self.writer = SnapshotWriter(self.shm_root, engine.global_rank, self.source.layout, count)
+                count = slot_count(self.source.layout.nbytes, host_room(self.node_root, rank),
+                                   str(rank_dir(self.node_root, rank)))
+            self.writer = SnapshotWriter(self.node_root, engine.global_rank, self.source.layout, count)
 
     def iteration_start(self, engine):
         self.stall = self.seal_wait = 0.0

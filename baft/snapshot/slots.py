@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from baft.config import DEFAULT_SHM_ROOT
 from baft.errors import BaftError
 from baft.jsonfile import read_json, write_text_atomic
 from baft.snapshot.layout import CommitRecord, Layout
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 SLOTS = 4  # the two newest committed, the one being sealed, the one being filled
 FEWEST_SLOTS = 3  # the two newest committed and one in flight: each snapshot waits for the previous seal
-DEFAULT_ROOT = "/dev/shm/baft"
+DEFAULT_ROOT = DEFAULT_SHM_ROOT
 HEADROOM = 0.05  # of the host's memory, kept free for the trainers beside their snapshots
 
 

@@ -20,7 +20,7 @@ import torch
 from baft.examples.worker import build, parse_args
 from baft.pipeline.hook import InstructionHook
 from baft.snapshot import copy, slots, state
-from baft.snapshot.build import shm_root
+from baft.snapshot.build import rank_node_root
 from baft.snapshot.layout import CommitRecord
 
 extra = argparse.ArgumentParser()
@@ -32,7 +32,7 @@ mine, rest = extra.parse_known_args()
 args = parse_args(rest)
 engine, data = build(args)
 rank = engine.global_rank
-root = shm_root(engine.baft.config, rank)
+root = rank_node_root(engine.baft.config, rank)
 
 if rank == mine.kill_rank and mine.kill_step >= 0:
     original_copy = copy.Snapshot.copy
