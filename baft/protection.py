@@ -42,7 +42,7 @@ class Protection:
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
         self._last_read = None  # the iterator train_batch was given at its last call
         self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
-        self._kept_at_last_read = (None, 0)  # the loader's iterator at train_batch's last call, and what it had read
+        self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
         self._said_pulled = False
 
     @property
@@ -99,11 +99,9 @@ class Protection:
         if loader is not None:
             loader.reads(data_iter)
         kept = loader.loader._iterator if loader is not None else None  # the latest iterator of the kept loader
-        read = getattr(kept, "_num_yielded", 0)
         before, read_before = self._kept_at_last_read
-        if data_iter is not kept and kept is before and read != read_before:
+        if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
             self._pulled_by_the_loop()
-        self._kept_at_last_read = (kept, read)
         last, self._last_read = self._last_read, data_iter
         if last is not None and data_iter is not last:
             if data_iter is kept:  # an epoch's
@@ -120,6 +118,16 @@ class Protection:
         why = foreign_iterator(self.data_position, data_iter)
         if why and self.engine.global_rank == 0:
             self.warn(why)
+
+    def call_ended(self) -> None:
+        """``train_batch`` returned: what the kept loader's latest iterator has read by now, for the next call to
+        tell batches the loop took between the calls (:meth:`reads`) from those the call read through a wrapper of
+        the loader (``RepeatingLoader``, ``itertools.cycle``)."""
+        from baft.snapshot.data import ResumableLoader
+
+        if isinstance(self.data_position, ResumableLoader):
+            kept = self.data_position.loader._iterator
+            self._kept_at_last_read = (kept, getattr(kept, "_num_yielded", 0))
 
     def _pulled_by_the_loop(self) -> None:
         """The loop read batches of the loader baft keeps between two calls, and gives ``train_batch`` iterators of

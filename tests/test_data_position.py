@@ -268,7 +268,9 @@ def test_an_iterator_taken_again_before_the_restored_one_read_is_made_the_restor
 def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_skip_them_when_resumed(capsys):
     """``for batch in loader: engine.train_batch(iter([batch]))``: the position baft saves as the next step begins is
     past the batch the loop took for it, so a resumed run would skip it; said once. An iterator of the loader read
-    by train_batch, or the loop's own batches from elsewhere, are not."""
+    by train_batch, a wrapper of the loader train_batch reads (DeepSpeed's RepeatingLoader, as README's *Resumable
+    data* gives it), or the loop's own batches from elsewhere, are not."""
+    from deepspeed.utils import RepeatingLoader
     from types import SimpleNamespace
 
     from baft.config import parse_config
@@ -282,22 +284,31 @@ def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_sk
         feed(protection, loader, engine)
         return capsys.readouterr().err
 
+    def train_batch(protection, data_iter, engine, reads: int):  # what the engine's train_batch does with them
+        protection.reads(data_iter)
+        for _ in range(reads):
+            next(data_iter)
+        engine.global_steps += 1
+        protection.call_ended()
+
     def own_batches(protection, loader, engine):
         for batch in loader:
-            protection.reads(iter([batch]))
-            engine.global_steps += 1
+            train_batch(protection, iter([batch]), engine, 1)
 
     def the_loaders_iterator(protection, loader, engine):
         batches = iter(loader)
         for _ in range(3):
-            protection.reads(batches)
-            next(batches)
-            engine.global_steps += 1
+            train_batch(protection, batches, engine, 1)
+
+    def a_wrapper(protection, loader, engine):
+        batches = RepeatingLoader(loader)
+        for _ in range(2 * len(loader)):
+            train_batch(protection, batches, engine, 1)
 
     def elsewhere(protection, loader, engine):
         for batch in [torch.zeros(2)] * 3:
-            protection.reads(iter([batch]))
+            train_batch(protection, iter([batch]), engine, 1)
 
     said = calls(own_batches)
     assert said.count("the loop takes its batches from the data loader itself") == 1, said
-    assert "takes its batches" not in calls(the_loaders_iterator) + calls(elsewhere)
+    assert "takes its batches" not in calls(the_loaders_iterator) + calls(a_wrapper) + calls(elsewhere)

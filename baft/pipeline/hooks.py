@@ -122,7 +122,9 @@ class BaftPipelineEngine(PipelineEngine):
             self.baft.replayed()
         loop.called()
         loop.step_called_for = self.global_steps + 1
-        return self._train_to(self.global_steps + 1, data_iter)
+        loss = self._train_to(self.global_steps + 1, data_iter)
+        self.baft.call_ended()
+        return loss
 
     def set_train_batch_size(self, train_batch_size):
         if train_batch_size != self.train_batch_size():
