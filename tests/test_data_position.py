@@ -112,6 +112,35 @@ def test_with_workers_the_order_resumes_anywhere_and_their_draws_from_an_epoch_b
     assert torch.equal(read(make, 10, 3, workers=2)[:, :, 0], reference[:, :, 0])  # inside it: the samples
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """A stream with no state of its own: torchdata restores its position by reading it again."""
+
+    def __iter__(self):
+        return iter(torch.arange(80.0).view(40, 2))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_restored_again_and_again_in_one_epoch_reads_on_as_the_uninterrupted_loader(workers):
+    """torchdata 0.11 restores an ``IterableDataset`` without state by reading it again up to the position, and
+    counts those batches twice: the position saved next said twice as far, and a second restore in the same epoch
+    skipped as many batches (probe 8's R2, with or without workers). Three restores, each after three batches."""
+    def loader():
+        return StatefulDataLoader(Stream(), batch_size=2, num_workers=workers)
+
+    uninterrupted = iter(loader())
+    expected = [next(uninterrupted) for _ in range(12)]
+    kept = ResumableLoader(loader())
+    batches = iter(kept.loader)
+    read = [next(batches) for _ in range(3)]
+    for _ in range(3):
+        saved = kept.state_dict()
+        kept = ResumableLoader(loader())
+        kept.load_state_dict(saved)
+        batches = iter(kept.loader)
+        read += [next(batches) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+
+
 def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_loader():
     old = StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
     batches = iter(old)

@@ -71,7 +71,10 @@ class ResumableLoader:
     puts both draws back. A sampler of torch's own keeps its state outside the loader's: it is saved as each
     epoch's iterator is made (:func:`_record_epoch_starts`). torchdata's own restore builds a new iterator for the
     next ``iter()``; one the script already holds (taken before ``baft.initialize``, a survivor's in place, the
-    epoch's own in a loop that counts its calls) is made that one.
+    epoch's own in a loop that counts its calls) is made that one. An ``IterableDataset`` without state of its own
+    torchdata restores by reading its stream again up to the position, and counts those batches a second time (0.11,
+    with or without workers): the state this iterator then gives says twice the position, and a second restore in
+    the same epoch would skip as many batches; those counters are given less what the fast-forward added.
     """
 
     def __init__(self, loader):
@@ -80,17 +83,20 @@ class ResumableLoader:
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         self.yielded: Optional[int] = 0  # and the batches of its epoch it had read (None: its state does not say)
+        # the restored iterator's counters torchdata's fast-forward added to (path -> by how much), and its batches
+        self.recounted: dict = {}
+        self.recount = 0
 
     def state_dict(self) -> dict:
         if self.unread is not None:
             # a restored iterator that has read nothing states itself wrongly (torchdata 0.11's distributed
             # sampler says it has yielded nothing): the position is the one restored
             saved, restored = self.unread
-            if self.loader._iterator is restored and restored._num_yielded == _yielded(saved["loader"]):
+            if self.loader._iterator is restored and self._yielded_by(restored) == _yielded(saved["loader"]):
                 return saved
             self.unread = None
         generator = self.loader.generator
-        return {"loader": self.loader.state_dict(),
+        return {"loader": self._loader_state(),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
                 "sampler": getattr(self.loader.sampler, EPOCH_START, None)}
 
@@ -108,6 +114,11 @@ class ResumableLoader:
             _take_over(live, restored)
             self.loader._iterator = live
             self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
+        self.recounted, self.recount = {}, 0
+        if isinstance(self.loader.dataset, torch.utils.data.IterableDataset):
+            built = self.loader.state_dict()
+            self.recounted = _added(kept["loader"], built)
+            self.recount = (_yielded(built) or 0) - (_yielded(kept["loader"]) or 0)
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
             self.loader.generator.set_state(saved["generator"])
         self.yielded = _yielded(kept["loader"])
@@ -123,9 +134,18 @@ class ResumableLoader:
         if self.unread is None or data_iter is None or data_iter is not self.loader._iterator:
             return
         saved, restored = self.unread
-        if data_iter is restored or restored._num_yielded != _yielded(saved["loader"]) or self.spent():
+        if data_iter is restored or self._yielded_by(restored) != _yielded(saved["loader"]) or self.spent():
             return
         self.load_state_dict(saved)
+
+    def _loader_state(self) -> dict:
+        """The loader's state, less what torchdata's fast-forward of the restored iterator added to its counters."""
+        state = self.loader.state_dict()
+        return _less(state, self.recounted) if self.recounted and self.loader._iterator is self.restored else state
+
+    def _yielded_by(self, iterator) -> int:
+        """The batches of its epoch ``iterator`` has given, those of a restore's fast-forward not counted twice."""
+        return iterator._num_yielded - (self.recount if iterator is self.restored else 0)
 
     def taken_since_restore(self) -> bool:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
@@ -145,6 +165,31 @@ def _yielded(state: dict) -> Optional[int]:
     if "_snapshot" in state:
         return state["_snapshot"]["_snapshot_step"] + state.get("_steps_since_snapshot", 0)
     return None
+
+
+def _added(before: dict, after: dict, path: tuple = ()) -> dict:
+    """The integer counters of a loader's state that grew from ``before`` to ``after`` (path -> by how much)."""
+    added = {}
+    for key, value in after.items():
+        old = before.get(key) if isinstance(before, dict) else None
+        if isinstance(value, dict):
+            added.update(_added(old if isinstance(old, dict) else {}, value, (*path, key)))
+        elif isinstance(value, int) and not isinstance(value, bool) and isinstance(old, int) and value > old:
+            added[(*path, key)] = value - old
+    return added
+
+
+def _less(state: dict, added: dict) -> dict:
+    """``state`` with each counter of ``added`` less what was added to it."""
+    state = copy.copy(state)
+    for path, by in added.items():
+        inner = state
+        for key in path[:-1]:
+            inner[key] = copy.copy(inner.get(key))
+            inner = inner[key]
+        if isinstance(inner, dict) and isinstance(inner.get(path[-1]), int):
+            inner[path[-1]] -= by
+    return state
 
 
 EPOCH_START = "_baft_epoch_start"  # a sampler's own state as it made its latest iterator
