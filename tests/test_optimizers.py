@@ -61,3 +61,29 @@ def test_fp16_wrappers_snapshot_what_they_save_and_resume_bit_for_bit(tmp_path):
         assert r["scale"] < 2 ** 24, f"{name}: the loss scale never dropped, so its restore went untested"
         assert r["continues_alike"], f"{name}: the restored wrapper diverged"
         assert any(n.startswith("master/") for n in r["names"]), "the fp32 masters are in the snapshot"
+
+
+def test_two_schedulers_of_a_kind_the_script_made_are_refused_as_first_found_not_at_the_first_fault():
+    """A restore cannot tell two schedulers of one class apart (probe 8: a warm-up and a decay LambdaLR trained
+    unwarned and died at their first resume); one of each kind is kept, the engine's own aside."""
+    import torch
+
+    from baft.pipeline import schedulers
+
+    def engine_with(*kinds):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        made = [kind(optimizer) for kind in kinds]
+        return SimpleNamespace(optimizer=optimizer), made
+
+    def lam(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def step(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+
+    engine, made = engine_with(lam, step)
+    assert sorted(map(id, schedulers.script_schedulers(engine))) == sorted(map(id, made))
+    engine, made = engine_with(lam, lam)
+    with pytest.raises(BaftError, match=r"^the script has more than one learning-rate scheduler of a kind on the "
+                                        r"engine's optimizer \(\{'LambdaLR': 2\}\).*\(lr_scheduler=\)$"):
+        schedulers.script_schedulers(engine)

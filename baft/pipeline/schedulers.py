@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from baft.errors import BaftError
+
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> [weakref to a scheduler]
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # every scheduler deepspeed.initialize made or was given here
 
@@ -39,10 +41,27 @@ def _is_scheduler(obj) -> bool:
 
 def script_schedulers(engine) -> list:
     """The schedulers stepping the engine's optimizer other than the engine's own (outermost only: the schedulers
-    inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as first found."""
+    inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as first found; a
+    :class:`~baft.errors.BaftError` where two are of one kind, which no restore could tell apart (said as they are
+    first found, not at the first fault)."""
     if engine.optimizer not in _FOUND:
-        _keep(engine, _look(engine))
+        found = _look(engine)
+        why = _alike(found)
+        if why:
+            raise BaftError(f"{why}: resumed after a fault, its learning rates would not be those of an "
+                            f"uninterrupted run. Make one of them (SequentialLR or ChainedScheduler of both, or one "
+                            f"LambdaLR), or give one to baft.initialize (lr_scheduler=)")
+        _keep(engine, found)
     return [s for s in (ref() for ref in _FOUND[engine.optimizer]) if s is not None]
+
+
+def _alike(found: list) -> str:
+    """Why a restore could not tell ``found``'s schedulers apart (two of a kind), or ""."""
+    names = Counter(type(s).__qualname__ for s in found)
+    if any(count > 1 for count in names.values()):
+        return (f"the script has more than one learning-rate scheduler of a kind on the engine's optimizer "
+                f"({dict(names)}): baft cannot tell them apart")
+    return ""
 
 
 def _keep(engine, found: list) -> None:
@@ -79,9 +98,8 @@ def restore(engine, kept: list) -> Optional[str]:
     if names != wanted:
         return (f"the snapshot holds the state of the learning-rate schedulers {dict(wanted)} the script made on "
                 f"its optimizer, and the script now has {dict(names) or 'none'}")
-    if any(count > 1 for count in names.values()):
-        return (f"the script has more than one learning-rate scheduler of a kind ({dict(names)}): baft cannot tell "
-                f"them apart")
+    if _alike(found):
+        return _alike(found)
     by_name = dict(kept)
     for scheduler in found:
         scheduler.load_state_dict(by_name[type(scheduler).__qualname__])
