@@ -63,9 +63,10 @@ def test_fp16_wrappers_snapshot_what_they_save_and_resume_bit_for_bit(tmp_path):
         assert any(n.startswith("master/") for n in r["names"]), "the fp32 masters are in the snapshot"
 
 
-def test_two_schedulers_of_a_kind_the_script_made_are_refused_as_first_found_not_at_the_first_fault():
-    """A restore cannot tell two schedulers of one class apart (probe 8: a warm-up and a decay LambdaLR trained
-    unwarned and died at their first resume); one of each kind is kept, the engine's own aside."""
+def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refused_as_first_found(monkeypatch):
+    """One of each kind is kept, made before the first snapshot or after it (probe 8: a plateau scheduler made once a
+    warm-up ended was never kept, and a resumed run's learning rate differed silently); a restore cannot tell two of
+    one class apart (a warm-up and a decay LambdaLR trained unwarned and died at their first resume)."""
     import torch
 
     from baft.pipeline import schedulers
@@ -83,6 +84,14 @@ def test_two_schedulers_of_a_kind_the_script_made_are_refused_as_first_found_not
 
     engine, made = engine_with(lam, step)
     assert sorted(map(id, schedulers.script_schedulers(engine))) == sorted(map(id, made))
+    # one made after the first snapshot (a plateau scheduler once a warm-up ends) is found at the next, and no
+    # snapshot walks the live objects again while nothing more refers to the optimizer
+    walks = []
+    monkeypatch.setattr(schedulers, "_look", lambda engine, look=schedulers._look: walks.append(1) or look(engine))
+    for _ in range(3):
+        assert len(schedulers.script_schedulers(engine)) == 2
+    late = torch.optim.lr_scheduler.ReduceLROnPlateau(engine.optimizer)
+    assert late in schedulers.script_schedulers(engine) and len(walks) == 1, walks
     engine, made = engine_with(lam, lam)
     with pytest.raises(BaftError, match=r"^the script has more than one learning-rate scheduler of a kind on the "
                                         r"engine's optimizer \(\{'LambdaLR': 2\}\).*\(lr_scheduler=\)$"):

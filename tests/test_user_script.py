@@ -48,8 +48,10 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
-    # a memory limit the running manager (baft train's) does not have: said, not silently dropped
-    cfg = config(tmp_path, "protected.json", bubble_map=str(bmap), memory_limit=2 ** 36)
+    # a memory limit the running manager (baft train's) does not have: said, not silently dropped. A snapshot every
+    # step, placed in the measured bubbles: the period the planner would choose from them depends on this machine's
+    # load as it profiled (a busy one's chose a period past the kill, and the recovery found nothing to restore)
+    cfg = config(tmp_path, "protected.json", bubble_map=str(bmap), memory_limit=2 ** 36, period=1)
     imports = tmp_path / "imports.jsonl"  # each process that imported the script's own module user_data, and when
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--in-place", "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT),

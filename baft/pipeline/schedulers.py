@@ -3,15 +3,17 @@
 
 The engine's own scheduler is in every snapshot's small state; such a scheduler is the script's, and its count of
 steps (``last_epoch``; a plateau scheduler's best loss) would start again from zero in a resumed process, on top of
-the restored learning rate. baft finds them among the live objects (once per optimizer: a walk over every object
-the garbage collector tracks, tens of milliseconds), keeps their ``state_dict`` with every snapshot, and loads it
-back: at the restore where the scheduler already exists (a survivor in place), else as the first resumed
-iteration starts, when the script has made it again.
+the restored learning rate. baft finds them among the live objects (a walk over every object the garbage collector
+tracks, tens of milliseconds: at the first snapshot, and again where more refer to the optimizer than at the last
+walk, as a scheduler made since does), keeps their ``state_dict`` with every snapshot, and loads it back: at the
+restore where the scheduler already exists (a survivor in place), else as the first resumed iteration starts,
+when the script has made it again.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections import Counter
 from typing import Optional
@@ -21,6 +23,7 @@ import torch
 from baft.errors import BaftError
 
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> [weakref to a scheduler]
+_LOOKED_AT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> its references then
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # every scheduler deepspeed.initialize made or was given here
 
 
@@ -44,7 +47,8 @@ def script_schedulers(engine) -> list:
     inside a ``SequentialLR`` or ``ChainedScheduler`` are in its ``state_dict``), as first found; a
     :class:`~baft.errors.BaftError` where two are of one kind, which no restore could tell apart (said as they are
     first found, not at the first fault)."""
-    if engine.optimizer not in _FOUND:
+    optimizer = engine.optimizer
+    if optimizer not in _LOOKED_AT or _references(optimizer) > _LOOKED_AT[optimizer]:
         found = _look(engine)
         why = _alike(found)
         if why:
@@ -52,7 +56,18 @@ def script_schedulers(engine) -> list:
                             f"uninterrupted run. Make one of them (SequentialLR or ChainedScheduler of both, or one "
                             f"LambdaLR), or give one to baft.initialize (lr_scheduler=)")
         _keep(engine, found)
-    return [s for s in (ref() for ref in _FOUND[engine.optimizer]) if s is not None]
+        _LOOKED_AT[optimizer] = _references(optimizer)
+    return [s for s in (ref() for ref in _FOUND[optimizer]) if s is not None]
+
+
+def _references(optimizer) -> int:
+    """How many references the optimizer and the torch optimizer inside DeepSpeed's wrappers have: a scheduler made
+    on them holds one (a count, where walking every object would take tens of milliseconds)."""
+    count = 0
+    while optimizer is not None:
+        count += sys.getrefcount(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return count
 
 
 def _alike(found: list) -> str:
