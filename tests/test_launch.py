@@ -117,6 +117,18 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
         watch._read(line, "stderr")
     assert watch.outcome(1).exception == ("rank 1: ValueError: step 6: lr must be positive (in a training step, with "
                                           "no restart left)")
+    # raised between steps (probe 8: a shard's check before its third step), with torchrun seeing the peer's echo
+    # first: the same twice ends the run; the last attempt's is its reason
+    between = [raised[0], '[1]   File "e.py", line 4, in main\n', "[1] RuntimeError: corrupt shard before step 3\n"]
+    stopped, watch = [], _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+    for line in [*between, *echo[:2], echo[2].format(port=9856), failed.format(code=1, rank=0)]:
+        watch._read(line, "stderr")
+    assert not stopped and watch.outcome(1).exception == ("rank 1: RuntimeError: corrupt shard before step 3 (with "
+                                                          "no restart left)")
+    for line in [*between, *echo[:2], echo[2].format(port=34506), failed.format(code=1, rank=0)]:
+        watch._read(line, "stderr")
+    assert stopped and watch.error == ("rank 1: RuntimeError: corrupt shard before step 3 (it ended the attempt before "
+                                       "too: a restart does not help)")
     watch = _Watch(io.StringIO(), lambda: None, 5, 5)
     for port in (9856, 34506):  # a peer's echo alone, twice, is no error of the run's
         for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:

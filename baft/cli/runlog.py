@@ -240,10 +240,10 @@ class _Watch:
         self.tracebacks: dict[str, _Traceback] = {}
         self.exceptions: dict[str, _RankException] = {}  # each rank's last
         self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
-        # (rank, exception) raised in a training step, not a lost peer's echo: this attempt's so far, and those that
-        # ended the attempt before (none where a rank was killed)
-        self.raised: set[tuple[str, str]] = set()
-        self.ended_before: frozenset[tuple[str, str]] = frozenset()
+        # (rank, exception, whether in a training step) raised, not a lost peer's echo: this attempt's so far, and
+        # those that ended the attempt before (none where a rank was killed)
+        self.raised: set[tuple[str, str, bool]] = set()
+        self.ended_before: frozenset[tuple[str, str, bool]] = frozenset()
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
@@ -269,8 +269,8 @@ class _Watch:
         exception = self.tracebacks.setdefault(match[1], _Traceback()).feed(line[match.end():])
         if exception is not None:
             self.exceptions[match[1]] = exception
-            if exception.in_step and not says_peer_lost(exception.line):
-                self.raised.add((match[1], exception.line))
+            if not says_peer_lost(exception.line):
+                self.raised.add((match[1], exception.line, exception.in_step))
         error = baft_error(line)
         if error is None:
             return on_screen(line, stream)
@@ -280,16 +280,15 @@ class _Watch:
         return None
 
     def _same_again(self) -> None:
-        """A rank that ends an attempt with the error in a training step that ended the one before (not a signal: a
-        fault) will end every one with it: the restarts left are not tried, and the error is the run's. The rank
-        torchrun saw fail first may be a peer whose receive failed as the raising rank exited: its echo is no
-        attempt's ending. (One raised outside a step is the run's already, said once the restarts are spent:
-        :meth:`outcome`.)"""
+        """A rank that ends an attempt with the error that ended the one before (not a signal: a fault), in a
+        training step or between steps, will end every one with it: the restarts left are not tried, and the error
+        is the run's. The rank torchrun saw fail first may be a peer whose receive failed as the raising rank exited:
+        its echo is no attempt's ending."""
         exitcode, _ = self.failed
         ended = frozenset(self.raised) if exitcode > 0 else frozenset()
         again = sorted(ended & self.ended_before)
         if again and self.error is None:
-            rank, line = again[0]
+            rank, line, _ = again[0]
             self.error = f"rank {rank}: {line} (it ended the attempt before too: a restart does not help)"
             self.stop()
         self.ended_before, self.raised = ended, set()
@@ -297,8 +296,9 @@ class _Watch:
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
         else the exception the rank torchrun saw fail first died of, when raised outside a training step
-        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank), or else one
-        raised in a step, not an echo, that ended the last attempt (no restart was left to get past it)."""
+        (a step's is a fault for restarts to get past, or a survivor's echo of a killed rank), or else one, not an
+        echo, that ended the last attempt (no restart was left to get past it; torchrun may have seen the echo
+        first)."""
         if code == 0:
             return Outcome(0)
         if self.error is not None:
@@ -308,8 +308,9 @@ class _Watch:
         if exitcode > 0 and exception is not None and not exception.in_step:
             return Outcome(code, exception=f"rank {rank}: {exception.line}")
         if self.ended_before:
-            rank, line = min(self.ended_before)
-            return Outcome(code, exception=f"rank {rank}: {line} (in a training step, with no restart left)")
+            rank, line, in_step = min(self.ended_before)
+            where = "in a training step, with" if in_step else "with"
+            return Outcome(code, exception=f"rank {rank}: {line} ({where} no restart left)")
         return Outcome(code)
 
     def print_tails(self) -> None:
