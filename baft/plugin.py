@@ -111,6 +111,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
     mark("init_end")
     engines_own(scheduler)
+    atexit.register(_not_mid_replay)  # after the teardown (the last registered runs first)
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
     said = unprotected(ds_config)
     if said and engine.global_rank == 0:
@@ -144,6 +145,16 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
 
         start_trace(engine, os.environ[TRACE_DIR_ENV], type(given.get("model")).__name__)
     return engine, optimizer, loader, scheduler
+
+
+def _not_mid_replay() -> None:
+    """At interpreter exit: a process whose loop stopped while it replayed its calls fails, saying why
+    (:meth:`~baft.pipeline.loop.Loop.left_in_replay`), rather than end as if finished."""
+    why = THIS_PROCESS.left_in_replay()
+    if why:
+        print(f"baft: error: {why}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _config_source(given: dict):

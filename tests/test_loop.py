@@ -448,3 +448,23 @@ def test_a_loop_that_sets_state_baft_does_not_keep_has_every_rank_replaced_in_pl
         record = json.loads((tmp_path / name / "recovery.jsonl").read_text())
         assert (record["kind"], record["restored_step"]) == ("in place", 3), name
         assert re.search(rf"rank 0 lost a peer and cannot recover in place \({why[name]}", runs[name]), name
+
+
+def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_why():
+    """Probe 8: an early stop counting evaluations without improvement in its client_state read the restored step's
+    best loss during the replay, stopped at replayed call 4 of 9 and ended 0, the run five steps short. Ending
+    there is an error now; having replayed them all, or not counting its calls, is no error."""
+    ending = ("import sys\nfrom baft.pipeline.loop import THIS_PROCESS\nfrom baft.plugin import _not_mid_replay\n"
+              "import atexit\natexit.register(_not_mid_replay)\n"
+              "THIS_PROCESS.counts_calls, THIS_PROCESS.to_replay, THIS_PROCESS.calls = {}, 9, {}\n"
+              "print('the script ends')\n")
+    for counts, calls, code in ((True, 4, 1), (True, 9, 0), (False, 4, 0)):
+        done = subprocess.run([sys.executable, "-c", ending.format(counts, calls)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == code and "the script ends" in done.stdout, (counts, calls, done.stderr[-2000:])
+        said = [line for line in done.stderr.splitlines() if line.startswith("baft: error:")]
+        assert said == ([] if code == 0 else [
+            "baft: error: the loop stopped at its call 4 of the 9 it replayed up to the restored step: its code "
+            "between the calls read what the restore had set (a count in client_state?), not what it was at that "
+            "call, so the run would end short of the uninterrupted one. Loop on the engine's step (while "
+            "engine.global_steps < N), which replays nothing"]), done.stderr[-2000:]

@@ -222,6 +222,18 @@ class Loop:
         """Whether the loop's next ``train_batch`` call is one that trained a step up to the restored one."""
         return self.calls < self.to_replay
 
+    def left_in_replay(self) -> str:
+        """Why this process must not end now, or "": its loop, replaying its calls up to the restored step, stopped
+        before it (its code between the calls read state as restored, not as it stood at that call: an early stop's
+        count kept in ``client_state``), so the run would end short of the uninterrupted one's end, unsaid."""
+        if not self.counts_calls or not 0 < self.calls < self.to_replay:
+            return ""
+        loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else "the loop"
+        return (f"{loop} stopped at its call {self.calls} of the {self.to_replay} it replayed up to the restored step: "
+                f"its code between the calls read what the restore had set (a count in client_state?), not what it "
+                f"was at that call, so the run would end short of the uninterrupted one. Loop on the engine's step "
+                f"(while engine.global_steps < N), which replays nothing")
+
     @property
     def replays_evaluations(self) -> bool:
         """Whether an ``eval_batch`` or ``save_checkpoint`` call now was made, after the same call to
