@@ -184,18 +184,21 @@ class Protection:
             self.hooks.liveness = Heartbeat(self.root, self.engine.global_rank, record.restart_count(), cfg.run_dir,
                                             cfg.hang_timeout, cfg.progress_timeout).start(self.engine)
 
-    def epoch_behind(self) -> Optional[str]:
-        """Why a survivor's loop cannot go on in place, or None: it took a new iterator of its loader (an epoch's)
-        after the newest step every rank holds, where a restore would go back to (its iterator would be made the
-        restored one, and the steps its call trains from there would read past that epoch's end, from the wrong
-        iterator). Read from the node's shared memory as the fault is seen: seals that finish since only add steps."""
+    def behind(self) -> Optional[str]:
+        """Why a survivor cannot go on in place, or None, from the steps every rank holds, read from the node's
+        shared memory as the fault is seen (seals that finish since only add steps): none yet (a fault before the
+        first snapshot committed: the survivor's state has moved on from the start a replacement makes, and there is
+        nothing to take both back to); or its loop took a new iterator of its loader (an epoch's) after the newest
+        of them, where a restore would go back to (its iterator would be made the restored one, and the steps its
+        call trains from there would read past that epoch's end, from the wrong iterator)."""
         from baft.snapshot import slots
 
-        if self.epoch_began is None:
-            return None
         held = [{info.record.step for info in slots.committed(self.root, rank)} for rank in slots.rank_ids(self.root)]
         newest = max(set.intersection(*held), default=None) if held else None
-        if newest is not None and newest >= self.epoch_began - 1:
+        if newest is None and self.config.policy in IN_MEMORY:
+            return ("no snapshot every rank holds has committed yet: the survivors' state has moved on from the start "
+                    "a replacement makes, and nothing takes both back to one step")
+        if self.epoch_began is None or newest is not None and newest >= self.epoch_began - 1:
             return None
         return (f"its loop took a new iterator of its data loader for step {self.epoch_began}, after the newest step "
                 f"every rank holds ({newest}): the steps its call would train again start in the epoch before")

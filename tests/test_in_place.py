@@ -49,7 +49,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
              # rank 0 dies as it begins to recover from rank 1's death: a second fault during the recovery
              "killed recovering": ("rank=1,step=4,phase=backward,restart=0", "rank=0,step=4,phase=recover,restart=0"),
              # two simulated nodes of one rank each; node 1's manager, shared memory and rank die together
-             "node lost": ("node=1,step=5",)}
+             "node lost": ("node=1,step=5",),
+             # before any snapshot committed: the survivor's state has moved on, nothing takes it back
+             "before any snapshot": ("rank=1,step=1,phase=backward,restart=0",)}
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
@@ -78,6 +80,20 @@ def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every
     assert pids[2][0] == pids[1][0] == pids[0][0], "rank 0 kept its process throughout"
     assert len({pids[0][1], pids[1][1], pids[2][1]}) == 3, "rank 1 was replaced twice"
     assert "recovers in place" in proc.stdout and "in place" in proc.stdout  # the rank's line and the report's
+
+
+@pytest.mark.slow
+def test_a_kill_before_any_snapshot_committed_starts_every_rank_again_and_every_part_is_identical(runs):
+    """Probe 8: in place, the survivors went on from step 1 with the batches they had read (a tied weight's copy
+    from the survivor's uninitialised broadcast, loss 2e34): with no snapshot every rank holds, every rank is
+    replaced (a new process takes the survivor's place too), and the run starts again as the uninterrupted one did."""
+    (reference, _), (faulted, proc) = runs["reference"], runs["before any snapshot"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "fresh")]
+    assert "no snapshot every rank holds has committed yet" in (faulted / "run" / "output.log").read_text()
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = processes(faulted / "digests")
+    assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def recover(engine, error: BaseException) -> bool:
     protection = engine.baft
     lost = world.lost_peer(error)
     possible = protection.again is not None and world.available() and lost
-    why = THIS_PROCESS.not_in_place or (possible and protection.epoch_behind())
+    why = THIS_PROCESS.not_in_place or (possible and protection.behind())
     if not possible or why:
         if why and lost:
             error.baft_not_in_place = why  # what the rank's replacement says as it goes

@@ -250,7 +250,7 @@ def groups_before(model) -> int:
 def regroup(model, dtypes: dict[tuple[str, str], torch.dtype]) -> None:
     """The process groups a ``PipelineModule`` makes in its constructor, made again in the new world in the
     same order, and the broadcasts of its tied weights, as the constructor makes them (a replacement's
-    constructor runs meanwhile) in the ``dtypes`` of :func:`tied_dtypes` (the values are the restore's to set);
+    constructor runs meanwhile) in the ``dtypes`` of :func:`tied_dtypes` (the restore then sets the values);
     nothing for another model."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
@@ -263,5 +263,8 @@ def regroup(model, dtypes: dict[tuple[str, str], torch.dtype]) -> None:
     for key, comm in model.tied_comms.items():
         for attr in comm["weight_attr"]:
             weight = model._recursive_getattr(comm["module"], attr)
-            received = torch.empty_like(weight, dtype=dtypes.get((key, attr), weight.dtype))
-            dist.broadcast(received, src=min(comm["ranks"]), group=comm["group"])
+            dtype, source = dtypes.get((key, attr), weight.dtype), min(comm["ranks"])
+            # the source sends its weight, as the constructor does (not what an empty tensor held: a restore that
+            # found nothing would leave that in the replacement)
+            sent = weight.detach().to(dtype) if dist.get_rank() == source else torch.empty_like(weight, dtype=dtype)
+            dist.broadcast(sent, src=source, group=comm["group"])
