@@ -154,6 +154,9 @@ def test_initialize_names_what_a_restore_will_not_bring_back():
     assert "pass data_iterator=" in not_restored(None)
     assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
     assert "loader's 2 workers are in no saved state" in not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
+    # a stream with no state of its own is read again to the position, its own generators' draws anew (probe 8's R3)
+    stream = not_restored(data_position(None, StatefulDataLoader(Stream(), batch_size=2)))
+    assert stream.startswith("the Stream the loader streams has no state_dict(): a restore reads it again"), stream
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

@@ -305,6 +305,13 @@ def not_restored(position) -> Optional[str]:
                 "StatefulDataLoader, and train on iter() of it, taken after baft.initialize")
     loader = getattr(position, "loader", position)
     workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) and not isinstance(dataset, Stateful):
+        # torchdata's restore of such a stream: the batches up to the position read again from its start
+        return (f"the {type(dataset).__name__} the loader streams has no state_dict(): a restore reads it again from "
+                f"its start up to the saved position, and what it draws from generators of its own (not torch's "
+                f"global one) comes out anew; give it state_dict() and load_state_dict() (its position in the "
+                f"stream, its generators') to resume it exactly and at once")
     if workers:  # each worker's generators are seeded from the loader's base seed at each epoch
         return (f"random numbers your dataset draws in the loader's {workers} workers are in no saved state: a resume "
                 f"inside an epoch draws others (the samples and their order resume exactly); draw them from a "
