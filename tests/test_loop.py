@@ -454,17 +454,22 @@ def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_w
     """Probe 8: an early stop counting evaluations without improvement in its client_state read the restored step's
     best loss during the replay, stopped at replayed call 4 of 9 and ended 0, the run five steps short. Ending
     there is an error now; having replayed them all, or not counting its calls, is no error."""
-    ending = ("import sys\nfrom baft.pipeline.loop import THIS_PROCESS\nfrom baft.plugin import _not_mid_replay\n"
-              "import atexit\natexit.register(_not_mid_replay)\n"
-              "THIS_PROCESS.counts_calls, THIS_PROCESS.to_replay, THIS_PROCESS.calls = {}, 9, {}\n"
-              "print('the script ends')\n")
-    for counts, calls, code in ((True, 4, 1), (True, 9, 0), (False, 4, 0)):
-        done = subprocess.run([sys.executable, "-c", ending.format(counts, calls)], capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == code and "the script ends" in done.stdout, (counts, calls, done.stderr[-2000:])
-        said = [line for line in done.stderr.splitlines() if line.startswith("baft: error:")]
-        assert said == ([] if code == 0 else [
-            "baft: error: the loop stopped at its call 4 of the 9 it replayed up to the restored step: its code "
-            "between the calls read what the restore had set (a count in client_state?), not what it was at that "
-            "call, so the run would end short of the uninterrupted one. Loop on the engine's step (while "
-            "engine.global_steps < N), which replays nothing"]), done.stderr[-2000:]
+    from baft.pipeline.loop import Loop
+
+    def left(counts: bool, calls: int) -> str:
+        loop = Loop()
+        loop.counts_calls, loop.to_replay, loop.calls = counts, 9, calls
+        return loop.left_in_replay()
+
+    assert left(True, 9) == left(False, 4) == left(True, 0) == ""
+    why = left(True, 4)
+    assert why == ("the loop stopped at its call 4 of the 9 it replayed up to the restored step: its code between the "
+                   "calls read what the restore had set (a count in client_state?), not what it was at that call, so "
+                   "the run would end short of the uninterrupted one. Loop on the engine's step (while "
+                   "engine.global_steps < N), which replays nothing")
+    ending = ("import atexit\nfrom baft.pipeline.loop import THIS_PROCESS\nfrom baft.plugin import _not_mid_replay\n"
+              "atexit.register(_not_mid_replay)\nTHIS_PROCESS.counts_calls, THIS_PROCESS.to_replay, THIS_PROCESS.calls"
+              " = True, 9, 4\nprint('the script ends')\n")
+    done = subprocess.run([sys.executable, "-c", ending], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "the script ends" in done.stdout, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("baft: error:")] == [f"baft: error: {why}"]
