@@ -72,6 +72,9 @@ COUNTS = {
     "reversed": "for left in reversed(range(N)):\n    engine.train_batch()",
     "its own resume position, none yet": ("resume = None\nfor step in range(int(resume or 0), max(N, 1)):\n"
                                           "    engine.train_batch()"),
+    # probe 8: resumed at an odd step, the pair's count started again, and the run trained one step past N
+    "a count inside a loop on the engine's step": ("while engine.global_steps < N:\n    for _ in range(2):\n"
+                                                   "        engine.train_batch()\n        engine.global_steps += 1"),
     "a trainer's own start, at 0": ("start_epoch = start_step = 0\nfor epoch in range(start_epoch, args.epochs):\n"
                                     "    for step in range(start_step if epoch == start_epoch else 0, N):\n"
                                     "        engine.train_batch()"),

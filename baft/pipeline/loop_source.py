@@ -67,9 +67,12 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
     reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
     counts = [_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops]
+    # a count inside a ``while`` on the engine's step (``for _ in range(2): train_batch()``): resumed inside the
+    # count, it would start again from 0; replayed, the while reads the step each replayed call sets
+    on_step = [isinstance(loop, ast.While) and _reads_engine_step(loop.test, scope) for _, loop, scope, _ in loops]
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
-                    counts_calls=all(counts),
+                    counts_calls=any(counts) and all(count or step for count, step in zip(counts, on_step)),
                     unread=not reads_step and (_count_around_data(loops, counts) or any(
                         not (count or _goes_on_itself(loop, frame))
                         for count, (_, loop, _, frame) in zip(counts, loops))),
