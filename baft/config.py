@@ -119,6 +119,8 @@ def _field_type(key: str) -> tuple[type, bool]:
 def parse_config(ds_config: Optional[dict]) -> BaftConfig:
     """The ``"baft"`` section of a DeepSpeed config dict, validated; disabled when absent."""
     doc = (ds_config or {}).get("baft")
+    if doc is None and "baft" in (ds_config or {}):
+        raise ConfigError("baft: expected a section (an object of baft's keys, {} for the defaults), got null")
     if doc is None:
         keys = {k.lower(): k for k in ds_config or {} if isinstance(k, str)}
         near = difflib.get_close_matches("baft", keys, n=1, cutoff=0.75)

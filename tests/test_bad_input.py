@@ -70,6 +70,8 @@ def test_unknown_config_key_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^'Baft': not a DeepSpeed key; did you mean \"baft\"\?"):
         parse_config({"Baft": {"policy": "baft"}, "bf16": {"enabled": True}})
     assert not parse_config({"bf16": {"enabled": True}, "fp16": {}, "amp": {}, "bfloat16": {}}).enabled  # no "baft"
+    with pytest.raises(ConfigError, match=r"^baft: expected a section .* got null$"):  # probe 8: "did you mean baft"
+        parse_config({"baft": None})
     with pytest.raises(ConfigError, match=r"baft\.fresh_start: expected true, false or \"always\", got 'yes'"):
         parse_config({"baft": {"fresh_start": "yes"}})
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
