@@ -127,8 +127,8 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
                                                           "no restart left)")
     for line in [*between, *echo[:2], echo[2].format(port=34506), failed.format(code=1, rank=0)]:
         watch._read(line, "stderr")
-    assert stopped and watch.error == ("rank 1: RuntimeError: corrupt shard before step 3 (it ended the attempt before "
-                                       "too: a restart does not help)")
+    assert stopped and watch.outcome(1).exception == ("rank 1: RuntimeError: corrupt shard before step 3 (it ended "
+                                                      "the attempt before too: a restart does not help)")
     watch = _Watch(io.StringIO(), lambda: None, 5, 5)
     for port in (9856, 34506):  # a peer's echo alone, twice, is no error of the run's
         for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:

@@ -130,7 +130,8 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, 
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_dies_with(os.getpid()))
-        watch = _Watch(log, proc.terminate, rank_lines, launcher_lines)  # torchrun stops its ranks on SIGTERM
+        watch = _Watch(log, proc.terminate, rank_lines, launcher_lines,  # torchrun stops its ranks on SIGTERM
+                       restarts=next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-restarts=")), None))
         readers = [threading.Thread(target=watch.pump, args=(pipe, name), daemon=True)
                    for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
@@ -233,8 +234,10 @@ class _Watch:
     """Reads torchrun's output as :func:`run_logged` copies it to the log and the screen: the last lines of
     the ranks and of torchrun, the ranks' baft errors and Python exceptions, and the rank torchrun saw fail."""
 
-    def __init__(self, log: IO[str], stop: Callable[[], None], rank_lines: int, launcher_lines: int):
+    def __init__(self, log: IO[str], stop: Callable[[], None], rank_lines: int, launcher_lines: int,
+                 restarts: Optional[int] = None):
         self.log, self.stop, self.lock = log, stop, threading.Lock()
+        self.restarts_left = restarts  # torchrun's (None: not known), as attempts end
         self.last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
         self.error: Optional[str] = None  # the first baft error
         self.tracebacks: dict[str, _Traceback] = {}
@@ -244,6 +247,7 @@ class _Watch:
         # those that ended the attempt before (none where a rank was killed)
         self.raised: set[tuple[str, str, bool]] = set()
         self.ended_before: frozenset[tuple[str, str, bool]] = frozenset()
+        self.repeated: Optional[str] = None  # "rank R: <line>" raised between steps that ended two attempts in a row
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
@@ -287,10 +291,18 @@ class _Watch:
         exitcode, _ = self.failed
         ended = frozenset(self.raised) if exitcode > 0 else frozenset()
         again = sorted(ended & self.ended_before)
-        if again and self.error is None:
-            rank, line, _ = again[0]
-            self.error = f"rank {rank}: {line} (it ended the attempt before too: a restart does not help)"
-            self.stop()
+        restarting = self.restarts_left is None or self.restarts_left > 0  # torchrun starts the ranks again now
+        if self.restarts_left is not None:
+            self.restarts_left -= 1
+        if again and self.error is None and self.repeated is None:
+            rank, line, in_step = again[0]
+            said = f"rank {rank}: {line} (it ended the attempt before too: a restart does not help)"
+            if in_step:
+                self.error = said
+            else:  # the run's exception, as one that ended the last attempt is (with where the tracebacks are)
+                self.repeated = said
+            if restarting:  # else torchrun ends by itself, its summary in the log
+                self.stop()
         self.ended_before, self.raised = ended, set()
 
     def outcome(self, code: int) -> Outcome:
@@ -303,6 +315,8 @@ class _Watch:
             return Outcome(0)
         if self.error is not None:
             return Outcome(code, error=self.error)
+        if self.repeated is not None:
+            return Outcome(code, exception=self.repeated)
         exitcode, rank = self.failed or (0, "")
         exception = self.exceptions.get(rank)
         if exitcode > 0 and exception is not None and not exception.in_step:
