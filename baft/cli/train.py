@@ -13,6 +13,8 @@ from baft.cli.options import example_options, executor_options, user_errors
 from baft.config import IN_MEMORY, LAUNCHER_ENV, POLICIES
 from baft.errors import BaftError
 
+PERSISTED = "persisted"  # RUN_DIR/persisted: where the managers write the snapshots they keep on disk
+
 
 @click.command()
 @click.option("--example", type=click.Choice(["gpt"]), help="Train the bundled example instead of a script.")
@@ -59,6 +61,32 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
+    _check_options(example, command, warm, in_place, hang_timeout)
+    from baft.recovery import chaos
+    from baft.warm import WarmServer
+
+    asked = [chaos.parse_fault(fault) for fault in faults]
+    procs = nprocs or model["stages"] * dp
+    run, run_id, env = _run_dir_and_env(run_dir, procs, nodes, faults, trace_dir)
+    server = WarmServer.running(env) or WarmServer()
+    managed = manager and policy in IN_MEMORY
+    configs = _manager_configs(run, run_id, nodes, persist_every) \
+        if managed or example and (nodes > 1 or persist_every) else []
+    program = list(command)
+    if example:
+        program = _example_program(
+            {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
+             "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
+             "run_id": run_id, "shm_root": SHM_ROOT, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout},
+            configs, nodes, persist_every, run)
+    warm, cmd = _warm_command(program, env, server, procs, max_restarts, run, warm, in_place, spares)
+    outcome, log = _run(cmd, env, run, run_id, server, configs if managed else [], warm, in_place)
+    _report(outcome, asked, run, log, trace_dir)
+
+
+def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -> None:
+    """Refuse options that contradict each other, and a script that cannot run under baft (a warning where it
+    does not call ``baft.initialize``), each in one line, before anything is started."""
     from baft.cli.preflight import check_script_launch, unprotected_initialize
 
     if bool(example) == bool(command):
@@ -75,38 +103,57 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
             click.echo(f"baft: warning: {said}", err=True)
         if hang_timeout is not None:
             raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
-    from baft.cli.launch import example_args, exclusive_run, launch_env, torchrun
-    from baft.cli.launch import run_id as launch_run_id
-    from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, torchrun_options, trim_run_logs
-    from baft.config import TRACE_DIR_ENV
-    from baft.manager.nodes import node_configs, retire_all, start_all, stop_all
-    from baft.config import REPLACE_ENV, SPARES_ENV
-    from baft.recovery import chaos
-    from baft.warm import WarmServer, warmable
 
-    asked = [chaos.parse_fault(fault) for fault in faults]
+
+def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tuple[Path, str, dict]:
+    """The run directory (made here, unless shared memory keeps an earlier run's snapshots of it), its run id,
+    and the environment every rank is launched with."""
+    from baft.cli.launch import launch_env
+    from baft.cli.launch import run_id as launch_run_id
+    from baft.config import TRACE_DIR_ENV
+    from baft.recovery import chaos
+
     run = Path(run_dir).resolve()
-    run_id, shm = launch_run_id(run), SHM_ROOT
+    run_id = launch_run_id(run)
     if not run.exists():
-        _refuse_an_earlier_runs_snapshots(run, Path(shm) / run_id)
+        _refuse_an_earlier_runs_snapshots(run, Path(SHM_ROOT) / run_id)
     run.mkdir(parents=True, exist_ok=True)
-    procs = nprocs or model["stages"] * dp
     if procs % nodes:
         raise BaftError(f"--nodes {nodes}: {procs} processes cannot be split evenly over {nodes} nodes")
-    env = launch_env({LAUNCHER_ENV["run_id"]: run_id, LAUNCHER_ENV["shm_root"]: shm, LAUNCHER_ENV["run_dir"]: str(run),
+    env = launch_env({LAUNCHER_ENV["run_id"]: run_id, LAUNCHER_ENV["shm_root"]: SHM_ROOT,
+                      LAUNCHER_ENV["run_dir"]: str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
-    server = WarmServer.running(env) or WarmServer()
-    configs, program = [], list(command)
-    if example:
-        args = {**model, "iters": iters, "policy": policy, "period": period, "executor": executor,
-                "leftovers": leftovers, "run_dir": str(run), "bubble_map": bubble_map, "plan": plan_file,
-                "run_id": run_id, "shm_root": shm, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout}
-        if nodes > 1 or persist_every:
-            configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
-            args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
-                        parity_k=configs[0].parity_k, persist_every=persist_every, persist_dir=str(run / "persisted"))
-        program = ["-m", *example_args(args)]
+    return run, run_id, env
+
+
+def _manager_configs(run: Path, run_id: str, nodes: int, persist_every):
+    """One manager's config per node, each persisting under ``RUN_DIR/persisted``."""
+    from baft.manager.nodes import node_configs
+
+    return node_configs(SHM_ROOT, run_id, nodes, run / PERSISTED, persist_every)
+
+
+def _example_program(args: dict, configs, nodes: int, persist_every, run: Path) -> list[str]:
+    """What torchrun runs for ``--example``: the worker with ``args``, and, with several nodes or
+    ``--persist-every``, the parity group and persistence of the managers' ``configs``."""
+    from baft.cli.launch import example_args
+
+    if nodes > 1 or persist_every:
+        args.update(parity_group=",".join(str(m) for m in configs[0].group) or None,
+                    parity_k=configs[0].parity_k, persist_every=persist_every, persist_dir=str(run / PERSISTED))
+    return ["-m", *example_args(args)]
+
+
+def _warm_command(program: list[str], env: dict, server, procs: int, max_restarts: int, run: Path, warm: bool,
+                  in_place: bool, spares: int) -> tuple[bool, list[str]]:
+    """Whether the ranks fork from the warm ``server`` (``env`` gets what they need to find it), and the torchrun
+    command that runs ``program`` on ``procs`` ranks."""
+    from baft.cli.launch import torchrun
+    from baft.cli.runlog import torchrun_options
+    from baft.config import REPLACE_ENV, SPARES_ENV
+    from baft.warm import warmable
+
     warm = warm and warmable(program)
     if warm:
         program = server.program(program)
@@ -116,17 +163,23 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     cmd = torchrun(procs, program, max_restarts=max_restarts, module=False, options=torchrun_options(run))
     if warm:  # torchrun itself forked too: its import of torch, and its exit's freeing of it, come off every launch
         cmd = server.command(cmd)
-    if not (manager and policy in IN_MEMORY):
-        configs = []
-    elif not configs:
-        configs = node_configs(shm, run_id, nodes, run / "persisted", persist_every)
+    return warm, cmd
+
+
+def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, warm: bool, in_place: bool):
+    """Run ``cmd`` with the managers of ``configs`` and the warm server, holding ``run`` for this launch alone;
+    its outcome and the log of every rank's output. SIGTERM stops it, with exit code 128 + SIGTERM."""
+    from baft.cli.launch import exclusive_run
+    from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, trim_run_logs
+    from baft.manager.nodes import retire_all, start_all, stop_all
+
     log = run / LOG_NAME
     try:
         with sigterm_stops(), exclusive_run(run), server:
             for pid in retire_all(configs):
                 click.echo(f"baft: stopped the manager an earlier launch of {run} left running (pid {pid}); "
                            "this launch's managers adopt its snapshots")
-            _warn_unserved_snapshots(shm, run_id)
+            _warn_unserved_snapshots(SHM_ROOT, run_id)
             trim_run_logs(run)
             if warm:
                 server.start(env, eager=in_place)
@@ -139,6 +192,14 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     except Terminated:
         click.echo(f"baft: stopped by SIGTERM; every rank's output is in {log}", err=True)
         raise SystemExit(128 + signal.SIGTERM) from None
+    return outcome, log
+
+
+def _report(outcome, asked, run: Path, log: Path, trace_dir) -> None:
+    """Say how the run ended: its recoveries, the ``--fault``s ``asked`` that never fired, and where its trace is;
+    a BaftError where it failed."""
+    from baft.recovery import chaos
+
     if (run / "recovery.jsonl").exists():
         from baft.cli.report import render_recovery_text
         from baft.recovery.record import load_recoveries
@@ -173,7 +234,7 @@ def _say_what_is_kept(configs, run: Path) -> None:
                    f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
     newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
     if newest and all(newest) and not kept_in_memory:
-        click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / 'persisted'}: `baft train` "
+        click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / PERSISTED}: `baft train` "
                    f"again with this --run-dir goes on from it (the example: with a larger --iters)")
 
 
