@@ -51,7 +51,7 @@ def test_the_keys_that_ask_a_running_manager_for_what_it_does_not_do_are_named()
     """A rank that finds its node's manager running (`baft train` started it with its options) names the keys of its
     "baft" section that manager does not apply, with the manager's value, rather than drop them without a word."""
     from baft.config import parse_config
-    from baft.protection import settings_not_applied
+    from baft.manager_link import settings_not_applied
 
     train = {"memory": {"limit": None}, "persist": {"dir": "/run/persisted/node0", "every": 4, "seconds": None,
                                                     "keep": 3}}
