@@ -51,7 +51,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
              # two simulated nodes of one rank each; node 1's manager, shared memory and rank die together
              "node lost": ("node=1,step=5",),
              # before any snapshot committed: the survivor's state has moved on, nothing takes it back
-             "before any snapshot": ("rank=1,step=1,phase=backward,restart=0",)}
+             "before any snapshot": ("rank=1,step=1,phase=backward,restart=0",),
+             # in the last step's optimizer step, past the stages' meeting: rank 0 finishes the run meanwhile
+             "last step": ("rank=1,step=10,phase=optimizer,restart=0",)}
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
@@ -94,6 +96,23 @@ def test_a_kill_before_any_snapshot_committed_starts_every_rank_again_and_every_
     assert compare(reference / "digests", faulted / "digests") == []
     pids = processes(faulted / "digests")
     assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
+
+
+@pytest.mark.slow
+def test_a_kill_as_the_peer_finishes_the_run_relaunches_at_once_and_every_part_is_identical(runs):
+    """Probe 8: the replacement waited 60 s for a survivor that had finished its last step and exited, then the job
+    was relaunched; a rank that ends its script says so at the store, and the new world stops waiting for it."""
+    (reference, _), (faulted, proc) = runs["reference"], runs["last step"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    log = (faulted / "run" / "output.log").read_text()
+    records = recoveries(faulted)
+    # rank 0 finishes, or is still in the step's last collective when rank 1 dies (then it recovers in place)
+    if records[-1]["kind"] == "warm relaunch":
+        assert "ranks [0] ended their script before they came to the new world" in log, log[-3000:]
+    else:
+        assert [r["kind"] for r in records] == ["in place"], records
+    assert "did not come to the new world" not in log and all(r["total"] < 30 for r in records), records
+    assert compare(reference / "digests", faulted / "digests") == []
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ makes them (:func:`regroup`, then ``deepspeed.initialize``), meet the replacemen
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from baft.errors import says_peer_lost
 from baft.recovery.record import EARLIER_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
+ENDED_TIMEOUT = timedelta(seconds=2)  # to reach the store as a rank exits
 REPLACED_ENV = "BAFT_WORLD_REPLACED"  # how many ranks of this process's world are replacements
 # seconds a survivor has to come to the new world before it is replaced too (see _meet): one computing comes at its
 # next send or receive, one blocked in a collective at once (_hang_up); a backstop
@@ -132,7 +134,8 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
 def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
     """Wait until every rank of the new world has come. A rank whose process still runs the old world
     :data:`STRAGGLER_GRACE` seconds on is stuck there (its peers hung up on it, :func:`_hang_up`): it is killed,
-    and the warm server replaces it. A rank whose process is gone is being replaced: its replacement is awaited."""
+    and the warm server replaces it. A rank whose process is gone is being replaced: its replacement is awaited;
+    one whose process ended its script (:func:`_say_ended`) will not come, and the meeting fails at once."""
     world.set(f"arrived/{rank}", "1")
     start = time.monotonic()
     while True:
@@ -142,6 +145,10 @@ def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
         waited = time.monotonic() - start
         if waited > JOIN_TIMEOUT.total_seconds():
             raise RuntimeError(f"ranks {missing} did not come to the new world within {waited:.0f} s")
+        ended = [r for r in missing if _ended(store, r)]
+        if ended:  # it finished the run (the fault came in its last step) or failed: no process will come
+            raise RuntimeError(f"ranks {ended} ended their script before they came to the new world (the fault "
+                               f"came as they finished); every rank starts again")
         if waited > STRAGGLER_GRACE:
             for other in missing:
                 _kill_if_running(store, other)
@@ -149,8 +156,37 @@ def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
 
 
 def _say_pid(store: dist.Store, rank: int) -> None:
-    """This process as ``rank``'s: its pid and start time (a pid alone may name another process later)."""
-    store.set(f"{_job()}/rank{rank}/pid", json.dumps([os.getpid(), psutil.Process().create_time()]))
+    """This process as ``rank``'s: its pid and start time (a pid alone may name another process later); and, as
+    it exits, that it ended (:func:`_say_ended`)."""
+    store.set(f"{_job()}/rank{rank}/pid", _this_process())
+    if not _ENDING:
+        _ENDING.append(rank)
+        atexit.register(_say_ended)
+
+
+_ENDING: list[int] = []  # the rank whose end this process says at its exit, once registered
+
+
+def _this_process() -> str:
+    return json.dumps([os.getpid(), psutil.Process().create_time()])
+
+
+def _say_ended() -> None:
+    """At this rank's exit (its script finished, or failed: a killed process runs no exit handler): said at the
+    store, so that a new world's ranks waiting for it stop waiting (:func:`_meet`). Where the store is gone (its
+    server with it), no one waits."""
+    host, port = os.environ[STORE_ENV].rsplit(":", 1)
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=ENDED_TIMEOUT, use_libuv=False)
+        store.set(f"{_job()}/rank{_ENDING[0]}/ended", _this_process())
+    except (RuntimeError, OSError, ValueError):
+        pass
+
+
+def _ended(store: dist.Store, rank: int) -> bool:
+    """Whether the process that is ``rank`` now has ended its script (:func:`_say_ended`)."""
+    pid, ended = f"{_job()}/rank{rank}/pid", f"{_job()}/rank{rank}/ended"
+    return store.check([ended]) and store.check([pid]) and store.get(ended) == store.get(pid)
 
 
 def _process(store: dist.Store, rank: int) -> psutil.Process | None:
