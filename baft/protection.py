@@ -94,10 +94,9 @@ class Protection:
         from baft.pipeline.loop import THIS_PROCESS
         from baft.snapshot.data import ResumableLoader, foreign_iterator
 
-        loader = self.data_position if isinstance(self.data_position, ResumableLoader) else None
-        if loader is not None:
-            loader.reads(data_iter)
-        kept = loader.loader._iterator if loader is not None else None  # the latest iterator of the kept loader
+        if isinstance(self.data_position, ResumableLoader):
+            self.data_position.reads(data_iter)
+        kept = self._kept_iterator()
         before, read_before = self._kept_at_last_read
         if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
             self._pulled_by_the_loop()
@@ -122,11 +121,15 @@ class Protection:
         """``train_batch`` returned: what the kept loader's latest iterator has read by now, for the next call to
         tell batches the loop took between the calls (:meth:`reads`) from those the call read through a wrapper of
         the loader (``RepeatingLoader``, ``itertools.cycle``)."""
+        kept = self._kept_iterator()
+        self._kept_at_last_read = (kept, getattr(kept, "_num_yielded", 0))
+
+    def _kept_iterator(self):
+        """The latest iterator of the loader baft keeps the position of, or None (no such loader, or no iterator
+        taken yet)."""
         from baft.snapshot.data import ResumableLoader
 
-        if isinstance(self.data_position, ResumableLoader):
-            kept = self.data_position.loader._iterator
-            self._kept_at_last_read = (kept, getattr(kept, "_num_yielded", 0))
+        return self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
 
     def _pulled_by_the_loop(self) -> None:
         """The loop read batches of the loader baft keeps between two calls, and gives ``train_batch`` iterators of

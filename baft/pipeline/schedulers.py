@@ -113,8 +113,9 @@ def restore(engine, kept: list) -> Optional[str]:
     if names != wanted:
         return (f"the snapshot holds the state of the learning-rate schedulers {dict(wanted)} the script made on "
                 f"its optimizer, and the script now has {dict(names) or 'none'}")
-    if _alike(found):
-        return _alike(found)
+    why = _alike(found)
+    if why:
+        return why
     by_name = dict(kept)
     for scheduler in found:
         scheduler.load_state_dict(by_name[type(scheduler).__qualname__])

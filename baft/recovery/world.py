@@ -56,9 +56,9 @@ def _job() -> str:
             f"/{torchrun_attempt()}")
 
 
-def _store() -> dist.TCPStore:
+def _store(timeout: timedelta = JOIN_TIMEOUT) -> dist.TCPStore:
     host, port = os.environ[STORE_ENV].rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=JOIN_TIMEOUT, use_libuv=False)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=False)
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -175,10 +175,8 @@ def _say_ended() -> None:
     """At this rank's exit (its script finished, or failed: a killed process runs no exit handler): said at the
     store, so that a new world's ranks waiting for it stop waiting (:func:`_meet`). Where the store is gone (its
     server with it), no one waits."""
-    host, port = os.environ[STORE_ENV].rsplit(":", 1)
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=ENDED_TIMEOUT, use_libuv=False)
-        store.set(f"{_job()}/rank{_ENDING[0]}/ended", _this_process())
+        _store(ENDED_TIMEOUT).set(f"{_job()}/rank{_ENDING[0]}/ended", _this_process())
     except (RuntimeError, OSError, ValueError):
         pass
 
