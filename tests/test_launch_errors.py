@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
-from baft.cli.preflight import config_files, unprotected_initialize
+from baft.cli.preflight import config_files, unprotected_initialize, wraps_optimizer
 from baft.cli.runlog import LOG_NAME
 
 # A user's script: a 2-stage pipeline of linear layers under baft.initialize, its DeepSpeed config from --config.
@@ -176,3 +176,20 @@ def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log
 def test_the_deepspeed_configs_a_scripts_arguments_name(args, found):
     assert config_files(args) == found
 
+
+
+@pytest.mark.parametrize("config, wraps", [
+    ({"train_batch_size": 8}, False),
+    ({"bf16": {"enabled": True}}, True),
+    ({"bfloat16": {"enabled": True}}, True),  # DeepSpeed's other spelling
+    ({"fp16": {"enabled": True}}, True),
+    ({"fp16": {"enabled": False}, "zero_optimization": {"stage": 1}}, True),
+    ({"bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}, False),
+    ({"bf16": "yes"}, False),  # not a section: DeepSpeed refuses it on the ranks, with its own message
+])
+def test_whether_deepspeed_wraps_a_scripts_optimizer_is_read_from_its_config(tmp_path, config, wraps):
+    """So that the warm server imports what a bf16 or ZeRO job's ranks import before it forks them, and nothing for a
+    job whose ranks never do (:func:`baft.cli.train._later_imports`)."""
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    assert wraps_optimizer(["train.py", "--deepspeed_config", str(tmp_path / "ds.json")]) is wraps
+    assert wraps_optimizer(["train.py", "--steps", "3"]) is None  # its config is the script's own business

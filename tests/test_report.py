@@ -98,3 +98,18 @@ def test_draw_recovery_png(tmp_path):
 def test_draw_nothing_is_refused(tmp_path):
     with pytest.raises(BaftError, match="no recoveries to draw"):
         draw_recovery([], tmp_path / "empty.png")
+
+
+def test_a_process_start_is_read_to_the_clock_tick():
+    """A new launch's T1 counts from its process's start (:func:`baft.recovery.record.process_started`): within the
+    interpreter's own start of the first line it runs. psutil's ``create_time`` adds a boot time truncated to whole
+    seconds, up to a second early (0.75 s on the VM this was written on)."""
+    import subprocess
+    import sys
+
+    code = ("import time; first_line = time.time()\n"
+            "from baft.recovery.record import process_started\n"
+            "print(first_line - process_started())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    # the start is counted in 10 ms ticks, rounded down; an interpreter starts in ~30 ms, more on a loaded machine
+    assert -0.011 < float(out.stdout) < 0.5

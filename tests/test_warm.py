@@ -216,12 +216,25 @@ def test_where_a_gpu_driver_is_there_the_server_imports_torch_alone_and_stays_fo
     then imports torch's modules alone (each rank imports DeepSpeed itself), and can fork."""
     driver = tmp_path / "nvidiactl"
     driver.touch()
-    code = ("import sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); s.preload(eager=True); "
+    code = ("import sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); s.preload('now'); "
             "print([m in sys.modules for m in ('torch.distributed', 'torch._dynamo', 'deepspeed', 'baft.plugin')])")
     out = subprocess.run([sys.executable, "-c", code, str(driver)], capture_output=True, text=True,
                          env=launch_env(), timeout=120)
     assert out.returncode == 0, out.stderr  # preload exits with the refusal where it could not fork
     assert out.stdout.split("\n")[-2] == "[True, True, False, False]"
+
+
+def test_what_only_some_jobs_import_is_imported_before_forking_once_idle_or_never_as_the_launcher_says():
+    """:data:`PRELOAD_LATER` (DeepSpeed's imports as it wraps an optimizer, ~1.8 s) imported "now", before the server
+    forks; left for when it is idle ("idle", where the launcher does not know the job: a rank that dies while it
+    imports is reported once it is done); or "never", for a job that never imports it."""
+    code = ("import sys; import baft.warm.server as s\n"
+            "print(s.preload('idle') == list(s.PRELOAD_LATER), s.PRELOAD_LATER[0] in sys.modules)\n"
+            "print(s.preload('never'), s.PRELOAD_LATER[0] in sys.modules)\n"
+            "print(s.preload('now'), s.PRELOAD_LATER[0] in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-3:] == ["True False", "[] False", "[] True"]
 
 
 def test_the_servers_forks_read_its_detection_of_the_cpu_and_start_no_process_for_it(tmp_path):
@@ -233,7 +246,7 @@ def test_the_servers_forks_read_its_detection_of_the_cpu_and_start_no_process_fo
     driver = tmp_path / "nvidiactl"  # the server's shortest preload: torch alone
     driver.touch()
     code = ("import json, subprocess, sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); "
-            "s.preload(eager=True)\n"
+            "s.preload('now')\n"
             "def started(*args, **kwargs): raise AssertionError(f'a process started: {args}')\n"
             "subprocess.Popen = started\n"
             "import cpuinfo\n"

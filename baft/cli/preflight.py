@@ -77,6 +77,21 @@ def config_files(args: list[str]) -> list[str]:
     return found
 
 
+def wraps_optimizer(command: list[str]) -> Optional[bool]:
+    """Whether DeepSpeed wraps the optimizer of a script launched as ``SCRIPT ARGS...`` (bf16, fp16 or a ZeRO
+    stage, by the configs its arguments name); None where they name none (the script may make its config itself)."""
+    configs = [read_json(path) for path in config_files(command[1:])]
+    if not configs:
+        return None
+
+    def section(doc: dict, *keys: str) -> dict:
+        found = next((doc[key] for key in keys if key in doc), {})
+        return found if isinstance(found, dict) else {}
+
+    return any(section(doc, "bf16", "bfloat16").get("enabled") is True or section(doc, "fp16").get("enabled") is True
+               or section(doc, "zero_optimization").get("stage", 0) not in (0, None) for doc in configs)
+
+
 def check_baft_section(path: str) -> None:
     """A ConfigError naming ``path`` unless it is a JSON file whose ``"baft"`` section (if any) is valid."""
     doc = read_json(path)  # names the file when it cannot be read or parsed

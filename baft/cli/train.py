@@ -80,7 +80,8 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
              "run_id": run_id, "shm_root": SHM_ROOT, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout},
             configs, nodes, persist_every, run)
     warm, cmd = _warm_command(program, env, server, procs, max_restarts, run, warm, in_place, spares)
-    outcome, log = _run(cmd, env, run, run_id, server, configs if managed else [], warm, in_place)
+    later = _later_imports(in_place, model if example else None, command)
+    outcome, log = _run(cmd, env, run, run_id, server, configs if managed else [], warm, later)
     _report(outcome, asked, run, log, trace_dir)
 
 
@@ -166,9 +167,26 @@ def _warm_command(program: list[str], env: dict, server, procs: int, max_restart
     return warm, cmd
 
 
-def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, warm: bool, in_place: bool):
-    """Run ``cmd`` with the managers of ``configs`` and the warm server, holding ``run`` for this launch alone;
-    its outcome and the log of every rank's output. SIGTERM stops it, with exit code 128 + SIGTERM."""
+def _later_imports(in_place: bool, example_model, command) -> str:
+    """When the warm server imports what DeepSpeed imports as it wraps an optimizer
+    (:data:`baft.warm.server.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
+    and ``--zero-stage``; a script's DeepSpeed config) or recovers in place; never where it does not; once idle
+    where the config is not known."""
+    from baft.cli.preflight import wraps_optimizer
+
+    if in_place:
+        return "now"
+    if example_model is not None:
+        wraps = example_model["precision"] != "fp32" or example_model["zero_stage"] > 0
+    else:
+        wraps = wraps_optimizer(list(command)) if not command[0].startswith("-") else None
+    return {True: "now", False: "never", None: "idle"}[wraps]
+
+
+def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, warm: bool, later: str):
+    """Run ``cmd`` with the managers of ``configs`` and the warm server (importing :func:`_later_imports` ``later``),
+    holding ``run`` for this launch alone; its outcome and the log of every rank's output. SIGTERM stops it, with
+    exit code 128 + SIGTERM."""
     from baft.cli.launch import exclusive_run
     from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, trim_run_logs
     from baft.manager.nodes import retire_all, start_all, stop_all
@@ -182,7 +200,7 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
             _warn_unserved_snapshots(SHM_ROOT, run_id)
             trim_run_logs(run)
             if warm:
-                server.start(env, eager=in_place)
+                server.start(env, later=later)
             start_all(configs, log_dir=run)
             try:
                 outcome = run_logged(cmd, env, log)

@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import psutil
-
 from baft import faults as fault_log
 from baft.config import GENERATION_ENV, WARM_RANK_ENV
 from baft.errors import BaftError
@@ -149,13 +147,21 @@ def relaunch_kind() -> str:
     return "warm relaunch" if os.environ.get(WARM_RANK_ENV) == "1" else "cold relaunch"
 
 
+def process_started() -> float:
+    """When this process began, in unix time, to the clock tick: its start in ``/proc/self/stat`` counts from the
+    boot (psutil's ``create_time`` adds the boot time in whole seconds, up to a second early)."""
+    after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+
+
 def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) -> dict:
     """This restart's record, ``fault`` the logged fault that ended the attempt before (:func:`_fault`; none for
     restart 0, a new launch that resumed the run: its T1 starts with the launch, how long the run stood still
     before it is not baft's to know)."""
     progress = _last_progress(run_dir)
     relaunch = restart_count() == 0
-    started = psutil.Process().create_time()  # this process's (the module may be imported before a fork)
+    started = process_started()
     failed_at = fault.get("time") or (max(progress.values()) if progress else started)
     step = restored.step if restored else 0
     # when the restored step ended: the script's losses.jsonl (the bundled example's), else the snapshot's own

@@ -66,17 +66,17 @@ class WarmServer:
                 return None
         return cls(path)
 
-    def start(self, env: dict, eager: bool = False) -> "WarmServer":
+    def start(self, env: dict, later: str = "idle") -> "WarmServer":
         """Start the server in ``env`` (the ranks' launch environment: what a process reads as it starts,
         ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it
         listens; its imports go on in the background, and a rank that asks before they are done waits for them.
-        ``eager``: it imports what only some jobs' ranks import before it forks any
-        (:data:`baft.warm.server.PRELOAD_LATER`)."""
+        ``later``: when it imports what only some jobs' ranks import (:data:`baft.warm.server.PRELOAD_LATER`): "now",
+        before it forks any, "idle", or "never" (:data:`baft.warm.server.LATER_CHOICES`)."""
         if self.shared:
             return self
         os.mkdir(self.directory, 0o700)
         self.process = subprocess.Popen([sys.executable, "-m", "baft.warm.server", self.socket, str(os.getpid()),
-                                         *(["--eager"] if eager else [])],
+                                         later],
                                         env={**env, **SERVER_ENV}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         start_new_session=True)
         while not os.path.exists(self.socket):

@@ -1,11 +1,11 @@
-"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [--eager]``): imports once, forks every
+"""The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [LATER]``): imports once, forks every
 rank.
 
-It listens first, then imports :data:`PRELOAD` (``--eager``: and :data:`PRELOAD_LATER`, and detects the CPU for
-DeepSpeed's op builders; where a GPU driver is there, :data:`TORCH` alone) single-threaded (a client that connects
-meanwhile waits in the listen queue; what ``--eager`` does first is otherwise done once it is idle), then answers each
-client by forking a child that becomes the rank: its own session (as torchrun starts a rank), the client's standard
-streams (passed over the socket), environment, working directory and ``argv``, generators seeded afresh as a new
+It listens first, then imports :data:`PRELOAD` (where a GPU driver is there, :data:`TORCH` alone) single-threaded,
+while a process of its own detects the CPU for DeepSpeed's op builders (a client that connects meanwhile waits in
+the listen queue), and :data:`PRELOAD_LATER` as ``LATER`` says (:data:`LATER_CHOICES`), then answers each client by
+forking a child that becomes the rank: its own session (as torchrun starts a rank), the client's standard streams
+(passed over the socket), environment, working directory and ``argv``, generators seeded afresh as a new
 interpreter's are, and ``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and
 exits as the interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing every
 module one by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the
@@ -20,8 +20,9 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
-import functools
 import gc
+import importlib
+import importlib.util
 import io
 import json
 import os
@@ -29,12 +30,13 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV, WARM_RANK_ENV
 from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
@@ -45,15 +47,18 @@ PRELOAD = (*TORCH, "deepspeed", "deepspeed.pipe",
            "baft.plugin", "baft.protection", "baft.recovery.digests", "baft.recovery.script_checkpoint",
            "baft.snapshot.data")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
-# rank's T2 on a 2-core VM. Imported once the server is idle (a first launch's ranks do not wait for it);
-# where this DeepSpeed has no such module, nothing is lost but the time. A job that recovers in place imports
-# them first (``--eager``): its survivors then hold them frozen (:func:`_freeze`), not in every gc.collect.
+# rank's T2 on a 2-core VM; where this DeepSpeed has no such module, nothing is lost but the time.
 PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+# When the server imports PRELOAD_LATER. "now": before it forks a rank, for a job known to wrap its optimizer, or
+# one that recovers in place (its survivors then hold the modules frozen, :func:`_freeze`, not in every
+# gc.collect). "never": for a job known not to. "idle": not knowing, once no request came for IDLE seconds, so that a
+# first launch's ranks do not wait for it; a rank that dies meanwhile is reported once the import is done.
+LATER_CHOICES = ("now", "idle", "never")
 # Where a GPU driver is there, DeepSpeed's import asks NVML how many GPUs there are, and loading NVML starts a
 # driver thread (an H200, gpu.md section 7): a rank forked after it could not use the GPU. There the server
 # imports torch's modules alone, and each rank imports DeepSpeed itself.
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")
-IDLE = 1.0  # seconds without a request after which the server does what preload() left for later
+IDLE = 1.0  # seconds without a request after which the server imports what preload() left for later
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -64,34 +69,48 @@ def _die_with_parent(parent: int, sig: int) -> None:
         os._exit(1)
 
 
-def preload(eager: bool) -> list[Callable[[], None]]:
-    """Import what every rank imports, and with ``eager`` what some do, and detect the CPU (a SystemExit, with one
-    line, where the server could not fork after it); what is left to do once the server is idle."""
-    import importlib
-
-    first, later = (TORCH, ()) if gpu_driver() else (PRELOAD, PRELOAD_LATER)
+def preload(later: str = "idle") -> list[str]:
+    """Import what every rank imports, and :data:`PRELOAD_LATER` where ``later`` is "now", and detect the CPU (a
+    SystemExit, with one line, where the server could not fork after it); the modules left to import once the
+    server is idle."""
+    detecting = _start_detecting_cpu()
+    first, optional = (TORCH, ()) if gpu_driver() else (PRELOAD, PRELOAD_LATER)
     for name in first:
         importlib.import_module(name)
-    later = [_detect_cpu_once, *(functools.partial(import_if_there, name) for name in later)]
-    while eager and later:
-        later.pop(0)()
+    for name in optional if later == "now" else ():
+        import_if_there(name)
+    _keep_detected_cpu(detecting)
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
     _freeze()
-    return later
+    return list(optional) if later == "idle" else []
 
 
-def _detect_cpu_once() -> None:
+def _start_detecting_cpu() -> Optional[subprocess.Popen]:
     """py-cpuinfo detects the CPU in a new interpreter at every call (1.5 s on a 2-core VM), and DeepSpeed's CPU op
     builders call it twice each time a process loads an op (``FusedAdam`` for a config's ``"Adam"`` on CPU,
     ``DeepSpeedCPUAdam``): 3 s of every rank's ``deepspeed.initialize``, at every relaunch and in every replacement.
-    Every fork runs on this CPU: detect it once, here, and let the forks read that."""
-    try:
-        import cpuinfo
-    except ImportError:  # DeepSpeed's builders fall back to lscpu without it
+    Every fork runs on this CPU: the server detects it once, with py-cpuinfo's own command (``python -m cpuinfo
+    --json``, what ``get_cpu_info`` runs) on another core while it imports, and the forks read that.
+    None without py-cpuinfo (DeepSpeed's builders fall back to lscpu)."""
+    if importlib.util.find_spec("cpuinfo") is None:
+        return None
+    return subprocess.Popen([sys.executable, "-m", "cpuinfo", "--json"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _keep_detected_cpu(detecting: Optional[subprocess.Popen]) -> None:
+    """Once the detection has ended: ``cpuinfo.get_cpu_info`` answers with what it found (a copy: a caller's
+    change is its own). Where it failed, each process detects the CPU itself, as it would have."""
+    if detecting is None:
         return
-    detected = cpuinfo.get_cpu_info()
+    out, _ = detecting.communicate()
+    if detecting.returncode != 0:
+        return
+    import cpuinfo
+
+    detected = json.loads(out)
     cpuinfo.get_cpu_info = lambda: copy.deepcopy(detected)
 
 
@@ -109,8 +128,6 @@ def _freeze() -> None:
 
 
 def import_if_there(name: str) -> None:
-    import importlib
-
     try:
         importlib.import_module(name)
     except ImportError:
@@ -231,7 +248,7 @@ def as_started() -> None:
         torch.set_num_threads(int(threads))
 
 
-def serve(path: str, parent: int, eager: bool = False) -> None:
+def serve(path: str, parent: int, later: str = "idle") -> None:
     """Answer fork requests on the Unix socket ``path`` until SIGTERM, or until ``parent`` (the launcher) is dead
     and no rank is left. A dead launcher's torchrun stops the ranks through their clients, as it stops
     ranks it started itself: killing them here as well would race torchrun's own shutdown (a torchrun
@@ -242,14 +259,14 @@ def serve(path: str, parent: int, eager: bool = False) -> None:
     listener.bind(path + ".new")
     listener.listen(256)
     os.rename(path + ".new", path)  # the launcher starts torchrun once the path exists
-    ForkServer(path, listener, later=preload(eager)).run()
+    ForkServer(path, listener, later=preload(later)).run()
 
 
 class ForkServer:
     """The server's state once it has imported: its listener, its children (ranks and spares) and what it keeps
     for the jobs that recover in place."""
 
-    def __init__(self, path: str, listener: socket.socket, later: list[Callable[[], None]]):
+    def __init__(self, path: str, listener: socket.socket, later: list[str]):
         self.path, self.listener, self.later = path, listener, later
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -299,7 +316,7 @@ class ForkServer:
         os._exit(0)
 
     def _do_later(self) -> None:
-        self.later.pop(0)()
+        import_if_there(self.later.pop(0))
         _freeze()
         refusal = unforkable()
         if refusal:  # the ranks already forked go on; new ones start cold
@@ -520,4 +537,4 @@ def _kill_session(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), eager=sys.argv[3:] == ["--eager"])
+    serve(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
