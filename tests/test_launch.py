@@ -166,3 +166,43 @@ def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_skew
         dynamic_rendezvous._delay((0, 0.3))
         dynamic_rendezvous._delay(1)
         assert waits == ([(0, 0.3)] if skewed else []) + [1], argv
+
+
+def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_round(monkeypatch):
+    """torch 2.13's agent serves its ranks one store for every attempt, and an attempt's keys send the next one's gloo
+    to dead peers; unshared, rank 0 serves it as it starts and the others wait out a connect backoff (0.1-0.7 s of
+    half the warm relaunches). ``baft.cli.torchrun`` has the agent make a new one each round; on this torch it can."""
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from baft.cli import torchrun
+    from baft.cli.launch import launch_env
+
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    for owner, name in ((handler, "next_rendezvous"), (dynamic_rendezvous, "get_method_name"),
+                        (dynamic_rendezvous, "_delay")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # put back after
+    monkeypatch.delenv(torchrun.UNSHARED_STORE_ENV, raising=False)
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: None)
+    torchrun.main(["--standalone", "--", "train.py"])
+    assert torchrun.UNSHARED_STORE_ENV not in os.environ and torchrun.UNSHARED_STORE_ENV not in launch_env()
+
+    class Round(handler):
+        def __init__(self):  # what the first round left: a server, and the address the ranks were given
+            self._shared_tcp_store_server, self._bootstrap_store_info = "server", "info"
+
+    seen = []
+    monkeypatch.setattr(handler, "next_rendezvous", lambda self: seen.append(
+        (self._shared_tcp_store_server, self._bootstrap_store_info)))
+    assert torchrun._a_store_each_round(handler)
+    Round().next_rendezvous()
+    assert seen == [(None, None)]  # torch's own round then makes both again
+
+    class Other:  # a torch whose handler keeps no such store: the store stays unshared
+        def __init__(self):
+            self.store = None
+
+        def next_rendezvous(self):
+            pass
+
+    assert not torchrun._a_store_each_round(Other)

@@ -37,8 +37,6 @@ def launch_env(extra: dict | None = None) -> dict:
     """The environment for the launched ranks."""
     env = {**os.environ, **(extra or {})}
     env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-    # gloo restarts under torchrun fail to reconnect to a shared rendezvous store on torch 2.13
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     if env.get(KEEP_FREED_MEMORY_ENV, "1") != "0":

@@ -79,12 +79,28 @@ def preload(later: str = "idle") -> list[str]:
         importlib.import_module(name)
     for name in optional if later == "now" else ():
         import_if_there(name)
+    if "deepspeed" in first:
+        _probe_deepspeed_ops()
     _keep_detected_cpu(detecting)
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
     _freeze()
     return list(optional) if later == "idle" else []
+
+
+def _probe_deepspeed_ops() -> None:
+    """What every rank's ``deepspeed.init_distributed`` does first on a CPU, done once for its forks: probe which of
+    DeepSpeed's ops this machine can build (``deepspeed.ops.__compatible_ops__``: compilers run on test programs,
+    0.15 s, more on a loaded machine) and load its shared-memory collectives op (a ninja run). DeepSpeed keeps both
+    for the process. Where the op does not load, each rank meets that itself, with its own message."""
+    build_shm_op = getattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", None)
+    if build_shm_op is None:  # another DeepSpeed: its ranks do what it does
+        return
+    try:
+        build_shm_op()
+    except Exception:  # noqa: BLE001 - the rank's own call says what it is
+        pass
 
 
 def _start_detecting_cpu() -> Optional[subprocess.Popen]:
