@@ -63,8 +63,9 @@ RATIOS = (("warm", "cold"), ("in place", "warm"))
 RESUMED = PHASES[1:]  # T1..T4: from the kill to the end of the first resumed iteration
 
 
-def one_run(model: str, job: str, arm: str, run_dir: Path) -> list[dict]:
-    """One ``baft train`` of ``job`` on ``model`` with three kills; its recoveries (one dict per fault)."""
+def one_run(model: str, job: str, arm: str, run_dir: Path, env: dict | None = None) -> list[dict]:
+    """One ``baft train`` of ``job`` on ``model`` with three kills (``env``: more environment for it); its
+    recoveries (one dict per fault)."""
     faults = [arg for restart, step in enumerate(FAULT_STEPS)
               for arg in ("--fault", f"rank=1,step={step},phase=backward,restart={restart}")]
     common = ["--max-restarts", str(len(FAULT_STEPS)), *faults, *ARM_FLAGS[arm]]
@@ -73,9 +74,9 @@ def one_run(model: str, job: str, arm: str, run_dir: Path) -> list[dict]:
         (run_dir / "ds_config.json").write_text(json.dumps(SCRIPT_JOBS[job]))
         script = [str(EXAMPLE_PIPE), "--steps", str(ITERS), "--deepspeed",
                   "--deepspeed_config", str(run_dir / "ds_config.json")]
-        code, _ = train(run_dir, ["--nprocs", "2", *common], script=script)
+        code, _ = train(run_dir, ["--nprocs", "2", *common], script=script, env=env)
     else:
-        code, _ = train(run_dir, [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", *common])
+        code, _ = train(run_dir, [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", *common], env=env)
     clean_shm(run_dir)
     if code != 0:
         tail = (run_dir / "train.log").read_text()[-3000:]
