@@ -53,9 +53,10 @@ def md_table(head: list[str], rows: list[list]) -> list[str]:
 
 
 def train(run_dir: Path, args: list[str], timeout: float = 900.0, env: dict | None = None,
-          script: list[str] | None = None) -> tuple[int, float]:
+          script: list[str] | None = None, cwd: Path | None = None) -> tuple[int, float]:
     """``baft train --example gpt ARGS --run-dir RUN_DIR`` (``script``: ``baft train ARGS --run-dir RUN_DIR --
-    SCRIPT``), its output in RUN_DIR/train.log: (exit code, seconds); ``env``: more environment for it."""
+    SCRIPT``), its output in RUN_DIR/train.log: (exit code, seconds); ``env``: more environment for it; ``cwd``: the
+    directory it runs in (``python -m`` imports baft from there first, then from ``PYTHONPATH``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     program = ["--", *script] if script else ["--example", "gpt"]
     cmd = [sys.executable, "-m", "baft.cli", "train", *args, "--run-dir", str(run_dir), *program]
@@ -65,7 +66,7 @@ def train(run_dir: Path, args: list[str], timeout: float = 900.0, env: dict | No
         log.flush()
         try:
             code = subprocess.run(cmd, check=False, env=launch_env(env), stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+                                  timeout=timeout, cwd=cwd).returncode
         except subprocess.TimeoutExpired:
             code = -1
     return code, time.time() - start

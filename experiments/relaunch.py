@@ -63,9 +63,10 @@ RATIOS = (("warm", "cold"), ("in place", "warm"))
 RESUMED = PHASES[1:]  # T1..T4: from the kill to the end of the first resumed iteration
 
 
-def one_run(model: str, job: str, arm: str, run_dir: Path, env: dict | None = None) -> list[dict]:
-    """One ``baft train`` of ``job`` on ``model`` with three kills (``env``: more environment for it); its
-    recoveries (one dict per fault)."""
+def one_run(model: str, job: str, arm: str, run_dir: Path, tree: Path | None = None) -> list[dict]:
+    """One ``baft train`` of ``job`` on ``model`` with three kills (``tree``: with baft from that source tree, not
+    the installed one); its recoveries (one dict per fault)."""
+    env = {"PYTHONPATH": str(tree)} if tree else None
     faults = [arg for restart, step in enumerate(FAULT_STEPS)
               for arg in ("--fault", f"rank=1,step={step},phase=backward,restart={restart}")]
     common = ["--max-restarts", str(len(FAULT_STEPS)), *faults, *ARM_FLAGS[arm]]
@@ -74,9 +75,10 @@ def one_run(model: str, job: str, arm: str, run_dir: Path, env: dict | None = No
         (run_dir / "ds_config.json").write_text(json.dumps(SCRIPT_JOBS[job]))
         script = [str(EXAMPLE_PIPE), "--steps", str(ITERS), "--deepspeed",
                   "--deepspeed_config", str(run_dir / "ds_config.json")]
-        code, _ = train(run_dir, ["--nprocs", "2", *common], script=script, env=env)
+        code, _ = train(run_dir, ["--nprocs", "2", *common], script=script, env=env, cwd=tree)
     else:
-        code, _ = train(run_dir, [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", *common], env=env)
+        code, _ = train(run_dir, [*MODELS[model], *JOBS[job], "--iters", str(ITERS), "--period", "1", *common], env=env,
+                        cwd=tree)
     clean_shm(run_dir)
     if code != 0:
         tail = (run_dir / "train.log").read_text()[-3000:]

@@ -1,10 +1,11 @@
 """Kill to resumed step before and after a change: ``relaunch.py``'s runs, with baft from two trees, alternating.
 
-    python experiments/relaunch_ab.py --before REV --name NAME [--rounds 4] [--jobs fp32,bf16] [--arms warm,cold]
-                                      [--models tiny] [--out experiments/results]
+    python experiments/relaunch_ab.py --before REV --name NAME [--after HEAD] [--rounds 4] [--jobs fp32,bf16]
+                                      [--arms warm,cold] [--models tiny] [--out experiments/results]
 
-``REV`` (a git revision) is checked out into a temporary worktree, and its runs import baft from there
-(``PYTHONPATH``); the others from this tree. Each round runs every job and arm once per tree: ``before``, ``after``
+Each revision (git) is checked out into a temporary worktree, and its runs import baft from there (each launch
+runs in that tree, with it on ``PYTHONPATH``: ``python -m`` looks in the working directory first), so this tree
+may change while they run. Each round runs every job and arm once per tree: ``before``, ``after``
 and ``after again``, in an order that rotates round by round. ``after again`` is the A/A arm: its ratio to
 ``after`` is the spread of the method itself on this machine. Each run kills rank 1 three times
 (:data:`relaunch.FAULT_STEPS`). Per job, arm and tree: the median and range of kill to resumed and the median of
@@ -54,8 +55,8 @@ def summarize(faults: list[dict]) -> dict:
 
 def render(doc: dict) -> str:
     lines = [f"# Kill to resumed step before and after: {doc['name']}", "", *header(doc["provenance"], doc["wall_s"]),
-             f"- before: {doc['before']}; after: the tree at the revision above; {doc['rounds']} rounds, each tree's "
-             "run of every job and arm once a round, the trees' order rotating",
+             f"- before: {doc['before']}; after: {doc['after']}; {doc['rounds']} rounds, each tree's run of every job "
+             "and arm once a round, the trees' order rotating",
              *(f"- model {name}: the example GPT, {' '.join(MODELS[name])}" for name in doc["models"]),
              f"- faults: rank 1 SIGKILLed in the backward pass of steps {', '.join(map(str, FAULT_STEPS))} of each run",
              "- kill to resumed = T1 + T2 + T3 + T4 of recovery.jsonl; T1 process restart, T2 process-group init "
@@ -83,6 +84,7 @@ def render(doc: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the git revision to compare with")
+    parser.add_argument("--after", default="HEAD", help="the git revision compared")
     parser.add_argument("--name", required=True, help="names the results: relaunch-ab-NAME.md")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--jobs", default="fp32,bf16", help=f"comma-separated, of {', '.join(JOBS)}")
@@ -95,30 +97,33 @@ def main(argv=None) -> int:
         unknown = [name for name in given if name not in known]
         if unknown:
             parser.error(f"{option}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
-    before = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.before], capture_output=True,
-                            text=True, check=True).stdout.strip()
+    revisions = {tree: subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+                 for tree, rev in (("before", args.before), ("after", args.after))}
     prov, start = provenance(), time.time()
     faults = {(model, job, arm, tree): [] for model in models for job in jobs for arm in arms for tree in TREES}
     with tempfile.TemporaryDirectory(prefix="baft-relaunch-ab-") as tmp:
-        worktree = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(worktree), before], check=True)
+        trees = {tree: Path(tmp) / tree for tree in revisions}
+        for tree, rev in revisions.items():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(trees[tree]), rev],
+                           check=True)
+        trees["after again"] = trees["after"]
         try:
-            envs = {"before": {"PYTHONPATH": str(worktree)}, "after": None, "after again": None}
             for round_ in range(args.rounds):
                 for model in models:
                     for job in jobs:
                         for arm in arms:
                             for tree in TREES[round_ % 3:] + TREES[:round_ % 3]:
                                 run_dir = Path(tmp) / "runs" / f"{model}-{job}-{arm}-{tree.replace(' ', '-')}-{round_}"
-                                got = one_run(model, job, ARMS[arm], run_dir, env=envs[tree])
+                                got = one_run(model, job, ARMS[arm], run_dir, trees[tree])
                                 faults[model, job, arm, tree] += got
                                 print(f"round {round_} {model} {job} {arm} {tree}: kill to resumed "
                                       + ", ".join(f"{f['resumed']:.2f}" for f in got) + " s", file=sys.stderr,
                                       flush=True)
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
-    doc = {"provenance": prov, "name": args.name, "before": before, "rounds": args.rounds, "models": models,
-           "jobs": {}}
+            for tree in revisions:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees[tree])], check=False)
+    doc = {"provenance": prov, "name": args.name, **revisions, "rounds": args.rounds, "models": models, "jobs": {}}
     for model in models:
         for job in jobs:
             key = f"{JOB_NAMES[job]}, {model}"

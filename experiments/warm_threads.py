@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 
-import baft.warm.server as server
+import baft.warm.preload as server
 
 SUSPECT = ("cuda", "nccl", "nvml", "cdll", "dlopen", "device", "init", "version", "load", "thread")
 

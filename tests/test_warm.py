@@ -203,7 +203,7 @@ def test_only_python_scripts_and_modules_are_forked(argv, expected):
 
 def test_a_server_that_imported_a_thread_refuses_to_fork_and_names_the_thread():
     """Where an import starts a thread (on a GPU machine one did), the server says which, and ranks start cold."""
-    code = ("import threading, time; from baft.warm.server import unforkable; assert unforkable() is None; "
+    code = ("import threading, time; from baft.warm.preload import unforkable; assert unforkable() is None; "
             "threading.Thread(target=time.sleep, args=(5,), name='importer-pool', daemon=True).start(); "
             "print(unforkable())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env(), timeout=60)
@@ -216,7 +216,7 @@ def test_where_a_gpu_driver_is_there_the_server_imports_torch_alone_and_stays_fo
     then imports torch's modules alone (each rank imports DeepSpeed itself), and can fork."""
     driver = tmp_path / "nvidiactl"
     driver.touch()
-    code = ("import sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); s.preload('now'); "
+    code = ("import sys; import baft.warm.preload as s; s.GPU_DRIVER_FILES = (sys.argv[1],); s.preload('now'); "
             "print([m in sys.modules for m in ('torch.distributed', 'torch._dynamo', 'deepspeed', 'baft.plugin')])")
     out = subprocess.run([sys.executable, "-c", code, str(driver)], capture_output=True, text=True,
                          env=launch_env(), timeout=120)
@@ -228,7 +228,7 @@ def test_what_only_some_jobs_import_is_imported_before_forking_once_idle_or_neve
     """:data:`PRELOAD_LATER` (DeepSpeed's imports as it wraps an optimizer, ~1.8 s) imported "now", before the server
     forks; left for when it is idle ("idle", where the launcher does not know the job: a rank that dies while it
     imports is reported once it is done); or "never", for a job that never imports it."""
-    code = ("import sys; import baft.warm.server as s\n"
+    code = ("import sys; import baft.warm.preload as s\n"
             "print('later', s.preload('idle') == list(s.PRELOAD_LATER), s.PRELOAD_LATER[0] in sys.modules)\n"
             "print('later', s.preload('never'), s.PRELOAD_LATER[0] in sys.modules)\n"
             "print('later', s.preload('now'), s.PRELOAD_LATER[0] in sys.modules)")
@@ -246,7 +246,7 @@ def test_the_servers_forks_read_its_detection_of_the_cpu_and_start_no_process_fo
 
     driver = tmp_path / "nvidiactl"  # the server's shortest preload: torch alone
     driver.touch()
-    code = ("import json, subprocess, sys; import baft.warm.server as s; s.GPU_DRIVER_FILES = (sys.argv[1],); "
+    code = ("import json, subprocess, sys; import baft.warm.preload as s; s.GPU_DRIVER_FILES = (sys.argv[1],); "
             "s.preload('now')\n"
             "def started(*args, **kwargs): raise AssertionError(f'a process started: {args}')\n"
             "subprocess.Popen = started\n"

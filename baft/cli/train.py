@@ -169,7 +169,7 @@ def _warm_command(program: list[str], env: dict, server, procs: int, max_restart
 
 def _later_imports(in_place: bool, example_model, command) -> str:
     """When the warm server imports what DeepSpeed imports as it wraps an optimizer
-    (:data:`baft.warm.server.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
+    (:data:`baft.warm.preload.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
     and ``--zero-stage``; a script's DeepSpeed config) or recovers in place; never where it does not; once idle
     where the config is not known."""
     from baft.cli.preflight import wraps_optimizer

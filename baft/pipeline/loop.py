@@ -110,7 +110,7 @@ class Loop:
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
                                   f"keep it in client_state= of baft.initialize")
             if self.site is not None and self.site.from_step:
-                self.no_survivors(engine, f"its loop at {self.site.where} ({self.site.text}) makes a fixed number of "
+                self.no_survivors(engine, f"its loop ({self.site.named}) makes a fixed number of "
                                           f"calls from the step it started at: a survivor's, started before the "
                                           f"restored step, would end before its replacement's",
                                   "Loop on the engine's step (while engine.global_steps < N) for its survivors to "
@@ -124,7 +124,7 @@ class Loop:
                               "its survivors to recover in place")
         # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
         self.to_replay = self.evaluated_until = k = engine.global_steps
-        loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else 'the loop ("loop": "calls")'
+        loop = self.site.named if self.site else 'the loop ("loop": "calls")'
         if k and not self.recorded:
             raise BaftError(f"{loop} counts its calls to train_batch, and the snapshot of step {k} this process "
                             f"resumes from holds no record of them (the process that took it called train_batch "
@@ -145,7 +145,7 @@ class Loop:
     def _say(self, engine, what: str) -> None:
         """One line about the loop read at the first call, by rank 0."""
         if engine.global_rank == 0:
-            print(f"baft: the loop at {self.site.where} ({self.site.text}) {what}", file=sys.stderr, flush=True)
+            print(f"baft: {self.site.named} {what}", file=sys.stderr, flush=True)
 
     def _sets_state(self, engine, site: LoopSite) -> None:
         """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
@@ -185,8 +185,8 @@ class Loop:
         if other is None or other.counts_calls == self.counts_calls or engine.global_rank != 0:
             return
         kinds = {True: "counts its calls", False: "does not count its calls"}
-        print(f"baft: train_batch is called now from the loop at {other.where} ({other.text}), which "
-              f"{kinds[other.counts_calls]}, after the loop at {self.site.where} ({self.site.text}), which "
+        print(f"baft: train_batch is called now from {other.named}, which "
+              f"{kinds[other.counts_calls]}, after {self.site.named}, which "
               f"{kinds[self.counts_calls]}: a process resumed in the second could not tell how many of its calls "
               f"were made, and would stop with an error. Loop on the engine's step (while engine.global_steps < N) "
               f"in every phase", file=sys.stderr, flush=True)
@@ -228,7 +228,7 @@ class Loop:
         count kept in ``client_state``), so the run would end short of the uninterrupted one's end, unsaid."""
         if not self.counts_calls or not 0 < self.calls < self.to_replay:
             return ""
-        loop = f"the loop at {self.site.where} ({self.site.text})" if self.site else "the loop"
+        loop = self.site.named if self.site else "the loop"
         return (f"{loop} stopped at its call {self.calls} of the {self.to_replay} it replayed up to the restored step: "
                 f"its code between the calls read what the restore had set (a count in client_state?), not what it "
                 f"was at that call, so the run would end short of the uninterrupted one. Loop on the engine's step "

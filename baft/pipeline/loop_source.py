@@ -44,6 +44,11 @@ class LoopSite:
     # calls, unless the script resumed itself to that start
     start_read: bool = False
 
+    @property
+    def named(self) -> str:
+        """The loop as baft's lines name it: ``the loop at FILE:LINE (HEADER)``."""
+        return f"the loop at {self.where} ({self.text})"
+
 
 def loop_around(frame, kept=()) -> Optional[LoopSite]:
     """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's

@@ -16,6 +16,8 @@ The client is a file of the standard library only (run by path, it imports nothi
 
 - ``__init__`` :class:`WarmServer`: the launcher's side, starting (or finding) the node's server
 - ``server``   the fork server: imports once, forks every rank, supervises and replaces them
+- ``preload``  what the server imports and does once for all its forks, before it forks any
+- ``child``    in a forked child: become the rank, as ``python ARGV`` would have started it
 - ``client``   a rank as torchrun starts it: asks the server to fork it, mirrors the forked rank
 - ``spares``   spare ranks, forked ahead of a fault, that import what the script imports and wait
 """
@@ -70,8 +72,8 @@ class WarmServer:
         """Start the server in ``env`` (the ranks' launch environment: what a process reads as it starts,
         ``MALLOC_*`` or ``PYTHONHASHSEED``, is the server's; a rank's ``OMP_NUM_THREADS`` is its own). Returns once it
         listens; its imports go on in the background, and a rank that asks before they are done waits for them.
-        ``later``: when it imports what only some jobs' ranks import (:data:`baft.warm.server.PRELOAD_LATER`): "now",
-        before it forks any, "idle", or "never" (:data:`baft.warm.server.LATER_CHOICES`)."""
+        ``later``: when it imports what only some jobs' ranks import (:data:`baft.warm.preload.PRELOAD_LATER`): "now",
+        before it forks any, "idle", or "never" (:data:`baft.warm.preload.LATER_CHOICES`)."""
         if self.shared:
             return self
         os.mkdir(self.directory, 0o700)

@@ -1,267 +1,34 @@
 """The warm fork server (``python -m baft.warm.server SOCKET PARENT_PID [LATER]``): imports once, forks every
 rank.
 
-It listens first, then imports :data:`PRELOAD` (where a GPU driver is there, :data:`TORCH` alone) single-threaded,
-while a process of its own detects the CPU for DeepSpeed's op builders (a client that connects meanwhile waits in
-the listen queue), and :data:`PRELOAD_LATER` as ``LATER`` says (:data:`LATER_CHOICES`), then answers each client by
-forking a child that becomes the rank: its own session (as torchrun starts a rank), the client's standard streams
-(passed over the socket), environment, working directory and ``argv``, generators seeded afresh as a new
-interpreter's are, and ``SIGKILL`` when the server dies. The child runs the script or module as ``python`` would and
-exits as the interpreter's shutdown does (non-daemon threads, ``atexit``, open files flushed), without freeing every
-module one by one after it. The server writes the child's pid, then its exit status (negative: the signal) on the
-client's connection, and kills the child when the client goes away (torchrun killed it), so rank and client live and
-die together. A job that recovers in place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one
-of the spares the server keeps for it (:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped
-(:func:`_hear`).
+It listens first, then imports (:mod:`baft.warm.preload`; a client that connects meanwhile waits in the listen
+queue), then answers each client by forking a child that becomes the rank (:mod:`baft.warm.child`). The server
+writes the child's pid, then its exit status (negative: the signal) on the client's connection, and kills the child
+when the client goes away (torchrun killed it), so rank and client live and die together. A job that recovers in
+place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of the spares the server keeps for it
+(:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped (:func:`_hear`).
 """
 
 from __future__ import annotations
 
-import atexit
-import copy
-import ctypes
-import gc
-import importlib
-import importlib.util
-import io
 import json
 import os
 import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV, WARM_RANK_ENV
+from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV
+from baft.warm.child import become_rank, die_with_parent
+from baft.warm.preload import freeze, import_if_there, preload, unforkable
 from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
 
-TORCH = ("torch", "torch._dynamo", "torch.optim", "torch.distributed")
-PRELOAD = (*TORCH, "deepspeed", "deepspeed.pipe",
-           # what baft.initialize imports (a replacement's imports would be on its survivors' wait otherwise)
-           "baft.plugin", "baft.protection", "baft.recovery.digests", "baft.recovery.script_checkpoint",
-           "baft.snapshot.data")
-# What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
-# rank's T2 on a 2-core VM; where this DeepSpeed has no such module, nothing is lost but the time.
-PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
-# When the server imports PRELOAD_LATER. "now": before it forks a rank, for a job known to wrap its optimizer, or
-# one that recovers in place (its survivors then hold the modules frozen, :func:`_freeze`, not in every
-# gc.collect). "never": for a job known not to. "idle": not knowing, once no request came for IDLE seconds, so that a
-# first launch's ranks do not wait for it; a rank that dies meanwhile is reported once the import is done.
-LATER_CHOICES = ("now", "idle", "never")
-# Where a GPU driver is there, DeepSpeed's import asks NVML how many GPUs there are, and loading NVML starts a
-# driver thread (an H200, gpu.md section 7): a rank forked after it could not use the GPU. There the server
-# imports torch's modules alone, and each rank imports DeepSpeed itself.
-GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")
 IDLE = 1.0  # seconds without a request after which the server imports what preload() left for later
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent(parent: int, sig: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(1)
-
-
-def preload(later: str = "idle") -> list[str]:
-    """Import what every rank imports, and :data:`PRELOAD_LATER` where ``later`` is "now", and detect the CPU (a
-    SystemExit, with one line, where the server could not fork after it); the modules left to import once the
-    server is idle."""
-    detecting = _start_detecting_cpu()
-    first, optional = (TORCH, ()) if gpu_driver() else (PRELOAD, PRELOAD_LATER)
-    for name in first:
-        importlib.import_module(name)
-    for name in optional if later == "now" else ():
-        import_if_there(name)
-    if "deepspeed" in first:
-        _probe_deepspeed_ops()
-    _keep_detected_cpu(detecting)
-    refusal = unforkable()
-    if refusal:
-        raise SystemExit(refusal)
-    _freeze()
-    return list(optional) if later == "idle" else []
-
-
-def _probe_deepspeed_ops() -> None:
-    """What every rank's ``deepspeed.init_distributed`` does first on a CPU, done once for its forks: probe which of
-    DeepSpeed's ops this machine can build (``deepspeed.ops.__compatible_ops__``: compilers run on test programs,
-    0.15 s, more on a loaded machine) and load its shared-memory collectives op (a ninja run). DeepSpeed keeps both
-    for the process. Where the op does not load, each rank meets that itself, with its own message."""
-    build_shm_op = getattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", None)
-    if build_shm_op is None:  # another DeepSpeed: its ranks do what it does
-        return
-    try:
-        build_shm_op()
-    except Exception:  # noqa: BLE001 - the rank's own call says what it is
-        pass
-
-
-def _start_detecting_cpu() -> Optional[subprocess.Popen]:
-    """py-cpuinfo detects the CPU in a new interpreter at every call (1.5 s on a 2-core VM), and DeepSpeed's CPU op
-    builders call it twice each time a process loads an op (``FusedAdam`` for a config's ``"Adam"`` on CPU,
-    ``DeepSpeedCPUAdam``): 3 s of every rank's ``deepspeed.initialize``, at every relaunch and in every replacement.
-    Every fork runs on this CPU: the server detects it once, with py-cpuinfo's own command (``python -m cpuinfo
-    --json``, what ``get_cpu_info`` runs) on another core while it imports, and the forks read that.
-    None without py-cpuinfo (DeepSpeed's builders fall back to lscpu)."""
-    if importlib.util.find_spec("cpuinfo") is None:
-        return None
-    return subprocess.Popen([sys.executable, "-m", "cpuinfo", "--json"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-
-
-def _keep_detected_cpu(detecting: Optional[subprocess.Popen]) -> None:
-    """Once the detection has ended: ``cpuinfo.get_cpu_info`` answers with what it found (a copy: a caller's
-    change is its own). Where it failed, each process detects the CPU itself, as it would have."""
-    if detecting is None:
-        return
-    out, _ = detecting.communicate()
-    if detecting.returncode != 0:
-        return
-    import cpuinfo
-
-    detected = json.loads(out)
-    cpuinfo.get_cpu_info = lambda: copy.deepcopy(detected)
-
-
-def gpu_driver() -> bool:
-    """Whether a GPU driver's device files are on this machine."""
-    return any(os.path.exists(path) for path in GPU_DRIVER_FILES)
-
-
-def _freeze() -> None:
-    """Keep what the imports made out of the collector's sight (``gc.freeze``): a rank's ``gc.collect`` (DeepSpeed's
-    bf16 optimizer calls four as it starts) then walks only its own objects, not the 200,000 of torch's and
-    DeepSpeed's modules (0.16 s each in a survivor), and leaves their pages shared with the server."""
-    gc.collect()
-    gc.freeze()
-
-
-def import_if_there(name: str) -> None:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-
-
-def unforkable() -> Optional[str]:
-    """Why a fork of this process would not make a working rank (one line), or None."""
-    import torch
-
-    others = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
-    if others or torch.cuda.is_initialized():  # a fork would copy another thread's locks, or a CUDA context
-        started = {t.native_id: t.name for t in threading.enumerate()}  # by Python; others by native code
-        names = ", ".join(sorted(started.get(int(t)) or _thread_name(t) for t in others)) or "none"
-        return (f"baft: the warm fork server cannot fork after its imports (other threads: {names}; CUDA "
-                f"initialised: {torch.cuda.is_initialized()}); ranks start cold")
-    return None
-
-
-def _thread_name(tid: str) -> str:
-    try:
-        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-    except OSError:  # it ended meanwhile
-        return "?"
-
-
-def become_rank(conn: socket.socket, fds: list[int], request: dict, started: bool = False) -> None:
-    """In the forked child: become the requested process, run it to the end and exit (never returns); ``started``:
-    a spare, whose generators were seeded as it started (:mod:`baft.warm.spares`)."""
-    import runpy
-
-    os.setsid()
-    _die_with_parent(request["server"], signal.SIGKILL)
-    conn.close()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"], **{WARM_RANK_ENV: "1"})
-    if not started:
-        as_started()
-    if os.environ.get(REPLACEMENT_ENV):  # it joins the survivors' new world before the script runs
-        from baft.recovery.world import join
-
-        join(replacement=True)
-    argv = request["argv"]
-    enter_argv(argv)
-    try:
-        if argv[0] == "-m":
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as end:
-        code = _exit_code(end)
-    except KeyboardInterrupt:
-        raise  # the interpreter's own exit, by the signal
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    _exit_without_finalizing(code)
-
-
-def _exit_code(end: SystemExit) -> int:
-    """The exit status the interpreter gives a ``SystemExit`` (printing a message where it carries one)."""
-    if end.code is None:
-        return 0
-    if isinstance(end.code, int):
-        return end.code
-    print(end.code, file=sys.stderr)
-    return 1
-
-
-_BUFFERED_WRITERS = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-
-
-def _exit_without_finalizing(code: int) -> None:
-    """Leave as the interpreter leaves — non-daemon threads joined, ``atexit`` handlers run (the script's, baft's
-    teardown, those of the modules the server imported), every open file flushed — but without its
-    finalization, which frees module after module: about a second of CPU a rank once torch and DeepSpeed are
-    imported, and the end of every launch waits for its ranks."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    # a file the script left open, and the standard streams: the server made them, and froze them out of
-    # gc.get_objects (:func:`_freeze`)
-    opened = [o for o in gc.get_objects() if type(o) in _BUFFERED_WRITERS]
-    for stream in [*opened, sys.stdout, sys.stderr]:
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):  # closed, its descriptor gone, or None
-            pass
-    ctypes.CDLL(None).fflush(None)  # what native code wrote with C's stdio
-    os._exit(code)
-
-
-def enter_argv(argv: list[str]) -> None:
-    """``sys.argv`` and ``sys.path[0]`` as ``python ARGV`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) has them."""
-    if argv[0] == "-m":
-        sys.argv, sys.path[0] = argv[1:], os.getcwd()
-    else:
-        sys.argv, sys.path[0] = list(argv), str(Path(argv[0]).resolve().parent)
-
-
-def as_started() -> None:
-    """What a new interpreter would have: torch's and numpy's global generators seeded from the OS, as each
-    process's are (``random`` reseeds itself at every fork), and the rank's ``OMP_NUM_THREADS`` (the server
-    imports with one thread: OpenMP would start its pool, and a fork copies no threads)."""
-    import numpy
-    import torch
-
-    torch.seed()
-    numpy.random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
 
 
 def serve(path: str, parent: int, later: str = "idle") -> None:
@@ -270,7 +37,7 @@ def serve(path: str, parent: int, later: str = "idle") -> None:
     ranks it started itself: killing them here as well would race torchrun's own shutdown (a torchrun
     that saw its workers fail as its SIGTERM came stayed alive, tailing their logs, after the launcher
     was SIGKILLed). Ranks still there :data:`ORPHAN_GRACE` seconds after the launcher's death are killed."""
-    _die_with_parent(parent, signal.SIGHUP)
+    die_with_parent(parent, signal.SIGHUP)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".new")
     listener.listen(256)
@@ -333,7 +100,7 @@ class ForkServer:
 
     def _do_later(self) -> None:
         import_if_there(self.later.pop(0))
-        _freeze()
+        freeze()
         refusal = unforkable()
         if refusal:  # the ranks already forked go on; new ones start cold
             print(refusal, file=sys.stderr, flush=True)
@@ -467,7 +234,7 @@ def _keep_store() -> str:
     r, w = os.pipe()
     if os.fork() == 0:
         os.close(r)
-        _die_with_parent(os.getppid(), signal.SIGKILL)
+        die_with_parent(os.getppid(), signal.SIGKILL)
         keeper = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
         os.write(w, str(keeper.port).encode())
         os.close(w)
@@ -498,7 +265,7 @@ def _fork_spare(request: dict, sockets: list[socket.socket], fds: list[int]) -> 
     pid = os.fork()
     if pid == 0:
         _as_child(theirs, [*sockets, mine], fds)
-        _die_with_parent(request["server"], signal.SIGKILL)
+        die_with_parent(request["server"], signal.SIGKILL)
         wait_as_spare(theirs, request)
     theirs.close()
     return Spare(pid, mine, request)

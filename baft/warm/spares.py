@@ -6,7 +6,7 @@ environment (less the variables that name a rank), seeds its generators as a new
 the modules the script imports at its top level (read from its source, never run), each where it can: one that
 fails is left for the rank to import and raise. Its objects are then frozen (``gc.freeze``) and it waits on its
 channel. When a rank of the job is killed, the server sends the spare that rank's request and standard streams,
-and the spare becomes the rank (:func:`baft.warm.server.become_rank`); the server forks a new spare behind it.
+and the spare becomes the rank (:func:`baft.warm.child.become_rank`); the server forks a new spare behind it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from baft.warm.child import as_started, become_rank, enter_argv
 
 MAX_REQUEST = 1 << 20  # bytes of a request (its environment, mostly) sent to a spare
 
@@ -53,7 +55,6 @@ def assign(spare: Spare, request: dict, fds: list[int]) -> None:
 def wait_as_spare(channel: socket.socket, request: dict) -> None:
     """In the forked spare: prepare as a rank of ``request``'s job would start, then wait for the request of the
     rank to become (never returns; exits where the server closes the channel unused)."""
-    from baft.warm.server import as_started, become_rank, enter_argv  # the server imports this module
 
     os.chdir(request["cwd"])
     os.environ.clear()
