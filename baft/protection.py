@@ -17,7 +17,7 @@ from baft.config import IN_MEMORY, BaftConfig, node_of
 from baft.errors import BaftError
 from baft.manager_link import ManagerLink, connect_manager
 from baft.pipeline.hook import Hooks
-from baft.pipeline.hooks import attach, detach
+from baft.pipeline.engine import attach, detach
 from baft.recovery.record import Restored
 from baft.snapshot.build import make_policy, rank_node_root, warn
 

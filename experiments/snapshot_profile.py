@@ -38,7 +38,7 @@ from baft.snapshot import copy as snapshot_copy
 
 ARMS = ("none", "baft/1")
 BAFT_DIR = Path(snapshot_copy.__file__).parent.parent
-THE_TRAINING = (str(BAFT_DIR / "pipeline" / "hooks.py"), str(BAFT_DIR / "examples"))  # the engine and model, not baft's cost
+THE_TRAINING = (str(BAFT_DIR / "pipeline" / "engine.py"), str(BAFT_DIR / "examples"))  # the engine and model, not baft's cost
 
 
 def arm(engine, meters: dict, name: str) -> None:

@@ -398,16 +398,17 @@ def test_a_batch_size_the_script_changes_has_every_rank_replaced_in_place_said_o
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from baft.config import GENERATION_ENV, STORE_ENV
-    from baft.pipeline import hooks
+    from baft.pipeline import engine as baft_engine
     from baft.pipeline.loop import Loop
 
     loop = Loop()
-    monkeypatch.setattr(hooks, "THIS_PROCESS", loop)
+    monkeypatch.setattr(baft_engine, "THIS_PROCESS", loop)
     monkeypatch.setenv(STORE_ENV, "127.0.0.1:1")
     monkeypatch.setenv(GENERATION_ENV, "0")
     sizes = []
     monkeypatch.setattr(PipelineEngine, "set_train_batch_size", lambda self, size: sizes.append(size))
-    engine = hooks.BaftPipelineEngine.__new__(hooks.BaftPipelineEngine)  # no DeepSpeed engine: the override alone
+    # no DeepSpeed engine: the override alone
+    engine = baft_engine.BaftPipelineEngine.__new__(baft_engine.BaftPipelineEngine)
     engine.global_rank, engine.baft, engine.train_batch_size = 0, SimpleNamespace(data_position=None), lambda: 8
     engine.set_train_batch_size(8)  # the size it has: nothing to say
     assert (loop.not_in_place, capsys.readouterr().err) == ("", "")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from baft.pipeline.hooks import BubbleThread
+from baft.pipeline.engine import BubbleThread
 
 
 def wait_for(seconds: float, error: Exception = None):

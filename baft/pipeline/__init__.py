@@ -1,7 +1,7 @@
 """The pipeline and its bubbles: where each stage idles, measured and computed.
 
 - ``hook``       what a hook hears around each instruction (no torch, no DeepSpeed)
-- ``hooks``      baft's engine: DeepSpeed's pipeline loop through an instruction map that calls
+- ``engine``     baft's engine: DeepSpeed's pipeline loop through an instruction map that calls
                  the hooks and runs their work inside the bubbles
 - ``schedules``  GPipe and 1F1B as instruction generators (1F1B is DeepSpeed's own)
 - ``timeline``   the analytic timeline: a schedule as a DAG, its bubbles from per-op costs

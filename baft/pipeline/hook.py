@@ -1,5 +1,5 @@
 """What a hook of a protected engine hears: callbacks around each instruction of ``train_batch``
-(:mod:`baft.pipeline.hooks` calls them). Importing this module loads neither torch nor DeepSpeed."""
+(:mod:`baft.pipeline.engine` calls them). Importing this module loads neither torch nor DeepSpeed."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ instruction of every ``train_batch`` on its rank. Each rank writes a trace;
 map, with the analytic prediction from the same per-op costs beside it.
 
 A bubble is time a stage's compute waits in a receive, or at the optimizer step for the other
-stages (the meeting before the global gradient norm: see :mod:`baft.pipeline.hooks`). On CPU the host
+stages (the meeting before the global gradient norm: see :mod:`baft.pipeline.engine`). On CPU the host
 blocks there, so the host clock measures it. On a GPU the host does not block (NCCL makes the compute stream
 wait), so every instruction is bracketed by CUDA events on the compute stream instead, and
 a receive's duration is the time the *device* idled in it; the host waits once per

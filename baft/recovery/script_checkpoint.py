@@ -76,7 +76,7 @@ def checkpoint_step(load_dir, tag=None) -> tuple[Optional[str], Optional[int]]:
 
 def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
     """Make ``engine.load_checkpoint`` keep a snapshot baft restored over an older checkpoint (module docstring): the
-    protected engine's method (:meth:`baft.pipeline.hooks.BaftPipelineEngine.load_checkpoint`) calls the guard from
+    protected engine's method (:meth:`baft.pipeline.engine.BaftPipelineEngine.load_checkpoint`) calls the guard from
     now on, until the protection closes and gives the engine back as DeepSpeed made it."""
     engine.baft.load_guard = functools.partial(_guarded_load, client_state)
 
