@@ -43,6 +43,16 @@ def test_a_users_own_malloc_settings_win(monkeypatch):
     assert env["MALLOC_MMAP_THRESHOLD_"] == KEEP_FREED_MEMORY["MALLOC_MMAP_THRESHOLD_"]
 
 
+def test_ranks_find_the_ninja_of_the_python_environment_that_launched_them(monkeypatch):
+    """As in an activated environment (``baft train`` run by its path, say from cron): ranks building DeepSpeed's ops
+    with another ninja than the suite's rebuilt them at every start (two ninja versions, one build log)."""
+    tools = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert launch_env()["PATH"] == os.pathsep.join([tools, "/usr/bin", "/bin"])
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", tools]))  # already there: left where the user put it
+    assert launch_env()["PATH"] == os.pathsep.join(["/usr/bin", tools])
+
+
 def test_a_launch_keeps_the_last_launches_torchrun_files_and_rotates_a_long_output_log(tmp_path, monkeypatch):
     from baft.cli import runlog
 

@@ -37,6 +37,11 @@ def launch_env(extra: dict | None = None) -> dict:
     """The environment for the launched ranks."""
     env = {**os.environ, **(extra or {})}
     env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    # the ranks build DeepSpeed's ops with this Python environment's ninja, as where it is activated: two ninja
+    # versions building in one TORCH_EXTENSIONS_DIR read each other's log as stale, and rebuild an op at every start
+    tools = os.path.dirname(sys.executable)
+    if tools not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = os.pathsep.join(filter(None, [tools, env.get("PATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     if env.get(KEEP_FREED_MEMORY_ENV, "1") != "0":

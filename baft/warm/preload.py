@@ -49,9 +49,9 @@ def preload(later: str = "idle") -> list[str]:
         importlib.import_module(name)
     for name in optional if later == "now" else ():
         import_if_there(name)
-    if "deepspeed" in first:
-        _probe_deepspeed_ops()
     _keep_detected_cpu(detecting)
+    if "deepspeed" in first:  # after: DeepSpeed's op builders read the detected CPU
+        _probe_deepspeed_ops()
     refusal = unforkable()
     if refusal:
         raise SystemExit(refusal)
