@@ -14,6 +14,7 @@ from typing import Optional
 import deepspeed
 
 from baft.config import LAUNCHER_ENV, PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
+from baft.errors import ConfigError
 from baft.jsonfile import read_json
 from baft.pipeline.loop import THIS_PROCESS
 from baft.pipeline.schedulers import engines_own
@@ -175,10 +176,23 @@ def unprotected(ds_config: dict) -> Optional[str]:
 
 
 def _with_launcher_defaults(cfg, ds_config: dict):
-    """``baft train -- script`` tells the script's ranks its run id, shm root and run dir, unless the config does."""
+    """``baft train -- script`` tells the script's ranks its run id, shm root and run dir; a config that says
+    otherwise is refused in one line (the launch's managers would watch where its ranks keep nothing, and its
+    report read a run directory they never write)."""
     section = ds_config.get("baft") or {}
-    given = {key: os.environ[env] for key, env in LAUNCHER_ENV.items() if env in os.environ and key not in section}
+    launcher = {key: os.environ[env] for key, env in LAUNCHER_ENV.items() if env in os.environ}
+    for key, value in launcher.items():
+        if key in section and not _same_place(key, section[key], value):
+            raise ConfigError(f"baft.{key} {section[key]!r}: baft train runs this job with {key} {value!r} (its "
+                              f"managers and report look there); leave {key} out of the config under baft train")
+    given = {key: value for key, value in launcher.items() if key not in section}
     return dataclasses.replace(cfg, **given) if given else cfg
+
+
+def _same_place(key: str, configured, launched: str) -> bool:
+    if key == "run_id":
+        return configured == launched
+    return Path(str(configured)).resolve() == Path(launched).resolve()
 
 
 def _start_profiler(protection, directory: str, iterations: int, model) -> None:

@@ -88,6 +88,34 @@ def test_a_config_without_a_baft_section_is_said_to_run_unprotected_under_baft_t
                                                            'runs unprotected')
 
 
+def test_a_config_that_puts_the_run_elsewhere_than_baft_train_does_is_refused_naming_the_key(monkeypatch, tmp_path):
+    """Under ``baft train`` the launch's managers watch its shm root and run id, and its report reads its run
+    directory: a config's own ``shm_root`` left the ranks without a manager, unsaid until the first snapshot failed."""
+    from baft.config import parse_config
+    from baft.errors import ConfigError
+    from baft.plugin import LAUNCHER_ENV, _with_launcher_defaults
+
+    monkeypatch.chdir(tmp_path)
+    launched = {"run_id": "run-1", "shm_root": "/dev/shm/baft", "run_dir": str(tmp_path / "runs" / "first")}
+    for key, value in launched.items():
+        monkeypatch.setenv(LAUNCHER_ENV[key], value)
+
+    def config(**section):
+        doc = {"baft": {"policy": "baft", **section}}
+        return _with_launcher_defaults(parse_config(doc), doc)
+
+    assert (config().run_id, config().shm_root, config().run_dir) == tuple(launched.values())
+    assert config(run_dir="runs/first", shm_root="/dev/shm/baft/").run_dir == "runs/first"  # the same places
+    with pytest.raises(ConfigError, match=r"^baft\.shm_root '/proc/nope': baft train runs this job with shm_root "
+                                          r"'/dev/shm/baft' \(its managers and report look there\); leave shm_root "
+                                          r"out of the config under baft train$"):
+        config(shm_root="/proc/nope")
+    with pytest.raises(ConfigError, match=r"^baft\.run_dir 'runs/mine': "):
+        config(run_dir="runs/mine")
+    with pytest.raises(ConfigError, match=r"^baft\.run_id 'other': "):
+        config(run_id="other")
+
+
 def test_a_bad_timeout_names_the_key():
     from baft.config import parse_config
     from baft.errors import ConfigError
