@@ -20,6 +20,7 @@ from baft.pipeline.hook import Hooks
 from baft.pipeline.engine import attach, detach
 from baft.recovery.record import Restored
 from baft.snapshot.build import make_policy, rank_node_root, warn
+from baft.snapshot.reads import TrainBatchReads
 
 
 class Protection:
@@ -37,12 +38,16 @@ class Protection:
         # what baft.initialize did, to do again in place after a peer was killed (None where it cannot: the reason is
         # baft.pipeline.loop.THIS_PROCESS.not_in_place)
         self.again = None
-        self.data_position = None  # what the data position is saved and restored with (baft.snapshot.data)
-        self._read = set()  # the ids of the iterators train_batch was given, each checked once
-        self._last_read = None  # the iterator train_batch was given at its last call
-        self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
-        self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
-        self._said_pulled = False
+        self.reads = TrainBatchReads(engine)  # what train_batch reads, call by call
+
+    @property
+    def data_position(self):
+        """What the data position is saved and restored with (:func:`baft.snapshot.data.data_position`), or None."""
+        return self.reads.position
+
+    @data_position.setter
+    def data_position(self, position) -> None:
+        self.reads.position = position
 
     @property
     def root(self) -> str:
@@ -85,62 +90,6 @@ class Protection:
             if self.restored.items is not None and hasattr(self.policy, "keep_items"):
                 self.policy.keep_items(self.restored.step, self.restored.items)
         return self.restored
-
-    def reads(self, data_iter) -> None:
-        """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;
-        where it is another iterator than at the last call, and not one of the loader baft keeps (an epoch's), the
-        call's own (``train_batch(iter(batches))``): a survivor in place would train the steps since the restored
-        one from it, so a fault replaces every rank."""
-        from baft.pipeline.loop import THIS_PROCESS
-        from baft.snapshot.data import ResumableLoader, foreign_iterator
-
-        if isinstance(self.data_position, ResumableLoader):
-            self.data_position.reads(data_iter)
-        kept = self._kept_iterator()
-        before, read_before = self._kept_at_last_read
-        if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
-            self._pulled_by_the_loop()
-        last, self._last_read = self._last_read, data_iter
-        if last is not None and data_iter is not last:
-            if data_iter is kept:  # an epoch's
-                self.epoch_began = self.engine.global_steps + 1
-            else:
-                THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one "
-                                                       "made for each call?): a survivor would train the steps since "
-                                                       "the restored one from the latest call's",
-                                          "Pass train_batch the same iterator every call, or one of the data iterator "
-                                          "given to baft.initialize, for its survivors to recover in place")
-        if data_iter is None or id(data_iter) in self._read:
-            return
-        self._read.add(id(data_iter))
-        why = foreign_iterator(self.data_position, data_iter)
-        if why and self.engine.global_rank == 0:
-            self.warn(why)
-
-    def call_ended(self) -> None:
-        """``train_batch`` returned: what the kept loader's latest iterator has read by now, for the next call to
-        tell batches the loop took between the calls (:meth:`reads`) from those the call read through a wrapper of
-        the loader (``RepeatingLoader``, ``itertools.cycle``)."""
-        kept = self._kept_iterator()
-        self._kept_at_last_read = (kept, getattr(kept, "_num_yielded", 0))
-
-    def _kept_iterator(self):
-        """The latest iterator of the loader baft keeps the position of, or None (no such loader, or no iterator
-        taken yet)."""
-        from baft.snapshot.data import ResumableLoader
-
-        return self.data_position.loader._iterator if isinstance(self.data_position, ResumableLoader) else None
-
-    def _pulled_by_the_loop(self) -> None:
-        """The loop read batches of the loader baft keeps between two calls, and gives ``train_batch`` iterators of
-        its own (``for batch in loader: engine.train_batch(iter([batch]))``): said once."""
-        if self._said_pulled or self.engine.global_rank != 0:
-            return
-        self._said_pulled = True
-        self.warn("the loop takes its batches from the data loader itself and gives train_batch an iterator of them "
-                  "at each call: baft saves the loader's position as the next step begins, after the loop took that "
-                  "step's batches, so a resumed run would skip them. Give train_batch an iterator of the loader "
-                  "(batches = iter(loader)), from which it reads the micro-batches itself")
 
     def replayed(self) -> None:
         """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),
@@ -200,9 +149,10 @@ class Protection:
         if newest is None and self.config.policy in IN_MEMORY:
             return ("no snapshot every rank holds has committed yet: the survivors' state has moved on from the start "
                     "a replacement makes, and nothing takes both back to one step")
-        if self.epoch_began is None or newest is not None and newest >= self.epoch_began - 1:
+        began = self.reads.epoch_began
+        if began is None or newest is not None and newest >= began - 1:
             return None
-        return (f"its loop took a new iterator of its data loader for step {self.epoch_began}, after the newest step "
+        return (f"its loop took a new iterator of its data loader for step {began}, after the newest step "
                 f"every rank holds ({newest}): the steps its call would train again start in the epoch before")
 
     def recover(self, error: BaseException) -> bool:

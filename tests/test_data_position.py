@@ -305,41 +305,40 @@ def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_sk
     from deepspeed.utils import RepeatingLoader
     from types import SimpleNamespace
 
-    from baft.config import parse_config
-    from baft.protection import Protection
+    from baft.snapshot.reads import TrainBatchReads
 
     def calls(feed) -> str:
         engine = SimpleNamespace(global_steps=0, global_rank=0)
-        protection = Protection(engine, parse_config({"baft": {}}))
+        reads = TrainBatchReads(engine)
         loader = LOADERS["shuffle, generator"](0)
-        protection.data_position = data_position(None, loader)
-        feed(protection, loader, engine)
+        reads.position = data_position(None, loader)
+        feed(reads, loader, engine)
         return capsys.readouterr().err
 
-    def train_batch(protection, data_iter, engine, reads: int):  # what the engine's train_batch does with them
-        protection.reads(data_iter)
-        for _ in range(reads):
+    def train_batch(reads, data_iter, engine, micro_batches: int):  # what the engine's train_batch does with them
+        reads.call(data_iter)
+        for _ in range(micro_batches):
             next(data_iter)
         engine.global_steps += 1
-        protection.call_ended()
+        reads.ended()
 
-    def own_batches(protection, loader, engine):
+    def own_batches(reads, loader, engine):
         for batch in loader:
-            train_batch(protection, iter([batch]), engine, 1)
+            train_batch(reads, iter([batch]), engine, 1)
 
-    def the_loaders_iterator(protection, loader, engine):
+    def the_loaders_iterator(reads, loader, engine):
         batches = iter(loader)
         for _ in range(3):
-            train_batch(protection, batches, engine, 1)
+            train_batch(reads, batches, engine, 1)
 
-    def a_wrapper(protection, loader, engine):
+    def a_wrapper(reads, loader, engine):
         batches = RepeatingLoader(loader)
         for _ in range(2 * len(loader)):
-            train_batch(protection, batches, engine, 1)
+            train_batch(reads, batches, engine, 1)
 
-    def elsewhere(protection, loader, engine):
+    def elsewhere(reads, loader, engine):
         for batch in [torch.zeros(2)] * 3:
-            train_batch(protection, iter([batch]), engine, 1)
+            train_batch(reads, iter([batch]), engine, 1)
 
     said = calls(own_batches)
     assert said.count("the loop takes its batches from the data loader itself") == 1, said

@@ -102,3 +102,16 @@ def test_no_module_assigns_to_torch_or_deepspeed():
             continue
         assert not found, f"{path.relative_to(PACKAGE.parent)} assigns to torch or DeepSpeed: {found}"
         assert "baft.cli.torchrun" not in imported_modules(path), f"{path.relative_to(PACKAGE.parent)} imports it"
+
+
+def test_every_package_names_each_of_its_modules_in_its_map():
+    """Each subpackage's docstring is its map (``- ``name``  what it holds``): a newcomer reads the folders from
+    them, so a module missing from its map is a map gone stale."""
+    import importlib
+
+    stale = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = importlib.import_module(f"baft.{init.parent.name}").__doc__ or ""
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem not in ("__init__", "__main__"))
+        stale += [f"baft/{init.parent.name}/{name}.py" for name in modules if f"``{name}``" not in doc]
+    assert stale == [], f"not in their package's map: {stale}"

@@ -11,7 +11,8 @@
 - ``compare``  launches :mod:`baft.benchmark` (snapshot policies side by side on one engine) and summarizes it
 - ``demo``     the whole product on the example in one command
 - ``launch``   starting ranks through torchrun, one launch per run directory
-- ``torchrun`` torchrun as ``launch`` runs it, less two waits of its rendezvous at every restart
+- ``torchrun`` torchrun as ``launch`` runs it, less three costs of its rendezvous at every restart
+- ``text``     rich tables as plain text, for screens and log files alike
 
 The top layer: may import everything; nothing imports it but experiments.
 """

@@ -106,7 +106,7 @@ class BaftPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         loop = THIS_PROCESS
         loop.decide(self, sys._getframe(1))
-        self.baft.reads(data_iter)
+        self.baft.reads.call(data_iter)
         if loop.replaying:
             value = loop.replay_train(self)
             # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
@@ -123,7 +123,7 @@ class BaftPipelineEngine(PipelineEngine):
         loop.called()
         loop.step_called_for = self.global_steps + 1
         loss = self._train_to(self.global_steps + 1, data_iter)
-        self.baft.call_ended()
+        self.baft.reads.ended()
         return loss
 
     def set_train_batch_size(self, train_batch_size):

@@ -2,6 +2,7 @@
 
 - ``state``       what a rank's state is (tensors and small items: RNG, data position)
 - ``data``        the data position a snapshot saves and a restore puts back (a resumable loader)
+- ``reads``       what ``train_batch`` reads, call by call, against the loader whose position is kept
 - ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
 - ``sizes``       how big the snapshot is and how fast it copies (for the profiler)
 - ``layout``      the state's byte layout in a host buffer, chunked, and its commit record

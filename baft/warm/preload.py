@@ -8,10 +8,12 @@ no thread: :func:`unforkable` says where an import started one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -68,7 +70,8 @@ def _probe_deepspeed_ops() -> None:
     if build_shm_op is None:  # another DeepSpeed: its ranks do what it does
         return
     try:
-        build_shm_op()
+        with contextlib.redirect_stdout(io.StringIO()):  # its "built successfully": a rank says it, not the server
+            build_shm_op()
     except Exception:  # noqa: BLE001 - the rank's own call says what it is
         pass
 
@@ -108,7 +111,10 @@ def gpu_driver() -> bool:
 def freeze() -> None:
     """Keep what the imports made out of the collector's sight (``gc.freeze``): a rank's ``gc.collect`` (DeepSpeed's
     bf16 optimizer calls four as it starts) then walks only its own objects, not the 200,000 of torch's and
-    DeepSpeed's modules (0.16 s each in a survivor), and leaves their pages shared with the server."""
+    DeepSpeed's modules (0.16 s each in a survivor), and leaves their pages shared with the server. What the imports
+    printed is written out first: a fork would inherit it unwritten in its buffers, and write it as its own."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     gc.collect()
     gc.freeze()
 

@@ -1,0 +1,82 @@
+"""What ``train_batch`` reads, call by call, against the loader baft keeps the position of.
+
+baft saves a data position as each step begins (:mod:`baft.snapshot.data`). The loop's way of giving
+``train_batch`` its data decides whether that position is where a resumed run must read on from:
+:class:`TrainBatchReads` watches each call's iterator and says, once and in one line, where it is not (an
+iterator baft keeps no position of; batches the loop took from the loader itself between the calls), notes the
+step an epoch's new iterator first trained (a survivor in place cannot go back past it), and has every rank
+replaced after a fault where each call reads an iterator of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from baft.pipeline.loop import THIS_PROCESS
+from baft.snapshot.build import warn
+from baft.snapshot.data import ResumableLoader, foreign_iterator
+
+
+class TrainBatchReads:
+    """The iterators ``engine.train_batch`` was given; :attr:`position`: the data position baft keeps (what
+    :func:`baft.snapshot.data.data_position` gave), or None."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.position = None
+        self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
+        self._read = set()  # the ids of the iterators train_batch was given, each checked once
+        self._last_read = None  # the iterator train_batch was given at its last call
+        self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
+        self._said_pulled = False
+
+    def call(self, data_iter) -> None:
+        """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;
+        where it is another iterator than at the last call, and not one of the loader baft keeps (an epoch's), the
+        call's own (``train_batch(iter(batches))``): a survivor in place would train the steps since the restored
+        one from it, so a fault replaces every rank."""
+        if isinstance(self.position, ResumableLoader):
+            self.position.reads(data_iter)
+        kept = self.kept_iterator()
+        before, read_before = self._kept_at_last_read
+        if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
+            self._pulled_by_the_loop()
+        last, self._last_read = self._last_read, data_iter
+        if last is not None and data_iter is not last:
+            if data_iter is kept:  # an epoch's
+                self.epoch_began = self.engine.global_steps + 1
+            else:
+                THIS_PROCESS.no_survivors(self.engine, "train_batch reads another iterator than at its last call (one "
+                                                       "made for each call?): a survivor would train the steps since "
+                                                       "the restored one from the latest call's",
+                                          "Pass train_batch the same iterator every call, or one of the data iterator "
+                                          "given to baft.initialize, for its survivors to recover in place")
+        if data_iter is None or id(data_iter) in self._read:
+            return
+        self._read.add(id(data_iter))
+        why = foreign_iterator(self.position, data_iter)
+        if why and self.engine.global_rank == 0:
+            warn(self.engine, why)
+
+    def ended(self) -> None:
+        """``train_batch`` returned: what the kept loader's latest iterator has read by now, for the next call to
+        tell batches the loop took between the calls (:meth:`call`) from those the call read through a wrapper of
+        the loader (``RepeatingLoader``, ``itertools.cycle``)."""
+        kept = self.kept_iterator()
+        self._kept_at_last_read = (kept, getattr(kept, "_num_yielded", 0))
+
+    def kept_iterator(self):
+        """The latest iterator of the loader baft keeps the position of, or None (no such loader, or no iterator
+        taken yet)."""
+        return self.position.loader._iterator if isinstance(self.position, ResumableLoader) else None
+
+    def _pulled_by_the_loop(self) -> None:
+        """The loop read batches of the loader baft keeps between two calls, and gives ``train_batch`` iterators of
+        its own (``for batch in loader: engine.train_batch(iter([batch]))``): said once."""
+        if self._said_pulled or self.engine.global_rank != 0:
+            return
+        self._said_pulled = True
+        warn(self.engine, "the loop takes its batches from the data loader itself and gives train_batch an iterator of "
+                   "them at each call: baft saves the loader's position as the next step begins, after the loop took "
+                   "that step's batches, so a resumed run would skip them. Give train_batch an iterator of the loader "
+                   "(batches = iter(loader)), from which it reads the micro-batches itself")
