@@ -21,7 +21,7 @@ from baft.errors import BaftError
 from baft.pipeline.bubblemap import BubbleMap
 from baft.pipeline.hook import InstructionHook
 from baft.pipeline.profiler import InstructionTimer, measured_bubbles, median_profile
-from baft.snapshot.baselines import DiskCheckpoint
+from baft.snapshot.baselines import disk_checkpoint
 from baft.snapshot.copiers import copier_for
 from baft.snapshot.planner import DEFAULT_BUDGET, Plan, RankPlan, check_plan, choose_period, plan_rank
 from baft.snapshot.policies import BubbleExecutor, SyncCopy, ThreadCopy
@@ -50,7 +50,7 @@ def make_policy(engine, cfg: BaftConfig, data_iterator=None, link=None) -> Instr
         return cls(rank_node_root(cfg, engine.global_rank), period=period or 1, **common)
     save_dir = cfg.save_dir or str(Path(cfg.run_dir) / "checkpoints" if cfg.run_dir
                                     else Path(rank_node_root(cfg, engine.global_rank)) / "disk")
-    return DiskCheckpoint(cfg.policy, save_dir, period or 1, data_iterator)
+    return disk_checkpoint(cfg.policy, save_dir, period or 1, data_iterator)
 
 
 class PlannedExecutor(BubbleExecutor):
