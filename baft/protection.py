@@ -137,20 +137,29 @@ class Protection:
 
     def behind(self) -> Optional[str]:
         """Why a survivor cannot go on in place, or None, from the steps every rank holds, read from the node's
-        shared memory as the fault is seen (seals that finish since only add steps): none yet (a fault before the
-        first snapshot committed: the survivor's state has moved on from the start a replacement makes, and there is
-        nothing to take both back to); or its loop took a new iterator of its loader (an epoch's) after the newest
-        of them, where a restore would go back to (its iterator would be made the restored one, and the steps its
-        call trains from there would read past that epoch's end, from the wrong iterator)."""
+        shared memory as the fault is seen (seals that finish since only add steps), or for a disk baseline the
+        checkpoints this rank saved: none yet (a fault before the first snapshot committed or the first checkpoint
+        was saved: the survivor's state has moved on from the start a replacement makes, and there is nothing to
+        take both back to); or its loop took a new iterator of its loader (an epoch's) after the newest of them,
+        where a restore would go back to (its iterator would be made the restored one, and the steps its call
+        trains from there would read past that epoch's end, from the wrong iterator)."""
         from baft.snapshot import slots
 
-        held = [{info.record.step for info in slots.committed(self.root, rank)} for rank in slots.rank_ids(self.root)]
-        newest = max(set.intersection(*held), default=None) if held else None
-        if newest is None and self.config.policy in IN_MEMORY:
-            return ("no snapshot every rank holds has committed yet: the survivors' state has moved on from the start "
-                    "a replacement makes, and nothing takes both back to one step")
+        if self.config.policy in IN_MEMORY:
+            held = [{info.record.step for info in slots.committed(self.root, rank)}
+                    for rank in slots.rank_ids(self.root)]
+            newest = max(set.intersection(*held), default=None) if held else None
+            if newest is None:
+                return ("no snapshot every rank holds has committed yet: the survivors' state has moved on from the "
+                        "start a replacement makes, and nothing takes both back to one step")
+        else:
+            restored = [self.restored.step] if self.restored is not None else []
+            newest = max([*getattr(self.policy, "saved", ()), *restored], default=None)  # restored: in an earlier engine
+            if newest is None:
+                return (f"no {self.config.policy} checkpoint has been saved yet: the survivors' state has moved on "
+                        f"from the start a replacement makes, and nothing takes both back to one step")
         began = self.reads.epoch_began
-        if began is None or newest is not None and newest >= began - 1:
+        if began is None or newest >= began - 1:
             return None
         return (f"its loop took a new iterator of its data loader for step {began}, after the newest step "
                 f"every rank holds ({newest}): the steps its call would train again start in the epoch before")

@@ -23,12 +23,14 @@ from conftest import TINY
 
 
 def train(directory: Path, *faults: str, max_restarts: int = 2, env: dict | None = None,
-          spares: int = 1, nodes: int = 1) -> subprocess.Popen:
-    """``baft train`` of the example for 10 steps with ``faults``, its state digests in ``directory/digests``."""
+          spares: int = 1, nodes: int = 1, policy: tuple[str, str] = ("baft", "1")) -> subprocess.Popen:
+    """``baft train`` of the example for 10 steps with ``faults`` under ``policy`` (its name and period), its state
+    digests in ``directory/digests``."""
     return subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--in-place", "--spares", str(spares),
                              "--nodes", str(nodes),
                              "--example", "gpt", *TINY,
-                             "--iters", "10", "--policy", "baft", "--period", "1", "--run-dir", str(directory / "run"),
+                             "--iters", "10", "--policy", policy[0], "--period", policy[1],
+                             "--run-dir", str(directory / "run"),
                              "--max-restarts", str(max_restarts), *(a for f in faults for a in ("--fault", f))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env({DIGESTS_ENV: str(directory / "digests"), **(env or {})}))
@@ -52,13 +54,16 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
              "node lost": ("node=1,step=5",),
              # before any snapshot committed: the survivor's state has moved on, nothing takes it back
              "before any snapshot": ("rank=1,step=1,phase=backward,restart=0",),
+             # the same under a disk baseline, its first checkpoint due at step 4
+             "before any checkpoint": ("rank=1,step=2,phase=backward,restart=0",),
              # in the last step's optimizer step, past the stages' meeting: rank 0 finishes the run meanwhile
              "last step": ("rank=1,step=10,phase=optimizer,restart=0",)}
 
     def run(name):
         directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
         return directory, finish(train(directory, *cases[name], max_restarts=1 if name == "budget spent" else 2,
-                                       nodes=2 if name == "node lost" else 1))
+                                       nodes=2 if name == "node lost" else 1,
+                                       policy=("torch-save", "4") if name == "before any checkpoint" else ("baft", "1")))
 
     with ThreadPoolExecutor(len(cases)) as pool:
         return dict(zip(cases, pool.map(run, cases)))
@@ -93,6 +98,19 @@ def test_a_kill_before_any_snapshot_committed_starts_every_rank_again_and_every_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "fresh")]
     assert "no snapshot every rank holds has committed yet" in (faulted / "run" / "output.log").read_text()
+    assert compare(reference / "digests", faulted / "digests") == []
+    pids = processes(faulted / "digests")
+    assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
+
+
+@pytest.mark.slow
+def test_under_a_disk_baseline_a_kill_before_its_first_checkpoint_starts_every_rank_again_identically(runs):
+    """The same under ``torch-save``: the survivor went back to step 0 with its trained weights, the replacement
+    with the initial ones, and the run ended with other weights than the uninterrupted one, exit code 0."""
+    (reference, _), (faulted, proc) = runs["reference"], runs["before any checkpoint"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "fresh")]
+    assert "no torch-save checkpoint has been saved yet" in (faulted / "run" / "output.log").read_text()
     assert compare(reference / "digests", faulted / "digests") == []
     pids = processes(faulted / "digests")
     assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
