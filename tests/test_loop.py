@@ -213,6 +213,15 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     kept = ("engine.calls = 0\nwhile engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1\n"
             "    engine.calls += 1\n    print(engine.calls)")
     assert _site(tmp_path, kept)[0].own_count == "", "an attribute of a kept object"
+    # a module's global a function the loop calls adds to (round nine's probe: a warm-up from it, silently restarted)
+    global_count = ("count = 0\ndef before():\n    lr = min(1, (count + 1) / 5)\ndef after():\n    global count\n"
+                    "    count += 1\nwhile engine.global_steps < N:\n    before()\n    engine.train_batch()\n"
+                    "    engine.global_steps += 1\n    after()")
+    site, script = _site(tmp_path, global_count)
+    assert site.own_count == f"{script}:{STUB.count(chr(10)) + 6} (count += 1)", site
+    resumed = global_count.replace("count += 1", "count += 1\ndef load(state):\n    global count\n"
+                                                 "    count = state['count']")
+    assert _site(tmp_path, resumed)[0].own_count == "", "the script's own resume sets it"
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):

@@ -272,9 +272,11 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
     """The first count of the script's own the loop adds a number to, started before it and read again (resumed, it
     starts from its first value), as ``file:line (text)``; "" where none is: ``name += <number>`` in ``loop`` whose name
     the loop reads elsewhere and does not set otherwise, nor its scope from the engine's step (``iteration += 1``
-    feeding a warm-up); or ``obj.attr += <number>`` in the loop or a function or method of the same file it calls
-    (a trainer's ``self.global_step += 1`` in its ``on_step_end``), read there too, that the file sets to nothing but
-    a number (no resume of its own) on an object that is not one of ``kept``."""
+    feeding a warm-up); a module's global that a function or method of the same file the loop calls adds a number to
+    (``global count; count += 1`` in its ``after_step``), read there too, that the file sets to nothing but a number;
+    or ``obj.attr += <number>`` in the loop or such a function (a trainer's ``self.global_step += 1`` in its
+    ``on_step_end``), read there too, that the file sets to nothing but a number (no resume of its own) on an object
+    that is not one of ``kept``."""
     loaded = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     set_otherwise = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AnnAssign))
                      for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
@@ -288,9 +290,18 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
             return f"{filename}:{node.lineno} ({ast.unparse(node)})"
     reached = [node for body in _reached(filename, loop) for node in ast.walk(body)]
     read = {n.attr for n in reached if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
-    resumed = {t.attr for node in ast.walk(_parsed(filename)) if isinstance(node, ast.Assign)
-               and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int))
-               for t in node.targets if isinstance(t, ast.Attribute)}
+    assigned = [t for node in ast.walk(_parsed(filename)) if isinstance(node, ast.Assign)
+                and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int))
+                for t in node.targets]
+    resumed = {t.attr for t in assigned if isinstance(t, ast.Attribute)}
+    # a module's global that a function the loop calls adds to (``global count; count += 1`` in its ``after_step``)
+    declared = {name for node in reached if isinstance(node, ast.Global) for name in node.names}
+    loaded_there = {n.id for n in reached if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    resumed_names = {t.id for t in assigned if isinstance(t, ast.Name)}
+    for node in reached:
+        if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in declared
+                and node.target.id in loaded_there and node.target.id not in resumed_names):
+            return f"{filename}:{node.lineno} ({ast.unparse(node)})"
     for node in reached:
         if (_adds_a_number(node) and isinstance(node.target, ast.Attribute) and isinstance(node.target.value, ast.Name)
                 and node.target.attr in read and node.target.attr not in resumed | set(ENGINE_STEP)):
