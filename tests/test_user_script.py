@@ -114,3 +114,19 @@ def test_the_parts_baft_cannot_save_are_refused_in_one_line_at_initialize(tmp_pa
         assert all(f"{named}: baft cannot save its state, so a resumed run would silently differ" in line
                    for line in lines), proc.stderr[-3000:]
     assert "step 1" not in proc.stdout  # refused before training
+
+
+@pytest.mark.slow
+def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
+    """Round nine's probe: a script that doubles its batch size once (``set_train_batch_size`` at step 3), resumed
+    after it, trained on at the configured size, silently: the snapshot keeps the engine's batch size."""
+    runs = {}
+    for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
+        proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
+                               "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config",
+                               str(config(tmp_path, period=1)), "--batch-once", "3"],
+                              capture_output=True, text=True, env=launch_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = finals((tmp_path / name / LOG_NAME).read_text())
+    assert "resumed from step" in proc.stdout + proc.stderr
+    assert len(runs["reference"]) == 2 and runs["killed"] == runs["reference"], runs

@@ -218,6 +218,8 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True) ->
     script made (False before its loop has run: they are looked for once per optimizer)."""
     items = {
         "counters": {k: int(getattr(engine, k, 0)) for k in ENGINE_COUNTERS},
+        # as the script last set it (set_train_batch_size): a resumed script past where it set it does not again
+        "train_batch_size": int(engine.train_batch_size()),
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
@@ -254,11 +256,15 @@ def loss_scaler(optimizer):
 
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
-    """Put the small state back: counters, hyper-parameters, scheduler, scaler, data position now; the
+    """Put the small state back: counters, batch size, hyper-parameters, scheduler, scaler, data position now; the
     RNG states by the hook returned, which must run before any other at the next iteration's start, and the
     script's own schedulers now where they exist, else by that hook too."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
+    if items.get("train_batch_size", engine.train_batch_size()) != engine.train_batch_size():
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        PipelineEngine.set_train_batch_size(engine, items["train_batch_size"])  # DeepSpeed's: no step read yet
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
     groups = items["param_groups"]

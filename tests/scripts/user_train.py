@@ -19,6 +19,7 @@ parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--node-per-rank", action="store_true", help="each rank its own node: node_id = rank")
 parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", default=(),
                     help="hand baft parts it cannot save")
+parser.add_argument("--batch-once", type=int, default=0, help="at this step double the batch size, once")
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -47,6 +48,8 @@ if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 while engine.global_steps < args.steps:
+    if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
+        engine.set_train_batch_size(2 * engine.train_batch_size())
     loss = engine.train_batch(data_iter=data)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
