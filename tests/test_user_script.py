@@ -117,6 +117,21 @@ def test_the_parts_baft_cannot_save_are_refused_in_one_line_at_initialize(tmp_pa
 
 
 @pytest.mark.slow
+def test_an_evaluation_iterator_kept_across_evaluations_is_said(tmp_path, shm_root):
+    """Round nine's probe: a loop on the engine's step that evaluates from one held-out iterator every two steps
+    resumed with its evaluations reading other batches, silently. Said once at its second evaluation; an iterator
+    made anew at each evaluation is not."""
+    said = "eval_batch reads the iterator an evaluation after step 2 read"
+    for how in ("kept", "anew"):
+        cfg = config(tmp_path, period=1, run_id=how, shm_root=str(shm_root))
+        proc = subprocess.run(torchrun(2, [str(SCRIPT), "--config", str(cfg), "--steps", "6", "--evaluate", how],
+                                       module=False),
+                              capture_output=True, text=True, env=launch_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr.count(said) == (how == "kept"), (how, proc.stderr[-3000:])
+
+
+@pytest.mark.slow
 def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     """Round nine's probe: a script that doubles its batch size once (``set_train_batch_size`` at step 3), resumed
     after it, trained on at the configured size, silently: the snapshot keeps the engine's batch size."""

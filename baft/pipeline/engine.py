@@ -169,6 +169,8 @@ class BaftPipelineEngine(PipelineEngine):
         value = super().eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches)
         if loop.counts_calls:
             loop.record_eval(self, value)
+        else:  # no replay reads the evaluations' batches again
+            self.baft.reads.evaluated(data_iter)
         return value
 
     def save_checkpoint(self, *args, **kwargs):

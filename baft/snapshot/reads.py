@@ -29,6 +29,8 @@ class TrainBatchReads:
         self._last_read = None  # the iterator train_batch was given at its last call
         self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
         self._said_pulled = False
+        self._last_evaluated = (None, 0)  # the iterator eval_batch last read, and the step it was called after
+        self._said_evaluated = False
 
     def call(self, data_iter) -> None:
         """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;
@@ -57,6 +59,22 @@ class TrainBatchReads:
         why = foreign_iterator(self.position, data_iter)
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
+
+    def evaluated(self, data_iter) -> None:
+        """``eval_batch`` read ``data_iter`` in a loop on the engine's step: said once where an evaluation after an
+        earlier step read it too (an iterator kept from one evaluation to the next, DeepSpeedExamples'
+        ``RepeatingLoader`` over held-out data). No snapshot holds where it stands, so a resumed run's evaluations
+        would read other batches than the uninterrupted run's, silently (README: Limits)."""
+        last, step = self._last_evaluated
+        self._last_evaluated = (data_iter, self.engine.global_steps)  # held: an id could be a later iterator's
+        if data_iter is None or data_iter is not last or step == self.engine.global_steps or self._said_evaluated:
+            return
+        self._said_evaluated = True
+        if self.engine.global_rank == 0 and data_iter is not self.kept_iterator():
+            warn(self.engine, f"eval_batch reads the iterator an evaluation after step {step} read: where it stands "
+                              f"between evaluations is in no snapshot, so after a restore the evaluations would read "
+                              f"other batches than the uninterrupted run's. Make it anew at each evaluation, or keep "
+                              f"its position in client_state= of baft.initialize")
 
     def ended(self) -> None:
         """``train_batch`` returned: what the kept loader's latest iterator has read by now, for the next call to

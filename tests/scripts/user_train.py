@@ -20,6 +20,8 @@ parser.add_argument("--node-per-rank", action="store_true", help="each rank its 
 parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", default=(),
                     help="hand baft parts it cannot save")
 parser.add_argument("--batch-once", type=int, default=0, help="at this step double the batch size, once")
+parser.add_argument("--evaluate", choices=("kept", "anew"),
+                    help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
 args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -47,10 +49,13 @@ extra = {"lr_scheduler": Halving} if "scheduler" in args.stateless else {}
 if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
+held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
     loss = engine.train_batch(data_iter=data)
+    if args.evaluate and engine.global_steps % 2 == 0:
+        engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
       f"engine {type(engine).__name__}", flush=True)
