@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     revisions = {tree: subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
                                       text=True, check=True).stdout.strip()
                  for tree, rev in (("before", args.before), ("after", args.after))}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the worktrees are removed then too
     prov, start = provenance(), time.time()
     faults = {(model, job, arm, tree): [] for model in models for job in jobs for arm in arms for tree in TREES}
     with tempfile.TemporaryDirectory(prefix="baft-relaunch-ab-") as tmp:
