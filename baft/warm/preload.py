@@ -31,8 +31,8 @@ PRELOAD = (*TORCH, "deepspeed", "deepspeed.pipe",
 # rank's T2 on a 2-core VM; where this DeepSpeed has no such module, nothing is lost but the time.
 PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 # When the server imports PRELOAD_LATER. "now": before it forks a rank, for a job known to wrap its optimizer, or
-# one that recovers in place (its survivors then hold the modules frozen, :func:`_freeze`, not in every
-# gc.collect). "never": for a job known not to. "idle": not knowing, once no request came for IDLE seconds, so that a
+# one that recovers in place (its survivors then hold the modules frozen, :func:`freeze`, not in every
+# gc.collect). "never": for a job known not to. "idle": not knowing, once no request came for server.IDLE s, so that a
 # first launch's ranks do not wait for it; a rank that dies meanwhile is reported once the import is done.
 LATER_CHOICES = ("now", "idle", "never")
 # Where a GPU driver is there, DeepSpeed's import asks NVML how many GPUs there are, and loading NVML starts a
