@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -32,11 +32,34 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from baft.accelerator import collective_device
 from baft.background import BackgroundThread
-from baft.pipeline.hook import step_meets_other_stages
+from baft.pipeline.hook import Hooks, step_meets_other_stages
 from baft.pipeline.schedules import make_schedule
 from baft.pipeline.loop import THIS_PROCESS
 
 BubbleWork = Callable[[threading.Event], None]
+
+
+class Reads(Protocol):
+    """What is told of the data each call reads (:class:`baft.snapshot.reads.TrainBatchReads`)."""
+
+    def call(self, data_iter) -> None: ...
+
+    def evaluated(self, data_iter) -> None: ...
+
+    def ended(self) -> None: ...
+
+
+class Owner(Protocol):
+    """What :func:`attach` is given, as ``engine.baft``: in ``baft.initialize`` a :class:`baft.protection.Protection`."""
+
+    schedule: str  # a schedule's name (baft.pipeline.schedules)
+    hooks: Hooks  # called around each instruction
+    reads: Reads
+    data_position: Any  # the position baft keeps of the data (baft.snapshot.data), or None
+    load_guard: Optional[Callable]  # what the engine's load_checkpoint calls once the run restored, or None
+
+    def replayed(self) -> None:
+        """The calls a loop that counts them replays are done: the next one trains."""
 
 
 class BubbleThread:
@@ -97,7 +120,7 @@ def _with_hooks(kind, handler):
 
 class BaftPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that runs the schedule ``self.baft.schedule`` names and calls ``self.baft.hooks``
-    (``self.baft``: what :func:`attach` was given, in ``baft.initialize`` a :class:`baft.protection.Protection`)."""
+    (``self.baft``: the :class:`Owner` :func:`attach` was given)."""
 
     def _train_schedule(self):
         return make_schedule(self.baft.schedule, micro_batches=self.micro_batches, stages=self.num_stages,
@@ -248,9 +271,9 @@ class BaftPipelineEngine(PipelineEngine):
     }.items()}
 
 
-def attach(engine, baft) -> BaftPipelineEngine:
+def attach(engine, baft: Owner) -> BaftPipelineEngine:
     """Make a DeepSpeed ``PipelineEngine`` a :class:`BaftPipelineEngine`, in place, running ``baft.schedule``
-    (a schedule's name) with ``baft.hooks`` (a :class:`~baft.pipeline.hook.Hooks`)."""
+    (a schedule's name) with ``baft.hooks`` (a :class:`~baft.pipeline.hook.Hooks`): ``engine.baft``."""
     if not isinstance(engine, PipelineEngine):
         raise TypeError(f"baft needs a DeepSpeed PipelineEngine (a PipelineModule model), got {type(engine).__name__}")
     make_schedule(baft.schedule, micro_batches=engine.micro_batches, stages=engine.num_stages,
