@@ -27,6 +27,20 @@ class Noisy(torch.utils.data.Dataset):
         return torch.tensor([float(i), torch.rand(()).item()])
 
 
+class Buckets(torch.utils.data.Sampler):
+    """A batch sampler of a script's own: each epoch a permutation from a generator it names as it likes."""
+
+    def __init__(self, rng=None):
+        self.rng = rng
+
+    def __iter__(self):
+        order = torch.randperm(SAMPLES, generator=self.rng).tolist()
+        return iter([order[i:i + BATCH] for i in range(0, SAMPLES - BATCH + 1, BATCH)])
+
+    def __len__(self):
+        return SAMPLES // BATCH
+
+
 LOADERS = {
     "shuffle, generator": lambda workers: StatefulDataLoader(
         Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers,
@@ -48,6 +62,15 @@ LOADERS = {
         Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers,
         sampler=StatefulDistributedSampler(Noisy(), num_replicas=1, rank=0, shuffle=True, seed=6),
         generator=torch.Generator().manual_seed(7)),
+    "torch's BatchSampler over its RandomSampler with a generator": lambda workers: StatefulDataLoader(
+        Noisy(), num_workers=workers, batch_sampler=torch.utils.data.BatchSampler(
+            torch.utils.data.RandomSampler(Noisy(), generator=torch.Generator().manual_seed(10)), BATCH, True),
+        generator=torch.Generator().manual_seed(11)),
+    "a batch sampler of the script's with a generator": lambda workers: StatefulDataLoader(
+        Noisy(), num_workers=workers, batch_sampler=Buckets(torch.Generator().manual_seed(12)),
+        generator=torch.Generator().manual_seed(13)),
+    "a batch sampler of the script's, no generator": lambda workers: StatefulDataLoader(  # it draws from torch's
+        Noisy(), num_workers=workers, batch_sampler=Buckets()),
 }
 
 

@@ -69,7 +69,7 @@ class ResumableLoader:
     and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
     Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
     puts both draws back. A sampler of torch's own keeps its state outside the loader's: it is saved as each
-    epoch's iterator is made (:func:`_record_epoch_starts`). torchdata's own restore builds a new iterator for the
+    epoch's iterator is made (:func:`_record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`_drawing_sampler`). torchdata's own restore builds a new iterator for the
     next ``iter()``; one the script already holds (taken before ``baft.initialize``, a survivor's in place, the
     epoch's own in a loop that counts its calls) is made that one. An ``IterableDataset`` without state of its own
     torchdata restores by reading its stream again up to the position, and counts those batches a second time (0.11,
@@ -79,7 +79,8 @@ class ResumableLoader:
 
     def __init__(self, loader):
         self.loader = loader
-        _record_epoch_starts(loader.sampler)
+        self.sampler = _drawing_sampler(loader)
+        _record_epoch_starts(self.sampler)
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         self.yielded: Optional[int] = 0  # and the batches of its epoch it had read (None: its state does not say)
@@ -98,7 +99,7 @@ class ResumableLoader:
         generator = self.loader.generator
         return {"loader": self._loader_state(),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "sampler": getattr(self.loader.sampler, EPOCH_START, None)}
+                "sampler": getattr(self.sampler, EPOCH_START, None)}
 
     def load_state_dict(self, saved: dict) -> None:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
@@ -107,7 +108,7 @@ class ResumableLoader:
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
         self.loader.load_state_dict(saved["loader"])
-        with _as_epoch_started(self.loader.sampler, saved.get("sampler")):
+        with _as_epoch_started(self.sampler, saved.get("sampler")):
             self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
         if live is not None and restored is not None and live is not restored:
@@ -203,8 +204,10 @@ def _record_epoch_starts(sampler) -> None:
     ``epoch`` (``DistributedSampler``). torchdata rebuilds a restored iterator from the sampler as it stands: a
     survivor's had drawn on, a new process's stands where the first epoch began. Its class becomes a subclass
     that records the state and is otherwise its own; torchdata's samplers keep their draws themselves, not the
-    epoch a ``StatefulDistributedSampler`` is set to."""
-    if sampler is None or not (_draws(sampler) or isinstance(getattr(sampler, "epoch", None), int)):
+    epoch a ``StatefulDistributedSampler`` is set to. Torch's ``BatchSampler`` over such a sampler keeps its
+    sampler's state, and draws it as it makes its iterator: torchdata's restore of a batch sampler it has no state
+    of (``islice`` of it) would draw at its first batch, after the restore."""
+    if sampler is None or not _records(sampler):
         return
     own = type(sampler)
     if own.__dict__.get("_baft_records_epoch_starts"):
@@ -217,9 +220,10 @@ def _record_epoch_starts(sampler) -> None:
             state = _sampler_state(self)
             setattr(self, EPOCH_START, state)
             indices = own.__iter__(self)
-            if state["torch"] is None:
+            if state["torch"] is None and _inner(self) is self:
                 return indices
-            # a generator function draws at its first next(): from torch's generator, that is now, as recorded
+            # a generator function draws at its first next(): from torch's generator or a batch sampler's sampler's
+            # (as restored, where torchdata makes the restored iterator), that is now, as recorded
             first = next(indices, _END)
             return indices if first is _END else itertools.chain([first], indices)
         _RECORDING[own] = type(own.__name__, (own,), {"__iter__": __iter__, "__module__": own.__module__,
@@ -232,22 +236,56 @@ _RECORDING: dict[type, type] = {}
 _END = object()
 
 
+def _drawing_sampler(loader):
+    """The sampler of ``loader`` whose state :func:`_record_epoch_starts` keeps: the loader's ``sampler``, or where
+    a script gave a ``batch_sampler=`` instead (the loader's sampler then a sequential one that draws nothing), that
+    batch sampler or the sampler it batches (torch's ``BatchSampler(RandomSampler(data, generator=g))``)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return batches if not _records(loader.sampler) and batches is not None and _records(batches) else loader.sampler
+
+
+def _inner(sampler):
+    """The sampler whose state stands for ``sampler``'s: the one torch's ``BatchSampler`` batches, else itself."""
+    torchs = isinstance(sampler, torch.utils.data.BatchSampler) and type(sampler).__module__.startswith("torch.")
+    return sampler.sampler if torchs else sampler  # (its class, recording, is a subclass of torch's own module)
+
+
+def _records(sampler) -> bool:
+    """Whether :func:`_record_epoch_starts` keeps ``sampler``'s state: it draws, or is seeded by its ``epoch``."""
+    inner = _inner(sampler)
+    return _draws(inner) or isinstance(getattr(inner, "epoch", None), int)
+
+
 def _draws(sampler) -> bool:
-    """Whether ``sampler`` draws from a generator (its own, or torch's where it has none) in no saved state."""
-    return (hasattr(sampler, "generator") and not isinstance(sampler, Stateful)
-            and not type(sampler).__module__.startswith("torchdata."))
+    """Whether ``sampler`` draws from a generator (its own, or torch's where it has none) in no saved state: one of
+    torch's with a ``generator``, or one of the script's own (a bucketing batch sampler), whatever it names it."""
+    module = type(sampler).__module__
+    return (not isinstance(sampler, Stateful) and not module.startswith("torchdata.")
+            and (hasattr(sampler, "generator") or not module.startswith("torch.")))
+
+
+def _generator(sampler):
+    """The generator ``sampler`` draws from: its ``generator``, or the first ``torch.Generator`` one of the
+    script's own holds; None where it draws from torch's (has none); False where it draws nothing."""
+    if not _draws(sampler):
+        return False
+    if hasattr(sampler, "generator"):
+        return sampler.generator
+    return next((value for value in vars(sampler).values() if isinstance(value, torch.Generator)), None)
 
 
 def _sampler_state(sampler) -> dict:
-    generator = getattr(sampler, "generator", False) if _draws(sampler) else False
+    sampler = _inner(sampler)
+    generator = _generator(sampler)
     return {"generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
             "torch": torch.get_rng_state() if generator is None else None,
             "epoch": getattr(sampler, "epoch", None)}
 
 
 def _set_sampler_state(sampler, saved: dict) -> None:
+    sampler = _inner(sampler)
     if saved["generator"] is not None:
-        sampler.generator.set_state(saved["generator"])
+        _generator(sampler).set_state(saved["generator"])
     if saved["torch"] is not None:
         torch.set_rng_state(saved["torch"])
     if saved["epoch"] is not None:
