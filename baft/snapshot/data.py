@@ -87,6 +87,8 @@ class ResumableLoader:
         # the restored iterator's counters torchdata's fast-forward added to (path -> by how much), and its batches
         self.recounted: dict = {}
         self.recount = 0
+        self.new_reader = False  # whether train_batch's latest call read another iterator than the call before
+        self.next_epoch = False  # whether the restored position is an epoch's end the uninterrupted run left
 
     def state_dict(self) -> dict:
         if self.unread is not None:
@@ -99,7 +101,7 @@ class ResumableLoader:
         generator = self.loader.generator
         return {"loader": self._loader_state(),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "sampler": getattr(self.sampler, EPOCH_START, None)}
+                "sampler": getattr(self.sampler, EPOCH_START, None), "new_reader": self.new_reader}
 
     def load_state_dict(self, saved: dict) -> None:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
@@ -123,6 +125,7 @@ class ResumableLoader:
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
             self.loader.generator.set_state(saved["generator"])
         self.yielded = _yielded(kept["loader"])
+        self.next_epoch = bool(saved.get("new_reader")) and self.spent()
         if self.yielded is not None:
             self.unread = (kept, self.loader._iterator)
         self.restored = self.loader._iterator
@@ -131,7 +134,15 @@ class ResumableLoader:
         """``train_batch`` reads ``data_iter``: where it is an iterator of this loader made since the restore while the
         restored one has read nothing (a script that takes ``iter()`` again before its loop, as the run it resumes
         did), that one is made the restored one; an iterator taken once the restored position is an epoch's end is
-        the next epoch's."""
+        the next epoch's. So is the first ``iter()`` taken once ``train_batch`` is called (a generator of the script's over
+        the loader made each epoch, ``for batch in loader: yield batch``, takes it as ``train_batch`` first reads it) where
+        the restored position is an epoch's end that the uninterrupted run left for another reader (:attr:`next_epoch`)
+        and no ``iter()`` took the restored iterator before: that run took it past the snapshot, of the spent epoch's
+        iterator, and made a new one. A reader it kept (``while True: for batch in loader``) read the spent one to
+        its end first, as the restored one is read."""
+        if (self.next_epoch and self.restored is not None and self.loader._iterator is self.restored
+                and getattr(self.loader, "_initial_iter_for_state_dict", False)):
+            self.loader._initial_iter_for_state_dict = False
         if self.unread is None or data_iter is None or data_iter is not self.loader._iterator:
             return
         saved, restored = self.unread

@@ -44,6 +44,8 @@ class TrainBatchReads:
         if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
             self._pulled_by_the_loop()
         last, self._last_read = self._last_read, data_iter
+        if isinstance(self.position, ResumableLoader):  # a reader of its own each epoch, or one kept across epochs
+            self.position.new_reader = last is not None and data_iter is not last
         if last is not None and data_iter is not last:
             if data_iter is kept:  # an epoch's
                 self.epoch_began = self.engine.global_steps + 1

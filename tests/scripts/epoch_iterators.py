@@ -1,7 +1,9 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
-data iterator, in a loop on the engine's step. Arguments: the policy (baft), the loader's workers (0), the loop.
+data iterator, in a loop on the engine's step; with ``generator``, each epoch a generator of the script's over the
+loader (``for batch in loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in
+loader: yield batch``) in a loop on the engine's step. Arguments: the policy (baft), the loader's workers (0), the loop.
 Either loop prints the same steps."""
 
 import sys
@@ -47,14 +49,28 @@ def report(loss) -> None:
         print(f"step {engine.global_steps} loss {float(loss)!r} lr {engine.get_lr()[0]!r}", flush=True)
 
 
-if sys.argv[3:] == ["repeating"]:
+if sys.argv[3:] == ["forever"]:  # one generator of the script's across epochs, in a loop on the engine's step
+    def forever():
+        while True:
+            for x, y in loader:
+                yield x, y
+
+    engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
+    data = forever()
+    while engine.global_steps < 3 * len(loader) // 2:
+        report(engine.train_batch(data_iter=data))
+elif sys.argv[3:] == ["repeating"]:
     data = RepeatingLoader(loader)  # its first iterator taken before baft.initialize restores the loader
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
 else:
+    def generator():  # with ``generator``: a generator of the script's over the loader, its iter() at the first read
+        for x, y in loader:
+            yield x, y
+
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
     for epoch in range(3):
-        batches = iter(loader)
+        batches = generator() if sys.argv[3:] == ["generator"] else iter(loader)
         for _ in range(len(loader) // 2):
             report(engine.train_batch(data_iter=batches))
