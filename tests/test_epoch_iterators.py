@@ -90,6 +90,13 @@ def test_a_generator_of_the_scripts_over_the_loader_resumes_at_an_epochs_end(tmp
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.findall(r"resumed from step (\d+) ", (tmp_path / "forever" / "output.log").read_text()) == ["10"]
     assert losses(tmp_path, "forever") == losses(reference, "reference")
+    # made after an iter() of the loader the script never reads: the restored iterator, taken by that iter(), is given
+    # to the generator's (before, a new one: the epoch again from its start, or at its end the first's order)
+    run = train(tmp_path, "after-iter", ("rank=0,step=8,phase=forward", "rank=0,step=12,phase=forward,restart=1"),
+                loop=("forever-after-iter",), workers=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"resumed from step (\d+) ", (tmp_path / "after-iter" / "output.log").read_text()) == ["6", "10"]
+    assert losses(tmp_path, "after-iter") == losses(reference, "reference")
 
 
 @pytest.mark.slow

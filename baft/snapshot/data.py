@@ -8,6 +8,7 @@ its ``generator`` beside it, or the engine's own loader (``training_data=``).
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from contextlib import contextmanager
 from typing import Optional
@@ -139,10 +140,15 @@ class ResumableLoader:
         the restored position is an epoch's end that the uninterrupted run left for another reader (:attr:`next_epoch`)
         and no ``iter()`` took the restored iterator before: that run took it past the snapshot, of the spent epoch's
         iterator, and made a new one. A reader it kept (``while True: for batch in loader``) read the spent one to
-        its end first, as the restored one is read."""
-        if (self.next_epoch and self.restored is not None and self.loader._iterator is self.restored
-                and getattr(self.loader, "_initial_iter_for_state_dict", False)):
-            self.loader._initial_iter_for_state_dict = False
+        its end first, as the restored one is read: where the script took an ``iter()`` before (and read nothing of
+        it), a generator not yet started that ``train_batch`` reads takes the restored iterator again at its own."""
+        if self.restored is not None and self.loader._iterator is self.restored:
+            if self.next_epoch and getattr(self.loader, "_initial_iter_for_state_dict", False):
+                self.loader._initial_iter_for_state_dict = False
+            elif (not self.next_epoch and inspect.isgenerator(data_iter)
+                  and inspect.getgeneratorstate(data_iter) == inspect.GEN_CREATED
+                  and self._yielded_by(self.restored) == self.yielded):
+                self.loader._initial_iter_for_state_dict = True
         if self.unread is None or data_iter is None or data_iter is not self.loader._iterator:
             return
         saved, restored = self.unread

@@ -3,7 +3,8 @@ range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_i
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
 data iterator, in a loop on the engine's step; with ``generator``, each epoch a generator of the script's over the
 loader (``for batch in loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in
-loader: yield batch``) in a loop on the engine's step. Arguments: the policy (baft), the loader's workers (0), the loop.
+loader: yield batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader
+the script never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
 Either loop prints the same steps."""
 
 import sys
@@ -49,13 +50,15 @@ def report(loss) -> None:
         print(f"step {engine.global_steps} loss {float(loss)!r} lr {engine.get_lr()[0]!r}", flush=True)
 
 
-if sys.argv[3:] == ["forever"]:  # one generator of the script's across epochs, in a loop on the engine's step
+if sys.argv[3:] in (["forever"], ["forever-after-iter"]):  # one generator of the script's across epochs, in a loop on the
+    # engine's step; with forever-after-iter, made after an iter() of the loader the script keeps and never reads
     def forever():
         while True:
             for x, y in loader:
                 yield x, y
 
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
+    unread = iter(loader) if sys.argv[3:] == ["forever-after-iter"] else None
     data = forever()
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
