@@ -68,14 +68,15 @@ class ResumableLoader:
     loader's own state holds ``g`` as it stood before the epoch's permutation, and a restore
     replays the permutation but not the base seed drawn after it: the restored epoch reads right
     and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
-    Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built,
-    puts both draws back. A sampler of torch's own keeps its state outside the loader's: it is saved as each
-    epoch's iterator is made (:func:`_record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`_drawing_sampler`). torchdata's own restore builds a new iterator for the
-    next ``iter()``; one the script already holds (taken before ``baft.initialize``, a survivor's in place, the
-    epoch's own in a loop that counts its calls) is made that one. An ``IterableDataset`` without state of its own
-    torchdata restores by reading its stream again up to the position, and counts those batches a second time (0.11,
-    with or without workers): the state this iterator then gives says twice the position, and a second restore in
-    the same epoch would skip as many batches; those counters are given less what the fast-forward added.
+    Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built, puts both draws back.
+    A sampler of torch's own keeps its state outside the loader's: it is saved as each epoch's iterator is made
+    (:func:`_record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`_drawing_sampler`). torchdata's
+    own restore builds a new iterator for the next ``iter()``; one the script already holds (taken before
+    ``baft.initialize``, a survivor's in place, the epoch's own in a loop that counts its calls) is made that one.
+    An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
+    position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
+    gives says twice the position, and a second restore in the same epoch would skip as many batches; those counters
+    are given less what the fast-forward added.
     """
 
     def __init__(self, loader):
@@ -135,13 +136,14 @@ class ResumableLoader:
         """``train_batch`` reads ``data_iter``: where it is an iterator of this loader made since the restore while the
         restored one has read nothing (a script that takes ``iter()`` again before its loop, as the run it resumes
         did), that one is made the restored one; an iterator taken once the restored position is an epoch's end is
-        the next epoch's. So is the first ``iter()`` taken once ``train_batch`` is called (a generator of the script's over
-        the loader made each epoch, ``for batch in loader: yield batch``, takes it as ``train_batch`` first reads it) where
-        the restored position is an epoch's end that the uninterrupted run left for another reader (:attr:`next_epoch`)
-        and no ``iter()`` took the restored iterator before: that run took it past the snapshot, of the spent epoch's
-        iterator, and made a new one. A reader it kept (``while True: for batch in loader``) read the spent one to
-        its end first, as the restored one is read: where the script took an ``iter()`` before (and read nothing of
-        it), a generator not yet started that ``train_batch`` reads takes the restored iterator again at its own."""
+        the next epoch's. So is the first ``iter()`` taken once ``train_batch`` is called (a generator of the
+        script's over the loader made each epoch, ``for batch in loader: yield batch``, takes it as ``train_batch``
+        first reads it) where the restored position is an epoch's end that the uninterrupted run left for another
+        reader (:attr:`next_epoch`) and no ``iter()`` took the restored iterator before: that run took it past the
+        snapshot, of the spent epoch's iterator, and made a new one. A reader it kept (``while True: for batch in
+        loader``) read the spent one to its end first, as the restored one is read: where the script took an
+        ``iter()`` before (and read nothing of it), a generator not yet started that ``train_batch`` reads takes the
+        restored iterator again at its own."""
         if self.restored is not None and self.loader._iterator is self.restored:
             if self.next_epoch and getattr(self.loader, "_initial_iter_for_state_dict", False):
                 self.loader._initial_iter_for_state_dict = False
