@@ -370,9 +370,9 @@ def not_restored(position) -> Optional[str]:
                 f"global one) comes out anew; give it state_dict() and load_state_dict() (its position in the "
                 f"stream, its generators') to resume it exactly and at once")
     if workers:  # each worker's generators are seeded from the loader's base seed at each epoch
-        return (f"random numbers your dataset draws in the loader's {workers} workers are in no saved state: a resume "
-                f"inside an epoch draws others (the samples and their order resume exactly); draw them from a "
-                f"generator seeded by the sample index to make them resume too")
+        return (f"random numbers your dataset or collate_fn draws in the loader's {workers} workers are in no saved "
+                f"state: a resume inside an epoch draws others (the samples and their order resume exactly); draw "
+                f"them from a generator seeded by the sample index to make them resume too")
     return None
 
 
