@@ -107,3 +107,12 @@ def interval(log_ratios: list[float], resamples: int = 10000, seed: int = 0) -> 
 def geometric_mean_ratio(log_ratios: list[float]) -> tuple[float, tuple[float, float]]:
     """The geometric mean of the pairs' ratios, from their logarithms, with its 95% :func:`interval`."""
     return math.exp(float(np.mean(log_ratios))), interval(log_ratios)
+
+
+def comma_choices(parser, option: str, value: str, known) -> list[str]:
+    """The names a comma-separated ``option`` gives, each one of ``known``; the parser's one-line error otherwise."""
+    given = value.split(",")
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        parser.error(f"{option}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
+    return given

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from baft.recovery.record import PHASES, load_recoveries
-from common import RESULTS, clean_shm, geometric_mean_ratio, header, md_table, provenance, train
+from common import RESULTS, clean_shm, comma_choices, geometric_mean_ratio, header, md_table, provenance, train
 
 # tiny: the test suite's shape, the one issue 33's table measured (its T4, one iteration, 0.06 s in bf16); small: a
 # bf16 iteration of ~0.65 s on a 2-core VM, most of a second kill to resumed step by itself
@@ -91,9 +91,15 @@ def one_run(model: str, job: str, arm: str, run_dir: Path, tree: Path | None = N
 
 
 def summarize(faults: list[dict]) -> dict:
+    """An arm's kill to resumed: median, range, the median of each phase, and the kinds of recovery."""
     resumed = [f["resumed"] for f in faults]
     return {"faults": len(faults), "kinds": sorted({f["kind"] for f in faults}), "median": statistics.median(resumed), "min": min(resumed), "max": max(resumed),
             **{p: statistics.median(f[p] for f in faults) for p in RESUMED}}
+
+
+def paired_ratio(new: list[dict], old: list[dict]) -> tuple[float, tuple[float, float]]:
+    """Kill to resumed new/old: the geometric mean over paired faults (the i-th of each), with its 95% interval."""
+    return geometric_mean_ratio([math.log(n["resumed"] / o["resumed"]) for n, o in zip(new, old)])
 
 
 def render(doc: dict) -> str:
@@ -144,11 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    jobs, models = args.jobs.split(","), args.models.split(",")
-    for option, given, known in (("--jobs", jobs, [*JOBS, *SCRIPT_JOBS]), ("--models", models, MODELS)):
-        unknown = [name for name in given if name not in known]
-        if unknown:
-            parser.error(f"{option}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
+    jobs = comma_choices(parser, "--jobs", args.jobs, [*JOBS, *SCRIPT_JOBS])
+    models = comma_choices(parser, "--models", args.models, MODELS)
     prov, start = provenance(), time.time()
     doc = {"provenance": prov, "models": models, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="baft-relaunch-") as tmp:
@@ -163,9 +166,7 @@ def main(argv=None) -> int:
                     faults[arm] += got
                     print(f"{model} {job} {arm} run {run}: kill to resumed " + ", ".join(f"{f['resumed']:.2f}" for f in got)
                           + " s", file=sys.stderr, flush=True)
-            ratios = {f"{new}/{old}": geometric_mean_ratio([math.log(n["resumed"] / o["resumed"])
-                                                            for n, o in zip(faults[new], faults[old])])
-                      for new, old in RATIOS}
+            ratios = {f"{new}/{old}": paired_ratio(faults[new], faults[old]) for new, old in RATIOS}
             doc["jobs"][f"{model}/{job}"] = {**{arm: {"faults": faults[arm], "summary": summarize(faults[arm])} for arm in ARMS},
                                 "ratios": ratios}
     doc["wall_s"] = time.time() - start

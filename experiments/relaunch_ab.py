@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, geometric_mean_ratio, header, md_table, provenance
-from relaunch import FAULT_STEPS, JOB_NAMES, JOBS, MODELS, RESUMED, one_run
+from common import RESULTS, comma_choices, header, md_table, provenance
+from relaunch import FAULT_STEPS, JOB_NAMES, JOBS, MODELS, RESUMED, one_run, paired_ratio, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 TREES = ("before", "after", "after again")
@@ -46,12 +44,6 @@ def verdict(ratio: tuple[float, tuple[float, float]], same: tuple[float, tuple[f
     if low > max(1.0, same_high):
         return "slower"
     return "no change shown"
-
-
-def summarize(faults: list[dict]) -> dict:
-    resumed = [f["resumed"] for f in faults]
-    return {"faults": len(faults), "median": statistics.median(resumed), "min": min(resumed), "max": max(resumed),
-            **{p: statistics.median(f[p] for f in faults) for p in RESUMED}}
 
 
 def render(doc: dict) -> str:
@@ -93,11 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    jobs, arms, models = args.jobs.split(","), args.arms.split(","), args.models.split(",")
-    for option, given, known in (("--jobs", jobs, JOBS), ("--arms", arms, ARMS), ("--models", models, MODELS)):
-        unknown = [name for name in given if name not in known]
-        if unknown:
-            parser.error(f"{option}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
+    jobs, arms = comma_choices(parser, "--jobs", args.jobs, JOBS), comma_choices(parser, "--arms", args.arms, ARMS)
+    models = comma_choices(parser, "--models", args.models, MODELS)
     revisions = {tree: subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
                                       text=True, check=True).stdout.strip()
                  for tree, rev in (("before", args.before), ("after", args.after))}
@@ -133,11 +122,9 @@ def main(argv=None) -> int:
             for arm in arms:
                 trees = {tree: {"faults": faults[model, job, arm, tree],
                                 "summary": summarize(faults[model, job, arm, tree])} for tree in TREES}
-                ratios = {f"{new}/{old}": geometric_mean_ratio(
-                    [math.log(n["resumed"] / o["resumed"]) for n, o in zip(trees[new]["faults"], trees[old]["faults"])])
-                    for new, old in RATIOS}
-                doc["jobs"][key][ARMS[arm]] = {**trees, "ratios": ratios,
-                                                             "verdict": verdict(*ratios.values())}
+                ratios = {f"{new}/{old}": paired_ratio(trees[new]["faults"], trees[old]["faults"])
+                          for new, old in RATIOS}
+                doc["jobs"][key][ARMS[arm]] = {**trees, "ratios": ratios, "verdict": verdict(*ratios.values())}
     doc["wall_s"] = time.time() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
