@@ -90,27 +90,19 @@ def test_two_kills_recover_in_place_the_survivors_keep_their_processes_and_every
 
 
 @pytest.mark.slow
-def test_a_kill_before_any_snapshot_committed_starts_every_rank_again_and_every_part_is_identical(runs):
+@pytest.mark.parametrize("case, said", [("before any snapshot", "no snapshot every rank holds has committed yet"),
+                                        ("before any checkpoint", "no torch-save checkpoint has been saved yet")],
+                         ids=["in memory", "torch-save"])
+def test_a_kill_before_any_snapshot_committed_starts_every_rank_again_and_every_part_is_identical(runs, case, said):
     """Probe 8: in place, the survivors went on from step 1 with the batches they had read (a tied weight's copy
     from the survivor's uninitialised broadcast, loss 2e34): with no snapshot every rank holds, every rank is
-    replaced (a new process takes the survivor's place too), and the run starts again as the uninterrupted one did."""
-    (reference, _), (faulted, proc) = runs["reference"], runs["before any snapshot"]
+    replaced (a new process takes the survivor's place too), and the run starts again as the uninterrupted one did.
+    The same under ``torch-save`` before its first checkpoint: the survivor went back to step 0 with its trained
+    weights, the replacement with the initial ones, and the run ended with other weights, exit code 0."""
+    (reference, _), (faulted, proc) = runs["reference"], runs[case]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "fresh")]
-    assert "no snapshot every rank holds has committed yet" in (faulted / "run" / "output.log").read_text()
-    assert compare(reference / "digests", faulted / "digests") == []
-    pids = processes(faulted / "digests")
-    assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
-
-
-@pytest.mark.slow
-def test_under_a_disk_baseline_a_kill_before_its_first_checkpoint_starts_every_rank_again_identically(runs):
-    """The same under ``torch-save``: the survivor went back to step 0 with its trained weights, the replacement
-    with the initial ones, and the run ended with other weights than the uninterrupted one, exit code 0."""
-    (reference, _), (faulted, proc) = runs["reference"], runs["before any checkpoint"]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [(r["kind"], r["source"]) for r in recoveries(faulted)] == [("in place", "fresh")]
-    assert "no torch-save checkpoint has been saved yet" in (faulted / "run" / "output.log").read_text()
+    assert said in (faulted / "run" / "output.log").read_text()
     assert compare(reference / "digests", faulted / "digests") == []
     pids = processes(faulted / "digests")
     assert not set(pids[1].values()) & set(pids[0].values()), "every rank was replaced"
