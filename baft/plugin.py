@@ -108,6 +108,8 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
     ds_config = load_ds_config(_config_source(given))
     cfg = _with_launcher_defaults(parse_config(ds_config), ds_config)
+    if cfg.enabled:
+        _make_run_dir(cfg.run_dir)
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
     mark("init_end")
@@ -187,6 +189,17 @@ def _with_launcher_defaults(cfg, ds_config: dict):
                               f"managers and report look there); leave {key} out of the config under baft train")
     given = {key: value for key, value in launcher.items() if key not in section}
     return dataclasses.replace(cfg, **given) if given else cfg
+
+
+def _make_run_dir(run_dir: Optional[str]) -> None:
+    """Make ``baft.run_dir`` where it is not there yet (every rank may be the first to write in it: rank 0 its
+    recovery record, a rank's fault its line); a ``ConfigError`` naming it where it cannot be made."""
+    if run_dir is None:
+        return
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"baft.run_dir {run_dir!r}: cannot be made a directory ({err.strerror})") from None
 
 
 def _same_place(key: str, configured, launched: str) -> bool:

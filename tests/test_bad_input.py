@@ -116,6 +116,23 @@ def test_a_config_that_puts_the_run_elsewhere_than_baft_train_does_is_refused_na
         config(run_id="other")
 
 
+def test_the_run_dir_is_made_at_initialize_or_refused_naming_the_key(tmp_path):
+    """A config's ``run_dir`` that is not there yet is made as the ranks start: a resumed launch's rank 0 wrote its
+    recovery record into it before any rank had made it (a traceback, FileNotFoundError, where the script itself
+    makes no directory). One that cannot be made is one line naming the key."""
+    from baft.errors import ConfigError
+    from baft.plugin import _make_run_dir
+
+    nested = tmp_path / "runs" / "job1"
+    _make_run_dir(str(nested))
+    assert nested.is_dir()
+    _make_run_dir(str(nested))  # there already
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"^baft\.run_dir '.*a-file/run': cannot be made a directory \(Not a "
+                                          r"directory\)$"):
+        _make_run_dir(str(tmp_path / "a-file" / "run"))
+
+
 def test_a_bad_timeout_names_the_key():
     from baft.config import parse_config
     from baft.errors import ConfigError
