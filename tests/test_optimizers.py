@@ -64,10 +64,11 @@ def test_fp16_wrappers_snapshot_what_they_save_and_resume_bit_for_bit(tmp_path):
 
 
 def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refused_as_first_found(monkeypatch):
-    """One of each kind is kept, made before the first snapshot or after it (probe 8: a plateau scheduler made once a
+    """One of each kind is kept (a subclass of DeepSpeed's too), made before the first snapshot or after it (probe 8: a plateau scheduler made once a
     warm-up ended was never kept, and a resumed run's learning rate differed silently); a restore cannot tell two of
     one class apart (a warm-up and a decay LambdaLR trained unwarned and died at their first resume)."""
     import torch
+    from deepspeed.runtime.lr_schedules import WarmupLR
 
     from baft.pipeline import schedulers
 
@@ -84,6 +85,12 @@ def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refus
 
     engine, made = engine_with(lam, step)
     assert sorted(map(id, schedulers.script_schedulers(engine))) == sorted(map(id, made))
+
+    class Warmup(WarmupLR):  # a script's own subclass of DeepSpeed's (it was found by DeepSpeed's module name alone)
+        pass
+
+    subclassed, its_made = engine_with(lam, Warmup)
+    assert sorted(map(id, schedulers.script_schedulers(subclassed))) == sorted(map(id, its_made))
     # one made after the first snapshot (a plateau scheduler once a warm-up ends) is found at the next, and no
     # snapshot walks the live objects again while nothing more refers to the optimizer
     walks = []

@@ -34,12 +34,15 @@ def engines_own(scheduler) -> None:
         _ENGINES.add(scheduler)
 
 
-def _is_scheduler(obj) -> bool:
-    # by type alone: isinstance reads the object's __class__, and some of gc's objects warn when read
-    # (torch.distributed.reduce_op)
-    kind = type(obj)
-    return issubclass(kind, torch.optim.lr_scheduler.LRScheduler) or (
-        kind.__module__ == "deepspeed.runtime.lr_schedules" and hasattr(kind, "load_state_dict"))
+def _scheduler_kinds() -> tuple[type, ...]:
+    """The classes a learning-rate scheduler is an instance of (or of a subclass of, the script's own): torch's
+    ``LRScheduler`` and DeepSpeed's (``WarmupLR`` and the rest, which are not torch's), where imported."""
+    kinds = [torch.optim.lr_scheduler.LRScheduler]
+    deepspeed_schedules = sys.modules.get("deepspeed.runtime.lr_schedules")
+    if deepspeed_schedules is not None:
+        kinds += [kind for kind in vars(deepspeed_schedules).values() if isinstance(kind, type)
+                  and kind.__module__ == deepspeed_schedules.__name__ and hasattr(kind, "load_state_dict")]
+    return tuple(kinds)
 
 
 def script_schedulers(engine) -> list:
@@ -88,8 +91,11 @@ def _look(engine) -> list:
     # an object recovery in place gave another's state (baft.plugin) is that one: the engines' own among them
     known = {id(vars(scheduler)) for scheduler in _ENGINES}
     found = []
+    kinds = _scheduler_kinds()
     for obj in gc.get_objects():
-        if (_is_scheduler(obj) and id(vars(obj)) not in known
+        # by type alone: isinstance reads the object's __class__, and some of gc's objects warn when read
+        # (torch.distributed.reduce_op)
+        if (issubclass(type(obj), kinds) and id(vars(obj)) not in known
                 and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups):
             known.add(id(vars(obj)))
             found.append(obj)
