@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--digest", action="store_true",
                    help="every rank prints a SHA-256 of its whole state (weights, masters, moments) at the end")
+    # the deepspeed launcher's (torchrun's ranks read LOCAL_RANK from the environment, as this one does)
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
