@@ -23,6 +23,7 @@ REPLACE_ENV = "BAFT_REPLACE_RANKS"
 STORE_ENV = "BAFT_STORE"
 REPLACEMENT_ENV = "BAFT_REPLACEMENT"
 GENERATION_ENV = "BAFT_GENERATION"  # the world a job that recovers in place is in
+ROUND_ENV = "BAFT_RENDEZVOUS_ROUND"  # the rendezvous round baft's torchrun (baft.cli.torchrun) started the ranks in
 SPARES_ENV = "BAFT_SPARES"  # spare processes a job that recovers in place keeps (baft.warm.spares)
 WARM_RANK_ENV = "BAFT_WARM_RANK"  # "1" in a rank forked from the warm server (the recovery record's "warm relaunch")
 

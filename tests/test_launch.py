@@ -146,10 +146,10 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
     assert watch.error is None and watch.outcome(1).exception is None
 
 
-def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_skews_no_single_node(monkeypatch):
-    """``baft.cli.torchrun`` replaces two things of torch's rendezvous (each restart spent 0.3-1.2 s in them): the
-    event name read off ``inspect.stack()``, by the same name read off the frame; and under ``--standalone`` the
-    random wait that skews nodes rejoining together, while a poll's wait stays."""
+def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_waits_less(monkeypatch):
+    """``baft.cli.torchrun`` replaces three things of torch's rendezvous (each restart spent 0.3-1.2 s in the first
+    two): the event name read off ``inspect.stack()``, by the same name read off the frame; under ``--standalone`` the
+    random wait that skews nodes rejoining together; and a poll's wait of a second."""
     import torch.distributed.run
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
@@ -166,8 +166,12 @@ def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_skew
     assert torchrun._method_name(depth=10 ** 6) == "no_method_name"
 
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
-    for argv, skewed in ((["--standalone", "--nproc-per-node=2", "--", "train.py"], False),
-                         (["--nnodes=2", "--", "train.py", "--standalone"], True)):
+    # a node waiting for the others polls the rendezvous every 0.05 s on a few nodes (torch: every second, so a
+    # restart of a job on several nodes waited up to a second past the last node's joining), once a second on many
+    for argv, skewed, poll in ((["--standalone", "--nproc-per-node=2", "--", "train.py"], False, 0.05),
+                               (["--nnodes=2", "--", "train.py", "--standalone"], True, 0.05),
+                               (["--nnodes", "64:128", "train.py"], True, 128 / 500),
+                               (["--nnodes=1000", "train.py"], True, 1)):
         waits, ran = [], []
         monkeypatch.setattr(dynamic_rendezvous, "_delay", waits.append)
         monkeypatch.setattr(torch.distributed.run, "main", ran.append)
@@ -175,15 +179,20 @@ def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_skew
         assert ran == [argv]
         dynamic_rendezvous._delay((0, 0.3))
         dynamic_rendezvous._delay(1)
-        assert waits == ([(0, 0.3)] if skewed else []) + [1], argv
+        assert waits == ([(0, 0.3)] if skewed else []) + [poll], argv
 
 
 def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_round(monkeypatch):
     """torch 2.13's agent serves its ranks one store for every attempt, and an attempt's keys send the next one's gloo
     to dead peers; unshared, rank 0 serves it as it starts and the others wait out a connect backoff (0.1-0.7 s of
     half the warm relaunches). ``baft.cli.torchrun`` has the agent make a new one each round; on this torch it can."""
+    from types import SimpleNamespace
+
     import torch.distributed.run
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from baft.config import ROUND_ENV
+    from baft.recovery import record
 
     from baft.cli import torchrun
     from baft.cli.launch import launch_env
@@ -200,13 +209,20 @@ def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_r
     class Round(handler):
         def __init__(self):  # what the first round left: a server, and the address the ranks were given
             self._shared_tcp_store_server, self._bootstrap_store_info = "server", "info"
+            self._state_holder = SimpleNamespace(state=SimpleNamespace(round=2), _cache_duration=1)
 
     seen = []
     monkeypatch.setattr(handler, "next_rendezvous", lambda self: seen.append(
         (self._shared_tcp_store_server, self._bootstrap_store_info)))
-    assert torchrun._a_store_each_round(handler)
-    Round().next_rendezvous()
+    monkeypatch.delenv(ROUND_ENV, raising=False)
+    assert torchrun._each_round(handler, poll=0.05)
+    joining = Round()
+    joining.next_rendezvous()
     assert seen == [(None, None)]  # torch's own round then makes both again
+    # the ranks it starts are told the round joined, the same on every node (each node's agent counts only its own
+    # ranks' failures as restarts); the state is read again after 0.05 s, not served as it was a second ago
+    assert os.environ[ROUND_ENV] == "2" and record.torchrun_attempt() == 2
+    assert joining._state_holder._cache_duration == 0.05
 
     class Other:  # a torch whose handler keeps no such store: the store stays unshared
         def __init__(self):
@@ -215,4 +231,4 @@ def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_r
         def next_rendezvous(self):
             pass
 
-    assert not torchrun._a_store_each_round(Other)
+    assert not torchrun._each_round(Other, poll=0.05)

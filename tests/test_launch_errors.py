@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
-from baft.cli.preflight import config_files, unprotected_initialize, wraps_optimizer
+from baft.cli.preflight import config_files, later_imports, unprotected_initialize, wraps_optimizer
 from baft.cli.runlog import LOG_NAME
 
 # A user's script: a 2-stage pipeline of linear layers under baft.initialize, its DeepSpeed config from --config.
@@ -189,7 +189,20 @@ def test_the_deepspeed_configs_a_scripts_arguments_name(args, found):
 ])
 def test_whether_deepspeed_wraps_a_scripts_optimizer_is_read_from_its_config(tmp_path, config, wraps):
     """So that the warm server imports what a bf16 or ZeRO job's ranks import before it forks them, and nothing for a
-    job whose ranks never do (:func:`baft.cli.train._later_imports`)."""
+    job whose ranks never do (:func:`baft.cli.preflight.later_imports`)."""
     (tmp_path / "ds.json").write_text(json.dumps(config))
     assert wraps_optimizer(["train.py", "--deepspeed_config", str(tmp_path / "ds.json")]) is wraps
     assert wraps_optimizer(["train.py", "--steps", "3"]) is None  # its config is the script's own business
+
+
+@pytest.mark.parametrize("argv, later", [
+    (["-m", "baft.examples.worker", "--precision", "bf16"], "now"),
+    (["-m", "baft.examples.worker", "--stages", "3", "--zero-stage", "1"], "now"),
+    (["-m", "baft.examples.worker", "--stages", "3"], "never"),  # fp32, no ZeRO: DeepSpeed wraps nothing
+    (["-m", "baft.examples.worker", "--zero-stage", "x"], "idle"),  # its ranks refuse it
+    (["-m", "my_trainer", "--precision", "bf16"], "idle"),  # another module's options are its own
+])
+def test_when_the_warm_server_imports_what_a_wrapped_optimizer_needs(argv, later):
+    """``baft torchrun -m baft.examples.worker ARGS`` (the README's multi-node launch): the example's own options
+    say whether its ranks wrap the optimizer, read without importing the example (and DeepSpeed with it)."""
+    assert later_imports(False, None, argv) == later

@@ -2,7 +2,7 @@
 
 Every node (:mod:`nodes`) has its own network stack, ``/dev/shm``, host name and a link to
 a bridge; the job is launched on each node with the literal commands of README's "More than
-one node" section (``torchrun`` with the c10d rendezvous, the bundled example at pp=3, one
+one node" section (``baft torchrun`` with the c10d rendezvous, the bundled example at pp=3, one
 rank per node, the three nodes' managers in one parity group with k=2). Losing a node
 SIGKILLs every process of its namespace and deletes the namespace, and its shared memory
 with it; a replacement is a fresh namespace with the lost node's name.
@@ -22,6 +22,7 @@ import nodes
 from baft.cli.launch import launch_env
 from baft.manager import persist
 from baft.recovery.digests import DIGESTS_ENV, compare
+from baft.warm import SOCKET_ENV
 from conftest import run_worker
 
 README = Path(__file__).parent.parent / "README.rst"
@@ -85,6 +86,7 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     launch = readme_block("torchrun --nnodes")
     env = {**launch_env(), "RUN": str(tmp_path / "run"), DIGESTS_ENV: str(tmp_path / "digests"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop(SOCKET_ENV, None)  # each node forks its ranks from a server of its own, in its own namespaces
     job = nodes.Job(cluster, launch, env, tmp_path / "run", tmp_path / "logs")
     iters = int(option(worker_args(launch, job.run_dir), "--iters"))
     stop = readme_block("baft manager stop")
@@ -109,6 +111,7 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
 
     recoveries = job.recoveries()
     assert [r["source"] for r in recoveries] == ["parity"] * 3, job.tails()
+    assert {r["kind"] for r in recoveries} == {"warm relaunch"}, recoveries  # rank 0 forked by its node's server
     assert recoveries[2]["fault"] == "a new launch"
     for index in (1, 2, 0):
         assert f"rebuilt node {index}" in (job.run_dir / f"manager-node{index}.log").read_text()

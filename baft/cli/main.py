@@ -332,5 +332,27 @@ def compare(policies, rounds, block, none_between, shuffle, bubble_map, out, dp,
     click.echo(render(launch_compare(model, dp, policies, rounds, block, bubble_map, out, none_between, shuffle)))
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
+def torchrun(torchrun_args):
+    """torchrun with warm ranks: ``baft torchrun ARGS`` runs ``torchrun ARGS`` (every option of torchrun's), each
+    rank and each restarted rank forked from a process of this node that has imported torch and DeepSpeed once.
+
+    The launch of a job on each node of a cluster (README: More than one node): a restart then forks every rank
+    again instead of starting a new interpreter, and torchrun's restarts skip the waits a restart does not need.
+    """
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from baft.cli.torchrun import main as run
+
+    try:
+        run(list(torchrun_args), warm=True)
+    except ChildFailedError as err:  # torchrun's summary of the failed ranks, without the launcher's traceback
+        click.echo(str(err), err=True)
+        sys.exit(1)
+
+
 main.add_command(demo)
 main.add_command(train)

@@ -14,6 +14,7 @@ from baft.errors import ConfigError
 from baft.jsonfile import read_bytes, read_json
 
 CONFIG_FLAGS = ("--deepspeed_config", "--config")
+EXAMPLE = "baft.examples.worker"
 
 
 def check_script_launch(command: list[str]) -> None:
@@ -99,3 +100,33 @@ def check_baft_section(path: str) -> None:
         parse_config(doc)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def later_imports(in_place: bool, example_model, command) -> str:
+    """When the warm server imports what DeepSpeed imports as it wraps an optimizer
+    (:data:`baft.warm.preload.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
+    and ``--zero-stage``, given as ``example_model`` or read from ``-m baft.examples.worker ARGS``; a script's
+    DeepSpeed config) or recovers in place; never where it does not; once idle where the config is not known."""
+    if in_place:
+        return "now"
+    if example_model is None and list(command[:2]) == ["-m", EXAMPLE]:
+        example_model = _example_options(list(command[2:]))
+    if example_model is not None:
+        wraps = example_model["precision"] != "fp32" or example_model["zero_stage"] > 0
+    else:
+        wraps = wraps_optimizer(list(command)) if not command[0].startswith("-") else None
+    return {True: "now", False: "never", None: "idle"}[wraps]
+
+
+def _example_options(argv: list[str]) -> Optional[dict]:
+    """The bundled example's precision and ZeRO stage from its arguments (read here: importing the example imports
+    DeepSpeed, seconds of the launcher's start), or None where they are wrong (its ranks say how)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--precision", default="fp32")  # the example's defaults
+    parser.add_argument("--zero-stage", type=int, default=0)
+    try:
+        return vars(parser.parse_known_args(argv)[0])
+    except argparse.ArgumentError:
+        return None

@@ -1,12 +1,16 @@
 """torchrun as ``baft train`` runs it: ``python -m baft.cli.torchrun ARGS`` is ``torchrun ARGS`` (torch's
-elastic agent, unchanged) less three costs its rendezvous adds to every restart of the ranks
-(``experiments/results/relaunch.md``):
+elastic agent, unchanged) less four costs its rendezvous adds to every restart of the ranks
+(``experiments/results/relaunch.md``, ``experiments/results/multinode-relaunch.md``):
 
 * each of its rendezvous events is named by ``inspect.stack()`` twice, which reads the source of every frame and
   searches ``sys.modules`` for each (CPython's gh-92041): 0.15-0.4 s a rendezvous, more in a launcher forked from the
   warm server, which has imported torch and DeepSpeed. The name comes from the frame itself here, the same name.
 * on its first restart the node waits a random 0-0.3 s, to skew nodes that rejoin together; under ``--standalone``
   there is one node, and no other to skew from.
+* a node in the rendezvous reads its state at most once a second (between two reads it is served its copy), so every
+  restart of a job on several nodes spends seconds in it, each node's step (leaving the last round, joining the next,
+  seeing it complete) seen by the others a second late. Here it reads it every 0.05 s on a few nodes, less often on
+  more (every read returns the state of every node), once a second from 500 nodes on (:func:`poll_seconds`).
 * the store the ranks meet in (``MASTER_PORT``). torch 2.13's agent serves one for all its attempts, and the keys an
   attempt's ranks left there (gloo's addresses) send the next attempt's gloo to dead peers ("Connection refused").
   With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0 serves one as it starts instead, and a rank that asks before
@@ -14,6 +18,10 @@ elastic agent, unchanged) less three costs its rendezvous adds to every restart 
   a new one each rendezvous round, listening before any rank starts, holding no earlier attempt's keys.
 
 Where torch no longer has what this replaces, torchrun runs as it is (the store unshared).
+
+``baft torchrun ARGS`` (:func:`main` with ``warm``) is the same torchrun with its ranks forked from a warm server of
+this node's (:mod:`baft.warm`), started as torchrun makes its first workers and stopped as it ends: the launch of
+a job on every node of a cluster, whose every restart then forks its ranks instead of starting new interpreters.
 """
 
 from __future__ import annotations
@@ -22,7 +30,29 @@ import functools
 import os
 import sys
 
+from baft.config import ROUND_ENV
+
 UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def poll_seconds(nodes: int) -> float:
+    """How long a node waiting in the rendezvous of a job on at most ``nodes`` nodes sleeps between two reads of its
+    state (torch: 1 s)."""
+    return min(1.0, max(0.05, nodes / 500))
+
+
+def _shorter_waits(delay, nodes: int):
+    """``dynamic_rendezvous._delay`` for a job on at most ``nodes`` nodes: a poll's wait of :func:`poll_seconds`, and
+    the first round's skew between nodes only where there are several."""
+
+    def _delay(seconds) -> None:
+        if isinstance(seconds, tuple):  # the random skew of the first round
+            if nodes > 1:
+                delay(seconds)
+        else:
+            delay(min(seconds, poll_seconds(nodes)))
+
+    return _delay
 
 
 def _method_name(depth: int = 2) -> str:
@@ -33,41 +63,82 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-def _a_store_each_round(handler: type) -> bool:
-    """Have ``DynamicRendezvousHandler`` serve the ranks a new store each round (it made one, once); whether it
-    could."""
+def _each_round(handler: type, poll: float) -> bool:
+    """Have ``DynamicRendezvousHandler`` serve the ranks a new store each round (it made one, once), read the
+    rendezvous state again after ``poll`` seconds rather than serve its copy of a second ago, and tell the ranks the
+    round (``ROUND_ENV``: which attempt of the job they are, the same on every node, where each node's agent counts
+    only the restarts for its own ranks' failures); whether it could serve a new store."""
     kept = {"_shared_tcp_store_server", "_bootstrap_store_info"}  # what its first round makes, and later ones reuse
     next_rendezvous = getattr(handler, "next_rendezvous", None)
-    if next_rendezvous is None or not kept <= set(handler.__init__.__code__.co_names):
+    if next_rendezvous is None:
         return False
+    new_store = kept <= set(handler.__init__.__code__.co_names)
 
     @functools.wraps(next_rendezvous)
-    def next_rendezvous_with_a_new_store(self):
-        self._shared_tcp_store_server = self._bootstrap_store_info = None  # the old server closes with its object
-        return next_rendezvous(self)
+    def next_rendezvous_each_round(self):
+        if new_store:
+            self._shared_tcp_store_server = self._bootstrap_store_info = None  # the old server closes with its object
+        holder = getattr(self, "_state_holder", None)
+        if hasattr(holder, "_cache_duration"):
+            holder._cache_duration = poll
+        joined = next_rendezvous(self)
+        if isinstance(getattr(getattr(holder, "state", None), "round", None), int):
+            os.environ[ROUND_ENV] = str(holder.state.round)  # the environment torchrun starts the ranks with
+        return joined
 
-    handler.next_rendezvous = next_rendezvous_with_a_new_store
-    return True
+    handler.next_rendezvous = next_rendezvous_each_round
+    return new_store
 
 
-def main(argv: list[str]) -> None:
+def _ranks_warm(run_module, servers: list) -> None:
+    """Have torchrun start each rank whose program is ``python [-m] PROGRAM ARGS`` as a client of a warm server
+    (``python -u CLIENT [-m] PROGRAM ARGS``), the server started here as torchrun reads its program; any other
+    program (``--no-python``, ``--run-path``) as it is. ``servers`` gets the server, to stop once torchrun ends."""
+    from baft.cli.launch import launch_env
+    from baft.cli.preflight import later_imports
+    from baft.warm import CLIENT, WarmServer
+
+    made = run_module.config_from_args
+
+    def config_from_args(args):
+        config, cmd, cmd_args = made(args)
+        if not isinstance(cmd, str) or cmd_args[:1] != ["-u"]:
+            return config, cmd, cmd_args
+        env = launch_env()
+        server = WarmServer.running(env)
+        if server is None:
+            program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+            server = WarmServer().start(env, later=later_imports(False, None, program))
+            servers.append(server)
+        os.environ.update({**env, **server.env()})  # the ranks' environment, as torchrun gives them its own
+        return config, cmd, ["-u", CLIENT, *cmd_args[1:]]
+
+    run_module.config_from_args = config_from_args
+
+
+def main(argv: list[str], warm: bool = False) -> None:
+    """torchrun ``argv``, less the costs above; ``warm``: its ranks forked from a warm server."""
+    from torch.distributed import run as run_module
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.run import main as torchrun
 
     if hasattr(dynamic_rendezvous, "get_method_name"):
         dynamic_rendezvous.get_method_name = _method_name
+    args = run_module.parse_args(argv)
+    nodes = 1 if args.standalone else run_module.parse_min_max_nnodes(args.nnodes)[1]
     delay = getattr(dynamic_rendezvous, "_delay", None)
-    own = argv[:argv.index("--")] if "--" in argv else argv  # torchrun's options, not the program's
-    if delay is not None and "--standalone" in own:
-
-        def _one_node_delay(seconds) -> None:
-            if not isinstance(seconds, tuple):  # a poll's wait, not a skew between nodes
-                delay(seconds)
-
-        dynamic_rendezvous._delay = _one_node_delay
-    if not _a_store_each_round(dynamic_rendezvous.DynamicRendezvousHandler):
+    if delay is not None:
+        dynamic_rendezvous._delay = _shorter_waits(delay, nodes)
+    if not _each_round(dynamic_rendezvous.DynamicRendezvousHandler, poll_seconds(nodes)):
         os.environ.setdefault(UNSHARED_STORE_ENV, "1")
-    torchrun(argv)
+    servers: list = []
+    if warm:
+        _ranks_warm(run_module, servers)
+    try:
+        torchrun(argv)
+    finally:
+        for server in servers:
+            server.close()
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
     _check_options(example, command, warm, in_place, hang_timeout)
+    from baft.cli.preflight import later_imports
     from baft.recovery import chaos
     from baft.warm import WarmServer
 
@@ -80,7 +81,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
              "run_id": run_id, "shm_root": SHM_ROOT, "ranks_per_node": procs // nodes, "hang_timeout": hang_timeout},
             configs, nodes, persist_every, run)
     warm, cmd = _warm_command(program, env, server, procs, max_restarts, run, warm, in_place, spares)
-    later = _later_imports(in_place, model if example else None, command)
+    later = later_imports(in_place, model if example else None, command)
     outcome, log = _run(cmd, env, run, run_id, server, configs if managed else [], warm, later)
     _report(outcome, asked, run, log, trace_dir)
 
@@ -167,26 +168,10 @@ def _warm_command(program: list[str], env: dict, server, procs: int, max_restart
     return warm, cmd
 
 
-def _later_imports(in_place: bool, example_model, command) -> str:
-    """When the warm server imports what DeepSpeed imports as it wraps an optimizer
-    (:data:`baft.warm.preload.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
-    and ``--zero-stage``; a script's DeepSpeed config) or recovers in place; never where it does not; once idle
-    where the config is not known."""
-    from baft.cli.preflight import wraps_optimizer
-
-    if in_place:
-        return "now"
-    if example_model is not None:
-        wraps = example_model["precision"] != "fp32" or example_model["zero_stage"] > 0
-    else:
-        wraps = wraps_optimizer(list(command)) if not command[0].startswith("-") else None
-    return {True: "now", False: "never", None: "idle"}[wraps]
-
-
 def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, warm: bool, later: str):
-    """Run ``cmd`` with the managers of ``configs`` and the warm server (importing :func:`_later_imports` ``later``),
-    holding ``run`` for this launch alone; its outcome and the log of every rank's output. SIGTERM stops it, with
-    exit code 128 + SIGTERM."""
+    """Run ``cmd`` with the managers of ``configs`` and the warm server (importing
+    :func:`~baft.cli.preflight.later_imports` ``later``), holding ``run`` for this launch alone; its outcome and the
+    log of every rank's output. SIGTERM stops it, with exit code 128 + SIGTERM."""
     from baft.cli.launch import exclusive_run
     from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, trim_run_logs
     from baft.manager.nodes import retire_all, start_all, stop_all

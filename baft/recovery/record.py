@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 from baft import faults as fault_log
-from baft.config import GENERATION_ENV, WARM_RANK_ENV
+from baft.config import GENERATION_ENV, ROUND_ENV, WARM_RANK_ENV
 from baft.errors import BaftError
 from baft.jsonfile import parse_object
 from baft.pipeline.hook import InstructionHook
@@ -67,8 +67,10 @@ def mark(name: str) -> None:
 
 
 def torchrun_attempt() -> int:
-    """Which of torchrun's attempts this process belongs to (0: the first)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Which of torchrun's attempts this process belongs to (0: the first): the rendezvous round baft's torchrun
+    started it in (:mod:`baft.cli.torchrun`), the same on every node; else the restart count of its node's agent,
+    which on several nodes counts only the restarts for a failure of the node's own ranks."""
+    return int(os.environ.get(ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def restart_count() -> int:
