@@ -232,3 +232,32 @@ def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_r
             pass
 
     assert not torchrun._each_round(Other, poll=0.05)
+
+
+def test_baft_torchrun_starts_each_python_rank_as_a_warm_servers_client(monkeypatch):
+    """``baft torchrun``: torchrun's program ``python -u [-m] PROGRAM ARGS`` becomes ``python -u CLIENT [-m] PROGRAM
+    ARGS``, the ranks' environment naming the node's server; a program of another kind runs as torchrun runs it."""
+    from types import SimpleNamespace
+
+    from baft.cli import torchrun
+    from baft.warm import CLIENT, SOCKET_ENV, WarmServer
+
+    monkeypatch.setattr(WarmServer, "running", classmethod(lambda cls, env: cls("/tmp/node-server.sock")))
+    made = {}
+    run_module = SimpleNamespace(config_from_args=lambda args: made[args])
+    servers = []
+    torchrun._ranks_warm(run_module, servers)
+    made["module"] = ("config", sys.executable, ["-u", "-m", "baft.examples.worker", "--stages", "3"])
+    made["no-python"] = ("config", "./train.sh", ["--steps", "3"])
+    made["other python"] = ("config", "/opt/python3", ["-u", "train.py"])
+    before = dict(os.environ)
+    try:
+        assert run_module.config_from_args("module") == (
+            "config", sys.executable, ["-u", CLIENT, "-m", "baft.examples.worker", "--stages", "3"])
+        assert os.environ[SOCKET_ENV] == "/tmp/node-server.sock"  # the ranks' environment, torchrun's own
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    assert servers == []  # a server that runs already is left running
+    for kind in ("no-python", "other python"):
+        assert run_module.config_from_args(kind) == made[kind], kind

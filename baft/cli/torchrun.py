@@ -93,7 +93,8 @@ def _each_round(handler: type, poll: float) -> bool:
 def _ranks_warm(run_module, servers: list) -> None:
     """Have torchrun start each rank whose program is ``python [-m] PROGRAM ARGS`` as a client of a warm server
     (``python -u CLIENT [-m] PROGRAM ARGS``), the server started here as torchrun reads its program; any other
-    program (``--no-python``, ``--run-path``) as it is. ``servers`` gets the server, to stop once torchrun ends."""
+    program (``--no-python``, ``--run-path``, another Python named by ``PYTHON_EXEC``) as it is. ``servers`` gets
+    the server, to stop once torchrun ends."""
     from baft.cli.launch import launch_env
     from baft.cli.preflight import later_imports
     from baft.warm import CLIENT, WarmServer
@@ -102,7 +103,7 @@ def _ranks_warm(run_module, servers: list) -> None:
 
     def config_from_args(args):
         config, cmd, cmd_args = made(args)
-        if not isinstance(cmd, str) or cmd_args[:1] != ["-u"]:
+        if cmd != sys.executable or cmd_args[:1] != ["-u"]:  # another program, or Python (PYTHON_EXEC)
             return config, cmd, cmd_args
         env = launch_env()
         server = WarmServer.running(env)
