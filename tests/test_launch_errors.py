@@ -201,8 +201,11 @@ def test_whether_deepspeed_wraps_a_scripts_optimizer_is_read_from_its_config(tmp
     (["-m", "baft.examples.worker", "--stages", "3"], "never"),  # fp32, no ZeRO: DeepSpeed wraps nothing
     (["-m", "baft.examples.worker", "--zero-stage", "x"], "idle"),  # its ranks refuse it
     (["-m", "my_trainer", "--precision", "bf16"], "idle"),  # another module's options are its own
+    (["-m", "my_trainer", "--deepspeed_config", "BF16"], "now"),  # but a DeepSpeed config it is given is read
 ])
-def test_when_the_warm_server_imports_what_a_wrapped_optimizer_needs(argv, later):
+def test_when_the_warm_server_imports_what_a_wrapped_optimizer_needs(argv, later, tmp_path):
     """``baft torchrun -m baft.examples.worker ARGS`` (the README's multi-node launch): the example's own options
     say whether its ranks wrap the optimizer, read without importing the example (and DeepSpeed with it)."""
+    (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    argv = [str(tmp_path / "bf16.json") if arg == "BF16" else arg for arg in argv]
     assert later_imports(False, None, argv) == later

@@ -105,8 +105,9 @@ def check_baft_section(path: str) -> None:
 def later_imports(in_place: bool, example_model, command) -> str:
     """When the warm server imports what DeepSpeed imports as it wraps an optimizer
     (:data:`baft.warm.preload.LATER_CHOICES`): before it forks, where the job wraps it (the example's ``--precision``
-    and ``--zero-stage``, given as ``example_model`` or read from ``-m baft.examples.worker ARGS``; a script's
-    DeepSpeed config) or recovers in place; never where it does not; once idle where the config is not known."""
+    and ``--zero-stage``, given as ``example_model`` or read from ``-m baft.examples.worker ARGS``; the DeepSpeed
+    config a script's or module's arguments name) or recovers in place; never where it does not; once idle where the
+    config is not known."""
     if in_place:
         return "now"
     if example_model is None and list(command[:2]) == ["-m", EXAMPLE]:
@@ -114,7 +115,8 @@ def later_imports(in_place: bool, example_model, command) -> str:
     if example_model is not None:
         wraps = example_model["precision"] != "fp32" or example_model["zero_stage"] > 0
     else:
-        wraps = wraps_optimizer(list(command)) if not command[0].startswith("-") else None
+        script = list(command[1:] if command[0] == "-m" else command)  # a module's arguments as a script's
+        wraps = wraps_optimizer(script) if script and not script[0].startswith("-") else None
     return {True: "now", False: "never", None: "idle"}[wraps]
 
 
