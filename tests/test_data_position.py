@@ -366,3 +366,50 @@ def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_sk
     said = calls(own_batches)
     assert said.count("the loop takes its batches from the data loader itself") == 1, said
     assert "takes its batches" not in calls(the_loaders_iterator) + calls(a_wrapper) + calls(elsewhere)
+
+
+def test_with_persistent_workers_an_iter_that_resets_the_restored_iterator_reads_on_from_the_restored_position():
+    """With ``persistent_workers`` the loader's ``iter()`` resets the one iterator it keeps (its sampler draws the
+    epoch's order) rather than make a new one. A loop that counts its calls and takes ``iter()`` each epoch, resumed
+    in the second, replays the first epoch's ``iter()`` (the restored iterator) and the second's, which reset it:
+    that one is made the restored one, as a new iterator is (``Protection.replayed``); so is a trainer's second
+    ``iter()`` before its loop (read by ``train_batch``). Before, both read a third epoch's order, silently, and an
+    epoch's reset iterator was not told from the last (probe 11: in place, a survivor that took it trained on)."""
+    from types import SimpleNamespace
+
+    from baft.snapshot.reads import TrainBatchReads
+
+    def make():
+        return StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=2,
+                                  persistent_workers=True, generator=torch.Generator().manual_seed(3))
+
+    torch.manual_seed(0)
+    loader = make()
+    position = data_position(None, loader)
+    engine = SimpleNamespace(global_steps=0, global_rank=0)
+    reads = TrainBatchReads(engine)
+    reads.position = position
+    for epoch in range(2):
+        batches = iter(loader)
+        reads.call(batches)  # train_batch: each epoch's reset iterator a new reader
+        assert reads.epoch_began == (None if epoch == 0 else 2) and position.new_reader == (epoch == 1)
+        next(batches)
+        engine.global_steps += 1
+    for _ in range(2):
+        next(batches)
+    saved = position.state_dict()
+    samples = [b[:, 0].tolist() for b in batches]  # the second epoch's rest (not the noise: drawn in workers)
+    for replay in (True, False):
+        restored = make()
+        again = data_position(None, restored)
+        again.load_state_dict(saved)
+        iter(restored)  # the replayed first epoch's, or the trainer's __init__
+        taken = iter(restored)  # the second epoch's, or its loop's: resets the restored iterator
+        if replay:
+            assert again.taken_since_restore()
+            again.load_state_dict(saved)  # what Protection.replayed does
+        else:
+            again.reads(taken)  # train_batch's first call
+        assert [b[:, 0].tolist() for b in taken] == samples, "replayed" if replay else "taken again"
+        restored._iterator._shutdown_workers()
+    loader._iterator._shutdown_workers()

@@ -73,6 +73,9 @@ class ResumableLoader:
     (:func:`_record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`_drawing_sampler`). torchdata's
     own restore builds a new iterator for the next ``iter()``; one the script already holds (taken before
     ``baft.initialize``, a survivor's in place, the epoch's own in a loop that counts its calls) is made that one.
+    With ``persistent_workers`` an ``iter()`` of the loader gives the same iterator each epoch, reset (its sampler
+    draws the epoch's order): one that resets the restored iterator (the loop's next epoch, or a second ``iter()``
+    before the restored one read) is taken as a new iterator would be (:attr:`reset_after`).
     An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
     position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
     gives says twice the position, and a second restore in the same epoch would skip as many batches; those counters
@@ -85,6 +88,8 @@ class ResumableLoader:
         _record_epoch_starts(self.sampler)
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
+        # what it had read when an iter() of the loader reset it (persistent workers: the next epoch's), or None
+        self.reset_after: Optional[int] = None
         self.yielded: Optional[int] = 0  # and the batches of its epoch it had read (None: its state does not say)
         # the restored iterator's counters torchdata's fast-forward added to (path -> by how much), and its batches
         self.recounted: dict = {}
@@ -97,7 +102,7 @@ class ResumableLoader:
             # a restored iterator that has read nothing states itself wrongly (torchdata 0.11's distributed
             # sampler says it has yielded nothing): the position is the one restored
             saved, restored = self.unread
-            if self.loader._iterator is restored and self._yielded_by(restored) == _yielded(saved["loader"]):
+            if self._is_restored(self.loader._iterator) and self._yielded_by(restored) == _yielded(saved["loader"]):
                 return saved
             self.unread = None
         generator = self.loader.generator
@@ -131,6 +136,8 @@ class ResumableLoader:
         if self.yielded is not None:
             self.unread = (kept, self.loader._iterator)
         self.restored = self.loader._iterator
+        self.reset_after = None
+        _watch_resets(self)
 
     def reads(self, data_iter) -> None:
         """``train_batch`` reads ``data_iter``: where it is an iterator of this loader made since the restore while the
@@ -144,7 +151,7 @@ class ResumableLoader:
         loader``) read the spent one to its end first, as the restored one is read: where the script took an
         ``iter()`` before (and read nothing of it), a generator not yet started that ``train_batch`` reads takes the
         restored iterator again at its own."""
-        if self.restored is not None and self.loader._iterator is self.restored:
+        if self._is_restored(self.loader._iterator):
             if self.next_epoch and getattr(self.loader, "_initial_iter_for_state_dict", False):
                 self.loader._initial_iter_for_state_dict = False
             elif (not self.next_epoch and inspect.isgenerator(data_iter)
@@ -154,27 +161,58 @@ class ResumableLoader:
         if self.unread is None or data_iter is None or data_iter is not self.loader._iterator:
             return
         saved, restored = self.unread
-        if data_iter is restored or self._yielded_by(restored) != _yielded(saved["loader"]) or self.spent():
+        if data_iter is restored and self.reset_after is None:
+            return
+        # what the restored iterator had read before the script's iter() made another, or reset it
+        read = self.reset_after if data_iter is restored else self._yielded_by(restored)
+        if read != _yielded(saved["loader"]) or self.spent():
             return
         self.load_state_dict(saved)
 
     def _loader_state(self) -> dict:
         """The loader's state, less what torchdata's fast-forward of the restored iterator added to its counters."""
         state = self.loader.state_dict()
-        return _less(state, self.recounted) if self.recounted and self.loader._iterator is self.restored else state
+        return _less(state, self.recounted) if self.recounted and self._is_restored(self.loader._iterator) else state
 
     def _yielded_by(self, iterator) -> int:
         """The batches of its epoch ``iterator`` has given, those of a restore's fast-forward not counted twice."""
-        return iterator._num_yielded - (self.recount if iterator is self.restored else 0)
+        return iterator._num_yielded - (self.recount if self._is_restored(iterator) else 0)
+
+    def _is_restored(self, iterator) -> bool:
+        """Whether ``iterator`` is the one the latest restore built, as built: not reset by an ``iter()`` since."""
+        return iterator is not None and iterator is self.restored and self.reset_after is None
 
     def taken_since_restore(self) -> bool:
         """Whether the script's latest ``iter()`` of the loader built an iterator other than the restored one."""
-        return self.restored is not None and self.loader._iterator is not self.restored
+        return self.restored is not None and not self._is_restored(self.loader._iterator)
 
     def spent(self) -> bool:
         """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
         taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
         return (self.yielded or 0) >= len(self.loader)
+
+
+def _watch_resets(position: ResumableLoader) -> None:
+    """Note in ``position.reset_after`` what its restored iterator had read when an ``iter()`` of the loader first
+    reset it: with ``persistent_workers``, torch's loader keeps one iterator and resets it for each epoch (drawing the
+    epoch's order) rather than make a new one."""
+    iterator = position.restored
+    if iterator is None or not getattr(position.loader, "persistent_workers", False):
+        return
+
+    def _reset(loader, *args, **kwargs):
+        reset = loader._iterator  # torch's loader resets its own iterator: the restored one, this wrapper its own
+        if position.reset_after is None and reset is position.restored:
+            position.reset_after = position._yielded_by(reset)
+        return type(reset)._reset(reset, loader, *args, **kwargs)
+
+    iterator._reset = _reset
+
+
+def epoch_mark(iterator):
+    """What changes as ``iterator`` begins another epoch: the iterator of its sampler (with ``persistent_workers`` a
+    loader's ``iter()`` resets the one iterator it keeps, with a new one)."""
+    return getattr(iterator, "_sampler_iter", None)
 
 
 def _yielded(state: dict) -> Optional[int]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from baft.pipeline.loop import THIS_PROCESS
 from baft.snapshot.build import warn
-from baft.snapshot.data import ResumableLoader, foreign_iterator
+from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator
 
 
 class TrainBatchReads:
@@ -27,6 +27,7 @@ class TrainBatchReads:
         self.epoch_began: Optional[int] = None  # the step the loop first trained from its latest iterator of the loader
         self._read = set()  # the ids of the iterators train_batch was given, each checked once
         self._last_read = None  # the iterator train_batch was given at its last call
+        self._last_mark = None  # and its epoch_mark where it was the kept loader's
         self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
         self._said_pulled = False
         self._last_evaluated = (None, 0)  # the iterator eval_batch last read, and the step it was called after
@@ -44,9 +45,13 @@ class TrainBatchReads:
         if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
             self._pulled_by_the_loop()
         last, self._last_read = self._last_read, data_iter
+        # with persistent workers the loader's iter() resets the one iterator it keeps: the same object, a new epoch
+        mark = epoch_mark(kept) if data_iter is kept else None
+        last_mark, self._last_mark = self._last_mark, mark
+        another = last is not None and (data_iter is not last or (mark is not None and mark is not last_mark))
         if isinstance(self.position, ResumableLoader):  # a reader of its own each epoch, or one kept across epochs
-            self.position.new_reader = last is not None and data_iter is not last
-        if last is not None and data_iter is not last:
+            self.position.new_reader = another
+        if another:
             if data_iter is kept:  # an epoch's
                 self.epoch_began = self.engine.global_steps + 1
             else:
