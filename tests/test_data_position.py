@@ -6,6 +6,9 @@ out in another order. The position baft saves (:func:`baft.snapshot.data.data_po
 generator beside the loader's state; these tests restore it at every batch of three epochs.
 """
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from deepspeed.utils import RepeatingLoader
@@ -25,6 +28,31 @@ class Noisy(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return torch.tensor([float(i), torch.rand(()).item()])
+
+
+class OwnDraws(Noisy):
+    """Each sample draws from generators the dataset holds (a random crop's offset), not from torch's."""
+
+    def __init__(self):
+        self.crops = np.random.default_rng(1)
+        self.flips = random.Random(2)
+        self.noise = torch.Generator().manual_seed(3)
+
+    def __getitem__(self, i):
+        draw = self.crops.random() + self.flips.random() + torch.rand((), generator=self.noise).item()
+        return torch.tensor([float(i), draw])
+
+
+class Masking:
+    """A collate_fn with a torch.Generator of its own (BERT-style masking)."""
+
+    def __init__(self):
+        self.masks = torch.Generator().manual_seed(4)
+
+    def __call__(self, samples):
+        batch = torch.utils.data.default_collate(samples)
+        batch[:, 1] += torch.rand(len(batch), generator=self.masks)
+        return batch
 
 
 class Buckets(torch.utils.data.Sampler):
@@ -71,6 +99,11 @@ LOADERS = {
         generator=torch.Generator().manual_seed(13)),
     "a batch sampler of the script's, no generator": lambda workers: StatefulDataLoader(  # it draws from torch's
         Noisy(), num_workers=workers, batch_sampler=Buckets()),
+    # drawn in this process (no workers) from generators no loader state holds: kept beside it (before, a resumed run
+    # drew other crops and masks, silently; probe 11)
+    "a dataset and collate_fn with generators of their own": lambda workers: StatefulDataLoader(
+        OwnDraws(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers, collate_fn=Masking(),
+        generator=torch.Generator().manual_seed(14)),
 }
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import random
 from contextlib import contextmanager
 from typing import Optional
 
+import numpy as np
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
@@ -76,6 +78,9 @@ class ResumableLoader:
     With ``persistent_workers`` an ``iter()`` of the loader gives the same iterator each epoch, reset (its sampler
     draws the epoch's order): one that resets the restored iterator (the loop's next epoch, or a second ``iter()``
     before the restored one read) is taken as a new iterator would be (:attr:`reset_after`).
+    A generator the dataset or the ``collate_fn`` holds (``np.random.default_rng(seed)``, ``random.Random(seed)``, a
+    ``torch.Generator``: a random crop, BERT-style masking) draws in this process where the loader has no workers;
+    no loader state holds it, so its state is kept beside the loader's (:func:`_held_generators`).
     An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
     position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
     gives says twice the position, and a second restore in the same epoch would skip as many batches; those counters
@@ -106,9 +111,13 @@ class ResumableLoader:
                 return saved
             self.unread = None
         generator = self.loader.generator
-        return {"loader": self._loader_state(),
-                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "sampler": getattr(self.sampler, EPOCH_START, None), "new_reader": self.new_reader}
+        state = {"loader": self._loader_state(),
+                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+                 "sampler": getattr(self.sampler, EPOCH_START, None), "new_reader": self.new_reader}
+        held = _held_generators(self.loader)
+        if held:
+            state["held"] = {name: _generator_state(g) for name, g in held.items()}
+        return state
 
     def load_state_dict(self, saved: dict) -> None:
         if "loader" not in saved:  # saved before baft kept the generator: the loader's state alone
@@ -131,6 +140,10 @@ class ResumableLoader:
             self.recount = (_yielded(built) or 0) - (_yielded(kept["loader"]) or 0)
         if saved["generator"] is not None and isinstance(self.loader.generator, torch.Generator):
             self.loader.generator.set_state(saved["generator"])
+        held = _held_generators(self.loader)
+        for name, state in saved.get("held", {}).items():  # after the restored iterator is built (a stream read again)
+            if name in held:
+                _set_generator_state(held[name], state)
         self.yielded = _yielded(kept["loader"])
         self.next_epoch = bool(saved.get("new_reader")) and self.spent()
         if self.yielded is not None:
@@ -190,6 +203,59 @@ class ResumableLoader:
         """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
         taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
         return (self.yielded or 0) >= len(self.loader)
+
+
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def _held_generators(loader) -> dict:
+    """The generators that the dataset of ``loader`` (and the datasets it wraps: a ``Subset``'s, a
+    ``ConcatDataset``'s) or its ``collate_fn`` hold as attributes, by where they are (``dataset.rng``), where they
+    draw in this process: the loader has no workers (each worker draws from its own copy, in no state)."""
+    if getattr(loader, "num_workers", 0):
+        return {}
+    found, seen = {}, set()
+
+    def walk(obj, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__") or isinstance(obj, type):
+            return
+        seen.add(id(obj))
+        for name, value in vars(obj).items():
+            if isinstance(value, _GENERATORS):
+                found.setdefault(f"{path}.{name}", value)
+            elif isinstance(value, torch.utils.data.Dataset):
+                walk(value, f"{path}.{name}", depth + 1)
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, torch.utils.data.Dataset):
+                        walk(item, f"{path}.{name}[{i}]", depth + 1)
+
+    walk(getattr(loader, "dataset", None), "dataset", 0)
+    collate = getattr(loader, "collate_fn", None)
+    if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
+        walk(collate, "collate_fn", 0)
+    return found
+
+
+def _generator_state(generator):
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return copy.deepcopy(generator.bit_generator.state)
+    if isinstance(generator, np.random.RandomState):
+        return generator.get_state()
+    return generator.getstate()
+
+
+def _set_generator_state(generator, state) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.setstate(state)
 
 
 def _watch_resets(position: ResumableLoader) -> None:
