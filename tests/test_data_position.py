@@ -214,6 +214,26 @@ def test_initialize_names_what_a_restore_will_not_bring_back():
     stream = not_restored(data_position(None, StatefulDataLoader(Stream(), batch_size=2)))
     assert stream.startswith("the Stream the loader streams has no state_dict(): a restore reads it again"), stream
 
+    class Mixer:
+        """A data iterator of the script's that mixes two shuffled loaders, its state_dict() theirs (probe 11: a
+        resumed run read their later epochs in another order, silently); with ``kept``, their generators' too."""
+
+        def __init__(self, kept=False):
+            self.loaders, self.kept = [LOADERS["shuffle, generator"](0), LOADERS["sampler with its generator"](0)], kept
+            self.iters = [iter(loader) for loader in self.loaders]
+
+        def state_dict(self):
+            own = {"loaders": [loader.state_dict() for loader in self.loaders]}
+            return {**own, "generators": [l.generator.get_state() for l in self.loaders]} if self.kept else own
+
+        def load_state_dict(self, state):
+            pass
+
+    said = not_restored(data_position(None, Mixer()))
+    assert said.startswith("the data iterator Mixer holds torchdata loaders (loaders[0], loaders[1]) whose "
+                           "state_dict() leaves out the generator"), said
+    assert not_restored(data_position(None, Mixer(kept=True))) is None
+
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():
     """``set_train_batch_size`` mid-run (a batch-size ramp): the position is what the loader gave, not the step times

@@ -12,7 +12,7 @@ import inspect
 import itertools
 import random
 from contextlib import contextmanager
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -464,6 +464,13 @@ def not_restored(position) -> Optional[str]:
         return ("the data position will not be restored after a restart (a resumed run would read its data from the "
                 "start): pass data_iterator= an iterator with state_dict() and load_state_dict(), such as torchdata's "
                 "StatefulDataLoader, and train on iter() of it, taken after baft.initialize")
+    held = _held_loaders(position)
+    if held:
+        return (f"the data iterator {type(position).__name__} holds torchdata loaders ({', '.join(held)}) whose "
+                f"state_dict() leaves out the generator each of their iterators draws from (torchdata 0.11): a resumed "
+                f"run reads their epochs after the restored one in another order; keep each one's generator state in "
+                f"your state_dict() (loader.generator.get_state(), set again after its iter()), or give "
+                f"baft.initialize one loader, which baft keeps whole")
     loader = getattr(position, "loader", position)
     workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
     dataset = getattr(loader, "dataset", None)
@@ -478,6 +485,41 @@ def not_restored(position) -> Optional[str]:
                 f"state: a resume inside an epoch draws others (the samples and their order resume exactly); draw "
                 f"them from a generator seeded by the sample index to make them resume too")
     return None
+
+
+def _held_loaders(position) -> list[str]:
+    """Where a data iterator of the script's own (not one baft keeps whole) holds torchdata loaders that shuffle
+    with a generator (``self.loaders[0]``): their ``state_dict()`` leaves that generator out."""
+    if position is None or isinstance(position, (ResumableLoader, EngineLoaderPosition, torch.utils.data.DataLoader)):
+        return []
+    found = []
+    for name, value in getattr(position, "__dict__", {}).items():
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        else:
+            items = [(None, value)]
+        for key, item in items:
+            if (isinstance(item, torch.utils.data.DataLoader) and hasattr(item, "load_state_dict")
+                    and isinstance(item.generator, torch.Generator)):
+                found.append((name if key is None else f"{name}[{key!r}]", item.generator.get_state()))
+    if not found:
+        return []
+    kept = list(_tensors(position.state_dict()))  # a script's that keeps each generator's state is not said
+    return [name for name, state in found if not any(t.shape == state.shape and torch.equal(t, state) for t in kept)]
+
+
+def _tensors(state) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested state."""
+    if torch.is_tensor(state):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
 
 
 def foreign_iterator(position, data_iter) -> Optional[str]:
