@@ -225,7 +225,7 @@ def _held_generators(loader) -> dict:
                 found.setdefault(f"{path}.{name}", value)
             elif isinstance(value, torch.utils.data.Dataset):
                 walk(value, f"{path}.{name}", depth + 1)
-            elif isinstance(value, (list, tuple)):
+            elif isinstance(value, (list, tuple)) and len(value) <= 64:  # a ConcatDataset's, not a list of samples
                 for i, item in enumerate(value):
                     if isinstance(item, torch.utils.data.Dataset):
                         walk(item, f"{path}.{name}[{i}]", depth + 1)
