@@ -209,7 +209,11 @@ def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_load
 def test_initialize_names_what_a_restore_will_not_bring_back():
     assert "pass data_iterator=" in not_restored(None)
     assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
-    assert "loader's 2 workers are in no saved state" in not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
+    said = not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
+    assert "loader's 2 workers are in no saved state: a resume inside an epoch, draws others" in said, said
+    persistent = StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+    said = not_restored(data_position(None, persistent))  # its workers are seeded once: every epoch after differs
+    assert "a resume anywhere: its persistent workers are seeded once, as they start, draws others" in said, said
     # a stream with no state of its own is read again to the position, its own generators' draws anew (probe 8's R3)
     stream = not_restored(data_position(None, StatefulDataLoader(Stream(), batch_size=2)))
     assert stream.startswith("the Stream the loader streams has no state_dict(): a restore reads it again"), stream

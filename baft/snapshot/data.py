@@ -480,10 +480,12 @@ def not_restored(position) -> Optional[str]:
                 f"its start up to the saved position, and what it draws from generators of its own (not torch's "
                 f"global one) comes out anew; give it state_dict() and load_state_dict() (its position in the "
                 f"stream, its generators') to resume it exactly and at once")
-    if workers:  # each worker's generators are seeded from the loader's base seed at each epoch
+    if workers:  # each worker's generators are seeded from the loader's base seed as the workers start
+        where = ("anywhere: its persistent workers are seeded once, as they start" if
+                 getattr(loader, "persistent_workers", False) else "inside an epoch")
         return (f"random numbers your dataset or collate_fn draws in the loader's {workers} workers are in no saved "
-                f"state: a resume inside an epoch draws others (the samples and their order resume exactly); draw "
-                f"them from a generator seeded by the sample index to make them resume too")
+                f"state: a resume {where}, draws others (the samples and their order resume exactly); draw them "
+                f"from a generator seeded by the sample index to make them resume too")
     return None
 
 
