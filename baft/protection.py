@@ -58,8 +58,12 @@ class Protection:
         warn(self.engine, message)
 
     def attach(self) -> "Protection":
-        """The engine runs baft's schedule and calls :attr:`hooks` around every instruction."""
+        """The engine runs baft's schedule and calls :attr:`hooks` around every instruction; the generators its
+        modules hold are among the RNG states baft keeps."""
+        from baft.pipeline.rng import hold_module_generators
+
         attach(self.engine, self)
+        hold_module_generators(self.engine.module)
         return self
 
     def restore(self, data_iterator=None) -> Optional[Restored]:

@@ -1,16 +1,36 @@
-"""Every random generator a training step draws from (python's, numpy's, torch's, CUDA's, and the generators of
-DeepSpeed's model-parallel tracker): its state as it stands, and as JSON (a commit record's ``rng``, what a
-survivor tells a replacement)."""
+"""Every random generator a training step draws from (python's, numpy's, torch's, CUDA's, the generators of
+DeepSpeed's model-parallel tracker, and those the model's modules hold): its state as it stands, and as JSON (a
+commit record's ``rng``, what a survivor tells a replacement)."""
 
 from __future__ import annotations
 
 import base64
 import random
-from typing import Optional
+import weakref
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+
+_HELD: list[tuple[str, "weakref.ref", str]] = []  # the model's generators: (name, its module, the attribute)
+
+
+def hold_module_generators(module: torch.nn.Module) -> None:
+    """Count the ``torch.Generator`` each of ``module``'s modules holds as an attribute (noise a layer draws from a
+    generator of its own, ``self.gen = torch.Generator().manual_seed(0)``) among every generator from now on: no
+    state of torch's holds it, and a resumed run would draw other noise."""
+    _HELD[:] = [(f"{name}.{attr}" if name else attr, weakref.ref(sub), attr)
+                for name, sub in module.named_modules() for attr, value in vars(sub).items()
+                if isinstance(value, torch.Generator)]
+
+
+def _held() -> Iterator[tuple[str, torch.Generator]]:
+    for name, module, attr in _HELD:
+        generator = getattr(module(), attr, None)  # a module gone, or the attribute given another value: not held
+        if isinstance(generator, torch.Generator):
+            yield name, generator
 
 
 def rng_states() -> dict:
@@ -23,6 +43,9 @@ def rng_states() -> dict:
     tracked = get_cuda_rng_tracker().get_states()
     if tracked:
         states["tracker"] = dict(tracked)
+    held = {name: generator.get_state() for name, generator in _held()}
+    if held:
+        states["modules"] = held
     return states
 
 
@@ -38,6 +61,11 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
     if "tracker" in states:
         get_cuda_rng_tracker().set_states(dict(states["tracker"]))
+    if "modules" in states:
+        held = dict(_held())
+        for name, state in states["modules"].items():
+            if name in held:
+                held[name].set_state(state)
 
 
 def drawn_between(before: dict, now: dict) -> list[str]:
@@ -48,7 +76,7 @@ def drawn_between(before: dict, now: dict) -> list[str]:
             return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
         if name == "cuda":
             return all(torch.equal(x, y) for x, y in zip(a, b))
-        if name == "tracker":
+        if name in ("tracker", "modules"):
             return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         return torch.equal(a, b) if name == "torch" else a == b
 
@@ -67,7 +95,7 @@ def to_json(states: dict, names: Optional[list] = None) -> dict:
             out[name] = [value[0], value[1].tolist(), int(value[2]), int(value[3]), float(value[4])]
         elif name == "torch":
             out[name] = _b64(value)
-        elif name == "tracker":
+        elif name in ("tracker", "modules"):
             out[name] = {key: _b64(state) for key, state in value.items()}
         else:
             out[name] = [_b64(t) for t in value]
@@ -87,8 +115,9 @@ def from_json(items: dict) -> dict:
         out["torch"] = _bytes(items["torch"])
     if "cuda" in items:
         out["cuda"] = [_bytes(s) for s in items["cuda"]]
-    if "tracker" in items:
-        out["tracker"] = {key: _bytes(state) for key, state in items["tracker"].items()}
+    for name in ("tracker", "modules"):
+        if name in items:
+            out[name] = {key: _bytes(state) for key, state in items[name].items()}
     return out
 
 

@@ -13,6 +13,17 @@ import baft
 from user_data import Samples
 
 
+class Noise(nn.Module):
+    """Noise drawn from a generator the layer holds, in no state of torch's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        return x + 0.01 * torch.randn(x.shape, generator=self.gen) if self.training else x
+
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
@@ -26,8 +37,8 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
-layers = [LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout, 0.1), LayerSpec(nn.Linear, 64, 64),
-          LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 64, 1)]
+layers = [LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout, 0.1), LayerSpec(Noise),
+          LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.ReLU), LayerSpec(Noise), LayerSpec(nn.Linear, 64, 1)]
 model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
 data = Samples()
 config = args.config
