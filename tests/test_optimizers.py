@@ -99,6 +99,10 @@ def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refus
         assert len(schedulers.script_schedulers(engine)) == 2
     late = torch.optim.lr_scheduler.ReduceLROnPlateau(engine.optimizer)
     assert late in schedulers.script_schedulers(engine) and len(walks) == 1, walks
+    # one the script replaced by another (a warm-up's scheduler by a decay's as it ends: the first freed, as many
+    # references to the optimizer as at the last walk) is found at the next (probe 11: the new one was never kept)
+    made[1] = torch.optim.lr_scheduler.CosineAnnealingLR(engine.optimizer, T_max=4)
+    assert sorted(map(id, schedulers.script_schedulers(engine))) == sorted(map(id, [*made, late])), walks
     engine, made = engine_with(lam, lam)
     with pytest.raises(BaftError, match=r"^the script has more than one learning-rate scheduler of a kind on the "
                                         r"engine's optimizer \(\{'LambdaLR': 2\}\).*\(lr_scheduler=\)$"):

@@ -5,9 +5,9 @@ The engine's own scheduler is in every snapshot's small state; such a scheduler 
 steps (``last_epoch``; a plateau scheduler's best loss) would start again from zero in a resumed process, on top of
 the restored learning rate. baft finds them among the live objects (a walk over every object the garbage collector
 tracks, tens of milliseconds: at the first snapshot, and again where more refer to the optimizer than at the last
-walk, as a scheduler made since does), keeps their ``state_dict`` with every snapshot, and loads it back: at the
-restore where the scheduler already exists (a survivor in place), else as the first resumed iteration starts,
-when the script has made it again.
+walk, as a scheduler made since does, or where one found has been freed, as one the script replaced by another
+is), keeps their ``state_dict`` with every snapshot, and loads it back: at the restore where the scheduler already
+exists (a survivor in place), else as the first resumed iteration starts, when the script has made it again.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def script_schedulers(engine) -> list:
     :class:`~baft.errors.BaftError` where two are of one kind, which no restore could tell apart (said as they are
     first found, not at the first fault)."""
     optimizer = engine.optimizer
-    if optimizer not in _LOOKED_AT or _references(optimizer) > _LOOKED_AT[optimizer]:
+    if optimizer not in _LOOKED_AT or _references(optimizer) > _LOOKED_AT[optimizer] or _gone(optimizer):
         found = _look(engine)
         why = _alike(found)
         if why:
@@ -61,6 +61,13 @@ def script_schedulers(engine) -> list:
         _keep(engine, found)
         _LOOKED_AT[optimizer] = _references(optimizer)
     return [s for s in (ref() for ref in _FOUND[optimizer]) if s is not None]
+
+
+def _gone(optimizer) -> bool:
+    """Whether a scheduler found on ``optimizer`` has been freed since: the script may have made another in its
+    place (a warm-up ``LinearLR`` replaced by a ``CosineAnnealingLR`` as it ends, ``sched = ...`` again), which
+    holds the reference the freed one held, so that the count of references alone does not change."""
+    return any(ref() is None for ref in _FOUND.get(optimizer, ()))
 
 
 def _references(optimizer) -> int:
