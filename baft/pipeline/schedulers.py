@@ -7,11 +7,13 @@ the restored learning rate. baft finds them among the live objects (a walk over 
 tracks, tens of milliseconds: at the first snapshot, and again where more refer to the optimizer than at the last
 walk, as a scheduler made since does, or where one found has been freed, as one the script replaced by another
 is), keeps their ``state_dict`` with every snapshot, and loads it back: at the restore where the scheduler already
-exists (a survivor in place), else as the first resumed iteration starts, when the script has made it again.
+exists (made before ``baft.initialize``, a survivor in place), and as the first resumed iteration starts, when the
+script has made it again and its loop has run its code before that call (which may have stepped it).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import weakref
@@ -130,7 +132,7 @@ def restore(engine, kept: list) -> Optional[str]:
     if why:
         return why
     by_name = dict(kept)
-    for scheduler in found:
-        scheduler.load_state_dict(by_name[type(scheduler).__qualname__])
+    for scheduler in found:  # a copy: some take items out of what they load (CyclicLR its _scale_fn_custom)
+        scheduler.load_state_dict(copy.deepcopy(by_name[type(scheduler).__qualname__]))
     return None
 

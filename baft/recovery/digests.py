@@ -87,7 +87,8 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
         nested["lr_scheduler"] = engine.lr_scheduler.state_dict()
     own = script_schedulers(engine)
     if own:
-        nested["script_schedulers"] = [scheduler.state_dict() for scheduler in own]
+        # by kind (one of each): the order a walk of the live objects finds them in is not a process's to keep
+        nested["script_schedulers"] = {type(scheduler).__qualname__: scheduler.state_dict() for scheduler in own}
     scaler = loss_scaler(engine.optimizer)
     if scaler is not None:
         nested["loss_scaler"] = scaler

@@ -15,8 +15,9 @@ When each part is captured and restored (the rule a bit-identical resume rests o
 * restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
   iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
 * a learning-rate scheduler the script made on the optimizer itself (:mod:`baft.pipeline.schedulers`):
-  captured with the rest, and restored where it exists, or at the start of the first iteration after
-  the restore, with the hyper-parameters again (a scheduler made anew sets its first learning rate);
+  captured with the rest, and restored where it exists, and again at the start of the first iteration after
+  the restore, with the hyper-parameters (a scheduler made anew sets its first learning rate; one the loop
+  steps before its call was stepped once more);
 * the RNG states: captured at the start of iteration k+1 and set there again, at the start of the
   first iteration after the restore (:class:`RngRestore`). What runs in between draws random
   numbers that an uninterrupted run drew before step 1 instead: DeepSpeed and the script build
@@ -293,8 +294,11 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
     if "script_schedulers" in items and not survivor:
         kept = _torch_unblob(items["script_schedulers"])
-        if schedulers.restore(engine, kept) is not None:  # not made yet: by the first iteration
-            restore.schedulers = (kept, groups)
+        schedulers.restore(engine, kept)  # where the script made them already: else by the first iteration
+        # and by the first iteration again in any case: the loop's code before its next train_batch call runs again
+        # in the resumed process (a scheduler the script steps before each call would be stepped twice), and the
+        # state was captured as that iteration started, after that code
+        restore.schedulers = (kept, groups)
     return restore
 
 
