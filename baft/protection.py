@@ -18,6 +18,7 @@ from baft.errors import BaftError
 from baft.manager_link import ManagerLink, connect_manager
 from baft.pipeline.hook import Hooks
 from baft.pipeline.engine import attach, detach
+from baft.pipeline.loop import THIS_PROCESS
 from baft.recovery.record import Restored
 from baft.snapshot.build import make_policy, rank_node_root, warn
 from baft.snapshot.reads import TrainBatchReads
@@ -146,7 +147,9 @@ class Protection:
         was saved: the survivor's state has moved on from the start a replacement makes, and there is nothing to
         take both back to); or its loop took a new iterator of its loader (an epoch's) after the newest of them,
         where a restore would go back to (its iterator would be made the restored one, and the steps its call
-        trains from there would read past that epoch's end, from the wrong iterator)."""
+        trains from there would read past that epoch's end, from the wrong iterator); or it replaced a scheduler of
+        its own since that step (:func:`baft.pipeline.schedulers.replaced_since`)."""
+        from baft.pipeline import schedulers
         from baft.snapshot import slots
 
         if self.config.policy in IN_MEMORY:
@@ -162,6 +165,11 @@ class Protection:
             if newest is None:
                 return (f"no {self.config.policy} checkpoint has been saved yet: the survivors' state has moved on "
                         f"from the start a replacement makes, and nothing takes both back to one step")
+        # a loop that counts its calls trains those steps inside its call, each from the schedulers it first started
+        # with (baft.pipeline.loop): its own variables are not read again until then
+        replaced = None if THIS_PROCESS.counts_calls else schedulers.replaced_since(self.engine, newest)
+        if replaced:
+            return replaced
         began = self.reads.epoch_began
         if began is None or newest >= began - 1:
             return None

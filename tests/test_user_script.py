@@ -154,18 +154,26 @@ def test_the_scripts_own_schedulers_resume_when_made_before_initialize_stepped_b
     """Round eleven's probe, killed twice and recovered in place: a scheduler made before ``baft.initialize`` (restored
     there) and stepped before each call was stepped once more by the resumed loop; a warm-up scheduler the loop
     replaced by another as it ended (freed: as many references to the optimizer) left the new one in no snapshot;
-    a survivor's ``CyclicLR`` loaded twice (at the restore and as the iteration starts) lost a key of its state.
-    Each resumed silently with other learning rates, or died; every step trained again must equal its first."""
+    a survivor's ``CyclicLR`` loaded twice (at the restore and as the iteration starts) lost a key of its state; a
+    survivor whose loop had replaced its scheduler since the restored step stopped the run, saying to make its
+    schedulers before the loop. Each resumed silently with other learning rates, or died; every step trained again
+    must equal its first."""
     script = Path(__file__).parent / "scripts" / "own_schedulers.py"
     digests = tmp_path / "digests"
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "2",
                            "--run-dir", str(tmp_path / "run"), "--in-place",
-                           # restored from step 1, in the warm-up; then from step 6, after it
-                           "--fault", "rank=0,step=3,phase=forward,restart=0",
+                           # restored from step 2, in the warm-up, which rank 1 had ended (replaced too); then from
+                           # step 6, after it
+                           "--fault", "rank=0,step=4,phase=forward,restart=0",
                            "--fault", "rank=0,step=8,phase=forward,restart=1",
                            "--", str(script)],
                           capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recovery = [json.loads(line) for line in (tmp_path / "run" / "recovery.jsonl").read_text().splitlines()]
-    assert [r["restored_step"] for r in recovery] == [1, 6] and {r["kind"] for r in recovery} == {"in place"}, recovery
+    assert [r["restored_step"] for r in recovery] == [2, 6] and {r["kind"] for r in recovery} == {"in place"}, recovery
+    log = (tmp_path / "run" / LOG_NAME).read_text()
+    assert log.count("rank 1 lost a peer and cannot recover in place (its loop replaced a learning-rate scheduler of "
+                     "its own ({'LinearLR': 1, 'StepLR': 1} -> {'CyclicLR': 1, 'StepLR': 1}) after the newest step every rank holds (2)") == 1
+    pids = processes(digests)
+    assert pids[2][1] == pids[1][1] != pids[0][1], pids  # rank 1 replaced at the first kill, kept at the second
     assert redone_differ(digests) == []

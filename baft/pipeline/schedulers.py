@@ -27,6 +27,8 @@ from baft.errors import BaftError
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> [weakref to a scheduler]
 _LOOKED_AT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> its references then
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # every scheduler deepspeed.initialize made or was given here
+_CAPTURED: dict = {}  # engine step -> the kinds of the script's schedulers a snapshot of that step kept (the newest)
+_KEPT_KINDS = 16  # steps whose kinds are remembered: a recovery in place goes back fewer
 
 
 def engines_own(scheduler) -> None:
@@ -115,7 +117,28 @@ def _look(engine) -> list:
 def capture(engine) -> Optional[list]:
     """Each script scheduler's class and ``state_dict``, or None where the script has none."""
     found = script_schedulers(engine)
+    step = int(getattr(engine, "global_steps", 0))
+    _CAPTURED[step] = _kinds(found)
+    _CAPTURED.pop(step - _KEPT_KINDS, None)
     return [(type(s).__qualname__, s.state_dict()) for s in found] or None
+
+
+def _kinds(found: list) -> dict:
+    return dict(sorted(Counter(type(s).__qualname__ for s in found).items()))
+
+
+def replaced_since(engine, step: int) -> Optional[str]:
+    """Why a survivor in place cannot go back to ``step``, or None: its loop replaced a scheduler of its own since the
+    snapshot of ``step`` (a warm-up's by a decay's as the warm-up ended), and the variable that holds it is the
+    loop's, which no restore takes back: the restored state would have no scheduler of its kind to go to."""
+    then = _CAPTURED.get(step)
+    if then is None:  # no snapshot of that step taken here: nothing to tell
+        return None
+    now = _kinds(script_schedulers(engine))
+    if now == then:
+        return None
+    return (f"its loop replaced a learning-rate scheduler of its own ({then or 'none'} -> {now or 'none'}) after "
+            f"the newest step every rank holds ({step}), and a restore cannot take the loop's variables back")
 
 
 def restore(engine, kept: list) -> Optional[str]:
