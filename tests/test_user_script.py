@@ -173,7 +173,8 @@ def test_the_scripts_own_schedulers_resume_when_made_before_initialize_stepped_b
     assert [r["restored_step"] for r in recovery] == [2, 6] and {r["kind"] for r in recovery} == {"in place"}, recovery
     log = (tmp_path / "run" / LOG_NAME).read_text()
     assert log.count("rank 1 lost a peer and cannot recover in place (its loop replaced a learning-rate scheduler of "
-                     "its own ({'LinearLR': 1, 'StepLR': 1} -> {'CyclicLR': 1, 'StepLR': 1}) after the newest step every rank holds (2)") == 1
+                     "its own ({'LinearLR': 1, 'StepLR': 1} -> {'CyclicLR': 1, 'StepLR': 1}) after the newest step "
+                     "every rank holds (2)") == 1
     pids = processes(digests)
     assert pids[2][1] == pids[1][1] != pids[0][1], pids  # rank 1 replaced at the first kill, kept at the second
     assert redone_differ(digests) == []

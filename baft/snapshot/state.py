@@ -303,9 +303,19 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
 
 
 def _set_param_groups(engine, groups: list) -> None:
-    """Each of the optimizer's param groups takes the hyper-parameters kept of it (its ``params`` stay)."""
+    """Each of the optimizer's param groups takes the hyper-parameters kept of it (its ``params`` stay). A tensor (a
+    learning rate given as one) goes in by value, never as the kept object: a scheduler fills its group's tensor in
+    place (as it is made, at each step), and the kept groups are set again as the first resumed iteration starts."""
     for group, saved in zip(base_optimizer(engine.optimizer).param_groups, groups):
-        group.update(saved)
+        for key, value in saved.items():
+            held = group.get(key)
+            if not torch.is_tensor(value):
+                group[key] = value
+            elif (torch.is_tensor(held) and held is not value and held.shape == value.shape
+                  and held.dtype == value.dtype):
+                held.copy_(value)
+            else:
+                group[key] = value.clone()
 
 
 def set_rng(rng: dict) -> None:

@@ -1,6 +1,7 @@
 """A user's script with learning-rate schedulers of its own on the optimizer it made (probe 11): a ``StepLR`` made
 before ``baft.initialize`` and stepped before each ``train_batch`` call, and a warm-up ``LinearLR`` the loop replaces
-by a ``CyclicLR`` (which cycles Adam's betas too) as the warm-up ends, stepped after each call."""
+by a ``CyclicLR`` (which cycles Adam's betas too) as the warm-up ends, stepped after each call; the learning rate a
+tensor, which torch's schedulers fill in place."""
 
 import argparse
 import random
@@ -24,7 +25,7 @@ random.seed(0)
 numpy.random.seed(0)
 layers = [LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout, 0.1), LayerSpec(nn.Linear, 32, 1)]
 model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=False)  # the schedulers fill it
 # both there as baft.initialize restores
 decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.8)
 WARMUP = 3
