@@ -32,7 +32,8 @@ def finals(output: str) -> dict[int, str]:
 @pytest.mark.slow
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     """Profiled, shown, trained beside a plain run, killed and recovered in place by a spare; each stage draws noise
-    from a generator a layer of its holds (probe 11: not kept, so the resumed weights differed, silently)."""
+    from a generator a layer of its holds, and the loop multiplies the learning rate by a factor before each call
+    (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently)."""
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]

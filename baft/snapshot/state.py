@@ -258,8 +258,8 @@ def loss_scaler(optimizer):
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     """Put the small state back: counters, batch size, hyper-parameters, scheduler, scaler, data position now; the
-    RNG states by the hook returned, which must run before any other at the next iteration's start, and the
-    script's own schedulers now where they exist, else by that hook too."""
+    RNG states by the hook returned, which must run before any other at the next iteration's start, the script's
+    own schedulers now where they exist and by that hook, and the hyper-parameters again by that hook."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
     if items.get("train_batch_size", engine.train_batch_size()) != engine.train_batch_size():
@@ -290,15 +290,16 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     THIS_PROCESS.restored(items.get("loop"))
     restore = RngRestore(items["rng"], items.get("rng_between"))
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
-    # schedulers' states as it first started (baft.pipeline.loop); its schedulers are where its loop is
+    # schedulers' states and learning rates as it first started (baft.pipeline.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
-    if "script_schedulers" in items and not survivor:
-        kept = _torch_unblob(items["script_schedulers"])
-        schedulers.restore(engine, kept)  # where the script made them already: else by the first iteration
-        # and by the first iteration again in any case: the loop's code before its next train_batch call runs again
-        # in the resumed process (a scheduler the script steps before each call would be stepped twice), and the
-        # state was captured as that iteration started, after that code
-        restore.schedulers = (kept, groups)
+    if not survivor:
+        # set again as the first resumed iteration starts: the loop's code before its next train_batch call runs
+        # again in the resumed process (a learning rate it multiplies by a factor there, a scheduler it steps there,
+        # would be so twice), and they were captured as that iteration started, after that code
+        restore.groups = groups
+        if "script_schedulers" in items:
+            restore.schedulers = _torch_unblob(items["script_schedulers"])
+            schedulers.restore(engine, restore.schedulers)  # where the script made them already: else by then
     return restore
 
 
@@ -331,7 +332,8 @@ class RngRestore(InstructionHook):
     def __init__(self, rng: dict, between: Optional[dict] = None):
         self.rng: Optional[dict] = rng
         self.between = between
-        self.schedulers: Optional[tuple] = None  # (what the script's schedulers kept, the param groups)
+        self.schedulers: Optional[list] = None  # what the script's schedulers kept
+        self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
 
     def between_steps(self) -> None:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
@@ -344,19 +346,20 @@ class RngRestore(InstructionHook):
             set_rng(self.rng)
             self.rng = None
         if self.schedulers is not None:
-            kept, groups = self.schedulers
+            why = schedulers.restore(engine, self.schedulers)
             self.schedulers = None
-            why = schedulers.restore(engine, kept)
             if why is not None:
                 raise BaftError(f"{why}; resumed, its learning rates would not be those of an uninterrupted "
                                 f"run. Make them before the loop's first train_batch, or give one to "
                                 f"deepspeed.initialize (lr_scheduler=)")
-            _set_param_groups(engine, groups)
+        if self.groups is not None:
+            _set_param_groups(engine, self.groups)
+            self.groups = None
 
     def cancel(self) -> None:
         """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
         loaded over it)."""
-        self.rng = self.schedulers = None
+        self.rng = self.schedulers = self.groups = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:

@@ -64,6 +64,8 @@ held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its 
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
+    for group in engine.optimizer.param_groups:  # a decay of the script's own, by a factor before each call
+        group["lr"] *= 0.98
     loss = engine.train_batch(data_iter=data)
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
