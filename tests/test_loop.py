@@ -397,6 +397,32 @@ def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(caps
     assert said.count("baft: eval_batch returned tuple at step 3, not a scalar (return_logits=True?)") == 1, said
 
 
+def test_an_evaluation_that_returned_none_is_replayed_as_none(capsys):
+    """``eval_batch(..., bcast_loss=False)`` returns None on every stage but the last (probe 12: such a stage said
+    "returned NoneType ... (return_logits=True?)" as it was made, and a process resumed in a loop that counts its calls
+    stopped at its first replayed evaluation): nothing is said, and a replay there returns None; a None recorded on
+    another stage (a survivor's record, in place) is not replayed as this stage's value."""
+    from types import SimpleNamespace
+
+    from baft.errors import BaftError
+    from baft.pipeline.loop import Loop
+
+    loop, engine = Loop(), SimpleNamespace(global_steps=0, global_rank=0, device="cpu")
+    loop.record_eval(engine, None)  # an evaluation before the first call
+    engine.global_steps = 2
+    loop.record_eval(engine, torch.tensor(0.5))
+    loop.record_eval(engine, None)
+    assert capsys.readouterr().err == ""
+    resumed = Loop()
+    resumed.restored(json.loads(json.dumps(loop.history.items())))
+    resumed.to_replay = resumed.evaluated_until = 3
+    assert resumed.replays_evaluations and resumed.replay_eval(engine, returns_none=True) is None
+    resumed.called(), resumed.called()
+    assert float(resumed.replay_eval(engine)) == 0.5
+    with pytest.raises(BaftError, match="eval_batch call 2 after step 2 returned nothing baft recorded"):
+        resumed.replay_eval(engine)
+
+
 def test_a_batch_size_the_script_changes_has_every_rank_replaced_in_place_said_once_first_reason_kept(
         monkeypatch, capsys):
     """``set_train_batch_size`` (a batch-size ramp): a survivor's new engine would train at the configured size, so a

@@ -188,7 +188,9 @@ class BaftPipelineEngine(PipelineEngine):
             if self.is_first_stage() or self.is_last_stage():  # the stages that read data: the script's evaluation
                 for _ in range(num_micro_batches or self.micro_batches):  # data goes on where the replayed run's did
                     next(data_iter)
-            return loop.replay_eval(self)
+            # DeepSpeed's returns None on a stage other than the last where it broadcasts no loss (bcast_loss=False)
+            return loop.replay_eval(self, returns_none=not self.is_last_stage() and not return_logits and not (
+                compute_loss and (bcast_loss or self.monitor.enabled)))
         value = super().eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches)
         if loop.counts_calls:
             loop.record_eval(self, value)

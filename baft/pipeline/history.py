@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# what an eval_batch that returned None recorded (a stage other than the last, under bcast_loss=False): replayed as None
+RETURNED_NONE = "none"
+
 
 class Column:
     """One number per step, as a commit record holds it: the base64 of their bytes. The record is written with
@@ -74,7 +77,8 @@ class History:
         self.lrs.values += (list(lrs) + [float("nan")] * self.groups)[:self.groups]
 
     def record_eval(self, step: int, value) -> None:
-        self.evals.setdefault(step, []).append(self._value("eval", value))
+        # None (a stage other than the last, under bcast_loss=False) is replayed as None
+        self.evals.setdefault(step, []).append(RETURNED_NONE if value is None else self._value("eval", value))
 
     def value(self, step: int):
         """What the call that trained ``step`` returned (a float), or None where it cannot be replayed."""

@@ -39,7 +39,7 @@ import torch
 
 from baft.config import GENERATION_ENV, STORE_ENV
 from baft.errors import BaftError
-from baft.pipeline.history import History
+from baft.pipeline.history import RETURNED_NONE, History
 from baft.pipeline.loop_source import LoopSite, loop_around
 from baft.pipeline.rng import rng_states, set_rng_states
 from baft.pipeline.schedulers import script_schedulers
@@ -136,7 +136,8 @@ class Loop:
             # a replacement in place: its peers' loops went on past the restored step, and made the evaluations and
             # checkpoints of the steps it trains again with them
             self.evaluated_until = peers["step_called_for"] - 1
-            self.history.evals.update({int(step): v for step, v in peers["evals"].items()})
+            # those of the steps after the restored one (the restored record holds this stage's own up to it)
+            self.history.evals.update({int(step): v for step, v in peers["evals"].items() if int(step) > k})
         if k and (engine.global_rank == 0 or peers is not None):
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
@@ -261,12 +262,18 @@ class Loop:
         self.called()
         return self._recorded(engine, "train", self.history.value(self.calls), f"step {self.calls}")
 
-    def replay_eval(self, engine):
-        """What the next replayed ``eval_batch`` call returns."""
+    def replay_eval(self, engine, returns_none: bool = False):
+        """What the next replayed ``eval_batch`` call returns: None where DeepSpeed's returns None on this stage
+        (``returns_none``: a stage other than the last, under ``bcast_loss=False``), else what the call returned then.
+        In place, a replacement's record of the steps after the restored one is a survivor's, on another stage: its
+        None there (recorded as :data:`RETURNED_NONE`) is not what this stage returned, and cannot be replayed."""
         self.evals_replayed += 1
+        if returns_none:
+            return None
         values = self.history.evals.get(self.calls, [])
-        return self._recorded(engine, "eval", values[self.evals_replayed - 1] if self.evals_replayed <= len(values)
-                              else None, f"eval_batch call {self.evals_replayed} after step {self.calls}")
+        recorded = values[self.evals_replayed - 1] if self.evals_replayed <= len(values) else None
+        return self._recorded(engine, "eval", None if recorded == RETURNED_NONE else recorded,
+                              f"eval_batch call {self.evals_replayed} after step {self.calls}")
 
     def _recorded(self, engine, kind: str, value, what: str):
         if value is None:
