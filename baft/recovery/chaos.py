@@ -9,7 +9,9 @@ after the snapshot is committed, before the optimizer step) or ``optimizer`` (wh
 optimizer step runs, the snapshot committed); under recovery in place also ``recover`` (as the
 rank begins to recover from a peer's death in that iteration: a second fault during a recovery). ``node=N,step=S`` kills
 a whole node at the start of that iteration: its manager (SIGKILL), its shared memory
-(deleted) and all its ranks. ``manager=N,step=S`` kills only node N's manager. Each fault
+(deleted) and all its ranks, once the node's parity group holds enough shares of a step to rebuild it (up to
+a minute: a node lost before that cannot be rebuilt, and a test of a covered loss would depend on how fast the
+managers encode). ``manager=N,step=S`` kills only node N's manager. Each fault
 is logged to ``RUN_DIR/chaos.jsonl`` (:mod:`baft.faults`) before the kill, so recovery reports know when it
 happened. The hook that kills is :class:`baft.recovery.chaos_hook.ChaosHook`.
 """

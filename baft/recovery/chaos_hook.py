@@ -14,11 +14,16 @@ from typing import Optional
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, RecvActivation, RecvGrad
 
 from baft import faults as fault_log
+from baft.errors import BaftError
 from baft.manager.control import INFO_NAME
+from baft.manager.protocol import ManagerClient
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.chaos import Fault
 from baft.snapshot.optimizers import before_base_step
 from baft.snapshot.policies import SnapshotPolicy
+
+
+COVERED_WAIT = 60.0  # seconds a node fault waits for its node's parity group to be able to rebuild it
 
 
 class ChaosHook(InstructionHook):
@@ -27,7 +32,7 @@ class ChaosHook(InstructionHook):
     def __init__(self, faults: list[Fault], rank: int, attempt: int, run_dir: Optional[str],
                  node: int = 0, node_root: Optional[str] = None):
         self.faults = [f for f in faults if f.restart == attempt and (f.rank == rank or f.node == node)]
-        self.run_dir, self.node_root, self.rank = run_dir, node_root, rank
+        self.run_dir, self.node_root, self.rank, self.node = run_dir, node_root, rank, node
 
     def _due(self, engine, phase: str) -> Optional[Fault]:
         step = engine.global_steps + 1  # the step this iteration produces
@@ -53,9 +58,25 @@ class ChaosHook(InstructionHook):
             self._log(fault)
             self._kill_manager()
         elif fault := self._due(engine, "node"):
+            deadline = time.monotonic() + COVERED_WAIT
+            while not self._covered() and time.monotonic() < deadline:
+                time.sleep(0.05)
             self._kill_manager()
             shutil.rmtree(self.node_root, ignore_errors=True)  # the node's memory is gone with it
             self._kill(fault)
+
+    def _covered(self) -> bool:
+        """Whether enough other members of the node's parity group hold shares of its newest encoded step to rebuild
+        it (True where the node has no manager or no group: nothing to wait for)."""
+        try:
+            with ManagerClient.connect(self.node_root, timeout=2.0) as client:
+                parity = client.status()["parity"]
+        except BaftError:
+            return True
+        if not parity:
+            return True
+        others = [m for m in parity["acked"].get(str(parity["encoded_step"]), []) if m != self.node]
+        return len(others) >= parity["k"]
 
     def _kill_manager(self) -> None:
         try:
