@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -274,7 +273,7 @@ def node_job(cluster_work: Path, index: int, seed: int, model: list[str], iters:
 
     run_dir = cluster_work / "run"
     script = LAUNCH.format(worker=" ".join(node_worker_args(model, iters, run_dir, "baft", persist)))
-    env = {**launch_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = launch_env()  # this Python's bin first on PATH: torchrun, as the README's launch names it
     plan = draw_losses(seed, index) if persist else draw_losses(seed, index)[-2:]
     cluster = nodes.Cluster(NODES, cluster_work)
     job = nodes.Job(cluster, script, env, run_dir, cluster_work / "logs")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -57,7 +56,7 @@ def one_run(arm: str, work: Path) -> dict:
     launcher = LAUNCHERS[arm.removesuffix(" again")]
     script = LAUNCH.format(launcher=launcher, restarts=1, model=" ".join(MODELS["tiny"]), iters=ITERS, run_dir=run_dir)
     fault = f"rank={FAULT_RANK},step={FAULT_STEP},phase=backward,restart=0"
-    env = {**launch_env({chaos.ENV: fault}), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = launch_env({chaos.ENV: fault})  # this Python's bin first on PATH: baft and torchrun
     env.pop("BAFT_WARM_SOCKET", None)  # each node's server its own, in the node's namespaces
     cluster = nodes.Cluster(NODES, work)
     job = nodes.Job(cluster, script, env, run_dir, work / "logs")

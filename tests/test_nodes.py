@@ -8,10 +8,8 @@ SIGKILLs every process of its namespace and deletes the namespace, and its share
 with it; a replacement is a fresh namespace with the lost node's name.
 """
 
-import os
 import re
 import shlex
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,8 +82,7 @@ def test_three_nodes_survive_the_loss_of_each_node_bit_identically(cluster, tmp_
     stage is rebuilt from the other nodes' parity, and every loss logged, redone steps included, and the final
     state of every rank equal the uninterrupted run's bit for bit."""
     launch = readme_block("torchrun --nnodes")
-    env = {**launch_env(), "RUN": str(tmp_path / "run"), DIGESTS_ENV: str(tmp_path / "digests"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = launch_env({"RUN": str(tmp_path / "run"), DIGESTS_ENV: str(tmp_path / "digests")})  # baft on its PATH
     env.pop(SOCKET_ENV, None)  # each node forks its ranks from a server of its own, in its own namespaces
     job = nodes.Job(cluster, launch, env, tmp_path / "run", tmp_path / "logs")
     iters = int(option(worker_args(launch, job.run_dir), "--iters"))

@@ -41,16 +41,16 @@ def poll_seconds(nodes: int) -> float:
     return min(1.0, max(0.05, nodes / 500))
 
 
-def _shorter_waits(delay, nodes: int):
-    """``dynamic_rendezvous._delay`` for a job on at most ``nodes`` nodes: a poll's wait of :func:`poll_seconds`, and
-    the first round's skew between nodes only where there are several."""
+def _shorter_waits(delay, nodes: int, poll: float):
+    """``dynamic_rendezvous._delay`` for a job on at most ``nodes`` nodes: a poll's wait of ``poll`` seconds at most,
+    and the first round's skew between nodes only where there are several."""
 
     def _delay(seconds) -> None:
         if isinstance(seconds, tuple):  # the random skew of the first round
             if nodes > 1:
                 delay(seconds)
         else:
-            delay(min(seconds, poll_seconds(nodes)))
+            delay(min(seconds, poll))
 
     return _delay
 
@@ -127,10 +127,11 @@ def main(argv: list[str], warm: bool = False) -> None:
         dynamic_rendezvous.get_method_name = _method_name
     args = run_module.parse_args(argv)
     nodes = 1 if args.standalone else run_module.parse_min_max_nnodes(args.nnodes)[1]
+    poll = poll_seconds(nodes)
     delay = getattr(dynamic_rendezvous, "_delay", None)
     if delay is not None:
-        dynamic_rendezvous._delay = _shorter_waits(delay, nodes)
-    if not _each_round(dynamic_rendezvous.DynamicRendezvousHandler, poll_seconds(nodes)):
+        dynamic_rendezvous._delay = _shorter_waits(delay, nodes, poll)
+    if not _each_round(dynamic_rendezvous.DynamicRendezvousHandler, poll):
         os.environ.setdefault(UNSHARED_STORE_ENV, "1")
     servers: list = []
     if warm:
