@@ -143,6 +143,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         guard_load_checkpoint(engine, protection.client_state)
         if protection.hooks.rng is not None:  # the script's loop goes on from the restored step
             protection.hooks.rng.between_steps()
+        THIS_PROCESS.before_first_call(engine)
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace
 

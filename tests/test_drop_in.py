@@ -15,7 +15,7 @@ from baft.recovery.digests import DIGESTS_ENV, compare, load, processes
 from conftest import SCRIPTS
 
 STEPS = 10
-LINE = re.compile(r"^(step \d+|eval after step \d+) loss (\S+)", re.M)
+LINE = re.compile(r"^(step \d+|eval after step \d+|call \d+ starts) (?:loss|at) (.+)$", re.M)
 
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:

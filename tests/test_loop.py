@@ -291,7 +291,7 @@ class Engine:
         LOOP.decide(self, sys._getframe(1))
 
 LOOP = Loop()
-LOOP.restored(None)  # a snapshot taken by a process whose loop did not count its calls
+LOOP.restored(None, {"global_steps": STEP})  # a snapshot taken by a process whose loop did not count its calls
 engine = Engine(STEP)
 while engine.global_steps < 2:  # a warm-up phase, on the engine's step
     engine.train_batch()
@@ -414,7 +414,7 @@ def test_an_evaluation_that_returned_none_is_replayed_as_none(capsys):
     loop.record_eval(engine, None)
     assert capsys.readouterr().err == ""
     resumed = Loop()
-    resumed.restored(json.loads(json.dumps(loop.history.items())))
+    resumed.restored(json.loads(json.dumps(loop.history.items())), {"global_steps": 1})
     resumed.to_replay = resumed.evaluated_until = 3
     assert resumed.replays_evaluations and resumed.replay_eval(engine, returns_none=True) is None
     resumed.called(), resumed.called()

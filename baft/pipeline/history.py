@@ -63,6 +63,7 @@ class History:
     unreplayable: set = field(default_factory=set)  # steps whose value was not a number
     evals: dict = field(default_factory=dict)  # step -> the values eval_batch returned while the engine was there
     dtypes: dict = field(default_factory=dict)  # "train", "eval": the dtype of the values
+    first_lrs: list = field(default_factory=list)  # each param group's lr before the first step
 
     def record_train(self, step: int, value, samples: int, lrs: list) -> None:
         for column, per_step in ((self.train, 1), (self.samples, 1), (self.lrs, self.groups)):
@@ -115,7 +116,8 @@ class History:
         # copies: the commit record is written on another thread while training records on
         return {"train": self.train.encoded(), "samples": self.samples.encoded(), "lrs": self.lrs.encoded(),
                 "groups": self.groups, "unreplayable": sorted(self.unreplayable),
-                "evals": {str(k): list(v) for k, v in self.evals.items()}, "dtypes": dict(self.dtypes)}
+                "evals": {str(k): list(v) for k, v in self.evals.items()}, "dtypes": dict(self.dtypes),
+                "first_lrs": list(self.first_lrs)}
 
     @classmethod
     def from_items(cls, items: dict) -> "History":
@@ -125,4 +127,5 @@ class History:
             unreplayable |= {step for step, value in enumerate(train, 1) if value is None}
         return cls(Column.decoded(train, "float64"), Column.decoded(items.get("samples", []), "int64"),
                    Column.decoded(items.get("lrs", []), "float64"), items.get("groups", 0), unreplayable,
-                   {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]))
+                   {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]),
+                   items.get("first_lrs", []))

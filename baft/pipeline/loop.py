@@ -71,12 +71,48 @@ class Loop:
         self.said_unreplayable = False  # whether an eval_batch value a replay could not return was said
         # whether the script's own load_checkpoint returned the restored step's client_state: it resumes itself
         self.script_resumed = False
+        self.counters: dict = {}  # the engine's counters a restore set
+        self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
 
-    def restored(self, items: Optional[dict]) -> None:
-        """The history a snapshot holds, in a process that has not trained yet (a survivor keeps its own)."""
+    def restored(self, items: Optional[dict], counters: dict) -> None:
+        """The history a snapshot holds and the engine's ``counters`` it set, in a process that has not trained yet
+        (a survivor keeps its own)."""
         if not self.decided:
             self.history = History.from_items(items) if items else History()
             self.recorded = items is not None
+            self.counters = dict(counters)
+
+    def before_first_call(self, engine) -> None:
+        """As ``baft.initialize`` returns. A process resumed from a loop that counted its calls replays them from the
+        first, so its code before the first reads the engine as an uninterrupted run's did there: counters 0, the
+        first learning rates (an evaluation at the top of the loop gated on the step). The loop's first call puts
+        the restored ones back where it does not replay (:meth:`show_restored`); each replayed call sets what the
+        script read after it then, and the last the restored step's. A new process keeps its first learning rates."""
+        if self.decided:
+            return
+        if not self.recorded:
+            self.history.first_lrs = [float(lr) for lr in engine.get_lr()]
+            return
+        if engine.baft.config.loop == "steps" or not self.counters.get("global_steps"):
+            return
+        groups = engine.optimizer.param_groups
+        self.hidden = {"counters": {k: getattr(engine, k) for k in self.counters},
+                       "lrs": [group["lr"] for group in groups]}
+        for k in self.counters:
+            setattr(engine, k, 0)
+        for group, lr in zip(groups, self.history.first_lrs):
+            group["lr"] = lr
+
+    def show_restored(self, engine) -> None:
+        """The restored counters and learning rates :meth:`before_first_call` hid, back: the loop does not replay
+        (it is on the engine's step, or the script loads its own checkpoint to resume itself)."""
+        if self.hidden is None:
+            return
+        for k, v in self.hidden["counters"].items():
+            setattr(engine, k, v)
+        for group, lr in zip(engine.optimizer.param_groups, self.hidden["lrs"]):
+            group["lr"] = lr
+        self.hidden = None
 
     def decide(self, engine, frame, training: bool = True) -> None:
         """At each call to ``train_batch`` (``training``) or ``eval_batch`` (``frame``: its caller's): at the
@@ -104,6 +140,7 @@ class Loop:
                               "start. Loop on the engine's step (while engine.global_steps < N), or say \"loop\": "
                               "\"calls\" in the baft section if it counts its calls from 0")
         if not self.counts_calls:
+            self.show_restored(engine)
             if self.site is not None and self.site.own_count:
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
@@ -123,7 +160,9 @@ class Loop:
                               "Loop on the engine's step (while engine.global_steps < N), which replays no calls, for "
                               "its survivors to recover in place")
         # the snapshot of step k was taken as step k + 1 started: the loop's evaluations after step k were made
-        self.to_replay = self.evaluated_until = k = engine.global_steps
+        restored = engine.global_steps if self.hidden is None else self.hidden["counters"]["global_steps"]
+        self.hidden = None  # the replay sets what the script reads; the restored state is put back after it
+        self.to_replay = self.evaluated_until = k = restored
         loop = self.site.named if self.site else 'the loop ("loop": "calls")'
         if k and not self.recorded:
             raise BaftError(f"{loop} counts its calls to train_batch, and the snapshot of step {k} this process "
@@ -220,8 +259,9 @@ class Loop:
 
     @property
     def replaying(self) -> bool:
-        """Whether the loop's next ``train_batch`` call is one that trained a step up to the restored one."""
-        return self.calls < self.to_replay
+        """Whether the loop's next ``train_batch`` call is one that trained a step up to the restored one, or may be
+        (the restored counters are hidden until the first call: :meth:`before_first_call`)."""
+        return self.hidden is not None or self.calls < self.to_replay
 
     def left_in_replay(self) -> str:
         """Why this process must not end now, or "": its loop, replaying its calls up to the restored step, stopped

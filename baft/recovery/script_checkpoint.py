@@ -83,6 +83,7 @@ def guard_load_checkpoint(engine, client_state: Optional[ClientState]) -> None:
 
 def _guarded_load(client_state: Optional[ClientState], engine, load, load_dir, tag=None, *args, **kwargs):
     """What ``engine.load_checkpoint(load_dir, tag, ...)`` does on a protected engine; ``load``: DeepSpeed's."""
+    THIS_PROCESS.show_restored(engine)  # the script resumes itself from what it loads: its loop replays nothing
     restored = engine.baft.restored
     path, step = checkpoint_step(load_dir, tag)
     kept_client = client_state is not None and client_state.restored is not None

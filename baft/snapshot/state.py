@@ -287,7 +287,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     client = _client_state(engine)
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
-    THIS_PROCESS.restored(items.get("loop"))
+    THIS_PROCESS.restored(items.get("loop"), items["counters"])
     restore = RngRestore(items["rng"], items.get("rng_between"))
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.pipeline.loop); they are where its loop is
