@@ -224,6 +224,33 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     assert _site(tmp_path, resumed)[0].own_count == "", "the script's own resume sets it"
 
 
+def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
+    """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count: no snapshot holds
+    them, so a resumed run starts them again from their first values (a learning rate not halved at the first resumed
+    step, and every loss after it differs), said at start where the loop does not count its calls (a replay
+    recomputes them)."""
+    line = STUB.count(chr(10))
+    bold = ("prev = None\nwhile engine.global_steps < N:\n    loss = engine.train_batch() or 0.5\n"
+            "    if prev is not None and loss > prev:\n        lr = 0.5\n    prev = loss\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, bold)
+    assert not site.counts_calls and site.carried == f"{script}:{line + 6} (prev = loss)", site
+    meter = ("meter = 0.0\nwhile engine.global_steps < N:\n    meter = 0.9 * meter + 0.1 * (engine.train_batch() or 1)\n"
+             "    engine.global_steps += 1\n    print(meter)")
+    site, script = _site(tmp_path, meter)
+    assert site.carried == f"{script}:{line + 3} ({meter.splitlines()[2].strip()})", site
+    patience = ("best, bad = float('inf'), 0\nwhile engine.global_steps < N:\n    loss = engine.train_batch() or 1\n"
+                "    if loss < best:\n        best, bad = loss, 0\n    else:\n        bad += 1\n"
+                "    engine.global_steps += 1\n    if bad > 3:\n        break")
+    assert _site(tmp_path, patience)[0].carried.endswith("(best, bad = (loss, 0))")
+    # not carried: set before it is read in each iteration; started from what the script resumed; never read
+    fresh = ("loss = None\nwhile engine.global_steps < N:\n    loss = engine.train_batch()\n    print(loss)\n"
+             "    engine.global_steps += 1")
+    resumed = bold.replace("prev = None", "prev = args.steps")
+    unread = "last = None\nwhile engine.global_steps < N:\n    last = engine.train_batch()\n    engine.global_steps += 1"
+    assert not any(_site(tmp_path, body)[0].carried for body in (fresh, resumed, unread))
+    assert not any(_site(tmp_path, STEPS[name])[0].carried for name in STEPS)
+
+
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
     """A ``while`` over a counter baft cannot read, or a ``for`` over what it cannot tell from a count or the data (a
     function's result): resumed, it would run its steps again, and is said at start."""

@@ -146,6 +146,13 @@ class Loop:
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
                                   f"keep it in client_state= of baft.initialize")
+            elif self.site is not None and self.site.carried:
+                self._say(engine, f"carries a value of the script's own from one iteration to the next, "
+                                  f"{self.site.carried}, which no snapshot holds: resumed after a fault it starts "
+                                  f"again from its first value, not where the uninterrupted run had it, and what the "
+                                  f"loop sets from it (a learning rate, an early stop) may differ. Keep it in "
+                                  f"client_state= of baft.initialize (an object with state_dict() and "
+                                  f"load_state_dict())")
             if self.site is not None and self.site.from_step:
                 self.no_survivors(engine, f"its loop ({self.site.named}) makes a fixed number of "
                                           f"calls from the step it started at: a survivor's, started before the "

@@ -40,6 +40,9 @@ class LoopSite:
     # where the loops (or what they call) add a number to a count of the script's own, file:line and text
     # (``iteration += 1``, a trainer's ``self.global_step += 1``)
     own_count: str = ""
+    # where the loops carry a value of the script's own from one iteration to the next, file:line and text (the
+    # previous loss, a patience count, a loss meter), started before them at a literal
+    carried: str = ""
     # one of the loops is a range from a start read at the call (``range(start, n)``): 0 or 1 then, it counts its
     # calls, unless the script resumed itself to that start
     start_read: bool = False
@@ -87,6 +90,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                                   for file, loop, _, frame in loops)), ""),
                     own_count=next(filter(None, (_own_count(file, loop, scope, frame, kept)
                                                   for file, loop, scope, frame in loops)), ""),
+                    carried=next(filter(None, (_carried(file, loop, scope) for file, loop, scope, _ in loops)), ""),
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -309,6 +313,67 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
             if not any(owner is k for k in kept):
                 return f"{filename}:{node.lineno} ({ast.unparse(node)})"
     return ""
+
+
+def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
+    """The first name ``loop`` carries from one iteration to the next, as ``file:line (text)`` of the assignment that
+    carries it; "" where none is. Carried: the loop assigns it and reads it before it assigns it in the same
+    iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), and
+    its scope starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``): a
+    value set otherwise there may be the script's own resume of it."""
+    def position(node):
+        return node.lineno, node.col_offset
+
+    def names_read(node):
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+    stores: dict[str, list] = {}
+    for node in ast.walk(loop):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name):
+                    stores.setdefault(name.id, []).append(node)
+    reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    found = []
+    for name, assignments in stores.items():
+        first = min(position(a) for a in assignments)
+        read = [n for n in reads if n.id == name]
+        folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
+        if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
+            carrier = min(folded or assignments, key=position)
+            found.append((position(carrier), f"{filename}:{carrier.lineno} ({ast.unparse(carrier)})"))
+    return min(found)[1] if found else ""
+
+
+def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
+    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal: a number, a string, None, a bool,
+    ``float("inf")``, an empty or literal list, tuple, dict or set."""
+    def literal(value) -> bool:
+        if isinstance(value, ast.Call) and _name(value.func) in ("float", "int") and not value.keywords:
+            return all(literal(arg) for arg in value.args)
+        try:
+            ast.literal_eval(value)
+            return True
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return False
+
+    def values(target, value):
+        """What ``target = value`` assigns to ``name`` (a tuple's item where both sides are tuples alike)."""
+        if isinstance(target, ast.Name):
+            return [value] if target.id == name else []
+        if isinstance(target, (ast.Tuple, ast.List)):
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                return [v for t, item in zip(target.elts, value.elts) for v in values(t, item)]
+            return [value] if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(target)) else []
+        return []
+
+    inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
+    started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and node.value is not None and node.lineno not in inside
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) for v in values(t, node.value)]
+    return bool(started) and all(literal(value) for value in started)
 
 
 def _adds_a_number(node: ast.AST) -> bool:
