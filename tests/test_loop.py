@@ -344,6 +344,22 @@ def test_a_phase_that_counts_its_calls_after_one_on_the_engines_step_is_said_and
         runpy.run_path(str(script), run_name="__main__")
 
 
+def test_a_carried_value_is_said_at_start_where_the_loop_does_not_count_its_calls(tmp_path, capfd):
+    """Said once, by rank 0, at the first call; not in a loop that counts its calls, whose replay recomputes it."""
+    header = PHASES.split("LOOP.restored")[0] + "engine = Engine(0)\nprev = None\n"
+    carry = "    loss = engine.train_batch() or 1.0\n    if prev is not None and loss > prev:\n        pass\n    prev = loss\n"
+    script = tmp_path / "carried.py"
+    script.write_text(header + "while engine.global_steps < 3:\n" + carry + "    engine.global_steps += 1\n")
+    runpy.run_path(str(script), run_name="__main__")
+    err = capfd.readouterr().err
+    assert err.count("baft:") == 1 and (f"carries a value of the script's own from one iteration to the next, "
+                                        f"{script}:{header.count(chr(10)) + 5} (prev = loss), which no snapshot holds"
+                                        ) in err, err
+    script.write_text(header + "for _ in range(3):\n" + carry)
+    runpy.run_path(str(script), run_name="__main__")
+    assert capfd.readouterr().err == ""
+
+
 def test_the_loop_key_is_validated():
     from baft.config import parse_config
     from baft.errors import ConfigError
