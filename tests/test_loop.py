@@ -249,6 +249,17 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     unread = "last = None\nwhile engine.global_steps < N:\n    last = engine.train_batch()\n    engine.global_steps += 1"
     assert not any(_site(tmp_path, body)[0].carried for body in (fresh, resumed, unread))
     assert not any(_site(tmp_path, STEPS[name])[0].carried for name in STEPS)
+    # a trainer's attribute, in a method its loop calls; not where the trainer resumes it, nor set before it is read
+    trainer = ("class Trainer:\n    def __init__(self):\n        self.prev = None\n    def after(self, loss):\n"
+               "        if self.prev is not None and loss > self.prev:\n            pass\n        self.prev = loss\n"
+               "    def fit(self):\n        while engine.global_steps < N:\n"
+               "            self.after(engine.train_batch() or 1.0)\n            engine.global_steps += 1\n"
+               "Trainer().fit()")
+    site, script = _site(tmp_path, trainer)
+    assert site.carried == f"{script}:{line + 7} (self.prev = loss)", site
+    resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
+    stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
+    assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):

@@ -90,7 +90,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                                   for file, loop, _, frame in loops)), ""),
                     own_count=next(filter(None, (_own_count(file, loop, scope, frame, kept)
                                                   for file, loop, scope, frame in loops)), ""),
-                    carried=next(filter(None, (_carried(file, loop, scope) for file, loop, scope, _ in loops)), ""),
+                    carried=next(filter(None, (_carried(file, loop, scope) or _carried_attribute(file, loop, frame, kept)
+                                               for file, loop, scope, frame in loops)), ""),
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -347,18 +348,60 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
     return min(found)[1] if found else ""
 
 
-def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
-    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal: a number, a string, None, a bool,
-    ``float("inf")``, an empty or literal list, tuple, dict or set."""
-    def literal(value) -> bool:
-        if isinstance(value, ast.Call) and _name(value.func) in ("float", "int") and not value.keywords:
-            return all(literal(arg) for arg in value.args)
-        try:
-            ast.literal_eval(value)
-            return True
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return False
+def _carried_attribute(filename: str, loop: ast.AST, frame, kept) -> str:
+    """The first attribute of an object from outside the loop that the loop, or a function or method of the same file
+    it calls, carries from one call to the next (``self.prev = loss`` after reading ``self.prev`` in the same body,
+    ``self.best = min(self.best, loss)``), as ``file:line (text)``; "" where none is. Only where the file sets the
+    attribute elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on an
+    object that is not one of ``kept``."""
+    def attribute(node):
+        return (node.value.id, node.attr) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else None
 
+    bodies = _reached(filename, loop)
+    inside = {(node.lineno, node.col_offset) for body in bodies for node in ast.walk(body) if isinstance(node, ast.stmt)}
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    found = []
+    for body in bodies:
+        reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
+                 if attribute(node) and isinstance(node.ctx, ast.Load)]
+        for node in ast.walk(body):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+            for target in (t for target in targets for t in ast.walk(target)):
+                key = attribute(target)
+                if key is None or key[0] in made or key[1] in ENGINE_STEP:
+                    continue
+                folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
+                before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
+                owner = frame.f_locals.get(key[0], frame.f_globals.get(key[0]))
+                if ((folded or before) and not any(owner is k for k in kept)
+                        and _attribute_started_at_a_literal(key[1], filename, inside)):
+                    found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
+    return min(found)[1] if found else ""
+
+
+def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
+    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), and only literals."""
+    started = [node.value for node in ast.walk(_parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and (node.lineno, node.col_offset) not in inside and node.value is not None
+               and any(isinstance(t, ast.Attribute) and t.attr == attr
+                       for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+    return bool(started) and all(_literal(value) for value in started)
+
+
+def _literal(value: ast.AST) -> bool:
+    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set."""
+    if isinstance(value, ast.Call) and _name(value.func) in ("float", "int") and not value.keywords:
+        return all(_literal(arg) for arg in value.args)
+    try:
+        ast.literal_eval(value)
+        return True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
+    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`)."""
     def values(target, value):
         """What ``target = value`` assigns to ``name`` (a tuple's item where both sides are tuples alike)."""
         if isinstance(target, ast.Name):
@@ -373,7 +416,7 @@ def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
     started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and node.value is not None and node.lineno not in inside
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) for v in values(t, node.value)]
-    return bool(started) and all(literal(value) for value in started)
+    return bool(started) and all(_literal(value) for value in started)
 
 
 def _adds_a_number(node: ast.AST) -> bool:
