@@ -242,6 +242,12 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                 "    if loss < best:\n        best, bad = loss, 0\n    else:\n        bad += 1\n"
                 "    engine.global_steps += 1\n    if bad > 3:\n        break")
     assert _site(tmp_path, patience)[0].carried.endswith("(best, bad = (loss, 0))")
+    window = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch() or 1.0)\n"
+              "    if len(losses) > 5 and sum(losses[-5:]) > 5:\n        break\n    engine.global_steps += 1")
+    assert _site(tmp_path, window)[0].carried.endswith("(losses.append(engine.train_batch() or 1.0))")
+    kept_only = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch())\n"
+                 "    engine.global_steps += 1")
+    assert _site(tmp_path, kept_only)[0].carried == "", "changed, never read in the loop"
     # not carried: set before it is read in each iteration; started from what the script resumed; never read
     fresh = ("loss = None\nwhile engine.global_steps < N:\n    loss = engine.train_batch()\n    print(loss)\n"
              "    engine.global_steps += 1")

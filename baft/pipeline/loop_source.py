@@ -316,11 +316,17 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
     return ""
 
 
+# methods that change a list, dict, set or deque in place
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove", "clear", "update",
+            "setdefault", "add", "discard", "sort", "reverse", "rotate"}
+
+
 def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
-    """The first name ``loop`` carries from one iteration to the next, as ``file:line (text)`` of the assignment that
+    """The first name ``loop`` carries from one iteration to the next, as ``file:line (text)`` of the statement that
     carries it; "" where none is. Carried: the loop assigns it and reads it before it assigns it in the same
-    iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), and
-    its scope starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``): a
+    iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), or
+    changes it in place and reads it otherwise (``losses.append(loss)``, then ``mean(losses[-5:])``); and its scope
+    starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``, ``losses = []``): a
     value set otherwise there may be the script's own resume of it."""
     def position(node):
         return node.lineno, node.col_offset
@@ -329,13 +335,22 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
         return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
     stores: dict[str, list] = {}
+    changes: dict[str, list] = {}  # changed in place: by a method, or an item assigned
+    changed = set()  # the names those read (ids), not reads of what they hold
     for node in ast.walk(loop):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
         for target in targets:
             for name in ast.walk(target):
-                if isinstance(name, ast.Name):
+                if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store):
                     stores.setdefault(name.id, []).append(node)
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                changes.setdefault(target.value.id, []).append(node)
+                changed.add(id(target.value))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                and isinstance(node.func.value, ast.Name)):
+            changes.setdefault(node.func.value.id, []).append(node)
+            changed.add(id(node.func.value))
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     found = []
     for name, assignments in stores.items():
@@ -344,6 +359,11 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
         if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
             carrier = min(folded or assignments, key=position)
+            found.append((position(carrier), f"{filename}:{carrier.lineno} ({ast.unparse(carrier)})"))
+    for name, nodes in changes.items():
+        if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
+                and _started_at_a_literal(name, loop, scope)):
+            carrier = min(nodes, key=position)
             found.append((position(carrier), f"{filename}:{carrier.lineno} ({ast.unparse(carrier)})"))
     return min(found)[1] if found else ""
 
