@@ -225,29 +225,33 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
 
 
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
-    """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count: no snapshot holds
-    them, so a resumed run starts them again from their first values (a learning rate not halved at the first resumed
-    step, and every loss after it differs), said at start where the loop does not count its calls (a replay
-    recomputes them)."""
+    """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count, a window of losses:
+    resumed, each started again from its first value (a learning rate not halved at the first resumed step, and every
+    loss after it differed), so baft keeps them where the loop does not count its calls (a replay recomputes them)."""
     line = STUB.count(chr(10))
     bold = ("prev = None\nwhile engine.global_steps < N:\n    loss = engine.train_batch() or 0.5\n"
             "    if prev is not None and loss > prev:\n        lr = 0.5\n    prev = loss\n    engine.global_steps += 1")
     site, script = _site(tmp_path, bold)
-    assert not site.counts_calls and site.carried == f"{script}:{line + 6} (prev = loss)", site
+    assert not site.counts_calls and [(c.where, c.key) for c in site.carried] == [
+        (f"{script}:{line + 6} (prev = loss)", "prev")], site
     meter = ("meter = 0.0\nwhile engine.global_steps < N:\n    meter = 0.9 * meter + 0.1 * (engine.train_batch() or 1)\n"
              "    engine.global_steps += 1\n    print(meter)")
     site, script = _site(tmp_path, meter)
-    assert site.carried == f"{script}:{line + 3} ({meter.splitlines()[2].strip()})", site
+    assert [c.where for c in site.carried] == [f"{script}:{line + 3} ({meter.splitlines()[2].strip()})"], site
+    # read in the call's own statement, before the call: set at the call, too late for it (not kept: said)
+    assert site.carried[0].read_before_call and not _site(tmp_path, bold)[0].carried[0].read_before_call
     patience = ("best, bad = float('inf'), 0\nwhile engine.global_steps < N:\n    loss = engine.train_batch() or 1\n"
                 "    if loss < best:\n        best, bad = loss, 0\n    else:\n        bad += 1\n"
                 "    engine.global_steps += 1\n    if bad > 3:\n        break")
-    assert _site(tmp_path, patience)[0].carried.endswith("(best, bad = (loss, 0))")
+    assert [c.key for c in _site(tmp_path, patience)[0].carried] == ["best", "bad"]
     window = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch() or 1.0)\n"
               "    if len(losses) > 5 and sum(losses[-5:]) > 5:\n        break\n    engine.global_steps += 1")
-    assert _site(tmp_path, window)[0].carried.endswith("(losses.append(engine.train_batch() or 1.0))")
+    site = _site(tmp_path, window)[0]
+    assert site.carried[0].where.endswith("(losses.append(engine.train_batch() or 1.0))")
+    assert not site.carried[0].read_before_call, "refilled in place: the list its append was looked up on"
     kept_only = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch())\n"
                  "    engine.global_steps += 1")
-    assert _site(tmp_path, kept_only)[0].carried == "", "changed, never read in the loop"
+    assert _site(tmp_path, kept_only)[0].carried == (), "changed, never read in the loop"
     # not carried: set before it is read in each iteration; started from what the script resumed; never read
     fresh = ("loss = None\nwhile engine.global_steps < N:\n    loss = engine.train_batch()\n    print(loss)\n"
              "    engine.global_steps += 1")
@@ -262,7 +266,10 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                "            self.after(engine.train_batch() or 1.0)\n            engine.global_steps += 1\n"
                "Trainer().fit()")
     site, script = _site(tmp_path, trainer)
-    assert site.carried == f"{script}:{line + 7} (self.prev = loss)", site
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 7} (self.prev = loss)", "self.prev")]
+    assert not site.carried[0].read_before_call
+    before = trainer.replace("self.after(engine.train_batch() or 1.0)", "self.after(1.0)\n            engine.train_batch()")
+    assert _site(tmp_path, before)[0].carried[0].read_before_call, "read in a method called before train_batch"
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))
@@ -361,17 +368,92 @@ def test_a_phase_that_counts_its_calls_after_one_on_the_engines_step_is_said_and
         runpy.run_path(str(script), run_name="__main__")
 
 
-def test_a_carried_value_is_said_at_start_where_the_loop_does_not_count_its_calls(tmp_path, capfd):
-    """Said once, by rank 0, at the first call; not in a loop that counts its calls, whose replay recomputes it."""
+CARRIES = """
+import sys
+from types import SimpleNamespace
+from baft.pipeline.loop import Loop
+
+class Engine:
+    baft = SimpleNamespace(config=SimpleNamespace(loop="auto"))
+    global_rank = 0
+    def __init__(self, step):
+        self.global_steps = step
+    def train_batch(self):
+        LOOP.decide(self, sys._getframe(1))
+        KEPT.append(LOOP.carried_values(self))  # as a snapshot of the step before captures them
+        return [3.0, 1.0, 2.0][self.global_steps]
+
+class Stateful:  # handed over: not carried by the loop
+    pass
+
+LOOP, KEPT = Loop(), []
+if RESTORED is not None:
+    LOOP.restored(None, {"global_steps": STEP}, RESTORED)
+engine = Engine(STEP)
+
+def train():
+    prev, losses = None, []
+    while engine.global_steps < 3:
+        loss = engine.train_batch()
+        if prev is not None and loss > prev:
+            pass
+        prev = loss
+        losses.append(loss)
+        if len(losses) > 9 and sum(losses[-9:]) > 9:
+            break
+        engine.global_steps += 1
+    return prev, losses, id(losses)
+"""
+AT_MODULE = """
+best, handle = float("inf"), Stateful()
+for _ in iter(int, 1):  # at module level, on the engine's step
+    if engine.global_steps >= 3:
+        break
+    loss = engine.train_batch()
+    best = min(best, loss)
+    handle.seen = getattr(handle, "seen", 0) + 1
+    engine.global_steps += 1
+"""
+
+
+def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_its_first_call(tmp_path, capsys):
+    """A function's local variables (rebound; a list refilled in place), a module's: a resumed process sets them at its
+    loop's first call as the snapshot was taken (as the call of the next step started), so the code after the calls
+    reads them as an uninterrupted run did."""
+    script = tmp_path / "carries.py"
+
+    def run(step, restored, body):
+        script.write_text(CARRIES.replace("STEP", str(step)) + body)
+        return runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": restored})
+
+    whole = run(0, None, "RESULT = train()\n")
+    assert whole["RESULT"][:2] == (2.0, [3.0, 1.0, 2.0])
+    assert [k and {n: (v if n != "losses" else list(v)) for n, v in k.items()} for k in whole["KEPT"]] == [
+        {"prev": None, "losses": []}, {"prev": 3.0, "losses": [3.0]}, {"prev": 1.0, "losses": [3.0, 1.0]}]
+    resumed = run(2, whole["KEPT"][2], "RESULT = train()\n")  # at step 2, as the call for step 3 started
+    assert resumed["RESULT"][:2] == whole["RESULT"][:2]
+    out = capsys.readouterr().out
+    assert f"the loop at {script}:" in out and "carries prev, losses from one iteration to the next: set as they " \
+                                               "were at step 2" in out, out
+    at_module = run(0, None, AT_MODULE)
+    assert at_module["best"] == 1.0 and at_module["KEPT"][-1] == {"best": 1.0}
+    assert run(2, {"best": 1.0}, AT_MODULE)["best"] == 1.0, "the module's variable, set as the first call started"
+    assert run(2, None, AT_MODULE)["best"] == 2.0, "not kept: started again from its first value"
+
+
+def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
+    """Said once, by rank 0, at the first capture; and nothing in a loop that counts its calls, whose replay computes
+    it again."""
     header = PHASES.split("LOOP.restored")[0] + "engine = Engine(0)\nprev = None\n"
-    carry = "    loss = engine.train_batch() or 1.0\n    if prev is not None and loss > prev:\n        pass\n    prev = loss\n"
+    carry = ("    loss = engine.train_batch() or object()\n    if prev is not None and loss is not prev:\n        pass\n"
+             "    prev = loss\n    LOOP.carried_values(engine)\n")
     script = tmp_path / "carried.py"
     script.write_text(header + "while engine.global_steps < 3:\n" + carry + "    engine.global_steps += 1\n")
     runpy.run_path(str(script), run_name="__main__")
     err = capfd.readouterr().err
     assert err.count("baft:") == 1 and (f"carries a value of the script's own from one iteration to the next, "
-                                        f"{script}:{header.count(chr(10)) + 5} (prev = loss), which no snapshot holds"
-                                        ) in err, err
+                                        f"{script}:{header.count(chr(10)) + 5} (prev = loss), which no snapshot holds "
+                                        f"(it holds more than plain data (object)") in err, err
     script.write_text(header + "for _ in range(3):\n" + carry)
     runpy.run_path(str(script), run_name="__main__")
     assert capfd.readouterr().err == ""

@@ -40,7 +40,8 @@ import torch
 from baft.config import GENERATION_ENV, STORE_ENV
 from baft.errors import BaftError
 from baft.pipeline.history import RETURNED_NONE, History
-from baft.pipeline.loop_source import LoopSite, loop_around
+from baft.pipeline import carry
+from baft.pipeline.loop_source import Carried, LoopSite, loop_around
 from baft.pipeline.rng import rng_states, set_rng_states
 from baft.pipeline.schedulers import script_schedulers
 
@@ -72,15 +73,25 @@ class Loop:
         # whether the script's own load_checkpoint returned the restored step's client_state: it resumes itself
         self.script_resumed = False
         self.counters: dict = {}  # the engine's counters a restore set
+        self.carried: list[Carried] = []  # the values of the script's own a loop on the engine's step carries
+        self.carried_restored: Optional[dict] = None  # their values the restored snapshot holds (key -> value)
+        self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
 
-    def restored(self, items: Optional[dict], counters: dict) -> None:
-        """The history a snapshot holds and the engine's ``counters`` it set, in a process that has not trained yet
-        (a survivor keeps its own)."""
+    def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None) -> None:
+        """The history a snapshot holds, the engine's ``counters`` it set and the values the loop carried then (put
+        back at the loop's first call), in a process that has not trained yet (a survivor keeps its own)."""
         if not self.decided:
             self.history = History.from_items(items) if items else History()
             self.recorded = items is not None
             self.counters = dict(counters)
+            self.carried_restored = carried
+        elif not self.counts_calls:
+            # a survivor in place, taken back to the snapshot's step: its call trains the step after it and returns to
+            # the loop's code, which reads them as they were when that step first started
+            for value_of in self.carried:
+                if value_of.key in (carried or {}):
+                    carry.write(value_of, carried[value_of.key])
 
     def before_first_call(self, engine) -> None:
         """As ``baft.initialize`` returns. A process resumed from a loop that counted its calls replays them from the
@@ -141,18 +152,14 @@ class Loop:
                               "\"calls\" in the baft section if it counts its calls from 0")
         if not self.counts_calls:
             self.show_restored(engine)
-            if self.site is not None and self.site.own_count:
+            if self.site is not None:
+                self.carried = list(self.site.carried)
+                self._put_carried(engine)
+            if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.carried)):
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
                                   f"keep it in client_state= of baft.initialize")
-            elif self.site is not None and self.site.carried:
-                self._say(engine, f"carries a value of the script's own from one iteration to the next, "
-                                  f"{self.site.carried}, which no snapshot holds: resumed after a fault it starts "
-                                  f"again from its first value, not where the uninterrupted run had it, and what the "
-                                  f"loop sets from it (a learning rate, an early stop) may differ. Keep it in "
-                                  f"client_state= of baft.initialize (an object with state_dict() and "
-                                  f"load_state_dict())")
             if self.site is not None and self.site.from_step:
                 self.no_survivors(engine, f"its loop ({self.site.named}) makes a fixed number of "
                                           f"calls from the step it started at: a survivor's, started before the "
@@ -188,6 +195,39 @@ class Loop:
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+
+    def carried_values(self, engine) -> Optional[dict]:
+        """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are
+        none; one that cannot be kept is said once, by rank 0."""
+        kept = {}
+        for value_of in self.carried:
+            value = carry.read(value_of)
+            why = carry.why_not_kept(value_of, value)
+            if why is None:
+                kept[value_of.key] = value
+            elif value_of.key not in self.said_not_kept:
+                self.said_not_kept.add(value_of.key)
+                self._say(engine, f"carries a value of the script's own from one iteration to the next, "
+                                  f"{value_of.where}, which no snapshot holds ({why}): resumed after a fault it "
+                                  f"starts again from its first value, not where the uninterrupted run had it, and "
+                                  f"what the loop sets from it (a learning rate, an early stop) may differ. Keep it "
+                                  f"in client_state= of baft.initialize (an object with state_dict() and "
+                                  f"load_state_dict())")
+                self.no_survivors(engine, f"its loop carries {value_of.key} from one iteration to the next, which no "
+                                          f"snapshot holds: a survivor would train the steps since the restored one "
+                                          f"with its latest value",
+                                  "Keep it in client_state= of baft.initialize for its survivors to recover in place")
+        return copy.deepcopy(kept) or None  # as they are now: the loop goes on changing them
+
+    def _put_carried(self, engine) -> None:
+        """In a resumed process, at its loop's first call: the values the loop carried as the snapshot was taken."""
+        restored = self.carried_restored or {}
+        put = [value_of for value_of in self.carried if value_of.key in restored]
+        for value_of in put:
+            carry.write(value_of, restored[value_of.key])
+        if put and engine.global_rank == 0:
+            print(f"baft: {self.site.named} carries {', '.join(v.key for v in put)} from one iteration to the next: "
+                  f"set as they were at step {engine.global_steps}", flush=True)
 
     def _say(self, engine, what: str) -> None:
         """One line about the loop read at the first call, by rank 0."""

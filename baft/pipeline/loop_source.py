@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import linecache
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -19,6 +19,24 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
                "all_to_all_single", "send", "recv", "isend", "irecv"}  # torch.distributed's and deepspeed.comm's
 SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from the start by a new process
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
+    loop's ``frame``, or its attribute ``attr``; ``where``: ``file:line (text)`` of the statement that carries it."""
+
+    where: str
+    name: str
+    attr: Optional[str] = None
+    frame: object = field(default=None, compare=False, repr=False)
+    # the loop reads it before its call to train_batch in an iteration (``best = min(best, engine.train_batch())``,
+    # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
+    read_before_call: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.name if self.attr is None else f"{self.name}.{self.attr}"
 
 
 @dataclass(frozen=True)
@@ -40,9 +58,9 @@ class LoopSite:
     # where the loops (or what they call) add a number to a count of the script's own, file:line and text
     # (``iteration += 1``, a trainer's ``self.global_step += 1``)
     own_count: str = ""
-    # where the loops carry a value of the script's own from one iteration to the next, file:line and text (the
-    # previous loss, a patience count, a loss meter), started before them at a literal
-    carried: str = ""
+    # the values of the script's own the loops carry from one iteration to the next (the previous loss, a patience
+    # count, a loss meter), started before them at a literal, in source order
+    carried: tuple[Carried, ...] = ()
     # one of the loops is a range from a start read at the call (``range(start, n)``): 0 or 1 then, it counts its
     # calls, unless the script resumed itself to that start
     start_read: bool = False
@@ -90,8 +108,9 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                                   for file, loop, _, frame in loops)), ""),
                     own_count=next(filter(None, (_own_count(file, loop, scope, frame, kept)
                                                   for file, loop, scope, frame in loops)), ""),
-                    carried=next(filter(None, (_carried(file, loop, scope) or _carried_attribute(file, loop, frame, kept)
-                                               for file, loop, scope, frame in loops)), ""),
+                    carried=tuple(carried for file, loop, scope, frame in loops
+                                  for carried in _carried(file, loop, scope, frame) + _carried_attributes(
+                                      file, loop, frame, kept)),
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -321,9 +340,9 @@ MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "po
             "setdefault", "add", "discard", "sort", "reverse", "rotate"}
 
 
-def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
-    """The first name ``loop`` carries from one iteration to the next, as ``file:line (text)`` of the statement that
-    carries it; "" where none is. Carried: the loop assigns it and reads it before it assigns it in the same
+def _carried(filename: str, loop: ast.AST, scope: ast.AST, frame) -> list[Carried]:
+    """The names ``loop`` (run in ``frame``) carries from one iteration to the next, in source order of the
+    statements that carry them. Carried: the loop assigns it and reads it before it assigns it in the same
     iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), or
     changes it in place and reads it otherwise (``losses.append(loss)``, then ``mean(losses[-5:])``); and its scope
     starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``, ``losses = []``): a
@@ -358,20 +377,30 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST) -> str:
         read = [n for n in reads if n.id == name]
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
         if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
-            carrier = min(folded or assignments, key=position)
-            found.append((position(carrier), f"{filename}:{carrier.lineno} ({ast.unparse(carrier)})"))
+            found.append((name, min(folded or assignments, key=position)))
     for name, nodes in changes.items():
         if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
                 and _started_at_a_literal(name, loop, scope)):
-            carrier = min(nodes, key=position)
-            found.append((position(carrier), f"{filename}:{carrier.lineno} ({ast.unparse(carrier)})"))
-    return min(found)[1] if found else ""
+            found.append((name, min(nodes, key=position)))
+    call = _call_position(frame)
+    return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
+                    # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
+                    read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
+            for name, node in sorted(found, key=lambda item: position(item[1]))]
 
 
-def _carried_attribute(filename: str, loop: ast.AST, frame, kept) -> str:
-    """The first attribute of an object from outside the loop that the loop, or a function or method of the same file
-    it calls, carries from one call to the next (``self.prev = loss`` after reading ``self.prev`` in the same body,
-    ``self.best = min(self.best, loss)``), as ``file:line (text)``; "" where none is. Only where the file sets the
+def _call_position(frame) -> tuple[int, int]:
+    """(line, column) of the call ``frame`` is making now: towards ``train_batch``, in a frame of a loop around it."""
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    line, _, column, _ = positions[index] if 0 <= index < len(positions) else (None, None, None, None)
+    return (line, column) if line is not None and column is not None else (frame.f_lineno, 0)
+
+
+def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
+    """The attributes of objects from outside the loop (run in ``frame``) that the loop, or a function or method of
+    the same file it calls, carries from one call to the next (``self.prev = loss`` after reading ``self.prev`` in
+    the same body, ``self.best = min(self.best, loss)``), in order of their lines. Only where the file sets the
     attribute elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on an
     object that is not one of ``kept``."""
     def attribute(node):
@@ -380,10 +409,22 @@ def _carried_attribute(filename: str, loop: ast.AST, frame, kept) -> str:
     bodies = _reached(filename, loop)
     inside = {(node.lineno, node.col_offset) for body in bodies for node in ast.walk(body) if isinstance(node, ast.stmt)}
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    call = _call_position(frame)
+    # where the loop calls each function it reaches (where its call ends: after its arguments, a call to train_batch
+    # among them): a read in one called before train_batch is a read before it
+    called_at = {}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call):
+            called_at.setdefault(_name(node.func), []).append((node.end_lineno, node.end_col_offset))
+    early = set()  # (name, attr) read before the call
     found = []
     for body in bodies:
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
+        if body is loop:
+            early |= {key for line, col, key in reads if (line, col) < call}
+        elif min(called_at.get(body.name, [(0, 0)])) < call:  # called before train_batch, or through another function
+            early |= {key for _, _, key in reads}
         for node in ast.walk(body):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
@@ -396,8 +437,10 @@ def _carried_attribute(filename: str, loop: ast.AST, frame, kept) -> str:
                 owner = frame.f_locals.get(key[0], frame.f_globals.get(key[0]))
                 if ((folded or before) and not any(owner is k for k in kept)
                         and _attribute_started_at_a_literal(key[1], filename, inside)):
-                    found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
-    return min(found)[1] if found else ""
+                    found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})", key))
+    unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
+    return [Carried(where, *key, frame=frame, read_before_call=key in early)
+            for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
 
 
 def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:

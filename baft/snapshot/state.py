@@ -243,6 +243,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True) ->
         items["client_state"] = _torch_blob(client.capture())
     if THIS_PROCESS.counts_calls:  # what a process resumed here replays of the loop's calls
         items["loop"] = THIS_PROCESS.history.items()
+    carried = THIS_PROCESS.carried_values(engine)
+    if carried is not None:
+        items["carried"] = _torch_blob(carried)
     return items
 
 
@@ -287,7 +290,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     client = _client_state(engine)
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
-    THIS_PROCESS.restored(items.get("loop"), items["counters"])
+    THIS_PROCESS.restored(items.get("loop"), items["counters"],
+                          _torch_unblob(items["carried"]) if "carried" in items else None)
     restore = RngRestore(items["rng"], items.get("rng_between"))
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.pipeline.loop); they are where its loop is

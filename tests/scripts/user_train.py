@@ -61,12 +61,17 @@ if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
+previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
     for group in engine.optimizer.param_groups:  # a decay of the script's own, by a factor before each call
         group["lr"] *= 0.98
     loss = engine.train_batch(data_iter=data)
+    if previous is not None:  # halved where the loss went up, else a little higher
+        for group in engine.optimizer.param_groups:
+            group["lr"] *= 0.5 if float(loss) > previous else 1.02
+    previous = float(loss)
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()

@@ -1,0 +1,94 @@
+"""The values of the script's own a loop on the engine's step carries from one iteration to the next (the previous
+loss a hand-made schedule compares with, a patience count, a loss meter: :class:`~baft.pipeline.loop_source.Carried`,
+read from the loop's source), kept with every snapshot (:meth:`baft.pipeline.loop.Loop.carried_values`) and set
+again in a resumed process at its loop's first call, where the snapshot was taken: the code after each call reads
+them as the uninterrupted run did. (A loop that counts its calls needs none of this: its replay computes them again.)
+
+Kept where they are plain data (numbers, strings, None, small tensors, and lists, tuples, dicts, sets and deques of
+them, up to :data:`MOST_ITEMS`); a list, dict, set or deque is refilled in place, so that what else holds it sees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import numbers
+import sys
+from typing import Optional
+
+import torch
+
+from baft.pipeline.loop_source import Carried
+
+MOST_ITEMS = 10_000  # a container longer than this (a list of every step's loss) is not copied at every snapshot
+MOST_TENSOR_ELEMENTS = 1 << 16
+CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+def read(carried: Carried):
+    """The value now; :data:`UNREADABLE` where its owner or variable is gone."""
+    if carried.attr is None:
+        return carried.frame.f_locals.get(carried.name, UNREADABLE)
+    return getattr(_owner(carried), carried.attr, UNREADABLE)
+
+
+def write(carried: Carried, value) -> None:
+    """Set it to ``value``: a container of the same type refilled in place, else the variable or attribute bound."""
+    current = read(carried)
+    if type(current) is type(value) and _refill(current, value):
+        return
+    if carried.attr is not None:
+        setattr(_owner(carried), carried.attr, value)
+        return
+    frame = carried.frame
+    names = frame.f_locals
+    names[carried.name] = value
+    if names is not frame.f_globals and sys.version_info < (3, 13):  # a function's frame: its fast locals
+        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+def why_not_kept(carried: Carried, value) -> Optional[str]:
+    """Why ``carried``, now ``value``, is not kept with every snapshot, or None where it is."""
+    if carried.read_before_call:
+        return "the loop reads it before it calls train_batch, where a resumed process would set it"
+    if value is UNREADABLE:
+        return "baft cannot reach it from the loop"
+    if not _plain(value):
+        return f"it holds more than plain data ({type(value).__name__}), or over {MOST_ITEMS} items"
+    return None
+
+
+def _plain(value, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, numbers.Number, str, bytes)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= MOST_TENSOR_ELEMENTS and not value.requires_grad
+    if depth >= 3 or not isinstance(value, CONTAINERS) or len(value) > MOST_ITEMS:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(_plain(item, depth + 1) for item in items)
+
+
+def _refill(current, value) -> bool:
+    if isinstance(current, (list, collections.deque)):
+        current.clear()
+        current.extend(value)
+    elif isinstance(current, (dict, set)):
+        current.clear()
+        current.update(value)
+    else:
+        return False
+    return True
+
+
+def _owner(carried: Carried):
+    frame = carried.frame
+    return frame.f_locals.get(carried.name, frame.f_globals.get(carried.name))
+
+
+class _Unreadable:
+    def __repr__(self) -> str:
+        return "UNREADABLE"
+
+
+UNREADABLE = _Unreadable()
