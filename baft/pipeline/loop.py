@@ -73,7 +73,9 @@ class Loop:
         # whether the script's own load_checkpoint returned the restored step's client_state: it resumes itself
         self.script_resumed = False
         self.counters: dict = {}  # the engine's counters a restore set
-        self.carried: list[Carried] = []  # the values of the script's own a loop on the engine's step carries
+        # the values of the script's own a loop on the engine's step carries, read at its first train_batch call
+        self.carried: Optional[list[Carried]] = None
+        self.site_at_train_batch = False  # whether the site was read at a train_batch call (not eval_batch's)
         self.carried_restored: Optional[dict] = None  # their values the restored snapshot holds (key -> value)
         self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
@@ -89,7 +91,7 @@ class Loop:
         elif not self.counts_calls:
             # a survivor in place, taken back to the snapshot's step: its call trains the step after it and returns to
             # the loop's code, which reads them as they were when that step first started
-            for value_of in self.carried:
+            for value_of in self.carried or ():
                 if value_of.key in (carried or {}):
                     carry.write(value_of, carried[value_of.key])
 
@@ -135,11 +137,16 @@ class Loop:
                 if self.call_sites and self.decided:
                     self._elsewhere(engine, frame)
                 self.call_sites.add(site)
-        if self.decided:
-            return
+        if not self.decided:
+            self._decide(engine, frame, training)
+        if training and not self.counts_calls and self.carried is None:
+            self._carry(engine, frame)
+
+    def _decide(self, engine, frame, training: bool) -> None:
         self.decided = True
         mode = engine.baft.config.loop
         self.site = loop_around(frame, kept=self._kept(engine)) if mode == "auto" else None
+        self.site_at_train_batch = training
         if self.site is not None and self.site.sets_state:
             self._sets_state(engine, self.site)
         # a range from a start read at the call counts from 0, unless the script resumed itself to that start
@@ -152,10 +159,7 @@ class Loop:
                               "\"calls\" in the baft section if it counts its calls from 0")
         if not self.counts_calls:
             self.show_restored(engine)
-            if self.site is not None:
-                self.carried = list(self.site.carried)
-                self._put_carried(engine)
-            if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.carried)):
+            if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.site.carried)):
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
@@ -200,7 +204,7 @@ class Loop:
         """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are
         none; one that cannot be kept is said once, by rank 0."""
         kept = {}
-        for value_of in self.carried:
+        for value_of in self.carried or ():
             value = carry.read(value_of)
             why = carry.why_not_kept(value_of, value)
             if why is None:
@@ -219,14 +223,19 @@ class Loop:
                                   "Keep it in client_state= of baft.initialize for its survivors to recover in place")
         return copy.deepcopy(kept) or None  # as they are now: the loop goes on changing them
 
-    def _put_carried(self, engine) -> None:
-        """In a resumed process, at its loop's first call: the values the loop carried as the snapshot was taken."""
+    def _carry(self, engine, frame) -> None:
+        """At the loop's first call to ``train_batch`` (``frame``: its caller's), where snapshots are taken: the values
+        it carries, and in a resumed process, those the snapshot holds set as they were then."""
+        site = self.site
+        if site is not None and not self.site_at_train_batch:  # read at an eval_batch call: where it reads them differs
+            site = loop_around(frame, kept=self._kept(engine))
+        self.carried = list(site.carried) if site is not None else []
         restored = self.carried_restored or {}
         put = [value_of for value_of in self.carried if value_of.key in restored]
         for value_of in put:
             carry.write(value_of, restored[value_of.key])
         if put and engine.global_rank == 0:
-            print(f"baft: {self.site.named} carries {', '.join(v.key for v in put)} from one iteration to the next: "
+            print(f"baft: {site.named} carries {', '.join(v.key for v in put)} from one iteration to the next: "
                   f"set as they were at step {engine.global_steps}", flush=True)
 
     def _say(self, engine, what: str) -> None:
