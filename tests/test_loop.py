@@ -442,21 +442,30 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
 
 
 def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
-    """Said once, by rank 0, at the first capture; and nothing in a loop that counts its calls, whose replay computes
-    it again."""
+    """Data too large to copy at every snapshot, or read before the call: said once, by rank 0, at the first capture.
+    Not an object of the script's own (made again as it first was), nor anything in a loop that counts its calls, whose
+    replay computes it again."""
     header = PHASES.split("LOOP.restored")[0] + "engine = Engine(0)\nprev = None\n"
-    carry = ("    loss = engine.train_batch() or object()\n    if prev is not None and loss is not prev:\n        pass\n"
-             "    prev = loss\n    LOOP.carried_values(engine)\n")
     script = tmp_path / "carried.py"
-    script.write_text(header + "while engine.global_steps < 3:\n" + carry + "    engine.global_steps += 1\n")
-    runpy.run_path(str(script), run_name="__main__")
-    err = capfd.readouterr().err
+
+    def said(value, loop="while engine.global_steps < 3:\n", step="    engine.global_steps += 1\n"):
+        script.write_text(header + loop + f"    loss = engine.train_batch() or {value}\n"
+                          "    if prev is not None and loss is not prev:\n        pass\n"
+                          "    prev = loss\n    LOOP.carried_values(engine)\n" + step)
+        runpy.run_path(str(script), run_name="__main__")
+        return capfd.readouterr().err
+
+    err = said("list(range(20000))")
     assert err.count("baft:") == 1 and (f"carries a value of the script's own from one iteration to the next, "
                                         f"{script}:{header.count(chr(10)) + 5} (prev = loss), which no snapshot holds "
-                                        f"(it holds more than plain data (object)") in err, err
-    script.write_text(header + "for _ in range(3):\n" + carry)
+                                        f"(over 10000 items") in err, err
+    assert said("object()") == "", "an object of the script's own"
+    assert said("list(range(20000))", loop="for _ in range(3):\n", step="") == ""
+    script.write_text(header.replace("prev = None", "meter = 0.0") + "while engine.global_steps < 3:\n"
+                      "    meter = 0.9 * meter + 0.1 * (engine.train_batch() or 1.0)\n    LOOP.carried_values(engine)\n"
+                      "    engine.global_steps += 1\n")
     runpy.run_path(str(script), run_name="__main__")
-    assert capfd.readouterr().err == ""
+    assert "(the loop reads it before it calls train_batch" in capfd.readouterr().err
 
 
 def test_the_loop_key_is_validated():

@@ -6,12 +6,15 @@ them as the uninterrupted run did. (A loop that counts its calls needs none of t
 
 Kept where they are plain data (numbers, strings, None, small tensors, and lists, tuples, dicts, sets and deques of
 them, up to :data:`MOST_ITEMS`); a list, dict, set or deque is refilled in place, so that what else holds it sees it.
+An object of the script's own a loop carries (a writer it makes at its first step, an iterator) is not: a resumed
+process makes it again as it first did.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import numbers
 import sys
 from typing import Optional
@@ -47,14 +50,24 @@ def write(carried: Carried, value) -> None:
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
 
 
+def is_data(value, depth: int = 0) -> bool:
+    """Whether ``value`` is data a computation reads (numbers, strings, None, tensors, and containers of them: their
+    first items looked at), not an object of the script's own (a writer, an iterator, a timer), which a resumed
+    process makes again as it first did."""
+    if value is None or isinstance(value, (bool, numbers.Number, str, bytes, torch.Tensor)):
+        return True
+    if depth >= 3 or not isinstance(value, CONTAINERS):
+        return False
+    items = itertools.islice(itertools.chain.from_iterable(value.items()) if isinstance(value, dict) else value, 100)
+    return all(is_data(item, depth + 1) for item in items)
+
+
 def why_not_kept(carried: Carried, value) -> Optional[str]:
-    """Why ``carried``, now ``value``, is not kept with every snapshot, or None where it is."""
+    """Why ``carried``, data now ``value`` (:func:`is_data`), is not kept with every snapshot, or None where it is."""
     if carried.read_before_call:
         return "the loop reads it before it calls train_batch, where a resumed process would set it"
-    if value is UNREADABLE:
-        return "baft cannot reach it from the loop"
     if not _plain(value):
-        return f"it holds more than plain data ({type(value).__name__}), or over {MOST_ITEMS} items"
+        return f"over {MOST_ITEMS} items, or a tensor of over {MOST_TENSOR_ELEMENTS} elements or with a gradient"
     return None
 
 
