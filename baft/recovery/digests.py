@@ -34,6 +34,7 @@ import xxhash
 from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 
 from baft.pipeline.hook import InstructionHook
+from baft.pipeline.loop import THIS_PROCESS
 from baft.pipeline.rng import rng_states
 from baft.pipeline.schedulers import script_schedulers
 from baft.recovery.record import restart_count
@@ -96,6 +97,9 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
         nested["data"] = data_iterator.state_dict()
     if engine.baft.client_state is not None:
         nested["client_state"] = engine.baft.client_state.capture()
+    carried = THIS_PROCESS.carried_values(engine)
+    if carried is not None:
+        nested["carried"] = carried
     weights = (("weights", data) for _, data in _leaves(engine.module.state_dict(), ""))
     return (_digest_parts(weights) | _digest_parts(generators)
             | _digest_parts((path.lstrip("."), data) for path, data in _leaves(nested, "")))
