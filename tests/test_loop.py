@@ -328,7 +328,7 @@ def test_the_site_names_the_innermost_loop(tmp_path):
     assert site.where == f"{script}:{STUB.count(chr(10)) + 2}" and site.text == "for i in range(N)", site
 
 
-PHASES = """
+ENGINE = """
 import sys
 from types import SimpleNamespace
 from baft.pipeline.loop import Loop
@@ -340,7 +340,8 @@ class Engine:
         self.global_steps = step
     def train_batch(self):
         LOOP.decide(self, sys._getframe(1))
-
+"""
+PHASES = ENGINE + """
 LOOP = Loop()
 LOOP.restored(None, {"global_steps": STEP})  # a snapshot taken by a process whose loop did not count its calls
 engine = Engine(STEP)
@@ -368,19 +369,7 @@ def test_a_phase_that_counts_its_calls_after_one_on_the_engines_step_is_said_and
         runpy.run_path(str(script), run_name="__main__")
 
 
-CARRIES = """
-import sys
-from types import SimpleNamespace
-from baft.pipeline.loop import Loop
-
-class Engine:
-    baft = SimpleNamespace(config=SimpleNamespace(loop="auto"))
-    global_rank = 0
-    def __init__(self, step):
-        self.global_steps = step
-    def train_batch(self):
-        LOOP.decide(self, sys._getframe(1))
-        KEPT.append(LOOP.carried_values(self))  # as a snapshot of the step before captures them
+CARRIES = ENGINE + """        KEPT.append(LOOP.carried_values(self))  # as a snapshot of the step before captures them
         return [3.0, 1.0, 2.0][self.global_steps]
 
 class Stateful:  # handed over: not carried by the loop
