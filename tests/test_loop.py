@@ -240,6 +240,12 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     assert [c.where for c in site.carried] == [f"{script}:{line + 3} ({meter.splitlines()[2].strip()})"], site
     # read in the call's own statement, before the call: set at the call, too late for it (not kept: said)
     assert site.carried[0].read_before_call and not _site(tmp_path, bold)[0].carried[0].read_before_call
+    # an argument of the call the loop's frame makes is read before it; one read after train_batch returned is not
+    helper = ("def step(prev):\n    return engine.train_batch() or prev\nprev = 0.0\nwhile engine.global_steps < N:\n"
+              "    prev = step(prev)\n    engine.global_steps += 1")
+    after = ("prev = 0.0\nwhile engine.global_steps < N:\n    prev = max(engine.train_batch() or 1.0, prev)\n"
+             "    engine.global_steps += 1")
+    assert [_site(tmp_path, body)[0].carried[0].read_before_call for body in (helper, after)] == [True, False]
     patience = ("best, bad = float('inf'), 0\nwhile engine.global_steps < N:\n    loss = engine.train_batch() or 1\n"
                 "    if loss < best:\n        best, bad = loss, 0\n    else:\n        bad += 1\n"
                 "    engine.global_steps += 1\n    if bad > 3:\n        break")

@@ -390,11 +390,12 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST, frame) -> list[Carrie
 
 
 def _call_position(frame) -> tuple[int, int]:
-    """(line, column) of the call ``frame`` is making now: towards ``train_batch``, in a frame of a loop around it."""
+    """(line, column) where the call ``frame`` is making now ends (towards ``train_batch``, in a frame of a loop around
+    it): its arguments were read before it was made."""
     positions = list(frame.f_code.co_positions())
     index = frame.f_lasti // 2
-    line, _, column, _ = positions[index] if 0 <= index < len(positions) else (None, None, None, None)
-    return (line, column) if line is not None and column is not None else (frame.f_lineno, 0)
+    _, line, _, column = positions[index] if 0 <= index < len(positions) else (None, None, None, None)
+    return (line, column) if line is not None and column is not None else (frame.f_lineno + 1, 0)
 
 
 def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
