@@ -69,7 +69,9 @@ class DiskCheckpoint(InstructionHook, Periodic):
         if not self.wanted(step):
             return
         start = time.perf_counter()
-        self.save(engine, step, {**state.capture_items(engine, self.data_iterator), **state.capture_rng()})
+        # as the step ends, before the loop's code after its call: the values it carries are not as a resumed call's
+        items = state.capture_items(engine, self.data_iterator, carried=False)
+        self.save(engine, step, {**items, **state.capture_rng()})
         self.saved.append(step)
         self._prune(engine, step)
         self.stall += time.perf_counter() - start

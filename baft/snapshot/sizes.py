@@ -29,7 +29,8 @@ def state_bytes(engine) -> StateBytes:
     sizes = {"parameters": 0, "optimizer": 0, "other": 0}
     for entry in state.tensor_entries(engine):
         sizes[entry.kind] += entry.nbytes
-    sizes["other"] += len(json.dumps({**state.capture_items(engine, script_schedulers=False), **state.capture_rng()}))
+    small = state.capture_items(engine, script_schedulers=False, carried=False)
+    sizes["other"] += len(json.dumps({**small, **state.capture_rng()}))
     return StateBytes(**sizes)
 
 

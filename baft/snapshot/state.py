@@ -213,10 +213,12 @@ def capture_rng(rng_end: Optional[dict] = None) -> dict:
     return items
 
 
-def capture_items(engine, data_iterator=None, script_schedulers: bool = True) -> dict:
+def capture_items(engine, data_iterator=None, script_schedulers: bool = True, carried: bool = True) -> dict:
     """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
     walked after. The RNG states are :func:`capture_rng`'s. ``script_schedulers``: look for the schedulers the
-    script made (False before its loop has run: they are looked for once per optimizer)."""
+    script made (False before its loop has run: they are looked for once per optimizer). ``carried``: keep the values
+    the loop carries, as they stand when the next step's call has started (False where the step has just ended: the
+    loop's code after its call has yet to run)."""
     items = {
         "counters": {k: int(getattr(engine, k, 0)) for k in ENGINE_COUNTERS},
         # as the script last set it (set_train_batch_size): a resumed script past where it set it does not again
@@ -243,9 +245,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True) ->
         items["client_state"] = _torch_blob(client.capture())
     if THIS_PROCESS.counts_calls:  # what a process resumed here replays of the loop's calls
         items["loop"] = THIS_PROCESS.history.items()
-    carried = THIS_PROCESS.carried_values(engine)
-    if carried is not None:
-        items["carried"] = _torch_blob(carried)
+    values = THIS_PROCESS.carried_values(engine) if carried else None
+    if values is not None:
+        items["carried"] = _torch_blob(values)
     return items
 
 
