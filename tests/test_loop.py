@@ -276,6 +276,15 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     assert not site.carried[0].read_before_call
     before = trainer.replace("self.after(engine.train_batch() or 1.0)", "self.after(1.0)\n            engine.train_batch()")
     assert _site(tmp_path, before)[0].carried[0].read_before_call, "read in a method called before train_batch"
+    # a module's global a function the loop calls carries; read before the call where another function reads it first
+    glob = ("best = float('inf')\ndef after(loss):\n    global best\n    best = min(best, loss)\n"
+            "while engine.global_steps < N:\n    after(engine.train_batch() or 1.0)\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, glob)
+    assert [(c.where, c.key, c.module_global, c.read_before_call) for c in site.carried] == [
+        (f"{script}:{line + 4} (best = min(best, loss))", "best", True, False)]
+    early = glob.replace("while engine.global_steps < N:\n", "def before():\n    print(best)\n"
+                                                              "while engine.global_steps < N:\n    before()\n")
+    assert _site(tmp_path, early)[0].carried[0].read_before_call
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))
@@ -386,18 +395,26 @@ if RESTORED is not None:
     LOOP.restored(None, {"global_steps": STEP}, RESTORED)
 engine = Engine(STEP)
 
+total = 0.0
+
+def note(loss):
+    global total
+    total = total + loss
+
 def train():
     prev, losses = None, []
+    made = id(losses)
     while engine.global_steps < 3:
         loss = engine.train_batch()
         if prev is not None and loss > prev:
             pass
         prev = loss
         losses.append(loss)
+        note(loss)
         if len(losses) > 9 and sum(losses[-9:]) > 9:
             break
         engine.global_steps += 1
-    return prev, losses, id(losses)
+    return prev, losses, total, id(losses) == made
 """
 AT_MODULE = """
 best, handle = float("inf"), Stateful()
@@ -422,14 +439,14 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
         return runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": restored})
 
     whole = run(0, None, "RESULT = train()\n")
-    assert whole["RESULT"][:2] == (2.0, [3.0, 1.0, 2.0])
-    assert [k and {n: (v if n != "losses" else list(v)) for n, v in k.items()} for k in whole["KEPT"]] == [
-        {"prev": None, "losses": []}, {"prev": 3.0, "losses": [3.0]}, {"prev": 1.0, "losses": [3.0, 1.0]}]
+    assert whole["RESULT"] == (2.0, [3.0, 1.0, 2.0], 6.0, True)
+    assert whole["KEPT"] == [{"prev": None, "losses": [], "total": 0.0}, {"prev": 3.0, "losses": [3.0], "total": 3.0},
+                             {"prev": 1.0, "losses": [3.0, 1.0], "total": 4.0}]
     resumed = run(2, whole["KEPT"][2], "RESULT = train()\n")  # at step 2, as the call for step 3 started
-    assert resumed["RESULT"][:2] == whole["RESULT"][:2]
+    assert resumed["RESULT"] == whole["RESULT"], "the list refilled in place, the module's global set"
     out = capsys.readouterr().out
-    assert f"the loop at {script}:" in out and "carries prev, losses from one iteration to the next: set as they " \
-                                               "were at step 2" in out, out
+    assert f"the loop at {script}:" in out and "carries prev, losses, total from one iteration to the next: set as " \
+                                               "they were at step 2" in out, out
     at_module = run(0, None, AT_MODULE)
     assert at_module["best"] == 1.0 and at_module["KEPT"][-1] == {"best": 1.0}
     assert run(2, {"best": 1.0}, AT_MODULE)["best"] == 1.0, "the module's variable, set as the first call started"

@@ -31,7 +31,7 @@ CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
 def read(carried: Carried):
     """The value now; :data:`UNREADABLE` where its owner or variable is gone."""
     if carried.attr is None:
-        return carried.frame.f_locals.get(carried.name, UNREADABLE)
+        return _names(carried).get(carried.name, UNREADABLE)
     return getattr(_owner(carried), carried.attr, UNREADABLE)
 
 
@@ -44,10 +44,15 @@ def write(carried: Carried, value) -> None:
         setattr(_owner(carried), carried.attr, value)
         return
     frame = carried.frame
-    names = frame.f_locals
+    names = _names(carried)
     names[carried.name] = value
     if names is not frame.f_globals and sys.version_info < (3, 13):  # a function's frame: its fast locals
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+def _names(carried: Carried) -> dict:
+    """The variables ``carried`` is one of: its frame's module's, or the frame's own."""
+    return carried.frame.f_globals if carried.module_global else carried.frame.f_locals
 
 
 def is_data(value, depth: int = 0) -> bool:

@@ -33,6 +33,7 @@ class Carried:
     # the loop reads it before its call to train_batch in an iteration (``best = min(best, engine.train_batch())``,
     # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
     read_before_call: bool = False
+    module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
 
     @property
     def key(self) -> str:
@@ -110,7 +111,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                                   for file, loop, scope, frame in loops)), ""),
                     carried=tuple(carried for file, loop, scope, frame in loops
                                   for carried in _carried(file, loop, scope, frame) + _carried_attributes(
-                                      file, loop, frame, kept)),
+                                      file, loop, frame, kept) + _carried_globals(file, loop, frame)),
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -405,27 +406,22 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
     attribute elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on an
     object that is not one of ``kept``."""
     def attribute(node):
-        return (node.value.id, node.attr) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else None
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return node.value.id, node.attr
+        return None
 
     bodies = _reached(filename, loop)
-    inside = {(node.lineno, node.col_offset) for body in bodies for node in ast.walk(body) if isinstance(node, ast.stmt)}
+    inside = {(node.lineno, node.col_offset) for body in bodies for node in ast.walk(body)
+              if isinstance(node, ast.stmt)}
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    call = _call_position(frame)
-    # where the loop calls each function it reaches (where its call ends: after its arguments, a call to train_batch
-    # among them): a read in one called before train_batch is a read before it
-    called_at = {}
-    for node in ast.walk(loop):
-        if isinstance(node, ast.Call):
-            called_at.setdefault(_name(node.func), []).append((node.end_lineno, node.end_col_offset))
+    runs_before = _runs_before(loop, _call_position(frame))
     early = set()  # (name, attr) read before the call
     found = []
     for body in bodies:
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
-        if body is loop:
-            early |= {key for line, col, key in reads if (line, col) < call}
-        elif min(called_at.get(body.name, [(0, 0)])) < call:  # called before train_batch, or through another function
-            early |= {key for _, _, key in reads}
+        early |= {attribute(node) for node in ast.walk(body)
+                  if attribute(node) and isinstance(node.ctx, ast.Load) and runs_before(body, node)}
         for node in ast.walk(body):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
@@ -442,6 +438,77 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
             for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
+
+
+def _calls_end(loop: ast.AST) -> dict[str, tuple[int, int]]:
+    """Where the loop's first call of each function ends (after its arguments, a call to ``train_batch`` among them)."""
+    ends: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call):
+            end = (node.end_lineno, node.end_col_offset)
+            ends[_name(node.func)] = min(end, ends.get(_name(node.func), end))
+    return ends
+
+
+def _in_iteration(loop: ast.AST, ends: dict, body: ast.AST, node: ast.AST) -> tuple[int, int]:
+    """Where ``node`` of ``body`` (``loop``, or a function it reaches) runs in an iteration of ``loop``: its own
+    position in the loop; where the loop calls the function (:func:`_calls_end`), or first where the loop does not
+    call it itself (reached through another function)."""
+    return (node.lineno, node.col_offset) if body is loop else ends.get(body.name, (0, 0))
+
+
+def _runs_before(loop: ast.AST, call: tuple[int, int]):
+    """Whether a node of ``loop``, or of a function it reaches, runs before the call towards ``train_batch`` that ends
+    at ``call`` in an iteration (:func:`_in_iteration`)."""
+    ends = _calls_end(loop)
+    return lambda body, node: _in_iteration(loop, ends, body, node) < call
+
+
+def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
+    """The module's globals a function or method of the same file the loop calls carries from one call to the next
+    (``global best`` and ``best = min(best, loss)`` in its ``after_step``, or a count it adds to that another reads
+    first), started at the module's level at nothing but a literal, in order of their lines."""
+    tree, bodies, ends = _parsed(filename), _reached(filename, loop), _calls_end(loop)
+    call = _call_position(frame)
+    reads = [(body, n) for body in bodies for n in ast.walk(body)
+             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    found = {}
+    for body in bodies[1:]:
+        declared = {name for node in ast.walk(body) if isinstance(node, ast.Global) for name in node.names}
+        for node in ast.walk(body):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+            names = {n.id for t in targets for n in ast.walk(t)
+                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for name in names & declared - set(found):
+                read = [(where, n) for where, n in reads if n.id == name]
+                stored_at = _in_iteration(loop, ends, body, node)
+                folded = isinstance(node, ast.AugAssign) or any(
+                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                earlier = any(_in_iteration(loop, ends, where, n) < stored_at
+                              or (where is body and (n.lineno, n.col_offset) < (node.lineno, node.col_offset))
+                              for where, n in read)
+                if read and (folded or earlier) and _started_at_module_level_at_a_literal(name, tree):
+                    found[name] = Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
+                                          read_before_call=any(_in_iteration(loop, ends, where, n) < call
+                                                               for where, n in read),
+                                          module_global=True)
+    return sorted(found.values(), key=lambda c: c.where)
+
+
+def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
+    """Whether the module's own statements (not its functions' or classes') assign ``name``, and only literals."""
+    started, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and any(
+                isinstance(t, ast.Name) and t.id == name
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            started.append(node.value)
+        todo.extend(ast.iter_child_nodes(node))
+    return bool(started) and all(_literal(value) for value in started)
 
 
 def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
@@ -479,7 +546,8 @@ def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
     inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
     started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and node.value is not None and node.lineno not in inside
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) for v in values(t, node.value)]
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               for v in values(t, node.value)]
     return bool(started) and all(_literal(value) for value in started)
 
 
