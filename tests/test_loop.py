@@ -205,7 +205,9 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
                "    def fit(self):\n        while engine.global_steps < N:\n            engine.train_batch()\n"
                "            engine.global_steps += 1\n            self.on_step_end()\nTrainer().fit()")
     site, script = _site(tmp_path, trainer)
-    assert site.own_count == f"{script}:{STUB.count(chr(10)) + 5} (self.global_step += 1)", site
+    # ... now kept by baft, as a value the loop carries (read after the call: test_a_value_the_loop_carries...)
+    counted = f"{script}:{STUB.count(chr(10)) + 5} (self.global_step += 1)"
+    assert site.own_count == "" and [(c.where, c.read_before_call) for c in site.carried] == [(counted, False)], site
     # ... not where the trainer resumes it itself, nor where the object is one baft keeps (the engine here)
     resumed = trainer.replace("print(self.global_step)", "print(self.global_step)\n    def load(self, state):\n"
                                                           "        self.global_step = state['step']")
@@ -288,6 +290,15 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))
+    # started as a tuple's items; a window of losses the trainer appends to and reads
+    patient = ("class Trainer:\n    def __init__(self):\n        self.best, self.bad = float('inf'), 0\n"
+               "        self.window = []\n    def after(self, loss):\n        self.window.append(loss)\n"
+               "        avg = sum(self.window[-3:]) / 3\n        if avg < self.best:\n"
+               "            self.best, self.bad = avg, 0\n        else:\n            self.bad += 1\n"
+               "    def fit(self):\n        while engine.global_steps < N:\n"
+               "            self.after(engine.train_batch() or 1.0)\n            engine.global_steps += 1\n"
+               "Trainer().fit()")
+    assert [c.key for c in _site(tmp_path, patient)[0].carried] == ["self.window", "self.best", "self.bad"]
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):

@@ -213,12 +213,13 @@ class Loop:
                 kept[value_of.key] = value
             elif value_of.key not in self.said_not_kept:
                 self.said_not_kept.add(value_of.key)
-                self._say(engine, f"carries a value of the script's own from one iteration to the next, "
-                                  f"{value_of.where}, which no snapshot holds ({why}): resumed after a fault it "
-                                  f"starts again from its first value, not where the uninterrupted run had it, and "
-                                  f"what the loop sets from it (a learning rate, an early stop) may differ. Keep it "
-                                  f"in client_state= of baft.initialize (an object with state_dict() and "
-                                  f"load_state_dict())")
+                if value_of.where != getattr(self.site, "own_count", ""):  # said at the first call already
+                    self._say(engine, f"carries a value of the script's own from one iteration to the next, "
+                                      f"{value_of.where}, which no snapshot holds ({why}): resumed after a fault it "
+                                      f"starts again from its first value, not where the uninterrupted run had it, "
+                                      f"and what the loop sets from it (a learning rate, an early stop) may differ. "
+                                      f"Keep it in client_state= of baft.initialize (an object with state_dict() and "
+                                      f"load_state_dict())")
                 self.no_survivors(engine, f"its loop carries {value_of.key} from one iteration to the next, which no "
                                           f"snapshot holds: a survivor would train the steps since the restored one "
                                           f"with its latest value",

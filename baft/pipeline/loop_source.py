@@ -97,6 +97,9 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     # a count inside a ``while`` on the engine's step (``for _ in range(2): train_batch()``): resumed inside the
     # count, it would start again from 0; replayed, the while reads the step each replayed call sets
     on_step = [isinstance(loop, ast.While) and _reads_engine_step(loop.test, scope) for _, loop, scope, _ in loops]
+    carried = tuple(value for file, loop, scope, frame in loops
+                    for value in _carried(file, loop, scope, frame) + _carried_attributes(file, loop, frame, kept)
+                    + _carried_globals(file, loop, frame))
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=any(counts) and all(count or step for count, step in zip(counts, on_step)),
@@ -107,11 +110,10 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
                                                   for file, loop, _, frame in loops)), ""),
-                    own_count=next(filter(None, (_own_count(file, loop, scope, frame, kept)
-                                                  for file, loop, scope, frame in loops)), ""),
-                    carried=tuple(carried for file, loop, scope, frame in loops
-                                  for carried in _carried(file, loop, scope, frame) + _carried_attributes(
-                                      file, loop, frame, kept) + _carried_globals(file, loop, frame)),
+                    own_count=next((count for file, loop, scope, frame in loops
+                                    for count in _own_count(file, loop, scope, frame, kept)
+                                    if count not in {c.where for c in carried if not c.read_before_call}), ""),
+                    carried=carried,
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
 
 
@@ -293,15 +295,16 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     return min(found)[1] if found else ""
 
 
-def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str:
-    """The first count of the script's own the loop adds a number to, started before it and read again (resumed, it
-    starts from its first value), as ``file:line (text)``; "" where none is: ``name += <number>`` in ``loop`` whose name
+def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[str]:
+    """The counts of the script's own the loop adds a number to, started before it and read again (resumed, it
+    starts from its first value), each as ``file:line (text)``: ``name += <number>`` in ``loop`` whose name
     the loop reads elsewhere and does not set otherwise, nor its scope from the engine's step (``iteration += 1``
     feeding a warm-up); a module's global that a function or method of the same file the loop calls adds a number to
     (``global count; count += 1`` in its ``after_step``), read there too, that the file sets to nothing but a number;
     or ``obj.attr += <number>`` in the loop or such a function (a trainer's ``self.global_step += 1`` in its
     ``on_step_end``), read there too, that the file sets to nothing but a number (no resume of its own) on an object
     that is not one of ``kept``."""
+    found = []
     loaded = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     set_otherwise = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AnnAssign))
                      for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
@@ -312,7 +315,7 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
         if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in loaded
                 and node.target.id not in set_otherwise
                 and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
-            return f"{filename}:{node.lineno} ({ast.unparse(node)})"
+            found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     reached = [node for body in _reached(filename, loop) for node in ast.walk(body)]
     read = {n.attr for n in reached if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
     assigned = [t for node in ast.walk(_parsed(filename)) if isinstance(node, ast.Assign)
@@ -326,14 +329,14 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> str
     for node in reached:
         if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in declared
                 and node.target.id in loaded_there and node.target.id not in resumed_names):
-            return f"{filename}:{node.lineno} ({ast.unparse(node)})"
+            found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     for node in reached:
         if (_adds_a_number(node) and isinstance(node.target, ast.Attribute) and isinstance(node.target.value, ast.Name)
                 and node.target.attr in read and node.target.attr not in resumed | set(ENGINE_STEP)):
             owner = frame.f_locals.get(node.target.value.id, frame.f_globals.get(node.target.value.id))
             if not any(owner is k for k in kept):
-                return f"{filename}:{node.lineno} ({ast.unparse(node)})"
-    return ""
+                found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
+    return found
 
 
 # methods that change a list, dict, set or deque in place
@@ -425,11 +428,19 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
         for node in ast.walk(body):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+            changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                    and attribute(node.func.value)):
+                changed = node.func.value
+                targets = [changed]
             for target in (t for target in targets for t in ast.walk(target)):
                 key = attribute(target)
                 if key is None or key[0] in made or key[1] in ENGINE_STEP:
                     continue
-                folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
+                if changed is not None:
+                    folded = sum(read == key for _, _, read in reads) > 1  # read besides as the receiver
+                else:
+                    folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
                 owner = frame.f_locals.get(key[0], frame.f_globals.get(key[0]))
                 if ((folded or before) and not any(owner is k for k in kept)
@@ -513,10 +524,9 @@ def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
 
 def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
     """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), and only literals."""
-    started = [node.value for node in ast.walk(_parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
+    started = [v for node in ast.walk(_parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and (node.lineno, node.col_offset) not in inside and node.value is not None
-               and any(isinstance(t, ast.Attribute) and t.attr == attr
-                       for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+               for v in _assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr)]
     return bool(started) and all(_literal(value) for value in started)
 
 
@@ -533,22 +543,27 @@ def _literal(value: ast.AST) -> bool:
 
 def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
     """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`)."""
-    def values(target, value):
-        """What ``target = value`` assigns to ``name`` (a tuple's item where both sides are tuples alike)."""
-        if isinstance(target, ast.Name):
-            return [value] if target.id == name else []
-        if isinstance(target, (ast.Tuple, ast.List)):
-            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
-                return [v for t, item in zip(target.elts, value.elts) for v in values(t, item)]
-            return [value] if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(target)) else []
-        return []
-
     inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
     started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and node.value is not None and node.lineno not in inside
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-               for v in values(t, node.value)]
+               for v in _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
     return bool(started) and all(_literal(value) for value in started)
+
+
+def _assigned(node: ast.AST, wanted) -> list[ast.AST]:
+    """What the assignment ``node`` assigns to the targets ``wanted`` (a predicate on a target) picks: a tuple's item
+    where both sides are tuples alike (``best, bad = float("inf"), 0``), else the whole value."""
+    def values(target, value):
+        if wanted(target):
+            return [value]
+        if isinstance(target, (ast.Tuple, ast.List)):
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                return [v for t, item in zip(target.elts, value.elts) for v in values(t, item)]
+            return [value] if any(wanted(t) for t in ast.walk(target)) else []
+        return []
+
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return [v for target in targets for v in values(target, node.value)]
 
 
 def _adds_a_number(node: ast.AST) -> bool:
