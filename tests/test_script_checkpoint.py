@@ -12,12 +12,14 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from baft.cli.launch import launch_env
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
+from baft.recovery.script_checkpoint import ClientState, _guarded_load
 
 SCRIPT = Path(__file__).parent / "scripts" / "neox_job.py"
 
@@ -95,3 +97,22 @@ def test_a_load_that_would_roll_back_a_snapshot_with_nothing_registered_stops_in
                                 rf"back from step [67] \(memory\) to the checkpoint's step 5: pass baft\.initialize "
                                 rf"client_state=", errors[0]), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_load_before_the_scripts_first_save_returns_the_client_state_of_the_restored_step(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """Megatron's start-up calls ``load_checkpoint`` whether or not a checkpoint exists and counts from 0 where it
+    returns ``(None, None)``: killed before the script's first save, the run resumed at baft's step with the script's
+    iteration 0 and trained that many steps too many, silently. A callable ``client_state`` gets the restored step's
+    back, as from an older checkpoint."""
+    monkeypatch.setattr("baft.recovery.script_checkpoint.THIS_PROCESS", SimpleNamespace(script_resumed=False))
+    client = ClientState(lambda: {"iteration": 0})
+    client.restore({"iteration": 2})
+    engine = SimpleNamespace(global_rank=0, baft=SimpleNamespace(restored=SimpleNamespace(step=2, source="memory")))
+
+    def deepspeeds(load_dir, tag=None, *args, **kwargs):
+        return None, None  # DeepSpeed's load_checkpoint where load_dir has no "latest"
+
+    assert _guarded_load(client, engine, deepspeeds, str(tmp_path)) == ("baft://memory/step2", {"iteration": 2})
+    assert f"baft: kept step 2 (memory), {tmp_path} holds no checkpoint yet" in capsys.readouterr().out
+    assert _guarded_load(None, engine, deepspeeds, str(tmp_path)) == (None, None)  # nothing to return: DeepSpeed's

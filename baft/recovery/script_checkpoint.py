@@ -7,10 +7,10 @@ back from its ``client_state``. After a fault baft has already restored a newer 
 loading the older checkpoint over it would drop the steps in between without a word. On a
 protected engine ``load_checkpoint`` therefore:
 
-* loads, as DeepSpeed does, when baft restored nothing, or the checkpoint is as new as baft's snapshot
-  and the script gave baft no ``client_state``;
-* otherwise keeps baft's state, says so in one line, and returns the ``client_state`` as of
-  baft's step, captured with every snapshot from what the script gave
+* loads, as DeepSpeed does, when baft restored nothing, or the script gave baft no ``client_state`` and
+  the directory holds no checkpoint or one as new as baft's snapshot;
+* otherwise (a directory with no checkpoint yet too: a fault before the script's first save) keeps
+  baft's state, says so in one line, and returns the ``client_state`` as of baft's step, captured with every snapshot from what the script gave
   ``baft.initialize(client_state=...)``; without it, it stops in one line saying how to give it. A
   checkpoint newer than the snapshot too: DeepSpeed's holds no generator states (nor what else baft keeps
   that the script may not save), so the run trains the steps in between again rather than resume from
@@ -90,7 +90,9 @@ def _guarded_load(client_state: Optional[ClientState], engine, load, load_dir, t
     # as new as the snapshot: the same state, kept without DeepSpeed's load (which cannot read its own bf16
     # checkpoints without ZeRO, deepspeedai/DeepSpeed#7786) where baft holds the client_state too
     newer = restored is not None and step is not None and step > restored.step
-    if restored is None or step is None or (not kept_client and step >= restored.step):
+    # no checkpoint yet (a fault before the script's first save) is older too: DeepSpeed's load would return (None,
+    # None), and a script that resumes its counters from the loaded client_state (Megatron's) would count from 0 again
+    if restored is None or (not kept_client and (step is None or step >= restored.step)):
         if newer:
             if world.generation():  # a replacement: its peers kept their processes and the snapshot
                 raise RuntimeError(f"baft: rank {engine.global_rank} replaced in place, but its script loads step "
@@ -111,10 +113,14 @@ def _guarded_load(client_state: Optional[ClientState], engine, load, load_dir, t
                         f"state_dict()/load_state_dict() or a callable giving what your script saves as "
                         f"save_checkpoint(client_state=...) ({{}} if nothing), and load_checkpoint returns it as "
                         f"of step {restored.step}")
-    redo = f"step {step} is" if step == restored.step + 1 else f"steps {restored.step + 1}-{step} are"
-    again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
-    _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the client_state "
-                 f"of step {restored.step}")
+    if step is None:
+        _say(engine, f"baft: kept {kept}, {path or load_dir} holds no checkpoint yet; load_checkpoint returns the "
+                     f"client_state of step {restored.step}")
+    else:
+        redo = f"step {step} is" if step == restored.step + 1 else f"steps {restored.step + 1}-{step} are"
+        again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
+        _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the "
+                     f"client_state of step {restored.step}")
     THIS_PROCESS.script_resumed = True
     return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
