@@ -276,6 +276,42 @@ def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
     assert foreign_iterator(None, iter(other)) is None  # nothing given: said once at initialize
 
 
+def test_a_resumable_iterator_of_the_scripts_that_baft_was_not_given_is_named():
+    """Task mixing: each step the loop picks one of two data iterators with state_dict(), and gives baft.initialize
+    the first. The second's position is in no snapshot: resumed, it read its batches from the start again, silently
+    (probe 13). One the given data_iterator holds (a mixer whose state_dict() keeps each one's) passes."""
+    from baft.snapshot.data import foreign_iterator
+
+    class Task:
+        def __init__(self):
+            self.position = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.position += 1
+            return self.position
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    class Mixer(Task):
+        def __init__(self, tasks):
+            super().__init__()
+            self.tasks = tasks
+
+    first, second = Task(), Task()
+    assert "reads a Task that is not the data_iterator given to baft.initialize" in foreign_iterator(
+        data_position(None, first), second)
+    assert foreign_iterator(data_position(None, first), first) is None
+    assert foreign_iterator(data_position(None, Mixer([first, second])), second) is None
+    assert foreign_iterator(None, second) is None  # nothing given: said once at initialize
+
+
 @pytest.mark.parametrize("name", LOADERS)
 def test_an_iterator_taken_before_the_restore_reads_on_from_the_restored_position(name):
     """One the script took before baft.initialize (or a survivor's in place) is made the restored one."""

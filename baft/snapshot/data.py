@@ -537,4 +537,27 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
         return (f"train_batch reads an iterator of another loader than the data_iterator given to baft.initialize "
                 f"(over another {type(read).__name__}): its position is in no snapshot, and a resumed run reads it "
                 f"from its start")
+    if (position is not None and read is None and callable(getattr(data_iter, "state_dict", None))
+            and callable(getattr(data_iter, "load_state_dict", None)) and not _holds(position, data_iter)):
+        return (f"train_batch reads a {type(data_iter).__name__} that is not the data_iterator given to "
+                f"baft.initialize, nor held by it: its position is in no snapshot, so a resumed run reads it from where "
+                f"the script starts it, not where the uninterrupted run had it (a second task's data?). Give "
+                f"baft.initialize one data_iterator whose state_dict() holds the position of every iterator "
+                f"train_batch reads")
     return None
+
+
+def _holds(holder, obj, depth: int = 2) -> bool:
+    """Whether ``obj`` is ``holder``, or what its attributes, or their items, hold, ``depth`` levels down (a mixer
+    of the script's given to ``baft.initialize`` whose ``state_dict()`` keeps each of its iterators' positions)."""
+    if obj is holder:
+        return True
+    if depth == 0:
+        return False
+    if isinstance(holder, dict):
+        items = list(holder.values())
+    elif isinstance(holder, (list, tuple)):
+        items = list(holder)
+    else:
+        items = list(vars(holder).values()) if hasattr(holder, "__dict__") and not isinstance(holder, type) else []
+    return any(_holds(item, obj, depth - 1) for item in items)
