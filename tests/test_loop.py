@@ -196,6 +196,10 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     assert not site.counts_calls and site.own_count == f"{script}:{STUB.count(chr(10)) + 3} (iteration += 1)", site
     for name in STEPS:  # a counter from the engine's step resumes with it
         assert _site(tmp_path, STEPS[name])[0].own_count == "", name
+    # Megatron's: from what its own load_checkpoint returned (probe 13: said, though its client_state= kept it)
+    megatron = ("def train():\n    iteration = args.iteration\n    while iteration < N:\n        engine.train_batch()\n"
+                "        iteration += 1\n        args.iteration = iteration\nargs.iteration = 0\ntrain()")
+    assert _site(tmp_path, megatron)[0].own_count == "", "the script's own resume sets it"
     logged = ("total = 0.0\nwhile engine.global_steps < N:\n    total += engine.train_batch() or 0.5\n"
               "    engine.global_steps += 1\n    print(total)")
     assert _site(tmp_path, logged)[0].own_count == "", "a sum, not a count"

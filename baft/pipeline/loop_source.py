@@ -298,12 +298,12 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
 def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[str]:
     """The counts of the script's own the loop adds a number to, started before it and read again (resumed, it
     starts from its first value), each as ``file:line (text)``: ``name += <number>`` in ``loop`` whose name
-    the loop reads elsewhere and does not set otherwise, nor its scope from the engine's step (``iteration += 1``
-    feeding a warm-up); a module's global that a function or method of the same file the loop calls adds a number to
-    (``global count; count += 1`` in its ``after_step``), read there too, that the file sets to nothing but a number;
-    or ``obj.attr += <number>`` in the loop or such a function (a trainer's ``self.global_step += 1`` in its
-    ``on_step_end``), read there too, that the file sets to nothing but a number (no resume of its own) on an object
-    that is not one of ``kept``."""
+    the loop reads elsewhere and does not set otherwise, nor its scope to anything but a number (the engine's step, a
+    resume of the script's own) (``iteration += 1`` feeding a warm-up); a module's global that a function or method of
+    the same file the loop calls adds a number to (``global count; count += 1`` in its ``after_step``), read there too,
+    that the file sets to nothing but a number; or ``obj.attr += <number>`` in the loop or such a function (a
+    trainer's ``self.global_step += 1`` in its ``on_step_end``), read there too, that the file sets to nothing but a
+    number (no resume of its own) on an object that is not one of ``kept``."""
     found = []
     loaded = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     set_otherwise = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AnnAssign))
@@ -313,7 +313,7 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> lis
         set_otherwise |= {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     for node in ast.walk(loop):
         if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in loaded
-                and node.target.id not in set_otherwise
+                and node.target.id not in set_otherwise and _set_to_numbers(node.target.id, scope)
                 and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
             found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     reached = [node for body in _reached(filename, loop) for node in ast.walk(body)]
@@ -564,6 +564,13 @@ def _assigned(node: ast.AST, wanted) -> list[ast.AST]:
 
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     return [v for target in targets for v in values(target, node.value)]
+
+
+def _set_to_numbers(name: str, scope: ast.AST) -> bool:
+    """Whether ``scope`` sets ``name`` to nothing but numbers: no resume of the script's own (Megatron's ``iteration =
+    args.iteration``, from what its load_checkpoint returned)."""
+    return all(isinstance(node.value, ast.Constant) and isinstance(node.value.value, int) for node in ast.walk(scope)
+               if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets))
 
 
 def _adds_a_number(node: ast.AST) -> bool:
