@@ -114,5 +114,30 @@ def test_a_load_before_the_scripts_first_save_returns_the_client_state_of_the_re
         return None, None  # DeepSpeed's load_checkpoint where load_dir has no "latest"
 
     assert _guarded_load(client, engine, deepspeeds, str(tmp_path)) == ("baft://memory/step2", {"iteration": 2})
+    assert client.not_returned(2) is None
     assert f"baft: kept step 2 (memory), {tmp_path} holds no checkpoint yet" in capsys.readouterr().out
     assert _guarded_load(None, engine, deepspeeds, str(tmp_path)) == (None, None)  # nothing to return: DeepSpeed's
+
+
+def test_a_callables_restored_state_that_no_load_checkpoint_returned_is_said():
+    """GPT-NeoX's start-up loads only where its directory holds a checkpoint: killed before its first save, with a
+    callable client_state, nothing handed the restored step's back and its EMA, best loss and meter started again,
+    silently (probe 13). Said as the loop starts; not where load_checkpoint returned it, nor for an object a restore
+    loads."""
+    client = ClientState(lambda: {"best": 1.0})
+    assert client.not_returned(5) is None  # nothing restored: a fresh start
+    client.restore({"best": 0.5})
+    assert "no engine.load_checkpoint returned what it held at the restored step 5" in client.not_returned(5)
+    client.returned = True
+    assert client.not_returned(5) is None
+
+    class Tracker:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    loaded = ClientState(Tracker())
+    loaded.restore({})
+    assert loaded.not_returned(5) is None

@@ -144,6 +144,10 @@ class Loop:
 
     def _decide(self, engine, frame, training: bool) -> None:
         self.decided = True
+        client = getattr(engine.baft, "client_state", None)  # the script's own, restored as of the engine's step
+        unread = client.not_returned(engine.global_steps) if client is not None else None
+        if unread and engine.global_rank == 0:
+            print(f"baft: warning: {unread}", file=sys.stderr, flush=True)
         mode = engine.baft.config.loop
         self.site = loop_around(frame, kept=self._kept(engine)) if mode == "auto" else None
         self.site_at_train_batch = training

@@ -47,6 +47,20 @@ class ClientState:
                             f"save_checkpoint(client_state=...); got {type(source).__name__}")
         self.source = source
         self.restored: Optional[dict] = None  # as of the restored step
+        self.returned = False  # whether the script's load_checkpoint returned it
+
+    def not_returned(self, step: int) -> Optional[str]:
+        """What to say as the script's loop starts where a callable's state, restored as of ``step``, never reached the
+        script (no ``load_checkpoint`` returned it: GPT-NeoX's start-up loads only where a checkpoint exists); None
+        where it did, or a restore loaded it."""
+        if self.stateful or self.restored is None or self.returned:
+            return None
+        return (f"the client_state given to baft.initialize is a callable, and no engine.load_checkpoint returned what "
+                f"it held at the restored step {step}: the script's own state (its counts, averages, best loss) "
+                f"stands where the script set it, not where the uninterrupted run had it. Give client_state= an "
+                f"object with state_dict() and load_state_dict(), which a restore loads, or call "
+                f"engine.load_checkpoint(dir) before the loop: it returns the client_state of step {step}, whether or "
+                f"not dir holds a checkpoint")
 
     def capture(self) -> dict:
         return self.source.state_dict() if self.stateful else self.source()
@@ -121,7 +135,7 @@ def _guarded_load(client_state: Optional[ClientState], engine, load, load_dir, t
         again = f" (newer, but a DeepSpeed checkpoint holds no generator states: {redo} trained again)" if newer else ""
         _say(engine, f"baft: kept {kept} over step {step} in {path}{again}; load_checkpoint returns the "
                      f"client_state of step {restored.step}")
-    THIS_PROCESS.script_resumed = True
+    THIS_PROCESS.script_resumed = client_state.returned = True
     return f"baft://{restored.source}/step{restored.step}", client_state.restored
 
 
