@@ -19,8 +19,8 @@ LINE = re.compile(r"^(step \d+|eval after step \d+|call \d+ starts) (?:loss|at) 
 
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
-    """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2 and a learning rate drawn from
-    python's generator before each, in ``directory``."""
+    """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, a learning rate drawn from
+    python's generator before each and an EMA of the weights in its ``client_state`` after each, in ``directory``."""
     config = directory / "ds_config.json"
     config.write_text(json.dumps({
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
@@ -28,7 +28,7 @@ def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
                            *options, "--", str(script), "--steps", str(STEPS), "--eval-every", "2",
-                           "--lr-jitter", "--deepspeed_config", str(config)],
+                           "--lr-jitter", "--ema", "--deepspeed_config", str(config)],
                           capture_output=True, text=True, timeout=300,
                           env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
 
@@ -37,7 +37,9 @@ def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     cases = {"uninterrupted": (),
              # killed in the step after an evaluation: the snapshot of that step is not committed, so the restore goes
-             # back one step further than the survivor's loop; then rank 0, whose replacement prints the replays
+             # back one step further than the survivor's loop; then rank 0, whose replacement prints the replays. The
+             # survivor trains those steps in one call, each from its EMA as it first started (probe 13: the loop's
+             # update after the first was lost)
              "in place": ("--in-place", "--fault", "rank=1,step=5,phase=backward,restart=0",
                           "--fault", "rank=0,step=8,phase=forward,restart=1"),
              "relaunch": ("--fault", "rank=1,step=7,phase=forward"),

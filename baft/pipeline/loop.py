@@ -303,9 +303,10 @@ class Loop:
 
     def starting(self, engine, step: int, again: bool) -> None:
         """Before the iteration that trains ``step``: where a survivor trains it again in the call that failed,
-        the generators, the optimizer's hyper-parameters and the script's schedulers as they were when it first
-        started (the script's loop, which does not run again for the steps before its call's, drew from those
-        and may have set or stepped these); else they are kept for that."""
+        the generators, the optimizer's hyper-parameters, the script's schedulers, its ``client_state`` and a data
+        iterator of its own as they were when it first started (the script's loop, which does not run again for the
+        steps before its call's, drew from those and may have set, stepped or updated these: an EMA in its
+        ``client_state``, the task its data iterator reads); else they are kept for that."""
         groups = engine.optimizer.param_groups
         if again and step in self.started:
             kept = self.started[step]
@@ -314,11 +315,21 @@ class Loop:
                 group.update(values)
             for scheduler, state in kept["schedulers"]:
                 scheduler.load_state_dict(copy.deepcopy(state))
+            for own, state in kept["own"] or ():
+                own.load_state_dict(copy.deepcopy(state))
             return
         self.started[step] = {"rng": rng_states(),
                               "groups": [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups],
-                              "schedulers": [(s, copy.deepcopy(s.state_dict())) for s in script_schedulers(engine)]}
+                              "schedulers": [(s, copy.deepcopy(s.state_dict())) for s in script_schedulers(engine)],
+                              "own": [(own, copy.deepcopy(own.state_dict())) for own in _script_states(engine)]
+                              if STORE_ENV in os.environ else None}  # only a survivor in place trains a step again
         self.started.pop(step - KEPT_STARTS, None)
+        # the script's own states cost what they hold (an EMA of the weights): kept only as far back as a recovery in
+        # place goes from the two newest snapshots
+        period = getattr(getattr(engine.baft, "policy", None), "period", None)
+        older = self.started.get(step - 2 * period - 2) if isinstance(period, int) else None
+        if older is not None:
+            older["own"] = None
 
     @property
     def replaying(self) -> bool:
@@ -384,6 +395,15 @@ class Loop:
                             f"baft recorded (not a scalar, or trained before baft recorded it); loop on the engine's "
                             f"step (while engine.global_steps < N) to resume without replaying")
         return torch.tensor(float(value), dtype=getattr(torch, self.history.dtypes[kind]), device=engine.device)
+
+
+def _script_states(engine) -> list:
+    """What the script's loop may change between its calls that baft keeps with ``load_state_dict``: its
+    ``client_state`` object and a data iterator of its own (not a loader whose position baft keeps, nor baft's)."""
+    client = getattr(getattr(engine.baft, "client_state", None), "source", None)
+    data = getattr(engine.baft, "data_position", None)
+    return [own for own in (client, data) if callable(getattr(own, "state_dict", None))
+            and callable(getattr(own, "load_state_dict", None)) and not type(own).__module__.startswith("baft.")]
 
 
 THIS_PROCESS = Loop()

@@ -6,6 +6,7 @@ range(args.steps)``).
 """
 
 import argparse
+import functools
 import random
 
 import deepspeed
@@ -21,6 +22,8 @@ parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--eval-every", type=int, default=0, help="eval_batch on held-out data every N steps")
 parser.add_argument("--lr-jitter", action="store_true", help="the loop sets each step's learning rate from a draw")
+parser.add_argument("--ema", action="store_true",
+                    help="the loop keeps an EMA of the stage's weights and a loss meter after each call, in client_state=")
 parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -35,7 +38,32 @@ trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=
 layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)]
 net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
-initialize = deepspeed.initialize if args.no_baft else baft.initialize
+
+
+class Averages:
+    """The script's own state, updated by its loop after each call: an EMA of the stage's weights, a loss meter."""
+
+    def __init__(self, module):
+        self.ema, self.meter = [p.detach().clone() for p in module.parameters()], 0.0
+
+    @torch.no_grad()
+    def update(self, module, loss):
+        for average, p in zip(self.ema, module.parameters()):
+            average.lerp_(p, 0.1)
+        self.meter = 0.9 * self.meter + 0.1 * float(loss)
+
+    def state_dict(self):
+        return {"ema": self.ema, "meter": self.meter}
+
+    def load_state_dict(self, state):
+        for average, saved in zip(self.ema, state["ema"]):
+            average.copy_(saved)
+        self.meter = state["meter"]
+
+
+averages = Averages(net) if args.ema else None
+initialize = (deepspeed.initialize if args.no_baft else
+              functools.partial(baft.initialize, client_state=averages) if args.ema else baft.initialize)
 engine, _, _, _ = initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                              training_data=trainset)
 evalset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=data),
@@ -49,6 +77,8 @@ for step in range(args.steps):  # the example's own loop: it counts its calls fr
         for group in engine.optimizer.param_groups:
             group["lr"] = 1e-3 * (1 + random.random())
     loss = engine.train_batch()
+    if averages is not None:
+        averages.update(engine.module, loss)
     if engine.global_rank == 0:
         print(f"step {step + 1} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
     if args.eval_every and (step + 1) % args.eval_every == 0:
