@@ -276,28 +276,31 @@ def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
     assert foreign_iterator(None, iter(other)) is None  # nothing given: said once at initialize
 
 
+class Task:
+    """A data iterator of the script's own with a restorable position."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.position += 1
+        return self.position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
 def test_a_resumable_iterator_of_the_scripts_that_baft_was_not_given_is_named():
     """Task mixing: each step the loop picks one of two data iterators with state_dict(), and gives baft.initialize
     the first. The second's position is in no snapshot: resumed, it read its batches from the start again, silently
     (probe 13). One the given data_iterator holds (a mixer whose state_dict() keeps each one's) passes."""
     from baft.snapshot.data import foreign_iterator
-
-    class Task:
-        def __init__(self):
-            self.position = 0
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            self.position += 1
-            return self.position
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
 
     class Mixer(Task):
         def __init__(self, tasks):
@@ -310,6 +313,25 @@ def test_a_resumable_iterator_of_the_scripts_that_baft_was_not_given_is_named():
     assert foreign_iterator(data_position(None, first), first) is None
     assert foreign_iterator(data_position(None, Mixer([first, second])), second) is None
     assert foreign_iterator(None, second) is None  # nothing given: said once at initialize
+
+
+def test_an_iterator_of_the_scripts_given_by_set_dataiterator_is_checked_as_train_batch_reads_it(capsys):
+    """A second data phase through ``engine.set_dataiterator(phase2)``, then ``train_batch()`` with no argument: it
+    reads the engine's iterator, whose position baft was not given; resumed after the switch, it read the second phase
+    from its start, silently (probe 13)."""
+    from types import SimpleNamespace
+
+    from baft.snapshot.reads import TrainBatchReads
+
+    phase1, phase2 = Task(), Task()
+    engine = SimpleNamespace(global_steps=0, global_rank=0, data_iterator=phase1)
+    reads = TrainBatchReads(engine)
+    reads.position = data_position(None, phase1)
+    reads.call(None)
+    assert "not the data_iterator given" not in capsys.readouterr().err
+    engine.data_iterator = phase2
+    reads.call(None)
+    assert "train_batch reads a Task that is not the data_iterator given" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", LOADERS)

@@ -60,10 +60,11 @@ class TrainBatchReads:
                                                        "the restored one from the latest call's",
                                           "Pass train_batch the same iterator every call, or one of the data iterator "
                                           "given to baft.initialize, for its survivors to recover in place")
-        if data_iter is None or id(data_iter) in self._read:
+        read = data_iter if data_iter is not None else getattr(self.engine, "data_iterator", None)  # set_dataiterator's
+        if read is None or id(read) in self._read:
             return
-        self._read.add(id(data_iter))
-        why = foreign_iterator(self.position, data_iter)
+        self._read.add(id(read))
+        why = foreign_iterator(self.position, read)
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
 
