@@ -75,6 +75,10 @@ COUNTS = {
     # probe 8: resumed at an odd step, the pair's count started again, and the run trained one step past N
     "a count inside a loop on the engine's step": ("while engine.global_steps < N:\n    for _ in range(2):\n"
                                                    "        engine.train_batch()\n        engine.global_steps += 1"),
+    # probe 13: a task's step, then another's; resumed between them, the pass started again with the first task
+    "two calls a pass of a loop on the engine's step": ("def both():\n    engine.train_batch()\n    engine.train_batch()\n"
+                                                        "while engine.global_steps < N:\n    both()\n"
+                                                        "    engine.global_steps += 2"),
     "a trainer's own start, at 0": ("start_epoch = start_step = 0\nfor epoch in range(start_epoch, args.epochs):\n"
                                     "    for step in range(start_step if epoch == start_epoch else 0, N):\n"
                                     "        engine.train_batch()"),
@@ -85,6 +89,10 @@ STEPS = {
     "range of what is left": "for _ in range(N - engine.global_steps):\n    engine.train_batch()",
     "a name from the engine's step": ("left = N - engine.global_steps\nfor _ in range(left):\n"
                                       "    engine.train_batch()"),
+    # one task's call or another's, a pass: it makes one
+    "a call in each branch of a condition": ("while engine.global_steps < N:\n    if engine.global_steps % 2:\n"
+                                             "        engine.train_batch()\n    else:\n        engine.train_batch()\n"
+                                             "    engine.global_steps += 1"),
     "range from the script's own start": ("start = args.epochs + 3\nfor step in range(start, start + N):\n"
                                           "    engine.train_batch()"),
     # read as the range alone: not a loop baft cannot read (round eight's review: said to be unread)

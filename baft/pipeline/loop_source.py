@@ -93,10 +93,13 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
     reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
-    counts = [_counts_calls(loop, scope, frame) for _, loop, scope, frame in loops]
     # a count inside a ``while`` on the engine's step (``for _ in range(2): train_batch()``): resumed inside the
     # count, it would start again from 0; replayed, the while reads the step each replayed call sets
     on_step = [isinstance(loop, ast.While) and _reads_engine_step(loop.test, scope) for _, loop, scope, _ in loops]
+    # so is such a ``while`` that calls ``train_batch`` more than once a pass (a task's step, then another's): resumed
+    # between its calls, its pass would start again from the first
+    counts = [_counts_calls(loop, scope, frame) or (step and _train_calls(file, loop) > 1)
+              for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
                     for value in _carried(file, loop, scope, frame) + _carried_attributes(file, loop, frame, kept)
                     + _carried_globals(file, loop, frame))
@@ -591,6 +594,37 @@ def _reached(filename: str, loop: ast.AST) -> list[ast.AST]:
                 seen.add(called)
                 reached.append(functions[called])
     return reached
+
+
+def _train_calls(filename: str, loop: ast.AST) -> int:
+    """The calls of ``train_batch`` every pass of ``loop`` makes: in its body outside conditions and inner loops (an
+    ``if`` choosing one task's call or another's makes one), and so in the functions and methods of the same file it
+    calls there, and those they call."""
+    functions = {node.name: node for node in ast.walk(_parsed(filename))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def calls(nodes, seen: frozenset) -> int:
+        found = 0
+        for node in (sub for statement in nodes for sub in _unconditional(statement)):
+            name = _name(node.func) if isinstance(node, ast.Call) else ""
+            if name == "train_batch":
+                found += 1
+            elif name in functions and name not in seen:
+                found += calls(functions[name].body, seen | {name})
+        return found
+
+    return calls(loop.body, frozenset())
+
+
+def _unconditional(node: ast.AST):
+    """``node`` and what it holds that runs whenever it does: not the branches of a condition, the bodies of a loop or
+    a ``try``, nor what a function or lambda it defines holds."""
+    yield node
+    if isinstance(node, (ast.If, ast.IfExp, ast.BoolOp, ast.Try, ast.For, ast.AsyncFor, ast.While, ast.FunctionDef,
+                         ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from _unconditional(child)
 
 
 def _collective(filename: str, loop: ast.AST) -> str:
