@@ -99,6 +99,11 @@ STEPS = {
     "range from the script's own start, through tqdm": ("from tqdm import tqdm\nstart = args.epochs + 3\n"
                                                         "for step in tqdm(range(start, start + N), disable=True):\n"
                                                         "    engine.train_batch()"),
+    # probe 13: Megatron's, from what its own load_checkpoint returned (said to run its steps again: it does not)
+    "a counter from the script's own resume": ("def train():\n    iteration = args.iteration\n"
+                                               "    while iteration < N:\n        engine.train_batch()\n"
+                                               "        iteration += 1\n"
+                                               "args.iteration = 0\ntrain()"),
     "a list from the engine's step": ("lrs = [0.1] * (N - engine.global_steps)\nfor lr in lrs:\n"
                                       "    engine.train_batch()"),
     "a counter from the engine's step": ("step = engine.global_steps\nwhile step < N:\n    engine.train_batch()\n"

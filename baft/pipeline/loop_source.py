@@ -107,8 +107,8 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=any(counts) and all(count or step for count, step in zip(counts, on_step)),
                     unread=not reads_step and (_count_around_data(loops, counts) or any(
-                        not (count or _goes_on_itself(loop, frame))
-                        for count, (_, loop, _, frame) in zip(counts, loops))),
+                        not (count or _goes_on_itself(loop, frame) or _while_from_own_start(loop, scope))
+                        for count, (_, loop, scope, frame) in zip(counts, loops))),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
@@ -233,6 +233,17 @@ def _goes_on_itself(loop: ast.AST, frame) -> bool:
     goes on from the restored data position), possibly through ``tqdm`` or ``enumerate``, or zipped; or over a range
     from a start of the script's own (its own resume position, perhaps)."""
     return isinstance(loop, (ast.For, ast.AsyncFor)) and (_range_from_own_start(loop.iter) or _data(loop.iter, frame))
+
+
+def _while_from_own_start(loop: ast.AST, scope: ast.AST) -> bool:
+    """A ``while i < n`` whose counter its scope sets from something other than a number: the script's own resume
+    (Megatron's ``iteration = args.iteration``, from what its load_checkpoint returned), as a ``range`` from a start of
+    its own."""
+    test = loop.test if isinstance(loop, ast.While) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == test.left.id
+                                                         for t in node.targets) for node in ast.walk(scope))
+            and not _set_to_numbers(test.left.id, scope))
 
 
 def _data(expr: ast.AST, frame) -> bool:
