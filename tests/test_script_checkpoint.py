@@ -105,7 +105,7 @@ def test_a_load_before_the_scripts_first_save_returns_the_client_state_of_the_re
     returns ``(None, None)``: killed before the script's first save, the run resumed at baft's step with the script's
     iteration 0 and trained that many steps too many, silently. A callable ``client_state`` gets the restored step's
     back, as from an older checkpoint."""
-    monkeypatch.setattr("baft.recovery.script_checkpoint.THIS_PROCESS", SimpleNamespace(script_resumed=False))
+    monkeypatch.setattr("baft.recovery.script_checkpoint.THIS_PROCESS", SimpleNamespace(script_resumed=False, show_restored=lambda engine: None))
     client = ClientState(lambda: {"iteration": 0})
     client.restore({"iteration": 2})
     engine = SimpleNamespace(global_rank=0, baft=SimpleNamespace(restored=SimpleNamespace(step=2, source="memory")))
