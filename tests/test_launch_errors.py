@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import SHM_ROOT, launch_env, run_id
-from baft.cli.preflight import config_files, later_imports, unprotected_initialize, wraps_optimizer
+from baft.cli.preflight import config_files, later_imports, script_source, unprotected_initialize, wraps_optimizer
 from baft.cli.runlog import LOG_NAME
 
 # A user's script: a 2-stage pipeline of linear layers under baft.initialize, its DeepSpeed config from --config.
@@ -85,8 +85,9 @@ def assert_nothing_left(tmp_path):
     assert not shm.exists() or not any(shm.iterdir()), sorted(shm.rglob("*"))
 
 
-@pytest.mark.parametrize("case", ["baft key", "baft section", "missing", "not JSON"])
+@pytest.mark.parametrize("case", ["baft key", "baft key, -m module", "baft section", "missing", "not JSON"])
 def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
+    """A script launched as ``-m MODULE`` too (its ranks said the key without the file, after the launch)."""
     script, config = user_files(tmp_path, baft={"polcy": "baft"})
     if case == "baft section":  # misspelled, the run went on unprotected without a word
         config.write_text(json.dumps({**{k: v for k, v in CONFIG.items() if k != "baft"}, "bafts": CONFIG["baft"]}))
@@ -96,6 +97,8 @@ def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
     elif case == "not JSON":
         config.write_text('{"train_batch_size": 4,')
         command, expected = [script, "--config", config], "ds_config.json: not valid JSON"
+    elif case == "baft key, -m module":
+        command, expected = ["-m", "train", "--config", config], r"ds_config.json: baft\.polcy: unknown key \(known: "
     else:
         command, expected = [script, "--config", config], r"ds_config.json: baft\.polcy: unknown key \(known: "
     proc = baft_train(tmp_path, *command)
@@ -135,6 +138,32 @@ def test_a_script_that_calls_deepspeed_initialize_instead_of_baft_is_named_with_
     else:
         assert said == (f"{script}:{line} calls deepspeed.initialize, not baft.initialize: its ranks take no "
                         "snapshots, and a restart begins again at step 0 (baft.initialize takes the same arguments)")
+
+
+@pytest.mark.parametrize("module, source", [
+    ("train", "train.py"),
+    ("jobs.train", "jobs/train.py"),
+    ("jobs", "jobs/__main__.py"),  # python -m runs a package's __main__
+    ("train.nothing", None),  # a module named as a package: its ranks say so
+    ("missing", None),
+])
+def test_a_module_launched_with_dash_m_is_read_from_the_file_python_would_run(tmp_path, monkeypatch, module, source):
+    """``baft train -- -m MODULE`` warns of a module that calls deepspeed.initialize as of a script (it ran
+    unprotected without a word), finding the module from the working directory as ``python -m`` does, with
+    nothing imported: a package's ``__init__`` that raised would stop the launch."""
+    calls = "import deepspeed\n\nengine, *_ = deepspeed.initialize(model=m, config=c)\n"
+    (tmp_path / "jobs").mkdir()
+    for path in ("train.py", "jobs/train.py", "jobs/__main__.py"):
+        (tmp_path / path).write_text(calls)
+    (tmp_path / "jobs" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.chdir(tmp_path)
+    found = script_source(["-m", module, "--config", "ds.json"])
+    assert found == (str(tmp_path / source) if source else None)
+    if source:
+        assert unprotected_initialize(found).startswith(f"{tmp_path / source}:3 calls deepspeed.initialize")
+    assert script_source(["train.py", "--steps", "3"]) == "train.py"
+    assert script_source(["-m", "baft.examples.worker"]) is not None
+    assert unprotected_initialize(script_source(["-m", "baft.examples.worker"])) is None
 
 
 def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):

@@ -7,6 +7,9 @@ rank's traceback, and a launch that starts managers and ranks only to stop them.
 from __future__ import annotations
 
 import ast
+import os
+import sys
+from importlib.machinery import PathFinder
 from typing import Optional
 
 from baft.config import parse_config
@@ -18,13 +21,37 @@ EXAMPLE = "baft.examples.worker"
 
 
 def check_script_launch(command: list[str]) -> None:
-    """Refuse a launch command (``SCRIPT ARGS...``) whose script cannot be read, or whose DeepSpeed config,
-    named among its arguments, cannot be read or has a ``"baft"`` section the ranks would refuse."""
-    if command[0].startswith("-"):  # torchrun's own options (-m module): no script file to check
+    """Refuse a launch command (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) whose script cannot be read, or whose
+    DeepSpeed config, named among its arguments, cannot be read or has a ``"baft"`` section the ranks would refuse."""
+    if command[0] == "-m":  # a module its ranks find on their path, or say they cannot
+        args = command[2:]
+    elif command[0].startswith("-"):  # torchrun's own options: no script to check
         return
-    check_readable(command[0])
-    for path in config_files(command[1:]):
+    else:
+        check_readable(command[0])
+        args = command[1:]
+    for path in config_files(args):
         check_baft_section(path)
+
+
+def script_source(command: list[str]) -> Optional[str]:
+    """The source file a launch command runs: ``SCRIPT``, or for ``-m MODULE`` the file ``python -m`` would run
+    (the working directory first on the path, a package's ``__main__``), found without importing anything; None
+    where there is none to read (the ranks say why)."""
+    if command[0] != "-m":
+        return None if command[0].startswith("-") else command[0]
+    if len(command) < 2:
+        return None
+    parts, spec, locations = command[1].split("."), None, [os.getcwd(), *sys.path]
+    for depth in range(1, len(parts) + 1):
+        spec = PathFinder.find_spec(".".join(parts[:depth]), locations) if locations is not None else None
+        if spec is None:  # not found, or a module named as a package
+            return None
+        locations = spec.submodule_search_locations
+    if locations is not None:  # a package: python -m runs its __main__
+        spec = PathFinder.find_spec(f"{command[1]}.__main__", locations)
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
 
 
 def unprotected_initialize(path: str) -> Optional[str]:

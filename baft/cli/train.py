@@ -89,7 +89,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
 def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -> None:
     """Refuse options that contradict each other, and a script that cannot run under baft (a warning where it
     does not call ``baft.initialize``), each in one line, before anything is started."""
-    from baft.cli.preflight import check_script_launch, unprotected_initialize
+    from baft.cli.preflight import check_script_launch, script_source, unprotected_initialize
 
     if bool(example) == bool(command):
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
@@ -100,7 +100,8 @@ def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -
         raise BaftError("--spares: spares replace a killed rank in place; give --in-place too")
     if command:
         check_script_launch(list(command))
-        said = unprotected_initialize(command[0]) if not command[0].startswith("-") else None
+        source = script_source(list(command))
+        said = unprotected_initialize(source) if source else None
         if said:
             click.echo(f"baft: warning: {said}", err=True)
         if hang_timeout is not None:
