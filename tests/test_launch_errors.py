@@ -195,6 +195,27 @@ def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
+def test_the_examples_options_given_for_a_script_are_said_not_read_and_its_run_is_still_managed(tmp_path):
+    """``--policy none --period 3 --iters 5`` of a script's run were silently ignored (its ranks snapshot as their
+    config says), and ``--policy none`` started no manager: its snapshots stayed in shared memory after the run,
+    served by none, and nothing was persisted."""
+    script, config = user_files(tmp_path)
+    script.write_text(SCRIPT + "import itertools, torch\n"
+                      "batches = itertools.repeat((torch.ones(4, 4), torch.ones(4, 1)))\n"
+                      "while engine.global_steps < 2:\n    engine.train_batch(data_iter=batches)\n")
+    proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--policy", "none", "--period",
+                           "3", "--iters", "5", "--run-dir", str(tmp_path / "run"), "--", str(script), "--config",
+                           str(config)], capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in screen(proc) if "the example's options" in line]
+    assert said == ["baft: warning: --iters, --policy, --period: the example's options, which a script's run does not "
+                    "read: it takes baft.policy, baft.period from its DeepSpeed config and its steps from its own "
+                    "code"], screen(proc)
+    assert (tmp_path / "run" / "persisted").is_dir(), "no manager kept the run's last step"
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.parametrize("args, found", [
     (["--config", "ds.json", "--steps", "3"], ["ds.json"]),
     (["--deepspeed_config=ds.json"], ["ds.json"]),

@@ -14,15 +14,23 @@ from baft.config import IN_MEMORY, LAUNCHER_ENV, POLICIES
 from baft.errors import BaftError
 
 PERSISTED = "persisted"  # RUN_DIR/persisted: where the managers write the snapshots they keep on disk
+# the example's options a script's run does not read: the baft key a script's DeepSpeed config sets instead of each,
+# and what the script decides itself
+SCRIPT_KEYS = {"policy": "policy", "period": "period", "executor": "executor", "leftovers": "leftovers",
+               "bubble_map": "bubble_map", "plan_file": "plan", "schedule": "schedule"}
+SCRIPT_OWN = {"iters": "its steps", **dict.fromkeys(("micro_batches", "micro_batch_size", "seq", "d_model", "layers",
+                                                      "heads", "vocab", "precision", "partition", "zero_stage"),
+                                                     "its model")}
 
 
 @click.command()
 @click.option("--example", type=click.Choice(["gpt"]), help="Train the bundled example instead of a script.")
 @example_options
-@click.option("--iters", default=20, show_default=True, help="Train until this optimizer step.")
-@click.option("--policy", default="baft", show_default=True,
-              type=click.Choice(POLICIES))
-@click.option("--period", default="auto", show_default=True, help="Snapshot every K steps, or 'auto' (planner).")
+@click.option("--iters", default=20, show_default=True, help="The example: train until this optimizer step.")
+@click.option("--policy", default="baft", show_default=True, type=click.Choice(POLICIES),
+              help="The example's snapshot policy; a script sets baft.policy.")
+@click.option("--period", default="auto", show_default=True,
+              help="The example: snapshot every K steps, or 'auto' (planner); a script sets baft.period.")
 @executor_options
 @click.option("--bubble-map", type=click.Path(dir_okay=False), help="Measured bubble map to plan from.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
@@ -70,7 +78,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     procs = nprocs or model["stages"] * dp
     run, run_id, env = _run_dir_and_env(run_dir, procs, nodes, faults, trace_dir)
     server = WarmServer.running(env) or WarmServer()
-    managed = manager and policy in IN_MEMORY
+    managed = manager and (policy in IN_MEMORY or not example)  # a script's policy is its config's
     configs = _manager_configs(run, run_id, nodes, persist_every) \
         if managed or example and (nodes > 1 or persist_every) else []
     program = list(command)
@@ -95,7 +103,8 @@ def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -
         raise BaftError("give either --example gpt or a training script after --, not both or neither")
     if in_place and not warm:
         raise BaftError("--in-place: a killed rank is replaced by the node's warm server, which --cold turns off")
-    given = click.get_current_context().get_parameter_source("spares") is not click.core.ParameterSource.DEFAULT
+    context = click.get_current_context()
+    given = context.get_parameter_source("spares") is not click.core.ParameterSource.DEFAULT
     if given and not in_place:
         raise BaftError("--spares: spares replace a killed rank in place; give --in-place too")
     if command:
@@ -106,6 +115,25 @@ def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -
             click.echo(f"baft: warning: {said}", err=True)
         if hang_timeout is not None:
             raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
+        unread = _unread_by_scripts(context)
+        if unread:
+            click.echo(f"baft: warning: {unread}", err=True)
+
+
+def _unread_by_scripts(context) -> str:
+    """One line naming the example's options given on the command line of a script's run, which its ranks never
+    read (``--period 3`` left the config's period, ``--policy none`` the config's policy), and where the script sets
+    them; empty where none is given."""
+    given = [param for param in context.command.params if param.name in {**SCRIPT_KEYS, **SCRIPT_OWN}
+             and context.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
+    if not given:
+        return ""
+    keys = [f"baft.{SCRIPT_KEYS[p.name]}" for p in given if p.name in SCRIPT_KEYS]
+    own = list(dict.fromkeys(SCRIPT_OWN[p.name] for p in given if p.name in SCRIPT_OWN))
+    takes = [f"{', '.join(keys)} from its DeepSpeed config" if keys else "", f"{' and '.join(own)} from its own code"
+             if own else ""]
+    return (f"{', '.join(p.opts[0] for p in given)}: the example's options, which a script's run does not read: "
+            f"it takes {' and '.join(filter(None, takes))}")
 
 
 def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tuple[Path, str, dict]:
