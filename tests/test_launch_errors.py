@@ -109,7 +109,8 @@ def test_a_bad_config_is_one_line_before_anything_launches(tmp_path, case):
 
 
 @pytest.mark.parametrize("options, expected", [(["--spares", "2"], r"--spares: .* give --in-place too$"),
-                                               (["--in-place", "--cold"], r"--in-place: .* --cold turns off$")])
+                                               (["--in-place", "--cold"], r"--in-place: .* --cold turns off$"),
+                                               (["--nodes", "2"], r"--nodes 2 simulates nodes for the example only")])
 def test_options_that_cannot_go_together_are_one_line_before_anything_launches(tmp_path, options, expected):
     script, config = user_files(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", *options, "--run-dir", str(tmp_path / "run"),

@@ -50,7 +50,7 @@ SCRIPT_OWN = {"iters": "its steps", **dict.fromkeys(("micro_batches", "micro_bat
                    "(0: a replacement is forked when a rank dies, and imports them itself).")
 @click.option("--persist-every", type=int, help="The manager writes every N-th snapshot to RUN_DIR/persisted.")
 @click.option("--nodes", default=1, show_default=True,
-              help="Simulated nodes: one manager each, in one parity group over loopback.")
+              help="The example: simulated nodes, one manager each, in one parity group over loopback.")
 @click.option("--hang-timeout", type=float,
               help="The example: seconds a rank may be silent before its node's manager kills it (default 60; "
                    "0: never). A script sets baft.hang_timeout in its config.")
@@ -69,7 +69,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     output goes to ``RUN_DIR/output.log``; the screen shows rank 0's output (the example
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
-    _check_options(example, command, warm, in_place, hang_timeout)
+    _check_options(example, command, warm, in_place, hang_timeout, nodes)
     from baft.cli.preflight import later_imports
     from baft.recovery import chaos
     from baft.warm import WarmServer
@@ -94,7 +94,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     _report(outcome, asked, run, log, trace_dir)
 
 
-def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -> None:
+def _check_options(example, command, warm: bool, in_place: bool, hang_timeout, nodes: int) -> None:
     """Refuse options that contradict each other, and a script that cannot run under baft (a warning where it
     does not call ``baft.initialize``), each in one line, before anything is started."""
     from baft.cli.preflight import check_script_launch, script_source, unprotected_initialize
@@ -115,6 +115,9 @@ def _check_options(example, command, warm: bool, in_place: bool, hang_timeout) -
             click.echo(f"baft: warning: {said}", err=True)
         if hang_timeout is not None:
             raise BaftError("--hang-timeout is the example's: a script sets baft.hang_timeout in its DeepSpeed config")
+        if nodes > 1:  # the ranks would need the parity group of managers this launch makes, which no config names
+            raise BaftError(f"--nodes {nodes} simulates nodes for the example only: a script's ranks would all keep "
+                            "their snapshots on node 0, and a node fault would find none to rebuild")
         unread = _unread_by_scripts(context)
         if unread:
             click.echo(f"baft: warning: {unread}", err=True)
