@@ -224,7 +224,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     """A run that ends (here: a rank dies with no restarts left) shows the end of its log, and frees its shared
     memory only after its manager writes the newest snapshot to RUN_DIR/persisted: launching the run again
     resumes from that step, bit for bit, instead of starting over; once at --iters, a launch trains nothing
-    and says so."""
+    and says so. The resumed launch's manager is killed as it trains: a new one takes over its snapshots as the run
+    ends, and writes its last step (before, the launch ended in an error naming no manager running, its snapshots
+    left in shared memory, unwritten)."""
     import re
     import subprocess
     import sys
@@ -250,8 +252,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     assert max(r["step"] for r in losses(run_dir)) == 5
     assert sorted(p.name for p in (run_dir / "persisted" / "node0").glob("step-*")), "nothing persisted at the end"
 
-    resumed = train()
+    resumed = train("--fault", "manager=0,step=8")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert resumed.stderr.count("baft: node 0's manager died during the run; a new one took over its snapshots") == 1
     said = re.search(r"^baft: resumed from step (\d+) \(disk\)$", resumed.stdout, re.MULTILINE)
     assert said, resumed.stdout[-2000:]
     restored = int(said[1])

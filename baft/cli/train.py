@@ -206,7 +206,7 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
     log of every rank's output. SIGTERM stops it, with exit code 128 + SIGTERM."""
     from baft.cli.launch import exclusive_run
     from baft.cli.runlog import LOG_NAME, Terminated, run_logged, sigterm_stops, trim_run_logs
-    from baft.manager.nodes import retire_all, start_all, stop_all
+    from baft.manager.nodes import retire_all, revive_all, start_all, stop_all
 
     log = run / LOG_NAME
     try:
@@ -222,6 +222,9 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
             try:
                 outcome = run_logged(cmd, env, log)
             finally:
+                for node in revive_all(configs, log_dir=run):
+                    click.echo(f"baft: node {node}'s manager died during the run; a new one took over its snapshots "
+                               "to keep them", err=True)
                 stop_all(configs)
                 _say_what_is_kept(configs, run)
     except Terminated:

@@ -13,7 +13,8 @@ from typing import Optional
 
 from baft.config import node_dir, node_root
 from baft.manager.config import ManagerConfig, Member
-from baft.manager.control import retire, start, stop
+from baft.manager.control import retire, start, status, stop
+from baft.manager.protocol import ManagerUnavailable
 
 
 def free_ports(count: int) -> list[int]:
@@ -49,6 +50,20 @@ def manager_log(run_dir, node: int) -> Path:
 def start_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[int]:
     """Start every manager, each logging to :func:`manager_log` in ``log_dir`` (default: its shm root); their pids."""
     return [start(c, log_path=manager_log(log_dir, c.node_id) if log_dir else None) for c in configs]
+
+
+def revive_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[int]:
+    """Start again each manager of ``configs`` that no longer answers (killed during the run), on its root: it adopts
+    the snapshots its ranks left there, so that :func:`stop_all` writes and frees them as it does a live one's. The
+    node ids of those started again."""
+    dead = []
+    for c in configs:
+        try:
+            status(c.shm_root)
+        except ManagerUnavailable:
+            dead.append(c)
+    start_all(dead, log_dir)
+    return [c.node_id for c in dead]
 
 
 def retire_all(configs: list[ManagerConfig]) -> list[int]:
