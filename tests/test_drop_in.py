@@ -80,7 +80,8 @@ def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uni
     expected_kinds = {"in place": ["in place", "in place"], "relaunch": ["warm relaunch"],
                       "in place, a collective": ["in place"]}
     assert kinds == expected_kinds[name], kinds
-    # rank 0's lines: a resumed process prints the replayed calls' losses and evaluations again, the same
+    # rank 0's lines: a resumed process prints the replayed calls' losses and evaluations again, the same, and what
+    # was_step_applied() read after each (probe 14: False after a replayed call)
     printed, expected = LINE.findall(proc.stdout), LINE.findall(ref_proc.stdout)
     assert dict(printed) == dict(expected) and printed[-1] == expected[-1], (printed, expected)
     assert "counts its calls to train_batch" in proc.stdout

@@ -527,11 +527,18 @@ def test_the_history_goes_through_a_commit_record_exactly(dtype):
         history.record_train(step, loss, samples, lrs=[0.1 * step, 0.01 * step])
     history.record_eval(2, torch.tensor(0.123456789, dtype=dtype))
     history.record_eval(2, (torch.zeros(2), torch.ones(3)))  # logits too: a value baft cannot replay
-    history.record_train(3, losses[2], samples=20, lrs=[0.5])  # step 3 trained again (in place), a group fewer
+    history.record_train(3, losses[2], samples=20, lrs=[0.5], applied=False, grad_norm=torch.tensor(2.5, dtype=dtype))
     history.record_train(4, (torch.zeros(1), torch.ones(1)), samples=28, lrs=[0.6, 0.06])  # not a number
     restored = History.from_items(json.loads(json.dumps(history.items())))
     assert [restored.value(step) for step in (1, 2, 3, 4, 5)] == [*(float(v) for v in losses), None, None]
-    assert restored.dtypes == {"train": str(dtype)[6:], "eval": str(dtype)[6:]}
+    assert restored.dtypes == {"train": str(dtype)[6:], "eval": str(dtype)[6:], "grad_norm": str(dtype)[6:]}
+    # was_step_applied() and get_global_grad_norm() as the script read them after each step (probe 14: a replayed
+    # call left them as the restore had, False and None, where the uninterrupted run read True and the step's norm)
+    assert [restored.applied_after(step) for step in (1, 2, 3, 4)] == [True, True, False, True]
+    norm = restored.grad_norm_after(3, device="cpu")
+    assert norm.dtype == dtype and torch.equal(norm, torch.tensor(2.5, dtype=dtype))
+    assert restored.grad_norm_after(2, device="cpu") is None and not restored.kept_after(5)
+    assert not History.from_items({**history.items(), "applied": [], "norms": []}).kept_after(1)
     # the engine's global_samples a replayed call leaves, as the step left it (a count of the calls times the
     # batch size gave 16 after step 2); where a history written before baft kept them does not say, that count
     assert [restored.samples_after(step, batch_size=8) for step in (1, 2, 3, 4, 5)] == [4, 12, 20, 28, 40]

@@ -138,6 +138,9 @@ class BaftPipelineEngine(PipelineEngine):
             for group, lr in zip(self.optimizer.param_groups, loop.history.lrs_after(loop.calls)):
                 if lr == lr:  # NaN: a group the step had not
                     group["lr"] = lr  # what get_lr() said then (baft.replayed puts the restored step's back)
+            if loop.history.kept_after(loop.calls):  # the last replayed call's are the restored step's own
+                self._step_applied = loop.history.applied_after(loop.calls)
+                self._global_grad_norm = loop.history.grad_norm_after(loop.calls, self.device)
             if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
                 self.baft.hooks.rng.between_steps()
             return value
@@ -218,7 +221,8 @@ class BaftPipelineEngine(PipelineEngine):
         finally:
             self._instruction = self._bubble = None  # eval_batch's receives run no bubble work
         if THIS_PROCESS.counts_calls:  # what a replay of this call returns, in the snapshots from the next on
-            THIS_PROCESS.history.record_train(self.global_steps, loss, self.global_samples, self.get_lr())
+            THIS_PROCESS.history.record_train(self.global_steps, loss, self.global_samples, self.get_lr(),
+                                              self.was_step_applied(), self.get_global_grad_norm())
         for hook in self.baft.hooks:
             hook.iteration_end(self)
         return loss

@@ -51,7 +51,7 @@ def _base64(values: list, dtype) -> str:
 class History:
     """What ``train_batch`` returned at each step, and ``eval_batch`` after each: what a replayed call returns;
     and what the script's code after the call reads of the engine then (its ``global_samples``, its learning
-    rates). Kept, and saved with every snapshot, in a process whose loop counts calls; a survivor recovering in
+    rates, ``was_step_applied()`` and ``get_global_grad_norm()``). Kept, and saved with every snapshot, in a process whose loop counts calls; a survivor recovering in
     place keeps its own (its loop does not run again the evaluations after the restored step)."""
 
     # train.values[k - 1]: the value of step k (a 0-d tensor until a capture reads it; None, read back as NaN, where
@@ -59,14 +59,18 @@ class History:
     train: Column = field(default_factory=lambda: Column("float64"))
     samples: Column = field(default_factory=lambda: Column("int64"))  # the engine's global_samples after each step
     lrs: Column = field(default_factory=lambda: Column("float64"))  # each param group's lr after each step, in turn
+    applied: Column = field(default_factory=lambda: Column("int8"))  # the engine's was_step_applied() after each step
+    # the engine's get_global_grad_norm() after each step (NaN where None, once a capture has read it)
+    norms: Column = field(default_factory=lambda: Column("float64"))
     groups: int = 0  # param groups a step's lrs hold: the first step's
     unreplayable: set = field(default_factory=set)  # steps whose value was not a number
     evals: dict = field(default_factory=dict)  # step -> the values eval_batch returned while the engine was there
-    dtypes: dict = field(default_factory=dict)  # "train", "eval": the dtype of the values
+    dtypes: dict = field(default_factory=dict)  # "train", "eval", "grad_norm": the dtype of the values
     first_lrs: list = field(default_factory=list)  # each param group's lr before the first step
 
-    def record_train(self, step: int, value, samples: int, lrs: list) -> None:
-        for column, per_step in ((self.train, 1), (self.samples, 1), (self.lrs, self.groups)):
+    def record_train(self, step: int, value, samples: int, lrs: list, applied: bool = True, grad_norm=None) -> None:
+        for column, per_step in ((self.train, 1), (self.samples, 1), (self.lrs, self.groups), (self.applied, 1),
+                                 (self.norms, 1)):
             column.truncate((step - 1) * per_step)  # a step trained again (in place, after a restore)
         self.unreplayable.discard(step)
         value = self._value("train", value)
@@ -76,6 +80,8 @@ class History:
         self.samples.values.append(samples)
         self.groups = self.groups or len(lrs)
         self.lrs.values += (list(lrs) + [float("nan")] * self.groups)[:self.groups]
+        self.applied.values.append(int(bool(applied)))
+        self.norms.values.append(self._norm(grad_norm))
 
     def record_eval(self, step: int, value) -> None:
         # None (a stage other than the last, under bcast_loss=False) is replayed as None
@@ -98,6 +104,37 @@ class History:
             return []
         return self.lrs.values[(step - 1) * self.groups:step * self.groups]
 
+    def kept_after(self, step: int) -> bool:
+        """Whether the history says what ``was_step_applied()`` and ``get_global_grad_norm()`` read after ``step`` (a
+        record written before baft kept them does not)."""
+        return step <= len(self.applied.values)
+
+    def applied_after(self, step: int) -> bool:
+        """The engine's ``was_step_applied()`` after ``step``."""
+        return bool(self.applied.values[step - 1])
+
+    def grad_norm_after(self, step: int, device):
+        """The engine's ``get_global_grad_norm()`` after ``step``: None, a number, or a tensor of its dtype on
+        ``device``."""
+        value = self.norms.values[step - 1]
+        if value is None or value != value:  # NaN: None, read by a capture
+            return None
+        kind = self.dtypes.get("grad_norm", "float")
+        if kind == "float":
+            return float(value)
+        return torch.tensor(float(value), dtype=getattr(torch, kind), device=device)
+
+    def _norm(self, value):
+        """A gradient norm as the column holds it until the next capture reads it (None, a detached scalar tensor, a
+        float)."""
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            self.dtypes["grad_norm"] = str(value.dtype).removeprefix("torch.")
+            return value.detach().reshape(())
+        self.dtypes["grad_norm"] = "float"
+        return float(value)
+
     def _value(self, kind: str, value):
         """A scalar tensor's value (a float once :meth:`items` read it: exact for float32 and bf16); anything else
         cannot be replayed (None)."""
@@ -108,14 +145,17 @@ class History:
 
     def items(self) -> dict:
         """As the commit record holds it (JSON)."""
-        for values in (self.train.values, *self.evals.values()):
+        nan = float("nan")
+        columns = ((self.train.values, None), (self.norms.values, nan), *((v, None) for v in self.evals.values()))
+        for values, none in columns:  # none: what a None recorded is read as
             i = len(values)
             while i and not isinstance(values[i - 1], float):  # those recorded since the last capture
                 i -= 1
-            values[i:] = [float(v) if isinstance(v, torch.Tensor) else v for v in values[i:]]
+            values[i:] = [float(v) if isinstance(v, torch.Tensor) else none if v is None else v for v in values[i:]]
         # copies: the commit record is written on another thread while training records on
         return {"train": self.train.encoded(), "samples": self.samples.encoded(), "lrs": self.lrs.encoded(),
-                "groups": self.groups, "unreplayable": sorted(self.unreplayable),
+                "applied": self.applied.encoded(), "norms": self.norms.encoded(), "groups": self.groups,
+                "unreplayable": sorted(self.unreplayable),
                 "evals": {str(k): list(v) for k, v in self.evals.items()}, "dtypes": dict(self.dtypes),
                 "first_lrs": list(self.first_lrs)}
 
@@ -126,6 +166,7 @@ class History:
         if isinstance(train, list):  # a record written before baft packed the history: None where not replayable
             unreplayable |= {step for step, value in enumerate(train, 1) if value is None}
         return cls(Column.decoded(train, "float64"), Column.decoded(items.get("samples", []), "int64"),
-                   Column.decoded(items.get("lrs", []), "float64"), items.get("groups", 0), unreplayable,
+                   Column.decoded(items.get("lrs", []), "float64"), Column.decoded(items.get("applied", []), "int8"),
+                   Column.decoded(items.get("norms", []), "float64"), items.get("groups", 0), unreplayable,
                    {int(k): list(v) for k, v in items["evals"].items()}, dict(items["dtypes"]),
                    items.get("first_lrs", []))

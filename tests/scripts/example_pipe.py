@@ -80,7 +80,8 @@ for step in range(args.steps):  # the example's own loop: it counts its calls fr
     if averages is not None:
         averages.update(engine.module, loss)
     if engine.global_rank == 0:
-        print(f"step {step + 1} loss {float(loss)!r} engine {type(engine).__name__}", flush=True)
+        print(f"step {step + 1} loss {float(loss)!r} applied {engine.was_step_applied()} "
+              f"engine {type(engine).__name__}", flush=True)
     if args.eval_every and (step + 1) % args.eval_every == 0:
         evaluated = engine.eval_batch(iter(held_out))
         if engine.global_rank == 0:
