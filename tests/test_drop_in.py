@@ -20,11 +20,14 @@ LINE = re.compile(r"^(step \d+|eval after step \d+|call \d+ starts) (?:loss|at) 
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
     """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, a learning rate drawn from
-    python's generator before each and an EMA of the weights in its ``client_state`` after each, in ``directory``."""
+    python's generator before each, DeepSpeed's WarmupLR, and an EMA of the weights in its ``client_state`` after
+    each, in ``directory``."""
     config = directory / "ds_config.json"
     config.write_text(json.dumps({
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        # read by the script after each call (probe 14: a replayed call read the restored step's count and rates)
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 6}},
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
                            *options, "--", str(script), "--steps", str(STEPS), "--eval-every", "2",

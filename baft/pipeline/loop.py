@@ -79,6 +79,7 @@ class Loop:
         self.carried_restored: Optional[dict] = None  # their values the restored snapshot holds (key -> value)
         self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
+        self.restored_count: Optional[int] = None  # the engine's scheduler's count as restored, before a replay
 
     def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None) -> None:
         """The history a snapshot holds, the engine's ``counters`` it set and the values the loop carried then (put
@@ -104,7 +105,8 @@ class Loop:
         if self.decided:
             return
         if not self.recorded:
-            self.history.first_lrs = [float(lr) for lr in engine.get_lr()]
+            # as the script reads them: a scheduler's first rate may be the int 0 (WarmupLR's warmup_min_lr)
+            self.history.first_lrs = [lr if isinstance(lr, (int, float)) else float(lr) for lr in engine.get_lr()]
             return
         if engine.baft.config.loop == "steps" or not self.counters.get("global_steps"):
             return
@@ -374,7 +376,21 @@ class Loop:
     def replay_train(self, engine):
         """What the next replayed ``train_batch`` call returns."""
         self.called()
+        self._scheduled_as_then(getattr(engine, "lr_scheduler", None))
         return self._recorded(engine, "train", self.history.value(self.calls), f"step {self.calls}")
+
+    def _scheduled_as_then(self, scheduler) -> None:
+        """The engine's scheduler as the replayed call left it then: its count (one a step, back from the restored
+        one) and its last learning rates (the step's); the restored state is loaded again after the replay."""
+        counter = next((name for name in ("last_batch_iteration", "last_epoch") if hasattr(scheduler, name)), None)
+        if counter is None or self.counters.get("skipped_steps", 0):  # a skipped step did not count (fp16 overflow)
+            return
+        if self.restored_count is None:
+            self.restored_count = getattr(scheduler, counter)
+        setattr(scheduler, counter, self.restored_count - (self.to_replay - self.calls))
+        lrs = self.history.lrs_after(self.calls)
+        if lrs and all(lr == lr for lr in lrs):
+            scheduler._last_lr = list(lrs)
 
     def replay_eval(self, engine, returns_none: bool = False):
         """What the next replayed ``eval_batch`` call returns: None where DeepSpeed's returns None on this stage

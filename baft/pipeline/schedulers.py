@@ -114,6 +114,15 @@ def _look(engine) -> list:
     return [obj for obj in found if id(obj) not in inner]
 
 
+def last_lrs_again(scheduler) -> None:
+    """A DeepSpeed scheduler's last learning rates (``get_last_lr()``) as its latest step set them: its ``state_dict``
+    holds its count alone, and it computes its rates from that (torch's keep theirs). Loaded, it read the rates it
+    was made with until its next step."""
+    if (not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and hasattr(scheduler, "get_lr")
+            and getattr(scheduler, "last_batch_iteration", -1) >= 0):
+        scheduler._last_lr = scheduler.get_lr()
+
+
 def capture(engine) -> Optional[list]:
     """Each script scheduler's class and ``state_dict``, or None where the script has none."""
     found = script_schedulers(engine)

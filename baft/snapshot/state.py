@@ -283,6 +283,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         optimizer_adapter(engine).load_scalars(_torch_unblob(items["optimizer_scalars"]))
     if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
+        schedulers.last_lrs_again(engine.lr_scheduler)
     scaler = loss_scaler(engine.optimizer)
     for k, v in items.get("loss_scaler", {}).items():
         setattr(scaler, k, v)

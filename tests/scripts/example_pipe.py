@@ -80,7 +80,9 @@ for step in range(args.steps):  # the example's own loop: it counts its calls fr
     if averages is not None:
         averages.update(engine.module, loss)
     if engine.global_rank == 0:
-        print(f"step {step + 1} loss {float(loss)!r} applied {engine.was_step_applied()} "
+        schedule = engine.lr_scheduler  # a config's: what it reads after each step
+        said = f" schedule {schedule.last_batch_iteration} {schedule.get_last_lr()}" if schedule is not None else ""
+        print(f"step {step + 1} loss {float(loss)!r} applied {engine.was_step_applied()}{said} "
               f"engine {type(engine).__name__}", flush=True)
     if args.eval_every and (step + 1) % args.eval_every == 0:
         evaluated = engine.eval_batch(iter(held_out))
