@@ -172,6 +172,12 @@ def test_a_missing_script_is_one_line_before_anything_launches(tmp_path):
     said = assert_one_line(proc, "nonexistent.py: no such file$")
     assert screen(proc) == [said] and not (tmp_path / "run").exists()
     assert_nothing_left(tmp_path)
+    # the interpreter named as torchrun's users do not (probe 14: "python: no such file")
+    script, _ = user_files(tmp_path)
+    proc = baft_train(tmp_path, "python3", script)
+    said = assert_one_line(proc, re.escape(f"python3: baft train runs the script with torchrun, which starts Python "
+                                           f"itself: drop 'python3' from the command (baft train -- {script} ...)") + "$")
+    assert screen(proc) == [said] and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
