@@ -24,7 +24,8 @@ SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from 
 @dataclass(frozen=True)
 class Carried:
     """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
-    loop's ``frame``, or its attribute ``attr``; ``where``: ``file:line (text)`` of the statement that carries it."""
+    loop's ``frame`` (or of its module), or its attribute ``attr``; ``where``: ``file:line (text)`` of the statement
+    that carries it. The frame is held as long as this is (a snapshot at exit reads it after the loop has returned)."""
 
     where: str
     name: str
