@@ -28,7 +28,8 @@ def check_script_launch(command: list[str]) -> None:
     elif command[0].startswith("-"):  # torchrun's own options: no script to check
         return
     else:
-        if os.path.basename(command[0]).startswith("python") and not os.path.isfile(command[0]):
+        interpreter = os.path.basename(command[0]).startswith("python") and not command[0].endswith(".py")
+        if interpreter and not os.path.isfile(command[0]):
             raise ConfigError(f"{command[0]}: baft train runs the script with torchrun, which starts Python itself: "
                               f"drop {command[0]!r} from the command (baft train -- {' '.join(command[1:2])} ...)")
         check_readable(command[0])
