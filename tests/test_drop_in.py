@@ -15,7 +15,10 @@ from baft.recovery.digests import DIGESTS_ENV, compare, load, processes
 from conftest import SCRIPTS
 
 STEPS = 10
-LINE = re.compile(r"^(step \d+|eval after step \d+|call \d+ starts) (?:loss|at) (.+)$", re.M)
+NUMBER = r"[-+\d.e]+"
+# each line's fields, and nothing after them: the screen interleaves lines now and then ("...Engine[0] ")
+LINE = re.compile(rf"^(step \d+ loss|eval after step \d+ loss|call \d+ starts at step) ({NUMBER}(?: lr {NUMBER})?"
+                  rf"(?: applied \w+)?(?: schedule \d+ \[[^\]]*\])?)", re.M)
 
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
