@@ -376,8 +376,7 @@ def _carried(filename: str, loop: ast.AST, scope: ast.AST, frame) -> list[Carrie
     changes: dict[str, list] = {}  # changed in place: by a method, or an item assigned
     changed = set()  # the names those read (ids), not reads of what they hold
     for node in ast.walk(loop):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+        targets = _targets(node)
         for target in targets:
             for name in ast.walk(target):
                 if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store):
@@ -441,8 +440,7 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
         early |= {attribute(node) for node in ast.walk(body)
                   if attribute(node) and isinstance(node.ctx, ast.Load) and runs_before(body, node)}
         for node in ast.walk(body):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+            targets = _targets(node)
             changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
                     and attribute(node.func.value)):
@@ -502,8 +500,7 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
     for body in bodies[1:]:
         declared = {name for node in ast.walk(body) if isinstance(node, ast.Global) for name in node.names}
         for node in ast.walk(body):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None else []
+            targets = _targets(node)
             names = {n.id for t in targets for n in ast.walk(t)
                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
             for name in names & declared - set(found):
@@ -563,6 +560,16 @@ def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
                and node.value is not None and node.lineno not in inside
                for v in _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
     return bool(started) and all(_literal(value) for value in started)
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    """What the statement ``node`` assigns to: an assignment's targets, an augmented or annotated one's target (an
+    annotation alone assigns nothing); [] for any other node."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+        return [node.target]
+    return []
 
 
 def _assigned(node: ast.AST, wanted) -> list[ast.AST]:
