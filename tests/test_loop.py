@@ -304,6 +304,10 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     early = glob.replace("while engine.global_steps < N:\n", "def before():\n    print(best)\n"
                                                               "while engine.global_steps < N:\n    before()\n")
     assert _site(tmp_path, early)[0].carried[0].read_before_call
+    pair = ("best, bad = float('inf'), 0\ndef after(loss):\n    global best, bad\n    if loss < best:\n"
+            "        best, bad = loss, 0\n    else:\n        bad += 1\n    return bad > 3\n"
+            "while engine.global_steps < N:\n    after(engine.train_batch() or 1.0)\n    engine.global_steps += 1")
+    assert [c.key for c in _site(tmp_path, pair)[0].carried] == ["best", "bad"], "started as a tuple's items"
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))

@@ -296,9 +296,7 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     for node in ast.walk(loop):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _name(node.value.func) == "iter":
             continue
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []
-        for target in targets:
+        for target in _targets(node):
             base = target
             while isinstance(base, (ast.Attribute, ast.Subscript)):
                 base = base.value
@@ -526,10 +524,8 @@ def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and any(
-                isinstance(t, ast.Name) and t.id == name
-                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
-            started.append(node.value)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            started += _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)
         todo.extend(ast.iter_child_nodes(node))
     return bool(started) and all(_literal(value) for value in started)
 
@@ -677,10 +673,7 @@ def _reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
         return True
     names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
     for node in ast.walk(scope):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
-        if node is not scope and getattr(node, "value", None) is not None and any(
-                isinstance(t, ast.Name) and t.id in names for t in targets):
+        if node is not scope and any(isinstance(t, ast.Name) and t.id in names for t in _targets(node)):
             if any(word in ast.unparse(node.value) for word in ENGINE_STEP):
                 return True
     return False
