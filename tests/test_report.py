@@ -1,6 +1,7 @@
 """baft report: reading recovery.jsonl, one-line refusals naming file and line, table and PNG."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,23 @@ def test_a_process_start_is_read_to_the_clock_tick():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     # the start is counted in 10 ms ticks, rounded down; an interpreter starts in ~30 ms, more on a loaded machine
     assert -0.011 < float(out.stdout) < 0.5
+
+
+def test_a_new_launch_counts_the_lost_work_it_knows_of_not_the_time_the_run_stood_still(tmp_path, monkeypatch):
+    """A launch that resumes a run an hour after it stopped: T0 is the work lost after the restored step, from the
+    script's losses.jsonl where it writes one (the example does); none known without it, not the hour between."""
+    from baft.recovery import record
+
+    now = time.time()
+    monkeypatch.setattr(record, "process_started", lambda: now)
+    monkeypatch.setattr(record, "clock", {"init_start": now + 1, "init_end": now + 2, "restore_start": now + 2,
+                                          "restore_end": now + 3, "first_iteration_end": now + 4})
+    for name in ("TORCHELASTIC_RESTART_COUNT", record.ROUND_ENV, record.EARLIER_ENV, record.GENERATION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    restored = record.Restored(step=5, source="disk", shards=1, items={"ended_at": now - 3600})
+    script = record.recovery_record(restored, tmp_path, {})
+    assert (script["fault"], script["T0"], script["T1"], script["lost_steps"]) == ("a new launch", 0.0, 1.0, 0)
+    (tmp_path / "losses.jsonl").write_text("".join(json.dumps({"step": step, "time": now - 3600 + 10 * (step - 5)})
+                                                   + "\n" for step in (4, 5, 6, 7)))
+    example = record.recovery_record(restored, tmp_path, {})
+    assert (example["T0"], example["lost_steps"]) == (20.0, 2)

@@ -20,7 +20,8 @@ fault and restart::
   (the node's snapshot manager), ``parity`` (rebuilt from peers' erasure-coded shares),
   ``disk`` (a persisted snapshot) or ``fresh`` (no snapshot: training restarted from step 0).
 - Phases, in seconds: ``T0`` rollback (wall time of the work lost since the restored
-  step), ``T1`` process restart, ``T2`` process-group init, ``T3`` state load, ``T4``
+  step; in a new launch, of the steps ``losses.jsonl`` says ended after it, none where the
+  script writes none: how long the run stood still is not lost work), ``T1`` process restart, ``T2`` process-group init, ``T3`` state load, ``T4``
   warm-up until the first resumed iteration completes; ``total`` their sum (recomputed
   from the phases when absent); ``detected``, in a recovery in place that rank 0 survived: the
   part of T1 before it saw the fault (its next send or receive failing).
@@ -164,10 +165,14 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
     progress = _last_progress(run_dir)
     relaunch = restart_count() == 0
     started = process_started()
-    failed_at = fault.get("time") or (max(progress.values()) if progress else started)
     step = restored.step if restored else 0
     # when the restored step ended: the script's losses.jsonl (the bundled example's), else the snapshot's own
-    since = progress.get(step) or ((restored.items or {}).get("ended_at") if restored else None) or failed_at
+    since = progress.get(step) or ((restored.items or {}).get("ended_at") if restored else None)
+    if relaunch:  # the lost work is the steps the script says it ended after the restored one; not the stand-still
+        failed_at = max((t for t in progress.values() if t < started), default=since or started)
+    else:
+        failed_at = fault.get("time") or (max(progress.values()) if progress else started)
+    since = since or failed_at
     t = {
         "T0": max(0.0, failed_at - since),
         # restart, interpreter, imports
