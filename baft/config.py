@@ -85,7 +85,7 @@ class BaftConfig:
     hang_timeout: Optional[float] = 60.0
     # seconds every rank of a node may spend in training steps none of them finishes (a stuck collective)
     progress_timeout: Optional[float] = 600.0
-    # how the script's loop over train_batch resumes (baft.pipeline.loop): "auto" reads it from the source;
+    # how the script's loop over train_batch resumes (baft.script.loop): "auto" reads it from the source;
     # "calls": it counts its calls from 0, so a resumed process replays those before the restored step;
     # "steps": it stops on the engine's step
     loop: str = "auto"

@@ -16,8 +16,8 @@ import deepspeed
 from baft.config import LAUNCHER_ENV, PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.errors import ConfigError
 from baft.jsonfile import read_json
-from baft.pipeline.loop import THIS_PROCESS
-from baft.pipeline.schedulers import engines_own
+from baft.script.loop import THIS_PROCESS
+from baft.script.schedulers import engines_own
 from baft.recovery import world
 from baft.snapshot.optimizers import base_optimizer
 from baft.teardown import teardown
@@ -153,7 +153,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
 
 def _not_mid_replay() -> None:
     """At interpreter exit: a process whose loop stopped while it replayed its calls fails, saying why
-    (:meth:`~baft.pipeline.loop.Loop.left_in_replay`), rather than end as if finished."""
+    (:meth:`~baft.script.loop.Loop.left_in_replay`), rather than end as if finished."""
     why = THIS_PROCESS.left_in_replay()
     if why:
         print(f"baft: error: {why}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ from baft.errors import BaftError
 from baft.manager_link import ManagerLink, connect_manager
 from baft.pipeline.hook import Hooks
 from baft.pipeline.engine import attach, detach
-from baft.pipeline.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS
 from baft.recovery.record import Restored
 from baft.snapshot.build import make_policy, rank_node_root, warn
 from baft.snapshot.reads import TrainBatchReads
@@ -37,7 +37,7 @@ class Protection:
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
         # what baft.initialize did, to do again in place after a peer was killed (None where it cannot: the reason is
-        # baft.pipeline.loop.THIS_PROCESS.not_in_place)
+        # baft.script.loop.THIS_PROCESS.not_in_place)
         self.again = None
         self.reads = TrainBatchReads(engine)  # what train_batch reads, call by call
 
@@ -61,7 +61,7 @@ class Protection:
     def attach(self) -> "Protection":
         """The engine runs baft's schedule and calls :attr:`hooks` around every instruction; the generators its
         modules hold are among the RNG states baft keeps."""
-        from baft.pipeline.rng import hold_module_generators
+        from baft.script.rng import hold_module_generators
 
         attach(self.engine, self)
         hold_module_generators(self.engine.module)
@@ -97,7 +97,7 @@ class Protection:
         return self.restored
 
     def replayed(self) -> None:
-        """A loop that counts its calls has replayed those before the restored step (:mod:`baft.pipeline.loop`),
+        """A loop that counts its calls has replayed those before the restored step (:mod:`baft.script.loop`),
         running its own code between them, and is about to train the next: the state that code may have changed
         (a learning rate, a scheduler of its own, its ``client_state``) is put back as it was when that step first
         started. Not the data position: the replayed calls read no batches (a loader's position is put back by
@@ -148,8 +148,8 @@ class Protection:
         take both back to); or its loop took a new iterator of its loader (an epoch's) after the newest of them,
         where a restore would go back to (its iterator would be made the restored one, and the steps its call
         trains from there would read past that epoch's end, from the wrong iterator); or it replaced a scheduler of
-        its own since that step (:func:`baft.pipeline.schedulers.replaced_since`)."""
-        from baft.pipeline import schedulers
+        its own since that step (:func:`baft.script.schedulers.replaced_since`)."""
+        from baft.script import schedulers
         from baft.snapshot import slots
 
         if self.config.policy in IN_MEMORY:
@@ -166,7 +166,7 @@ class Protection:
                 return (f"no {self.config.policy} checkpoint has been saved yet: the survivors' state has moved on "
                         f"from the start a replacement makes, and nothing takes both back to one step")
         # a loop that counts its calls trains those steps inside its call, each from the schedulers it first started
-        # with (baft.pipeline.loop): its own variables are not read again until then
+        # with (baft.script.loop): its own variables are not read again until then
         replaced = None if THIS_PROCESS.counts_calls else schedulers.replaced_since(self.engine, newest)
         if replaced:
             return replaced

@@ -50,7 +50,7 @@ AXES = {
     "form": ["path", "dict", "args", "config_params"],
     "recovery": ["in place", "relaunch"],  # baft train --in-place: the survivors keep their processes
     "seed_layers": [False, True],  # PipelineModule(seed_layers=True): every layer's forward seeded from a counter
-    "loop": ["steps", "calls"],  # while engine.global_steps < N, or for _ in range(N) (baft.pipeline.loop)
+    "loop": ["steps", "calls"],  # while engine.global_steps < N, or for _ in range(N) (baft.script.loop)
     # buffers a forward changes, on each stage: BatchNorm's; a counter and an average updated in place; the same
     # given anew (self.count = self.count + 1), and every parameter's .data rebound after each step
     "buffers": ["none", "batchnorm", "counter-inplace", "rebind"],

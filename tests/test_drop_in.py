@@ -1,5 +1,5 @@
 """``baft.initialize`` in DeepSpeedExamples' pipeline script: its calling form, and its loop, which counts its own calls
-to ``train_batch`` (``for step in range(args.steps)``), resumed bit for bit (:mod:`baft.pipeline.loop`)."""
+to ``train_batch`` (``for step in range(args.steps)``), resumed bit for bit (:mod:`baft.script.loop`)."""
 
 import json
 import re

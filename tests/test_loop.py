@@ -1,4 +1,4 @@
-"""Which training loops count their calls to ``train_batch`` (:mod:`baft.pipeline.loop`), read from their source."""
+"""Which training loops count their calls to ``train_batch`` (:mod:`baft.script.loop`), read from their source."""
 
 import json
 import re
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from baft.cli.launch import launch_env
-from baft.pipeline.history import Column, History
+from baft.script.history import Column, History
 
 STUB = """
 import sys
-from baft.pipeline.loop_source import loop_around
+from baft.script.loop_source import loop_around
 
 class Engine:
     global_steps = 0
@@ -161,7 +161,7 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
 DECIDED = """
 import sys
 from types import SimpleNamespace
-from baft.pipeline.loop import Loop
+from baft.script.loop import Loop
 
 LOOP = Loop()
 LOOP.script_resumed = {resumed}
@@ -378,7 +378,7 @@ def test_the_site_names_the_innermost_loop(tmp_path):
 ENGINE = """
 import sys
 from types import SimpleNamespace
-from baft.pipeline.loop import Loop
+from baft.script.loop import Loop
 
 class Engine:
     baft = SimpleNamespace(config=SimpleNamespace(loop="auto"))
@@ -578,7 +578,7 @@ def test_a_long_history_is_encoded_once_per_block_and_read_back_exactly():
 
 def test_a_range_from_the_engines_step_is_a_fixed_number_of_calls_from_where_the_process_started(tmp_path):
     """Such a loop does not recover in place (a survivor's, started before the restored step, ends before its
-    replacement's): :class:`~baft.pipeline.loop.Loop` says why not, and a fault relaunches every rank."""
+    replacement's): :class:`~baft.script.loop.Loop` says why not, and a fault relaunches every rank."""
     fixed = {"range from the engine's step", "range of what is left", "a name from the engine's step",
              "count from the engine's step", "a list from the engine's step"}
     for name, body in {**COUNTS, **STEPS}.items():
@@ -588,7 +588,7 @@ def test_a_range_from_the_engines_step_is_a_fixed_number_of_calls_from_where_the
 def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(capsys):
     from types import SimpleNamespace
 
-    from baft.pipeline.loop import Loop
+    from baft.script.loop import Loop
 
     loop, engine = Loop(), SimpleNamespace(global_steps=3, global_rank=0)
     loop.record_eval(engine, torch.tensor(0.5))
@@ -607,7 +607,7 @@ def test_an_evaluation_that_returned_none_is_replayed_as_none(capsys):
     from types import SimpleNamespace
 
     from baft.errors import BaftError
-    from baft.pipeline.loop import Loop
+    from baft.script.loop import Loop
 
     loop, engine = Loop(), SimpleNamespace(global_steps=0, global_rank=0, device="cpu")
     loop.record_eval(engine, None)  # an evaluation before the first call
@@ -636,7 +636,7 @@ def test_a_batch_size_the_script_changes_has_every_rank_replaced_in_place_said_o
 
     from baft.config import GENERATION_ENV, STORE_ENV
     from baft.pipeline import engine as baft_engine
-    from baft.pipeline.loop import Loop
+    from baft.script.loop import Loop
 
     loop = Loop()
     monkeypatch.setattr(baft_engine, "THIS_PROCESS", loop)
@@ -695,7 +695,7 @@ def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_w
     """Probe 8: an early stop counting evaluations without improvement in its client_state read the restored step's
     best loss during the replay, stopped at replayed call 4 of 9 and ended 0, the run five steps short. Ending
     there is an error now; having replayed them all, or not counting its calls, is no error."""
-    from baft.pipeline.loop import Loop
+    from baft.script.loop import Loop
 
     def left(counts: bool, calls: int) -> str:
         loop = Loop()
@@ -708,7 +708,7 @@ def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_w
                    "calls read what the restore had set (a count in client_state?), not what it was at that call, so "
                    "the run would end short of the uninterrupted one. Loop on the engine's step (while "
                    "engine.global_steps < N), which replays nothing")
-    ending = ("import atexit\nfrom baft.pipeline.loop import THIS_PROCESS\nfrom baft.plugin import _not_mid_replay\n"
+    ending = ("import atexit\nfrom baft.script.loop import THIS_PROCESS\nfrom baft.plugin import _not_mid_replay\n"
               "atexit.register(_not_mid_replay)\nTHIS_PROCESS.counts_calls, THIS_PROCESS.to_replay, THIS_PROCESS.calls"
               " = True, 9, 4\nprint('the script ends')\n")
     done = subprocess.run([sys.executable, "-c", ending], capture_output=True, text=True, timeout=120)

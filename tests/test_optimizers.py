@@ -70,7 +70,7 @@ def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refus
     import torch
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from baft.pipeline import schedulers
+    from baft.script import schedulers
 
     def engine_with(*kinds):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)

@@ -34,7 +34,7 @@ from baft.accelerator import collective_device
 from baft.background import BackgroundThread
 from baft.pipeline.hook import Hooks, step_meets_other_stages
 from baft.pipeline.schedules import make_schedule
-from baft.pipeline.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS
 
 BubbleWork = Callable[[threading.Event], None]
 

@@ -34,9 +34,9 @@ import xxhash
 from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 
 from baft.pipeline.hook import InstructionHook
-from baft.pipeline.loop import THIS_PROCESS
-from baft.pipeline.rng import rng_states
-from baft.pipeline.schedulers import script_schedulers
+from baft.script.loop import THIS_PROCESS
+from baft.script.rng import rng_states
+from baft.script.schedulers import script_schedulers
 from baft.recovery.record import restart_count
 from baft.snapshot.state import ENGINE_COUNTERS, loss_scaler
 

@@ -23,7 +23,7 @@ import time
 from torch.utils.hooks import RemovableHandle
 
 from baft.recovery import record, world
-from baft.pipeline.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS
 
 
 def recover(engine, error: BaseException) -> bool:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
-from baft.pipeline.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS
 from baft.recovery import world
 
 

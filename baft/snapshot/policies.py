@@ -34,7 +34,7 @@ from typing import Optional
 
 from baft.config import DEFAULT_CHUNK_BYTES
 from baft.pipeline.hook import InstructionHook
-from baft.pipeline.rng import rng_states
+from baft.script.rng import rng_states
 from baft.snapshot import state
 from baft.snapshot.copiers import Copier, HostCopier
 from baft.snapshot.copy import Sealer, Snapshot, StateSource

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from baft.pipeline.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS
 from baft.snapshot.build import warn
 from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator
 

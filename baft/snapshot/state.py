@@ -14,7 +14,7 @@ When each part is captured and restored (the rule a bit-identical resume rests o
   comes out the same, one it multiplies by a factor twice;
 * restored at ``baft.initialize``, before the script reads ``global_steps`` or takes its
   iterator: tensors, counters, hyper-parameters, scheduler, loss scaler, data position;
-* a learning-rate scheduler the script made on the optimizer itself (:mod:`baft.pipeline.schedulers`):
+* a learning-rate scheduler the script made on the optimizer itself (:mod:`baft.script.schedulers`):
   captured with the rest, and restored where it exists, and again at the start of the first iteration after
   the restore, with the hyper-parameters (a scheduler made anew sets its first learning rate; one the loop
   steps before its call was stepped once more);
@@ -39,10 +39,10 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from baft.errors import BaftError
-from baft.pipeline import schedulers
+from baft.script import schedulers
 from baft.pipeline.hook import InstructionHook
-from baft.pipeline.loop import THIS_PROCESS
-from baft.pipeline.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
+from baft.script.loop import THIS_PROCESS
+from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -203,7 +203,7 @@ def _torch_unblob(text: str):
 
 def capture_rng(rng_end: Optional[dict] = None) -> dict:
     """The generators' states now, at an iteration's start (``rng``), as JSON; and ``rng_between``: of those the
-    script drew from since the previous iteration ended (``rng_end``, :func:`~baft.pipeline.rng.rng_states`),
+    script drew from since the previous iteration ended (``rng_end``, :func:`~baft.script.rng.rng_states`),
     their states then, what a resumed script's first such draws come from (:class:`RngRestore`)."""
     now = rng_states()
     items = {"rng": to_json(now)}
@@ -297,7 +297,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
                           _torch_unblob(items["carried"]) if "carried" in items else None)
     restore = RngRestore(items["rng"], items.get("rng_between"))
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
-    # schedulers' states and learning rates as it first started (baft.pipeline.loop); they are where its loop is
+    # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
     if not survivor:
         # set again as the first resumed iteration starts: the loop's code before its next train_batch call runs

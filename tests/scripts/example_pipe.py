@@ -70,7 +70,7 @@ evalset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=da
                                          torch.randint(0, 10, (64,), generator=data))
 held_out = deepspeed.utils.RepeatingLoader(torch.utils.data.DataLoader(
     evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
-for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.pipeline.loop)
+for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.script.loop)
     if engine.global_rank == 0:  # what the loop's code reads of the engine before each call
         print(f"call {step + 1} starts at step {engine.global_steps} lr {engine.get_lr()[0]!r}", flush=True)
     if args.lr_jitter:  # a script's own draw between steps, which the step's training reads

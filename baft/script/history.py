@@ -1,5 +1,5 @@
 """What a loop that counts its calls returned at each step (:class:`History`), saved with every snapshot: what its
-replayed calls return (:mod:`baft.pipeline.loop`)."""
+replayed calls return (:mod:`baft.script.loop`)."""
 
 from __future__ import annotations
 

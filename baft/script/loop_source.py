@@ -1,6 +1,6 @@
 """The loops around a call to ``train_batch``, read from the script's source (:func:`loop_around`): whether they
 count their calls, read the engine's step, call a collective or set state between the calls
-(:mod:`baft.pipeline.loop` acts on what they are)."""
+(:mod:`baft.script.loop` acts on what they are)."""
 
 from __future__ import annotations
 

@@ -39,11 +39,11 @@ import torch
 
 from baft.config import GENERATION_ENV, STORE_ENV
 from baft.errors import BaftError
-from baft.pipeline.history import RETURNED_NONE, History
-from baft.pipeline import carry
-from baft.pipeline.loop_source import Carried, LoopSite, loop_around
-from baft.pipeline.rng import rng_states, set_rng_states
-from baft.pipeline.schedulers import script_schedulers
+from baft.script.history import RETURNED_NONE, History
+from baft.script import carry
+from baft.script.loop_source import Carried, LoopSite, loop_around
+from baft.script.rng import rng_states, set_rng_states
+from baft.script.schedulers import script_schedulers
 
 KEPT_STARTS = 64  # steps whose starting generators a survivor keeps: a recovery in place goes back fewer
 
