@@ -141,9 +141,10 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         protection.restore(data_iterator)
         protection.protect()
         guard_load_checkpoint(engine, protection.client_state)
-        if protection.hooks.rng is not None:  # the script's loop goes on from the restored step
-            protection.hooks.rng.between_steps()
         THIS_PROCESS.before_first_call(engine)
+        # the script's loop goes on from the restored step; one that replays its calls draws as it did, from the start
+        if protection.hooks.rng is not None and not THIS_PROCESS.replaying:
+            protection.hooks.rng.between_steps()
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace
 

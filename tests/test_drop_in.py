@@ -18,13 +18,14 @@ STEPS = 10
 NUMBER = r"[-+\d.e]+"
 # each line's fields, and nothing after them: the screen interleaves lines now and then ("...Engine[0] ")
 LINE = re.compile(rf"^(step \d+ loss|eval after step \d+ loss|call \d+ starts at step) ({NUMBER}(?: lr {NUMBER})?"
+                  rf"(?: draw {NUMBER})?"
                   rf"(?: applied \w+)?(?: schedule \d+ \[[^\]]*\])?)", re.M)
 
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
     """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, a learning rate drawn from
-    python's generator before each, DeepSpeed's WarmupLR, and an EMA of the weights in its ``client_state`` after
-    each, in ``directory``."""
+    python's generator before each and a draw from torch's, which a Dropout layer draws from too, DeepSpeed's
+    WarmupLR, and an EMA of the weights in its ``client_state`` after each, in ``directory``."""
     config = directory / "ds_config.json"
     config.write_text(json.dumps({
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
@@ -34,7 +35,7 @@ def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
                            *options, "--", str(script), "--steps", str(STEPS), "--eval-every", "2",
-                           "--lr-jitter", "--ema", "--deepspeed_config", str(config)],
+                           "--lr-jitter", "--dropout", "--ema", "--deepspeed_config", str(config)],
                           capture_output=True, text=True, timeout=300,
                           env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
 
@@ -91,6 +92,13 @@ def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uni
     printed, expected = LINE.findall(proc.stdout), LINE.findall(ref_proc.stdout)
     assert dict(printed) == dict(expected) and printed[-1] == expected[-1], (printed, expected)
     assert "counts its calls to train_batch" in proc.stdout
+    # python's draws between the replayed calls were the uninterrupted run's (compared above: probe 13's task picks
+    # differed); torch's, which stage 0's Dropout layer draws from too, could not be on rank 0, and that is said
+    if name == "relaunch":
+        assert re.search(r"^baft: rank 0: the loop at \S+example_pipe.py:\d+ \(for step in range\(args.steps\)\) drew "
+                         r"from torch's generator between the calls it replayed \(steps 1-\d+\) other numbers",
+                         proc.stdout, re.M), proc.stdout[-3000:]
+        assert "rank 1: the loop" not in proc.stdout, "rank 1's stage draws nothing from torch's: its replay drew as then"
     # trained to STEPS, not past it: the last step's snapshot is what the run kept
     last = [max(step for _, step in load(run / "digests")) for run in (reference, faulted)]
     assert f"step {STEPS} is kept" in proc.stdout and last[0] == last[1], last

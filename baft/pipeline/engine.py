@@ -142,7 +142,7 @@ class BaftPipelineEngine(PipelineEngine):
                 self._step_applied = loop.history.applied_after(loop.calls)
                 self._global_grad_norm = loop.history.grad_norm_after(loop.calls, self.device)
             if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
-                self.baft.hooks.rng.between_steps()
+                loop.replay_drew(self, self.baft.hooks.rng.between_steps())
             return value
         if loop.calls == loop.to_replay > 0:  # the first call that trains after those replayed
             self.baft.replayed()

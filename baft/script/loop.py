@@ -119,8 +119,9 @@ class Loop:
             group["lr"] = lr
 
     def show_restored(self, engine) -> None:
-        """The restored counters and learning rates :meth:`before_first_call` hid, back: the loop does not replay
-        (it is on the engine's step, or the script loads its own checkpoint to resume itself)."""
+        """The restored counters and learning rates :meth:`before_first_call` hid, back, and the generators the script
+        drew from after the restored step as they were then: the loop does not replay (it is on the engine's step, or
+        the script loads its own checkpoint to resume itself)."""
         if self.hidden is None:
             return
         for k, v in self.hidden["counters"].items():
@@ -128,6 +129,21 @@ class Loop:
         for group, lr in zip(engine.optimizer.param_groups, self.hidden["lrs"]):
             group["lr"] = lr
         self.hidden = None
+        if engine.baft.hooks.rng is not None:
+            engine.baft.hooks.rng.between_steps()
+
+    def replay_drew(self, engine, generators: list[str]) -> None:
+        """After the last replayed call: said where the ``generators`` the loop's code drew from between the calls
+        were not as the uninterrupted run left them there (the training draws from them too, and a replay trains
+        nothing; or the script does not seed them), by each rank where so."""
+        if generators:
+            loop = self.site.named if self.site else "the loop"
+            print(f"baft: rank {engine.global_rank}: {loop} drew from {', '.join(generators)}'s generator between the "
+                  f"calls it replayed (steps 1-{self.calls}) other numbers than the uninterrupted run (the training "
+                  f"draws from it too, and a replayed call trains nothing; or the script does not seed it): what the "
+                  f"loop computed from them then may differ (a count of picks, a logged value); its draws from step "
+                  f"{self.calls + 1} on are the same. Loop on the engine's step (while engine.global_steps < N), which "
+                  f"replays nothing", flush=True)
 
     def decide(self, engine, frame, training: bool = True) -> None:
         """At each call to ``train_batch`` (``training``) or ``eval_batch`` (``frame``: its caller's): at the

@@ -342,11 +342,16 @@ class RngRestore(InstructionHook):
         self.schedulers: Optional[list] = None  # what the script's schedulers kept
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
-        call a loop that counts its calls replays. Nothing once the first iteration has started."""
-        if self.rng is not None and self.between:
-            set_rng(self.between)
+        call a loop that counts its calls replays. Nothing once the first iteration has started. Returns the
+        generators whose states were not those set (after a replay: its draws were not the uninterrupted run's)."""
+        if self.rng is None or not self.between:
+            return []
+        states = from_json(self.between)
+        differ = drawn_between(states, rng_states())
+        set_rng_states(states)
+        return differ
 
     def iteration_start(self, engine):
         if self.rng is not None:

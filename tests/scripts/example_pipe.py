@@ -21,7 +21,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--eval-every", type=int, default=0, help="eval_batch on held-out data every N steps")
-parser.add_argument("--lr-jitter", action="store_true", help="the loop sets each step's learning rate from a draw")
+parser.add_argument("--lr-jitter", action="store_true",
+                    help="the loop sets each step's learning rate from a draw of python's, and draws from torch's")
+parser.add_argument("--dropout", action="store_true", help="a Dropout layer: the training draws from torch's generator")
 parser.add_argument("--ema", action="store_true",
                     help="the loop keeps an EMA of the stage's weights and a loss meter after each call, in client_state=")
 parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
@@ -36,7 +38,7 @@ data = torch.Generator().manual_seed(0)
 trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=data),
                                           torch.randint(0, 10, (256,), generator=data))
 layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)]
+          nn.MaxPool2d(2), nn.Flatten(), *([nn.Dropout(0.1)] if args.dropout else []), nn.Linear(16 * 8 * 8, 10)]
 net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
 
 
@@ -71,11 +73,15 @@ evalset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=da
 held_out = deepspeed.utils.RepeatingLoader(torch.utils.data.DataLoader(
     evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
 for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.script.loop)
+    # the script's own draws between steps: python's, which the step's training reads; torch's, which a replayed call
+    # cannot draw as the uninterrupted run did where the training draws from it too
+    jitter, noise = (random.random(), float(torch.rand(()))) if args.lr_jitter else (None, None)
     if engine.global_rank == 0:  # what the loop's code reads of the engine before each call
-        print(f"call {step + 1} starts at step {engine.global_steps} lr {engine.get_lr()[0]!r}", flush=True)
-    if args.lr_jitter:  # a script's own draw between steps, which the step's training reads
+        drawn = f" draw {jitter!r}\ntorch draw before call {step + 1}: {noise!r}" if args.lr_jitter else ""
+        print(f"call {step + 1} starts at step {engine.global_steps} lr {engine.get_lr()[0]!r}{drawn}", flush=True)
+    if args.lr_jitter:
         for group in engine.optimizer.param_groups:
-            group["lr"] = 1e-3 * (1 + random.random())
+            group["lr"] = 1e-3 * (1 + jitter)
     loss = engine.train_batch()
     if averages is not None:
         averages.update(engine.module, loss)
