@@ -308,6 +308,19 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
             "        best, bad = loss, 0\n    else:\n        bad += 1\n    return bad > 3\n"
             "while engine.global_steps < N:\n    after(engine.train_batch() or 1.0)\n    engine.global_steps += 1")
     assert [c.key for c in _site(tmp_path, pair)[0].carried] == ["best", "bad"], "started as a tuple's items"
+    # a meter's attributes, in a method of its the loop calls on it and one that method calls on self: the meter's
+    # (its class in another module of the script's: tests/test_user_script.py); not an object that keeps itself
+    meter = ("class Meter:\n    def __init__(self):\n        self.sum, self.count = 0.0, 0\n"
+             "    def update(self, value):\n        self.add(value)\n        self.count += 1\n"
+             "    def add(self, value):\n        self.sum += value\n"
+             "meter = Meter()\nwhile engine.global_steps < N:\n    meter.update(engine.train_batch() or 1.0)\n"
+             "    engine.global_steps += 1")
+    site, script = _site(tmp_path, meter)
+    assert [(c.where, c.key, c.read_before_call) for c in site.carried] == [
+        (f"{script}:{line + 6} (self.count += 1)", "meter.count", False),
+        (f"{script}:{line + 8} (self.sum += value)", "meter.sum", False)]
+    keeps_itself = meter.replace("    def add(", "    def state_dict(self):\n        return {}\n    def add(")
+    assert _site(tmp_path, keeps_itself)[0].carried == ()
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))

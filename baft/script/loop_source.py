@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
+import sysconfig
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -415,28 +417,37 @@ def _call_position(frame) -> tuple[int, int]:
 
 
 def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
-    """The attributes of objects from outside the loop (run in ``frame``) that the loop, or a function or method of
-    the same file it calls, carries from one call to the next (``self.prev = loss`` after reading ``self.prev`` in
-    the same body, ``self.best = min(self.best, loss)``), in order of their lines. Only where the file sets the
-    attribute elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on an
-    object that is not one of ``kept``."""
-    def attribute(node):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            return node.value.id, node.attr
-        return None
-
-    bodies = _reached(filename, loop)
-    inside = {(node.lineno, node.col_offset) for body in bodies for node in ast.walk(body)
+    """The attributes of objects from outside the loop (run in ``frame``) that the loop, a function or method of the
+    same file it calls, or a method of the script's own it calls on such an object (``meter.update(loss)``, its class
+    in any file of the script's: :func:`_methods_called`) carries from one call to the next (``self.prev = loss`` after
+    reading ``self.prev`` in the same body, ``self.sum += val``), in order of their lines. Only where the attribute's
+    file sets it elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on
+    an object that is not one of ``kept``."""
+    methods = _methods_called(loop, frame, kept)
+    covered = {(file, body.lineno) for _, _, file, body in methods}
+    # (the name in ``frame`` that ``self`` stands for in a method called on it, or None; the loop's call of it; file)
+    bodies = [(None, None, filename, body) for body in _reached(filename, loop)
+              if body is loop or (filename, body.lineno) not in covered] + methods
+    inside = {(file, node.lineno, node.col_offset) for _, _, file, body in bodies for node in ast.walk(body)
               if isinstance(node, ast.stmt)}
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    runs_before = _runs_before(loop, _call_position(frame))
+    call, ends = _call_position(frame), _calls_end(loop)
     early = set()  # (name, attr) read before the call
     found = []
-    for body in bodies:
+    for receiver, called, file, body in bodies:
+        this = body.args.args[0].arg if receiver is not None and body.args.args else None
+
+        def attribute(node):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+                return None
+            if receiver is None:
+                return node.value.id, node.attr
+            return (receiver, node.attr) if node.value.id == this else None
+
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
-        early |= {attribute(node) for node in ast.walk(body)
-                  if attribute(node) and isinstance(node.ctx, ast.Load) and runs_before(body, node)}
+        early |= {attribute(node) for node in ast.walk(body) if attribute(node) and isinstance(node.ctx, ast.Load)
+                  and (_in_iteration(loop, ends, body, node) if called is None else ends.get(called, (0, 0))) < call}
         for node in ast.walk(body):
             targets = _targets(node)
             changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
@@ -454,12 +465,63 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
                     folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
                 owner = frame.f_locals.get(key[0], frame.f_globals.get(key[0]))
-                if ((folded or before) and not any(owner is k for k in kept)
-                        and _attribute_started_at_a_literal(key[1], filename, inside)):
-                    found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})", key))
+                elsewhere = {(line, col) for f, line, col in inside if f == file}
+                if ((folded or before) and owner is not None and not any(owner is k for k in kept)
+                        and _attribute_started_at_a_literal(key[1], file, elsewhere)):
+                    found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
             for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
+
+
+def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
+    """The methods of the script's own the loop (run in ``frame``) calls on objects from outside it
+    (``meter.update(loss)``: defined in a file of the script's, not a library's, on an object that is not one of
+    ``kept`` and does not keep itself with ``state_dict``), and those they call on ``self``: (the object's name in
+    ``frame``, the method the loop calls on it, the file, the method's definition)."""
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    todo = [(node.func.value.id, node.func.attr, node.func.attr) for node in ast.walk(loop)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id not in made]
+    found, seen = [], set()
+    while todo:
+        name, called, method = todo.pop(0)
+        owner = frame.f_locals.get(name, frame.f_globals.get(name))
+        if (owner is None or isinstance(owner, types.ModuleType) or any(owner is k for k in kept)
+                or callable(getattr(owner, "state_dict", None))):
+            continue
+        function = getattr(type(owner), method, None)
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is None or (name, code) in seen or _library(code.co_filename):
+            continue
+        seen.add((name, code))
+        definition = _defined_at(code)
+        if definition is None or not definition.args.args:
+            continue
+        found.append((name, called, code.co_filename, definition))
+        this = definition.args.args[0].arg
+        todo += [(name, called, node.func.attr) for node in ast.walk(definition)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
+    return found
+
+
+LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
+                   if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                  | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
+
+
+def _library(filename: str) -> bool:
+    """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
+    return os.path.realpath(filename).startswith(LIBRARIES)
+
+
+def _defined_at(code: types.CodeType) -> Optional[ast.AST]:
+    """The definition of the function ``code`` is, read from its file; None where it cannot be read."""
+    tree = _parsed(code.co_filename)
+    return next((node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name
+                 and code.co_firstlineno in (node.lineno, *(d.lineno for d in node.decorator_list))), None)
 
 
 def _calls_end(loop: ast.AST) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,22 @@ if os.environ.get("USER_DATA_IMPORTS"):  # tests/test_user_script.py: which proc
         log.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
 
 
+class AverageMeter:
+    """A running average, as PyTorch's ImageNet example keeps its loss's: updated by the loop after each call, in a
+    module of the script's own (baft keeps its sum and count with every snapshot)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.sum, self.count, self.avg = 0.0, 0, 0.0
+
+    def update(self, value, n=1):
+        self.sum += value * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
 class Samples:
     """Deterministic regression batches with a restorable position."""
 

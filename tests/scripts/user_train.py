@@ -10,7 +10,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import baft
-from user_data import Samples
+from user_data import AverageMeter, Samples
 
 
 class Noise(nn.Module):
@@ -62,6 +62,7 @@ if "data" in args.stateless:
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
+losses = AverageMeter()  # the loss's average over the run, whose sum and count the loop carries in the meter's update
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
@@ -72,8 +73,9 @@ while engine.global_steps < args.steps:
         for group in engine.optimizer.param_groups:
             group["lr"] *= 0.5 if float(loss) > previous else 1.02
     previous = float(loss)
+    losses.update(float(loss))
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
-      f"engine {type(engine).__name__}", flush=True)
+      f"average loss {losses.avg!r} engine {type(engine).__name__}", flush=True)
