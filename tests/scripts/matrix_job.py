@@ -216,22 +216,34 @@ def main():
         if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's bf16 or ZeRO wrapper: torch's inside it
             optimizer = optimizer.optimizer
         own = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
+    meter = Meter()  # a loop on the engine's step carries its sum and count (in the digests: carried.meter.sum)
     if case["loop"] == "calls":  # DeepSpeedExamples' loop: it counts its own calls
         for _ in range(case["steps"]):
-            step(engine, feed, case, own)
+            meter.update(step(engine, feed, case, own))
     else:
         while engine.global_steps < case["steps"]:
-            step(engine, feed, case, own)
+            meter.update(step(engine, feed, case, own))
 
 
-def step(engine, feed, case, own):
+class Meter:
+    """The loss's running average, as a script logs it: updated by the loop after each call."""
+
+    def __init__(self):
+        self.sum, self.count = 0.0, 0
+
+    def update(self, loss):
+        self.sum += loss
+        self.count += 1
+
+
+def step(engine, feed, case, own) -> float:
     if case["scheduler"] == "none":  # the script's own learning rate, drawn from python's generator before each step
         for group in engine.optimizer.param_groups:
             group["lr"] = 0.01 * (1 + random.random())
     if case["batch_ramp"]:  # a batch-size ramp: twice the micro-batches from step 3 on
         size = engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * case["micro_batches"]
         engine.set_train_batch_size(size * (2 if engine.global_steps >= 2 else 1))
-    engine.train_batch(data_iter=feed)
+    loss = float(engine.train_batch(data_iter=feed))
     if own is not None:
         own.step()
     # weight clipping as WGAN scripts do it: each parameter given new data (in fp32 without ZeRO only: DeepSpeed's
@@ -240,6 +252,7 @@ def step(engine, feed, case, own):
         with torch.no_grad():
             for param in engine.module.parameters():
                 param.data = param.data.clamp(-0.3, 0.3)
+    return loss
 
 
 if __name__ == "__main__":
