@@ -321,6 +321,11 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
         (f"{script}:{line + 8} (self.sum += value)", "meter.sum", False)]
     keeps_itself = meter.replace("    def add(", "    def state_dict(self):\n        return {}\n    def add(")
     assert _site(tmp_path, keeps_itself)[0].carried == ()
+    held = meter.replace("meter = Meter()\nwhile engine.global_steps < N:\n    meter.update(", (
+        "class Trainer:\n    def __init__(self):\n        self.losses = Meter()\n    def fit(self):\n"
+        "        while engine.global_steps < N:\n            self.losses.update(")).replace(
+        "\n    engine.global_steps += 1", "\n            engine.global_steps += 1\nTrainer().fit()")
+    assert [c.key for c in _site(tmp_path, held)[0].carried] == ["self.losses.count", "self.losses.sum"], held
     resumed = trainer.replace("    def fit", "    def load(self, state):\n        self.prev = state['prev']\n    def fit")
     stored_first = trainer.replace("if self.prev is not None and loss > self.prev", "if loss > 1")
     assert not any(_site(tmp_path, body)[0].carried for body in (resumed, stored_first))
@@ -435,6 +440,13 @@ CARRIES = ENGINE + """        KEPT.append(LOOP.carried_values(self))  # as a sna
 class Stateful:  # handed over: not carried by the loop
     pass
 
+class Meter:
+    def __init__(self):
+        self.sum = 0.0
+
+    def update(self, loss):
+        self.sum += loss
+
 LOOP, KEPT = Loop(), []
 if RESTORED is not None:
     LOOP.restored(None, {"global_steps": STEP}, RESTORED)
@@ -448,7 +460,7 @@ def note(loss):
 
 def train():
     prev, losses = None, []
-    made = id(losses)
+    made, held = id(losses), SimpleNamespace(meter=Meter())
     while engine.global_steps < 3:
         loss = engine.train_batch()
         if prev is not None and loss > prev:
@@ -456,10 +468,11 @@ def train():
         prev = loss
         losses.append(loss)
         note(loss)
+        held.meter.update(loss)
         if len(losses) > 9 and sum(losses[-9:]) > 9:
             break
         engine.global_steps += 1
-    return prev, losses, total, id(losses) == made
+    return prev, losses, total, id(losses) == made, held.meter.sum
 """
 AT_MODULE = """
 best, handle = float("inf"), Stateful()
@@ -484,13 +497,14 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
         return runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": restored})
 
     whole = run(0, None, "RESULT = train()\n")
-    assert whole["RESULT"] == (2.0, [3.0, 1.0, 2.0], 6.0, True)
-    assert whole["KEPT"] == [{"prev": None, "losses": [], "total": 0.0}, {"prev": 3.0, "losses": [3.0], "total": 3.0},
-                             {"prev": 1.0, "losses": [3.0, 1.0], "total": 4.0}]
+    assert whole["RESULT"] == (2.0, [3.0, 1.0, 2.0], 6.0, True, 6.0)
+    assert whole["KEPT"] == [{"prev": None, "losses": [], "total": 0.0, "held.meter.sum": 0.0},
+                             {"prev": 3.0, "losses": [3.0], "total": 3.0, "held.meter.sum": 3.0},
+                             {"prev": 1.0, "losses": [3.0, 1.0], "total": 4.0, "held.meter.sum": 4.0}]
     resumed = run(2, whole["KEPT"][2], "RESULT = train()\n")  # at step 2, as the call for step 3 started
     assert resumed["RESULT"] == whole["RESULT"], "the list refilled in place, the module's global set"
     out = capsys.readouterr().out
-    assert f"the loop at {script}:" in out and "carries prev, losses, total from one iteration to the next: set as " \
+    assert f"the loop at {script}:" in out and "carries prev, losses, held.meter.sum, total from one iteration to the next: set as " \
                                                "they were at step 2" in out, out
     at_module = run(0, None, AT_MODULE)
     assert at_module["best"] == 1.0 and at_module["KEPT"][-1] == {"best": 1.0}

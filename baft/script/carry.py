@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from baft.script.loop_source import Carried
+from baft.script.loop_source import Carried, value_in
 
 MOST_ITEMS = 10_000  # a container longer than this (a list of every step's loss) is not copied at every snapshot
 MOST_TENSOR_ELEMENTS = 1 << 16
@@ -100,8 +100,7 @@ def _refill(current, value) -> bool:
 
 
 def _owner(carried: Carried):
-    frame = carried.frame
-    return frame.f_locals.get(carried.name, frame.f_globals.get(carried.name))
+    return value_in(carried.frame, carried.name)
 
 
 class _Unreadable:

@@ -26,8 +26,9 @@ SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from 
 @dataclass(frozen=True)
 class Carried:
     """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
-    loop's ``frame`` (or of its module), or its attribute ``attr``; ``where``: ``file:line (text)`` of the statement
-    that carries it. The frame is held as long as this is (a snapshot at exit reads it after the loop has returned)."""
+    loop's ``frame`` (or of its module; or a path of attributes from one, ``self.losses``), or its attribute
+    ``attr``; ``where``: ``file:line (text)`` of the statement that carries it. The frame is held as long as this is
+    (a snapshot at exit reads it after the loop has returned)."""
 
     where: str
     name: str
@@ -457,14 +458,14 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
                 targets = [changed]
             for target in (t for target in targets for t in ast.walk(target)):
                 key = attribute(target)
-                if key is None or key[0] in made or key[1] in ENGINE_STEP:
+                if key is None or key[0].split(".")[0] in made or key[1] in ENGINE_STEP:
                     continue
                 if changed is not None:
                     folded = sum(read == key for _, _, read in reads) > 1  # read besides as the receiver
                 else:
                     folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
-                owner = frame.f_locals.get(key[0], frame.f_globals.get(key[0]))
+                owner = value_in(frame, key[0])
                 elsewhere = {(line, col) for f, line, col in inside if f == file}
                 if ((folded or before) and owner is not None and not any(owner is k for k in kept)
                         and _attribute_started_at_a_literal(key[1], file, elsewhere)):
@@ -476,17 +477,17 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
 
 def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
     """The methods of the script's own the loop (run in ``frame``) calls on objects from outside it
-    (``meter.update(loss)``: defined in a file of the script's, not a library's, on an object that is not one of
+    (``meter.update(loss)``, ``self.losses.update(loss)``: defined in a file of the script's, not a library's, on an object that is not one of
     ``kept`` and does not keep itself with ``state_dict``), and those they call on ``self``: (the object's name in
     ``frame``, the method the loop calls on it, the file, the method's definition)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    todo = [(node.func.value.id, node.func.attr, node.func.attr) for node in ast.walk(loop)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name) and node.func.value.id not in made]
+    todo = [(_dotted(node.func.value), node.func.attr, node.func.attr) for node in ast.walk(loop)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _dotted(node.func.value)
+            and _dotted(node.func.value).split(".")[0] not in made]
     found, seen = [], set()
     while todo:
         name, called, method = todo.pop(0)
-        owner = frame.f_locals.get(name, frame.f_globals.get(name))
+        owner = value_in(frame, name)
         if (owner is None or isinstance(owner, types.ModuleType) or any(owner is k for k in kept)
                 or callable(getattr(owner, "state_dict", None))):
             continue
@@ -504,6 +505,26 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
     return found
+
+
+def _dotted(expr: ast.AST) -> str:
+    """``a.b.c`` for a name or a chain of attributes of one; "" for any other expression."""
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        base = _dotted(expr.value)
+        return f"{base}.{expr.attr}" if base else ""
+    return ""
+
+
+def value_in(frame, name: str):
+    """What ``name`` (a variable of ``frame``'s or of its module's, or a path of attributes from one:
+    ``self.losses``) holds in ``frame``; None where nothing."""
+    root, *path = name.split(".")
+    value = frame.f_locals.get(root, frame.f_globals.get(root))
+    for attr in path:
+        value = getattr(value, attr, None)
+    return value
 
 
 LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
