@@ -305,7 +305,7 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
                 base = base.value
             if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
                 continue
-            value = frame.f_locals.get(base.id, frame.f_globals.get(base.id))
+            value = value_in(frame, base.id)
             if not isinstance(value, types.ModuleType) and not any(value is k for k in kept):
                 found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
     return min(found)[1] if found else ""
@@ -349,7 +349,7 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> lis
     for node in reached:
         if (_adds_a_number(node) and isinstance(node.target, ast.Attribute) and isinstance(node.target.value, ast.Name)
                 and node.target.attr in read and node.target.attr not in resumed | set(ENGINE_STEP)):
-            owner = frame.f_locals.get(node.target.value.id, frame.f_globals.get(node.target.value.id))
+            owner = value_in(frame, node.target.value.id)
             if not any(owner is k for k in kept):
                 found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     return found
