@@ -134,3 +134,20 @@ def test_a_new_launch_counts_the_lost_work_it_knows_of_not_the_time_the_run_stoo
                                                    + "\n" for step in (4, 5, 6, 7)))
     example = record.recovery_record(restored, tmp_path, {})
     assert (example["T0"], example["lost_steps"]) == (20.0, 2)
+
+
+def test_a_fault_nothing_logged_counts_from_when_the_surviving_rank_0_saw_it(tmp_path, monkeypatch):
+    """A rank killed from outside (no fault logged) in a script that writes no losses.jsonl, recovered in place with
+    rank 0 surviving: its process started an hour before; T1 counts from when it saw the fault, not from its start."""
+    from baft.recovery import record
+
+    now = time.time()
+    monkeypatch.setattr(record, "process_started", lambda: now - 3600)
+    monkeypatch.setattr(record, "clock", {"failure_seen": now, "init_start": now + 1, "init_end": now + 2,
+                                          "restore_start": now + 2, "restore_end": now + 3, "first_iteration_end": now + 4})
+    for name in ("TORCHELASTIC_RESTART_COUNT", record.ROUND_ENV, record.EARLIER_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(record.GENERATION_ENV, "1")
+    restored = record.Restored(step=5, source="memory", shards=1, items={"ended_at": now - 0.5})
+    got = record.recovery_record(restored, tmp_path, {})
+    assert (got["kind"], got["T0"], got["T1"]) == ("in place", 0.5, 1.0) and "detected" not in got, got

@@ -24,7 +24,9 @@ fault and restart::
   script writes none: how long the run stood still is not lost work), ``T1`` process restart, ``T2`` process-group init, ``T3`` state load, ``T4``
   warm-up until the first resumed iteration completes; ``total`` their sum (recomputed
   from the phases when absent); ``detected``, in a recovery in place that rank 0 survived: the
-  part of T1 before it saw the fault (its next send or receive failing).
+  part of T1 before it saw the fault (its next send or receive failing), where something says when the fault was
+  (the fault log: injected, or a hang a manager killed; ``losses.jsonl``'s last step); else the phases count from
+  when rank 0 saw it.
 
 ``T0``..``T4`` are required, finite and not negative; the other keys are checked when
 present; unknown keys are ignored. Blank lines are skipped.
@@ -170,8 +172,8 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
     since = progress.get(step) or ((restored.items or {}).get("ended_at") if restored else None)
     if relaunch:  # the lost work is the steps the script says it ended after the restored one; not the stand-still
         failed_at = max((t for t in progress.values() if t < started), default=since or started)
-    else:
-        failed_at = fault.get("time") or (max(progress.values()) if progress else started)
+    else:  # when the fault was logged, else the last step the script logged; else, in place, when rank 0 saw it
+        failed_at = fault.get("time") or max(progress.values(), default=None) or clock.get("failure_seen", started)
     since = since or failed_at
     t = {
         "T0": max(0.0, failed_at - since),
@@ -182,8 +184,10 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
         "T4": clock["first_iteration_end"] - clock["restore_end"],
     }
     what = "a new launch" if relaunch else fault.get("what", "process exit")
-    # in place, where rank 0 survived: how much of T1 went by before it saw the fault (the rest: the new world)
-    seen = {"detected": clock["failure_seen"] - failed_at} if "failure_seen" in clock and not relaunch else {}
+    # in place, where rank 0 survived: how much of T1 went by before it saw the fault (the rest: the new world), where
+    # something says when the fault was
+    seen = ({"detected": clock["failure_seen"] - failed_at}
+            if "failure_seen" in clock and not relaunch and (fault.get("time") or progress) else {})
     return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"), "kind": relaunch_kind(),
             "restored_step": step, "source": restored.source if restored else "fresh",
             "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values()), **seen}
