@@ -74,8 +74,11 @@ def test_killed_ranks_resume_bit_identical_in_every_part(tmp_path, shm_root, cle
             # died during the iteration of killed_step; a seal runs beside the trainer, which may finish that step
             assert max(cut) in ((killed_step - 1, killed_step) if "seal" in fault else (killed_step - 1,)), fault
             # snapshot of step k is committed during iteration k+1, so the newest one is killed_step - 2 or - 1;
-            # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank
-            assert resumed[0] in ((killed_step - 1,) if "seal" in fault else (killed_step - 1, killed_step)), fault
+            # killed while its commit is sealed, the snapshot of killed_step - 1 is not committed on that rank, and on a
+            # loaded machine the one before may still be sealing beside it (a rank begins a snapshot while at most
+            # SLOTS - 3 others seal: seen once at a load of 7, beside two probes' runs)
+            lowest = killed_step - (slots.SLOTS - 2) if "seal" in fault else killed_step - 1
+            assert lowest <= resumed[0] <= (killed_step - 1 if "seal" in fault else killed_step), fault
             assert recovery.restored_step == resumed[0] - 1
             assert all(getattr(recovery, t) >= 0 for t in ("T0", "T1", "T2", "T3", "T4"))
         assert records[-1]["step"] == 10
