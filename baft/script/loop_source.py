@@ -447,6 +447,7 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
 
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
+        elsewhere = {(line, col) for f, line, col in inside if f == file}
         early |= {attribute(node) for node in ast.walk(body) if attribute(node) and isinstance(node.ctx, ast.Load)
                   and (_in_iteration(loop, ends, body, node) if called is None else ends.get(called, (0, 0))) < call}
         for node in ast.walk(body):
@@ -466,7 +467,6 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
                     folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
                 owner = value_in(frame, key[0])
-                elsewhere = {(line, col) for f, line, col in inside if f == file}
                 if ((folded or before) and owner is not None and not any(owner is k for k in kept)
                         and _attribute_started_at_a_literal(key[1], file, elsewhere)):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
@@ -477,9 +477,9 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carri
 
 def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
     """The methods of the script's own the loop (run in ``frame``) calls on objects from outside it
-    (``meter.update(loss)``, ``self.losses.update(loss)``: defined in a file of the script's, not a library's, on an object that is not one of
-    ``kept`` and does not keep itself with ``state_dict``), and those they call on ``self``: (the object's name in
-    ``frame``, the method the loop calls on it, the file, the method's definition)."""
+    (``meter.update(loss)``, ``self.losses.update(loss)``: defined in a file of the script's, not a library's, on an
+    object that is not one of ``kept`` and does not keep itself with ``state_dict``), and those they call on
+    ``self``: (the object's name in ``frame``, the method the loop calls on it, the file, the method's definition)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     todo = [(_dotted(node.func.value), node.func.attr, node.func.attr) for node in ast.walk(loop)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _dotted(node.func.value)
