@@ -1,12 +1,14 @@
 """Your script's own training loop: what baft reads of it and keeps with every snapshot, so a resumed run goes on as
 the uninterrupted one did.
 
-- ``loop``         a loop that counts its calls to ``train_batch``: replayed after a restore, kept in step in place
-- ``loop_source``  the loops around a call to ``train_batch``, read from the script's source
-- ``history``      what such a loop's calls returned at each step, saved with every snapshot
-- ``carry``        the values of its own a loop on the engine's step carries from one iteration to the next
-- ``rng``          every random generator a step draws from: its state, and as JSON
-- ``schedulers``   the learning-rate schedulers a script makes on the engine's optimizer itself
+- ``loop``            a loop that counts its calls to ``train_batch``: replayed after a restore, kept in step in place
+- ``history``         what such a loop's calls returned at each step, saved with every snapshot
+- ``loop_source``     the loops around a call to ``train_batch``, read from the script's source
+- ``carried_source``  the values of its own a loop carries from one iteration to the next, read from the source
+- ``source``          what both read of the source: syntax trees, assignments, the functions a loop reaches
+- ``carry``           those values, kept with every snapshot and set again in a resumed loop
+- ``rng``             every random generator a step draws from: its state, and as JSON
+- ``schedulers``      the learning-rate schedulers a script makes on the engine's optimizer itself
 
 The bottom layer: imports nothing of baft but the base modules (``errors``, ``jsonfile``, ``config``).
 """

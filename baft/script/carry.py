@@ -1,5 +1,5 @@
 """The values of the script's own a loop on the engine's step carries from one iteration to the next (the previous
-loss a hand-made schedule compares with, a patience count, a loss meter: :class:`~baft.script.loop_source.Carried`,
+loss a hand-made schedule compares with, a patience count, a loss meter: :class:`~baft.script.carried_source.Carried`,
 read from the loop's source), kept with every snapshot (:meth:`baft.script.loop.Loop.carried_values`) and set
 again in a resumed process at its loop's first call, where the snapshot was taken: the code after each call reads
 them as the uninterrupted run did. (A loop that counts its calls needs none of this: its replay computes them again.)
@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from baft.script.loop_source import Carried, value_in
+from baft.script.carried_source import Carried
+from baft.script.source import value_in
 
 MOST_ITEMS = 10_000  # a container longer than this (a list of every step's loss) is not copied at every snapshot
 MOST_TENSOR_ELEMENTS = 1 << 16

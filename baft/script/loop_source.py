@@ -1,47 +1,27 @@
 """The loops around a call to ``train_batch``, read from the script's source (:func:`loop_around`): whether they
-count their calls, read the engine's step, call a collective or set state between the calls
-(:mod:`baft.script.loop` acts on what they are)."""
+count their calls, read the engine's step, call a collective or set state between the calls, and the values they
+carry (:mod:`baft.script.carried_source`); :mod:`baft.script.loop` acts on what they are."""
 
 from __future__ import annotations
 
 import ast
-import linecache
-import os
-import sysconfig
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
+from baft.script import carried_source, source
+from baft.script.carried_source import Carried
+
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
                "all_to_all_single", "send", "recv", "isend", "irecv"}  # torch.distributed's and deepspeed.comm's
+
+
 SEQUENCES = (range, list, tuple, torch.Tensor, np.ndarray)  # gone through from the start by a new process
-
-
-@dataclass(frozen=True)
-class Carried:
-    """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
-    loop's ``frame`` (or of its module; or a path of attributes from one, ``self.losses``), or its attribute
-    ``attr``; ``where``: ``file:line (text)`` of the statement that carries it. The frame is held as long as this is
-    (a snapshot at exit reads it after the loop has returned)."""
-
-    where: str
-    name: str
-    attr: Optional[str] = None
-    frame: object = field(default=None, compare=False, repr=False)
-    # the loop reads it before its call to train_batch in an iteration (``best = min(best, engine.train_batch())``,
-    # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
-    read_before_call: bool = False
-    module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
-
-    @property
-    def key(self) -> str:
-        return self.name if self.attr is None else f"{self.name}.{self.attr}"
 
 
 @dataclass(frozen=True)
@@ -83,7 +63,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
     while frame is not None:
         filename = frame.f_code.co_filename
-        tree = _parsed(filename)
+        tree = source.parsed(filename)
         if tree is None:
             return None
         found = _loops_at(tree, frame.f_lineno)
@@ -105,8 +85,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     counts = [_counts_calls(loop, scope, frame) or (step and _train_calls(file, loop) > 1)
               for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
-                    for value in _carried(file, loop, scope, frame) + _carried_attributes(file, loop, frame, kept)
-                    + _carried_globals(file, loop, frame))
+                    for value in carried_source.carried(file, loop, scope, frame, kept))
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=any(counts) and all(count or step for count, step in zip(counts, on_step)),
@@ -122,17 +101,6 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
                     carried=carried,
                     start_read=any(_start_read(loop) for _, loop, _, _ in loops))
-
-
-def _parsed(filename: str) -> Optional[ast.Module]:
-    linecache.checkcache(filename)  # the file as it is now, not as a traceback once read it
-    source = "".join(linecache.getlines(filename))
-    if not source:
-        return None
-    try:
-        return ast.parse(source, filename)
-    except (SyntaxError, ValueError):
-        return None
 
 
 def _loops_at(tree: ast.Module, line: int) -> list[tuple[ast.AST, ast.AST]]:
@@ -167,13 +135,17 @@ def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
 
 # what goes through its first argument, call for call: a progress bar, an enumeration, a copy; the count is its own
 PASSED_THROUGH = ("tqdm", "enumerate", "list", "tuple", "reversed", "iter")
+
+
 RANGES = ("range", "trange", "arange")  # python's, tqdm's, numpy's and torch's
+
+
 PURE = ("range", "len", "int", "min", "max", "abs")  # builtins a loop's bounds call that change nothing
 
 
 def _through(expr: ast.AST) -> ast.AST:
     """``expr`` without the :data:`PASSED_THROUGH` calls around it."""
-    while isinstance(expr, ast.Call) and _name(expr.func) in PASSED_THROUGH and expr.args:
+    while isinstance(expr, ast.Call) and source.called_name(expr.func) in PASSED_THROUGH and expr.args:
         expr = expr.args[0]
     return expr
 
@@ -182,7 +154,7 @@ def _range_from_own_start(expr: ast.AST) -> bool:
     """A range (through ``tqdm``, ``enumerate``, ...) whose start is no number in the source: a start of the script's
     own (``range(args.start, n)``: its own resume position, perhaps)."""
     expr = _through(expr)
-    return (isinstance(expr, ast.Call) and _name(expr.func) in RANGES and len(expr.args) > 1
+    return (isinstance(expr, ast.Call) and source.called_name(expr.func) in RANGES and len(expr.args) > 1
             and not (isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, int)))
 
 
@@ -208,11 +180,11 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
         return len(assigned) == 1 and _counted(assigned[0], scope, frame, resolved + 1)
     if not isinstance(expr, ast.Call):
         return False
-    name, args = _name(expr.func), expr.args
+    name, args = source.called_name(expr.func), expr.args
     if name in PASSED_THROUGH and args:
         return _counted(args[0], scope, frame, resolved)
     if name == "zip" and args:  # as long as its shortest count; ``repeat(x)`` counts nothing of its own
-        counts = [arg for arg in args if not (isinstance(arg, ast.Call) and _name(arg.func) == "repeat")]
+        counts = [arg for arg in args if not (isinstance(arg, ast.Call) and source.called_name(arg.func) == "repeat")]
         return bool(counts) and all(_counted(arg, scope, frame, resolved) for arg in counts)
     if name == "islice" and len(args) > 1:
         return _counted(args[0], scope, frame, resolved) and not _reads_engine_step(expr, scope)
@@ -252,7 +224,7 @@ def _while_from_own_start(loop: ast.AST, scope: ast.AST) -> bool:
 
 def _data(expr: ast.AST, frame) -> bool:
     expr = _through(expr)
-    if isinstance(expr, ast.Call) and _name(expr.func) == "zip":
+    if isinstance(expr, ast.Call) and source.called_name(expr.func) == "zip":
         return any(_data(arg, frame) for arg in expr.args)
     value = _value(expr, frame)
     return hasattr(value, "__iter__") and not isinstance(value, SEQUENCES)
@@ -297,15 +269,15 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     found = []
     for node in ast.walk(loop):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _name(node.value.func) == "iter":
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and source.called_name(node.value.func) == "iter":
             continue
-        for target in _targets(node):
+        for target in source.targets(node):
             base = target
             while isinstance(base, (ast.Attribute, ast.Subscript)):
                 base = base.value
             if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
                 continue
-            value = value_in(frame, base.id)
+            value = source.value_in(frame, base.id)
             if not isinstance(value, types.ModuleType) and not any(value is k for k in kept):
                 found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
     return min(found)[1] if found else ""
@@ -332,9 +304,9 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> lis
                 and node.target.id not in set_otherwise and _set_to_numbers(node.target.id, scope)
                 and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
             found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
-    reached = [node for body in _reached(filename, loop) for node in ast.walk(body)]
+    reached = [node for body in source.reached(filename, loop) for node in ast.walk(body)]
     read = {n.attr for n in reached if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
-    assigned = [t for node in ast.walk(_parsed(filename)) if isinstance(node, ast.Assign)
+    assigned = [t for node in ast.walk(source.parsed(filename)) if isinstance(node, ast.Assign)
                 and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int))
                 for t in node.targets]
     resumed = {t.attr for t in assigned if isinstance(t, ast.Attribute)}
@@ -348,323 +320,11 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> lis
             found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     for node in reached:
         if (_adds_a_number(node) and isinstance(node.target, ast.Attribute) and isinstance(node.target.value, ast.Name)
-                and node.target.attr in read and node.target.attr not in resumed | set(ENGINE_STEP)):
-            owner = value_in(frame, node.target.value.id)
+                and node.target.attr in read and node.target.attr not in resumed | set(source.ENGINE_STEP)):
+            owner = source.value_in(frame, node.target.value.id)
             if not any(owner is k for k in kept):
                 found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     return found
-
-
-# methods that change a list, dict, set or deque in place
-MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove", "clear", "update",
-            "setdefault", "add", "discard", "sort", "reverse", "rotate"}
-
-
-def _carried(filename: str, loop: ast.AST, scope: ast.AST, frame) -> list[Carried]:
-    """The names ``loop`` (run in ``frame``) carries from one iteration to the next, in source order of the
-    statements that carry them. Carried: the loop assigns it and reads it before it assigns it in the same
-    iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), or
-    changes it in place and reads it otherwise (``losses.append(loss)``, then ``mean(losses[-5:])``); and its scope
-    starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``, ``losses = []``): a
-    value set otherwise there may be the script's own resume of it."""
-    def position(node):
-        return node.lineno, node.col_offset
-
-    def names_read(node):
-        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
-    stores: dict[str, list] = {}
-    changes: dict[str, list] = {}  # changed in place: by a method, or an item assigned
-    changed = set()  # the names those read (ids), not reads of what they hold
-    for node in ast.walk(loop):
-        targets = _targets(node)
-        for target in targets:
-            for name in ast.walk(target):
-                if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store):
-                    stores.setdefault(name.id, []).append(node)
-            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
-                changes.setdefault(target.value.id, []).append(node)
-                changed.add(id(target.value))
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-                and isinstance(node.func.value, ast.Name)):
-            changes.setdefault(node.func.value.id, []).append(node)
-            changed.add(id(node.func.value))
-    reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    found = []
-    for name, assignments in stores.items():
-        first = min(position(a) for a in assignments)
-        read = [n for n in reads if n.id == name]
-        folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
-        if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
-            found.append((name, min(folded or assignments, key=position)))
-    for name, nodes in changes.items():
-        if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
-                and _started_at_a_literal(name, loop, scope)):
-            found.append((name, min(nodes, key=position)))
-    call = _call_position(frame)
-    return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
-                    # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
-                    read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
-            for name, node in sorted(found, key=lambda item: position(item[1]))]
-
-
-def _call_position(frame) -> tuple[int, int]:
-    """(line, column) where the call ``frame`` is making now ends (towards ``train_batch``, in a frame of a loop around
-    it): its arguments were read before it was made."""
-    positions = list(frame.f_code.co_positions())
-    index = frame.f_lasti // 2
-    _, line, _, column = positions[index] if 0 <= index < len(positions) else (None, None, None, None)
-    return (line, column) if line is not None and column is not None else (frame.f_lineno + 1, 0)
-
-
-def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
-    """The attributes of objects from outside the loop (run in ``frame``) that the loop, a function or method of the
-    same file it calls, or a method of the script's own it calls on such an object (``meter.update(loss)``, its class
-    in any file of the script's: :func:`_methods_called`) carries from one call to the next (``self.prev = loss`` after
-    reading ``self.prev`` in the same body, ``self.sum += val``), in order of their lines. Only where the attribute's
-    file sets it elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on
-    an object that is not one of ``kept``."""
-    methods = _methods_called(loop, frame, kept)
-    covered = {(file, body.lineno) for _, _, file, body in methods}
-    # (the name in ``frame`` that ``self`` stands for in a method called on it, or None; the loop's call of it; file)
-    bodies = [(None, None, filename, body) for body in _reached(filename, loop)
-              if body is loop or (filename, body.lineno) not in covered] + methods
-    inside = {(file, node.lineno, node.col_offset) for _, _, file, body in bodies for node in ast.walk(body)
-              if isinstance(node, ast.stmt)}
-    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    call, ends = _call_position(frame), _calls_end(loop)
-    early = set()  # (name, attr) read before the call
-    found = []
-    for receiver, called, file, body in bodies:
-        this = body.args.args[0].arg if receiver is not None and body.args.args else None
-
-        def attribute(node):
-            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
-                return None
-            if receiver is None:
-                return node.value.id, node.attr
-            return (receiver, node.attr) if node.value.id == this else None
-
-        reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
-                 if attribute(node) and isinstance(node.ctx, ast.Load)]
-        elsewhere = {(line, col) for f, line, col in inside if f == file}
-        early |= {attribute(node) for node in ast.walk(body) if attribute(node) and isinstance(node.ctx, ast.Load)
-                  and (_in_iteration(loop, ends, body, node) if called is None else ends.get(called, (0, 0))) < call}
-        for node in ast.walk(body):
-            targets = _targets(node)
-            changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-                    and attribute(node.func.value)):
-                changed = node.func.value
-                targets = [changed]
-            for target in (t for target in targets for t in ast.walk(target)):
-                key = attribute(target)
-                if key is None or key[0].split(".")[0] in made or key[1] in ENGINE_STEP:
-                    continue
-                if changed is not None:
-                    folded = sum(read == key for _, _, read in reads) > 1  # read besides as the receiver
-                else:
-                    folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
-                before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
-                owner = value_in(frame, key[0])
-                if ((folded or before) and owner is not None and not any(owner is k for k in kept)
-                        and _attribute_started_at_a_literal(key[1], file, elsewhere)):
-                    found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
-    unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
-    return [Carried(where, *key, frame=frame, read_before_call=key in early)
-            for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
-
-
-def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
-    """The methods of the script's own the loop (run in ``frame``) calls on objects from outside it
-    (``meter.update(loss)``, ``self.losses.update(loss)``: defined in a file of the script's, not a library's, on an
-    object that is not one of ``kept`` and does not keep itself with ``state_dict``), and those they call on
-    ``self``: (the object's name in ``frame``, the method the loop calls on it, the file, the method's definition)."""
-    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    todo = [(_dotted(node.func.value), node.func.attr, node.func.attr) for node in ast.walk(loop)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _dotted(node.func.value)
-            and _dotted(node.func.value).split(".")[0] not in made]
-    found, seen = [], set()
-    while todo:
-        name, called, method = todo.pop(0)
-        owner = value_in(frame, name)
-        if (owner is None or isinstance(owner, types.ModuleType) or any(owner is k for k in kept)
-                or callable(getattr(owner, "state_dict", None))):
-            continue
-        function = getattr(type(owner), method, None)
-        code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if code is None or (name, code) in seen or _library(code.co_filename):
-            continue
-        seen.add((name, code))
-        definition = _defined_at(code)
-        if definition is None or not definition.args.args:
-            continue
-        found.append((name, called, code.co_filename, definition))
-        this = definition.args.args[0].arg
-        todo += [(name, called, node.func.attr) for node in ast.walk(definition)
-                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                 and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
-    return found
-
-
-def _dotted(expr: ast.AST) -> str:
-    """``a.b.c`` for a name or a chain of attributes of one; "" for any other expression."""
-    if isinstance(expr, ast.Name):
-        return expr.id
-    if isinstance(expr, ast.Attribute):
-        base = _dotted(expr.value)
-        return f"{base}.{expr.attr}" if base else ""
-    return ""
-
-
-def value_in(frame, name: str):
-    """What ``name`` (a variable of ``frame``'s or of its module's, or a path of attributes from one:
-    ``self.losses``) holds in ``frame``; None where nothing."""
-    root, *path = name.split(".")
-    value = frame.f_locals.get(root, frame.f_globals.get(root))
-    for attr in path:
-        value = getattr(value, attr, None)
-    return value
-
-
-LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
-                   if key in ("stdlib", "platstdlib", "purelib", "platlib")}
-                  | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
-
-
-def _library(filename: str) -> bool:
-    """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
-    return os.path.realpath(filename).startswith(LIBRARIES)
-
-
-def _defined_at(code: types.CodeType) -> Optional[ast.AST]:
-    """The definition of the function ``code`` is, read from its file; None where it cannot be read."""
-    tree = _parsed(code.co_filename)
-    return next((node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name
-                 and code.co_firstlineno in (node.lineno, *(d.lineno for d in node.decorator_list))), None)
-
-
-def _calls_end(loop: ast.AST) -> dict[str, tuple[int, int]]:
-    """Where the loop's first call of each function ends (after its arguments, a call to ``train_batch`` among them)."""
-    ends: dict[str, tuple[int, int]] = {}
-    for node in ast.walk(loop):
-        if isinstance(node, ast.Call):
-            end = (node.end_lineno, node.end_col_offset)
-            ends[_name(node.func)] = min(end, ends.get(_name(node.func), end))
-    return ends
-
-
-def _in_iteration(loop: ast.AST, ends: dict, body: ast.AST, node: ast.AST) -> tuple[int, int]:
-    """Where ``node`` of ``body`` (``loop``, or a function it reaches) runs in an iteration of ``loop``: its own
-    position in the loop; where the loop calls the function (:func:`_calls_end`), or first where the loop does not
-    call it itself (reached through another function)."""
-    return (node.lineno, node.col_offset) if body is loop else ends.get(body.name, (0, 0))
-
-
-def _runs_before(loop: ast.AST, call: tuple[int, int]):
-    """Whether a node of ``loop``, or of a function it reaches, runs before the call towards ``train_batch`` that ends
-    at ``call`` in an iteration (:func:`_in_iteration`)."""
-    ends = _calls_end(loop)
-    return lambda body, node: _in_iteration(loop, ends, body, node) < call
-
-
-def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
-    """The module's globals a function or method of the same file the loop calls carries from one call to the next
-    (``global best`` and ``best = min(best, loss)`` in its ``after_step``, or a count it adds to that another reads
-    first), started at the module's level at nothing but a literal, in order of their lines."""
-    tree, bodies, ends = _parsed(filename), _reached(filename, loop), _calls_end(loop)
-    call = _call_position(frame)
-    reads = [(body, n) for body in bodies for n in ast.walk(body)
-             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    found = {}
-    for body in bodies[1:]:
-        declared = {name for node in ast.walk(body) if isinstance(node, ast.Global) for name in node.names}
-        for node in ast.walk(body):
-            targets = _targets(node)
-            names = {n.id for t in targets for n in ast.walk(t)
-                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-            for name in names & declared - set(found):
-                read = [(where, n) for where, n in reads if n.id == name]
-                stored_at = _in_iteration(loop, ends, body, node)
-                folded = isinstance(node, ast.AugAssign) or any(
-                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
-                earlier = any(_in_iteration(loop, ends, where, n) < stored_at
-                              or (where is body and (n.lineno, n.col_offset) < (node.lineno, node.col_offset))
-                              for where, n in read)
-                if read and (folded or earlier) and _started_at_module_level_at_a_literal(name, tree):
-                    found[name] = Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
-                                          read_before_call=any(_in_iteration(loop, ends, where, n) < call
-                                                               for where, n in read),
-                                          module_global=True)
-    return sorted(found.values(), key=lambda c: c.where)
-
-
-def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
-    """Whether the module's own statements (not its functions' or classes') assign ``name``, and only literals."""
-    started, todo = [], list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            started += _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)
-        todo.extend(ast.iter_child_nodes(node))
-    return bool(started) and all(_literal(value) for value in started)
-
-
-def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
-    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), and only literals."""
-    started = [v for node in ast.walk(_parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
-               and (node.lineno, node.col_offset) not in inside and node.value is not None
-               for v in _assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr)]
-    return bool(started) and all(_literal(value) for value in started)
-
-
-def _literal(value: ast.AST) -> bool:
-    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set."""
-    if isinstance(value, ast.Call) and _name(value.func) in ("float", "int") and not value.keywords:
-        return all(_literal(arg) for arg in value.args)
-    try:
-        ast.literal_eval(value)
-        return True
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-
-
-def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
-    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`)."""
-    inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
-    started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
-               and node.value is not None and node.lineno not in inside
-               for v in _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
-    return bool(started) and all(_literal(value) for value in started)
-
-
-def _targets(node: ast.AST) -> list[ast.AST]:
-    """What the statement ``node`` assigns to: an assignment's targets, an augmented or annotated one's target (an
-    annotation alone assigns nothing); [] for any other node."""
-    if isinstance(node, ast.Assign):
-        return node.targets
-    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None:
-        return [node.target]
-    return []
-
-
-def _assigned(node: ast.AST, wanted) -> list[ast.AST]:
-    """What the assignment ``node`` assigns to the targets ``wanted`` (a predicate on a target) picks: a tuple's item
-    where both sides are tuples alike (``best, bad = float("inf"), 0``), else the whole value."""
-    def values(target, value):
-        if wanted(target):
-            return [value]
-        if isinstance(target, (ast.Tuple, ast.List)):
-            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
-                return [v for t, item in zip(target.elts, value.elts) for v in values(t, item)]
-            return [value] if any(wanted(t) for t in ast.walk(target)) else []
-        return []
-
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    return [v for target in targets for v in values(target, node.value)]
 
 
 def _set_to_numbers(name: str, scope: ast.AST) -> bool:
@@ -679,32 +339,17 @@ def _adds_a_number(node: ast.AST) -> bool:
             and isinstance(node.value.value, int))
 
 
-def _reached(filename: str, loop: ast.AST) -> list[ast.AST]:
-    """``loop`` and the functions and methods of the same file it calls (``evaluate()``, ``self.evaluate()``), and
-    those they call."""
-    functions = {node.name: node for node in ast.walk(_parsed(filename))
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    reached, seen = [loop], set()
-    for body in reached:
-        for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
-            called = _name(call.func)
-            if called in functions and called not in seen:
-                seen.add(called)
-                reached.append(functions[called])
-    return reached
-
-
 def _train_calls(filename: str, loop: ast.AST) -> int:
     """The calls of ``train_batch`` every pass of ``loop`` makes: in its body outside conditions and inner loops (an
     ``if`` choosing one task's call or another's makes one), and so in the functions and methods of the same file it
     calls there, and those they call."""
-    functions = {node.name: node for node in ast.walk(_parsed(filename))
+    functions = {node.name: node for node in ast.walk(source.parsed(filename))
                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
     def calls(nodes, seen: frozenset) -> int:
         found = 0
         for node in (sub for statement in nodes for sub in _unconditional(statement)):
-            name = _name(node.func) if isinstance(node, ast.Call) else ""
+            name = source.called_name(node.func) if isinstance(node, ast.Call) else ""
             if name == "train_batch":
                 found += 1
             elif name in functions and name not in seen:
@@ -727,9 +372,9 @@ def _unconditional(node: ast.AST):
 
 def _collective(filename: str, loop: ast.AST) -> str:
     """The first call of a collective of ``torch.distributed`` (or ``deepspeed.comm``) in ``loop``, or in a function or
-    method of the same file it calls, and those they call (:func:`_reached`), as ``file:line (text)``; "" where none
+    method of the same file it calls, and those they call (:func:`source.reached`), as ``file:line (text)``; "" where none
     is."""
-    tree = _parsed(filename)
+    tree = source.parsed(filename)
     imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module in ("torch.distributed", "deepspeed.comm") for alias in node.names}
 
@@ -740,23 +385,19 @@ def _collective(filename: str, loop: ast.AST) -> str:
         return (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES
                 and any(word in ast.unparse(func.value) for word in ("dist", "comm")))
 
-    for body in _reached(filename, loop):
+    for body in source.reached(filename, loop):
         for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
             if is_collective(call):
                 return f"{filename}:{call.lineno} ({ast.unparse(call)})"
     return ""
 
 
-def _name(func: ast.AST) -> str:
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-
-
 def _reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
-    if any(word in ast.unparse(expr) for word in ENGINE_STEP):
+    if any(word in ast.unparse(expr) for word in source.ENGINE_STEP):
         return True
     names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
     for node in ast.walk(scope):
-        if node is not scope and any(isinstance(t, ast.Name) and t.id in names for t in _targets(node)):
-            if any(word in ast.unparse(node.value) for word in ENGINE_STEP):
+        if node is not scope and any(isinstance(t, ast.Name) and t.id in names for t in source.targets(node)):
+            if any(word in ast.unparse(node.value) for word in source.ENGINE_STEP):
                 return True
     return False

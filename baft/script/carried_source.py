@@ -1,0 +1,275 @@
+"""The values of the script's own a loop carries from one iteration to the next, read from its source
+(:func:`carried`): the previous loss a hand-made schedule compares with, a patience count, a meter's sum and count
+(:mod:`baft.script.carry` keeps and sets them)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import sysconfig
+import types
+from dataclasses import dataclass, field
+from typing import Optional
+
+from baft.script import source
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
+    loop's ``frame`` (or of its module; or a path of attributes from one, ``self.losses``), or its attribute
+    ``attr``; ``where``: ``file:line (text)`` of the statement that carries it. The frame is held as long as this is
+    (a snapshot at exit reads it after the loop has returned)."""
+
+    where: str
+    name: str
+    attr: Optional[str] = None
+    frame: object = field(default=None, compare=False, repr=False)
+    # the loop reads it before its call to train_batch in an iteration (``best = min(best, engine.train_batch())``,
+    # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
+    read_before_call: bool = False
+    module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
+
+    @property
+    def key(self) -> str:
+        return self.name if self.attr is None else f"{self.name}.{self.attr}"
+
+
+def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[Carried]:
+    """The values ``loop`` (in ``scope``, run in ``frame``) carries from one call to the next: its variables, the
+    attributes of objects from outside it (not of ``kept``) and the module's globals, each in order of its lines."""
+    return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept)
+            + _carried_globals(filename, loop, frame))
+
+
+# methods that change a list, dict, set or deque in place
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove", "clear", "update",
+            "setdefault", "add", "discard", "sort", "reverse", "rotate"}
+
+
+def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> list[Carried]:
+    """The names ``loop`` (run in ``frame``) carries from one iteration to the next, in source order of the
+    statements that carry them. Carried: the loop assigns it and reads it before it assigns it in the same
+    iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), or
+    changes it in place and reads it otherwise (``losses.append(loss)``, then ``mean(losses[-5:])``); and its scope
+    starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``, ``losses = []``): a
+    value set otherwise there may be the script's own resume of it."""
+    def position(node):
+        return node.lineno, node.col_offset
+
+    def names_read(node):
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+    stores: dict[str, list] = {}
+    changes: dict[str, list] = {}  # changed in place: by a method, or an item assigned
+    changed = set()  # the names those read (ids), not reads of what they hold
+    for node in ast.walk(loop):
+        targets = source.targets(node)
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name) and isinstance(name.ctx, ast.Store):
+                    stores.setdefault(name.id, []).append(node)
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                changes.setdefault(target.value.id, []).append(node)
+                changed.add(id(target.value))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                and isinstance(node.func.value, ast.Name)):
+            changes.setdefault(node.func.value.id, []).append(node)
+            changed.add(id(node.func.value))
+    reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    found = []
+    for name, assignments in stores.items():
+        first = min(position(a) for a in assignments)
+        read = [n for n in reads if n.id == name]
+        folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
+        if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
+            found.append((name, min(folded or assignments, key=position)))
+    for name, nodes in changes.items():
+        if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
+                and _started_at_a_literal(name, loop, scope)):
+            found.append((name, min(nodes, key=position)))
+    call = source.call_position(frame)
+    return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
+                    # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
+                    read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
+            for name, node in sorted(found, key=lambda item: position(item[1]))]
+
+
+def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
+    """The attributes of objects from outside the loop (run in ``frame``) that the loop, a function or method of the
+    same file it calls, or a method of the script's own it calls on such an object (``meter.update(loss)``, its class
+    in any file of the script's: :func:`_methods_called`) carries from one call to the next (``self.prev = loss`` after
+    reading ``self.prev`` in the same body, ``self.sum += val``), in order of their lines. Only where the attribute's
+    file sets it elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on
+    an object that is not one of ``kept``."""
+    methods = _methods_called(loop, frame, kept)
+    covered = {(file, body.lineno) for _, _, file, body in methods}
+    # (the name in ``frame`` that ``self`` stands for in a method called on it, or None; the loop's call of it; file)
+    bodies = [(None, None, filename, body) for body in source.reached(filename, loop)
+              if body is loop or (filename, body.lineno) not in covered] + methods
+    inside = {(file, node.lineno, node.col_offset) for _, _, file, body in bodies for node in ast.walk(body)
+              if isinstance(node, ast.stmt)}
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    call, ends = source.call_position(frame), source.calls_end(loop)
+    early = set()  # (name, attr) read before the call
+    found = []
+    for receiver, called, file, body in bodies:
+        this = body.args.args[0].arg if receiver is not None and body.args.args else None
+
+        def attribute(node):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+                return None
+            if receiver is None:
+                return node.value.id, node.attr
+            return (receiver, node.attr) if node.value.id == this else None
+
+        reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
+                 if attribute(node) and isinstance(node.ctx, ast.Load)]
+        elsewhere = {(line, col) for f, line, col in inside if f == file}
+        early |= {attribute(node) for node in ast.walk(body) if attribute(node) and isinstance(node.ctx, ast.Load)
+                  and (source.in_iteration(loop, ends, body, node) if called is None else ends.get(called, (0, 0))) < call}
+        for node in ast.walk(body):
+            targets = source.targets(node)
+            changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                    and attribute(node.func.value)):
+                changed = node.func.value
+                targets = [changed]
+            for target in (t for target in targets for t in ast.walk(target)):
+                key = attribute(target)
+                if key is None or key[0].split(".")[0] in made or key[1] in source.ENGINE_STEP:
+                    continue
+                if changed is not None:
+                    folded = sum(read == key for _, _, read in reads) > 1  # read besides as the receiver
+                else:
+                    folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
+                before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
+                owner = source.value_in(frame, key[0])
+                if ((folded or before) and owner is not None and not any(owner is k for k in kept)
+                        and _attribute_started_at_a_literal(key[1], file, elsewhere)):
+                    found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
+    unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
+    return [Carried(where, *key, frame=frame, read_before_call=key in early)
+            for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
+
+
+def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
+    """The methods of the script's own the loop (run in ``frame``) calls on objects from outside it
+    (``meter.update(loss)``, ``self.losses.update(loss)``: defined in a file of the script's, not a library's, on an
+    object that is not one of ``kept`` and does not keep itself with ``state_dict``), and those they call on
+    ``self``: (the object's name in ``frame``, the method the loop calls on it, the file, the method's definition)."""
+    made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    todo = [(source.dotted(node.func.value), node.func.attr, node.func.attr) for node in ast.walk(loop)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and source.dotted(node.func.value)
+            and source.dotted(node.func.value).split(".")[0] not in made]
+    found, seen = [], set()
+    while todo:
+        name, called, method = todo.pop(0)
+        owner = source.value_in(frame, name)
+        if (owner is None or isinstance(owner, types.ModuleType) or any(owner is k for k in kept)
+                or callable(getattr(owner, "state_dict", None))):
+            continue
+        function = getattr(type(owner), method, None)
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is None or (name, code) in seen or _library(code.co_filename):
+            continue
+        seen.add((name, code))
+        definition = _defined_at(code)
+        if definition is None or not definition.args.args:
+            continue
+        found.append((name, called, code.co_filename, definition))
+        this = definition.args.args[0].arg
+        todo += [(name, called, node.func.attr) for node in ast.walk(definition)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
+    return found
+
+
+LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
+                   if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                  | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
+
+
+def _library(filename: str) -> bool:
+    """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
+    return os.path.realpath(filename).startswith(LIBRARIES)
+
+
+def _defined_at(code: types.CodeType) -> Optional[ast.AST]:
+    """The definition of the function ``code`` is, read from its file; None where it cannot be read."""
+    tree = source.parsed(code.co_filename)
+    return next((node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name
+                 and code.co_firstlineno in (node.lineno, *(d.lineno for d in node.decorator_list))), None)
+
+
+def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
+    """The module's globals a function or method of the same file the loop calls carries from one call to the next
+    (``global best`` and ``best = min(best, loss)`` in its ``after_step``, or a count it adds to that another reads
+    first), started at the module's level at nothing but a literal, in order of their lines."""
+    tree, bodies, ends = source.parsed(filename), source.reached(filename, loop), source.calls_end(loop)
+    call = source.call_position(frame)
+    reads = [(body, n) for body in bodies for n in ast.walk(body)
+             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    found = {}
+    for body in bodies[1:]:
+        declared = {name for node in ast.walk(body) if isinstance(node, ast.Global) for name in node.names}
+        for node in ast.walk(body):
+            targets = source.targets(node)
+            names = {n.id for t in targets for n in ast.walk(t)
+                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for name in names & declared - set(found):
+                read = [(where, n) for where, n in reads if n.id == name]
+                stored_at = source.in_iteration(loop, ends, body, node)
+                folded = isinstance(node, ast.AugAssign) or any(
+                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                earlier = any(source.in_iteration(loop, ends, where, n) < stored_at
+                              or (where is body and (n.lineno, n.col_offset) < (node.lineno, node.col_offset))
+                              for where, n in read)
+                if read and (folded or earlier) and _started_at_module_level_at_a_literal(name, tree):
+                    found[name] = Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
+                                          read_before_call=any(source.in_iteration(loop, ends, where, n) < call
+                                                               for where, n in read),
+                                          module_global=True)
+    return sorted(found.values(), key=lambda c: c.where)
+
+
+def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
+    """Whether the module's own statements (not its functions' or classes') assign ``name``, and only literals."""
+    started, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            started += source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)
+        todo.extend(ast.iter_child_nodes(node))
+    return bool(started) and all(_literal(value) for value in started)
+
+
+def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
+    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), and only literals."""
+    started = [v for node in ast.walk(source.parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and (node.lineno, node.col_offset) not in inside and node.value is not None
+               for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr)]
+    return bool(started) and all(_literal(value) for value in started)
+
+
+def _literal(value: ast.AST) -> bool:
+    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set."""
+    if isinstance(value, ast.Call) and source.called_name(value.func) in ("float", "int") and not value.keywords:
+        return all(_literal(arg) for arg in value.args)
+    try:
+        ast.literal_eval(value)
+        return True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
+    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`)."""
+    inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
+    started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and node.value is not None and node.lineno not in inside
+               for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
+    return bool(started) and all(_literal(value) for value in started)
