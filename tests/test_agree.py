@@ -31,6 +31,13 @@ def test_nothing_in_common_is_no_step_and_a_fresh_start_knows_snapshots_were_see
     assert global_plan([plan(0, []), plan(1, [])], stages=2) == GlobalPlan(None, False)
 
 
+def test_only_the_runs_first_snapshot_held_by_some_stages_is_a_start_over():
+    first = LocalPlan({1: Offer(0, frozenset({0}), 1)}, saw_snapshot=True, firsts=frozenset({1}))
+    assert global_plan([first, LocalPlan(saw_snapshot=True)], stages=2) == GlobalPlan(None, True, only_first=1)
+    later = LocalPlan({2: Offer(0, frozenset({0}), 1)}, saw_snapshot=True, firsts=frozenset({1, None}))
+    assert global_plan([later, LocalPlan(saw_snapshot=True)], stages=2).only_first is None
+
+
 def test_snapshots_of_another_pipeline_depth_stop_every_rank_alike():
     deeper = LocalPlan({}, (Note("stages", "taken with 4 pipeline stages, this run has 2"),), True)
     assert global_plan([plan(0, [3]), deeper], stages=2).fatal == "taken with 4 pipeline stages, this run has 2"

@@ -49,6 +49,8 @@ class LocalPlan:
     offers: dict[int, Offer] = field(default_factory=dict)
     notes: tuple[Note, ...] = ()
     saw_snapshot: bool = False
+    # of each snapshot of its stage this rank saw, its step where it is the run's first, else None
+    firsts: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class GlobalPlan:
     step: Optional[int]
     saw_snapshot: bool
     fatal: Optional[str] = None
+    # where no step is whole and every snapshot any rank saw is the run's first, of this step: a fault as it was
+    # being committed, which some stages committed and others did not
+    only_first: Optional[int] = None
 
 
 def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict, tried=frozenset(),
@@ -67,6 +72,7 @@ def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict,
     (``held``: the manager's answer, old rank -> source -> steps), less the steps ``tried`` before."""
     found: dict[int, dict] = {}
     notes = set()
+    firsts = set()  # the steps of the run's first snapshot seen, and None for any other
     for old_rank in slots.rank_ids(root):
         for info in slots.committed(root, old_rank):
             rec = info.record
@@ -81,6 +87,7 @@ def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict,
             elif rec.stage == stage:
                 entry = found.setdefault(rec.step, {"shards": set(), "num_shards": rec.layout.num_shards})
                 entry["shards"].add(rec.layout.shard)
+                firsts.add(rec.step if rec.items.get("first") else None)
     for old_rank, sources in held.items():
         for source in SOURCES[1:]:
             for step in sources.get(source, []):
@@ -89,7 +96,9 @@ def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict,
     saw = bool(found or notes or refused or any(steps for sources in held.values() for steps in sources.values()))
     offers = {step: Offer(stage, frozenset(o["shards"]), o["num_shards"], tuple(o.get("pending", ())))
               for step, o in found.items() if step not in tried}
-    return LocalPlan(offers, tuple(sorted(notes, key=lambda n: (n.kind, n.text))), saw)
+    if notes or refused or any(o.get("pending") for o in found.values()):
+        firsts.add(None)
+    return LocalPlan(offers, tuple(sorted(notes, key=lambda n: (n.kind, n.text))), saw, frozenset(firsts))
 
 
 def global_plan(plans: list[LocalPlan], stages: int) -> GlobalPlan:
@@ -103,7 +112,8 @@ def global_plan(plans: list[LocalPlan], stages: int) -> GlobalPlan:
     for step in sorted(steps, reverse=True):
         if all(_whole([plan.offers[step] for plan in plans if plan.offers[step].stage == s]) for s in range(stages)):
             return GlobalPlan(step, saw)
-    return GlobalPlan(None, saw)
+    firsts = frozenset().union(*(plan.firsts for plan in plans))
+    return GlobalPlan(None, saw, only_first=next(iter(firsts)) if len(firsts) == 1 else None)
 
 
 def _whole(offers: list[Offer]) -> bool:

@@ -45,10 +45,12 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     refused: list[str] = []
     tried: set[int] = set()
     saw_snapshot = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
+    only_first = None  # the step of the run's first snapshot, where it is all there is and no step is whole
     while True:
         mine = local_plan(root, engine.stage_id, engine.num_stages, fingerprint, held, tried, refused)
         plan = _agree(mine, engine.num_stages)
         saw_snapshot = saw_snapshot or plan.saw_snapshot
+        only_first = plan.only_first if not tried else None
         if plan.fatal:
             raise BaftError(plan.fatal)  # on every rank alike: they all saw it in the gather
         if not tried:
@@ -74,7 +76,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     for line in refused:
         log(line)
     mark("restore_end")
-    _fresh_start(engine.global_rank, saw_snapshot, fresh_start, refused, log)
+    _fresh_start(engine.global_rank, saw_snapshot, fresh_start, refused, log, only_first)
     return None
 
 
@@ -109,9 +111,17 @@ def _slowest(source: str) -> str:
     return functools.reduce(slower, sources)
 
 
-def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str], log) -> None:
-    """The rule for starting from step 0: allowed only where no rank saw a snapshot of this run, or where
+def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str], log,
+                 only_first: Optional[int] = None) -> None:
+    """The rule for starting from step 0: allowed only where no rank saw a snapshot of this run, or only the run's
+    first (``only_first``, its step), which some stages committed and others did not (a fault as it was committed:
+    the run had no step to go back to but its start, as after a fault before any snapshot), or where
     ``fresh_start`` is ``"always"``; else a one-line error with every reason a snapshot was refused."""
+    if saw_snapshot and only_first is not None and fresh_start is True and not refused:
+        if rank == 0:
+            log(f"the run's first snapshot, of step {only_first}, was committed by some stages and not others (a "
+                f"fault as it was committed): starting again from step 0")
+        return
     if saw_snapshot and fresh_start != "always":
         reasons = "; ".join(refused) or "no step was complete for every pipeline stage"
         raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "

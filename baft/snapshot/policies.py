@@ -131,6 +131,8 @@ class SnapshotPolicy(InstructionHook, Periodic):
         else:
             items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end),
                      "ended_at": time.time()}  # the step's end: where a recovery's lost work (T0) starts
+            if self.last_step is None and self.restored_items is None:
+                items["first"] = True  # the run's first snapshot: without it every stage holds, a restart starts over
         self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
         self.last_step = step
         start = time.perf_counter()
