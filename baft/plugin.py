@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Optional
 
 import deepspeed
+import torch
 
 from baft.config import LAUNCHER_ENV, PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_DIR_ENV, parse_config
 from baft.errors import ConfigError
 from baft.jsonfile import read_json
-from baft.script.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.schedulers import engines_own
 from baft.recovery import world
 from baft.snapshot.optimizers import base_optimizer
@@ -53,6 +54,7 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     if world.available() and not world.generation():
         world.register()
     tied = world.tied_dtypes(bound.arguments.get("model"))  # as the constructor left them: DeepSpeed converts them
+    frozen_first = _frozen(bound.arguments.get("model"))  # what DeepSpeed's bf16 and ZeRO wrappers leave out
     returned = _initialize(args, kwargs, data_iterator, client_state)
     if world.available() and world.generation():  # a replacement in place: how far the survivors' loops are
         THIS_PROCESS.peers = world.published("loop")
@@ -79,16 +81,21 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
                                               f"make with it")
         else:
             engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
-                                                  [base_optimizer(returned[1])])
+                                                  [base_optimizer(returned[1])], frozen_first)
     return returned
 
 
-def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list) -> None:
+def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list,
+           frozen_first: Optional[list]) -> None:
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
-    did, again, on the same model; the engine, optimizer, loader and scheduler the script holds from the
-    first call take the state of the new ones, and so do the torch optimizers inside DeepSpeed's bf16 or ZeRO
-    wrappers so far (``bases``: a scheduler the script made holds one)."""
-    world.regroup(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model"), tied)
+    did, again, on the same model, its parameters frozen as they were then (``frozen_first``: the restore freezes
+    those the script froze since, as a replacement's does); the engine, optimizer, loader and scheduler the script
+    holds from the first call take the state of the new ones, and so do the torch optimizers inside DeepSpeed's
+    bf16 or ZeRO wrappers so far (``bases``: a scheduler the script made holds one)."""
+    model = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model")
+    if frozen_first is not None:
+        set_frozen(model, frozen_first)
+    world.regroup(model, tied)
     fresh = _initialize(args, kwargs, data_iterator, client_state)
     held_engine = first[0]
     if getattr(held_engine, "training_dataloader", None) is None and fresh[0].data_iterator is None:
@@ -99,7 +106,12 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, 
             # one state: what baft's hooks and DeepSpeed's hold is the new object (the engine's class: baft's again)
             held.__class__, held.__dict__ = type(new), new.__dict__
     first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first, tied,
-                                            [*bases, base])
+                                            [*bases, base], frozen_first)
+
+
+def _frozen(model) -> Optional[list]:
+    """The parameters of ``model`` frozen now, where it is a module (:func:`baft.script.loop.frozen`)."""
+    return frozen(model) if isinstance(model, torch.nn.Module) else None
 
 
 def _initialize(args, kwargs, data_iterator, client_state) -> tuple:

@@ -153,6 +153,33 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_layer_the_script_froze_once_is_frozen_after_a_restore_in_place(tmp_path):
+    """Probe 15: a script that freezes a layer once (``requires_grad_(False)`` at step 4), resumed after it, trained
+    it again, silently; in place, a survivor's ZeRO-1 made again without it refused every snapshot ("master/group0/dp0
+    ... not in that size"). The snapshot keeps which parameters are frozen, and a survivor makes its engine again
+    with them as they were at ``baft.initialize``. Killed twice: restored before the freeze (the survivor trains
+    steps 4 and 5 again, frozen from step 4), then after it (the replacement is frozen by the restore)."""
+    cfg = tmp_path / "zero1.json"
+    cfg.write_text(json.dumps({**json.loads(config(tmp_path, period=1).read_text()),
+                               "zero_optimization": {"stage": 1}}))
+    faults = ["--in-place", "--fault", "rank=0,step=5,phase=forward,restart=0",
+              "--fault", "rank=0,step=8,phase=forward,restart=1"]
+    runs = {name: subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "2",
+                                    "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config", str(cfg),
+                                    "--freeze-once", "4"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+            for name, fault in (("reference", []), ("killed", faults))}
+    finished = {}
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-3000:])
+        finished[name] = finals((tmp_path / name / LOG_NAME).read_text())
+    recovered = [json.loads(line) for line in (tmp_path / "killed" / "recovery.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["restored_step"] < 4) for r in recovered] == [("in place", True), ("in place", False)]
+    assert len(finished["reference"]) == 2 and finished["killed"] == finished["reference"], finished
+
+
+@pytest.mark.slow
 def test_the_scripts_own_schedulers_resume_when_made_before_initialize_stepped_before_the_call_or_replaced(tmp_path):
     """Round eleven's probe, killed twice and recovered in place: a scheduler made before ``baft.initialize`` (restored
     there) and stepped before each call was stepped once more by the resumed loop; a warm-up scheduler the loop

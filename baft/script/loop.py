@@ -322,14 +322,16 @@ class Loop:
 
     def starting(self, engine, step: int, again: bool) -> None:
         """Before the iteration that trains ``step``: where a survivor trains it again in the call that failed,
-        the generators, the optimizer's hyper-parameters, the script's schedulers, its ``client_state`` and a data
-        iterator of its own as they were when it first started (the script's loop, which does not run again for the
-        steps before its call's, drew from those and may have set, stepped or updated these: an EMA in its
-        ``client_state``, the task its data iterator reads); else they are kept for that."""
+        the generators, the parameters frozen, the optimizer's hyper-parameters, the script's schedulers, its
+        ``client_state`` and a data iterator of its own as they were when it first started (the script's loop, which
+        does not run again for the steps before its call's, drew from those and may have set, stepped or updated
+        these: an EMA in its ``client_state``, the task its data iterator reads, a layer it froze); else they are kept
+        for that."""
         groups = engine.optimizer.param_groups
         if again and step in self.started:
             kept = self.started[step]
             set_rng_states(kept["rng"])
+            set_frozen(engine.module, kept["frozen"])
             for group, values in zip(groups, kept["groups"]):
                 group.update(values)
             for scheduler, state in kept["schedulers"]:
@@ -337,7 +339,7 @@ class Loop:
             for own, state in kept["own"] or ():
                 own.load_state_dict(copy.deepcopy(state))
             return
-        self.started[step] = {"rng": rng_states(),
+        self.started[step] = {"rng": rng_states(), "frozen": frozen(engine.module),
                               "groups": [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups],
                               "schedulers": [(s, copy.deepcopy(s.state_dict())) for s in script_schedulers(engine)],
                               "own": [(own, copy.deepcopy(own.state_dict())) for own in _script_states(engine)]
@@ -428,6 +430,19 @@ class Loop:
                             f"baft recorded (not a scalar, or trained before baft recorded it); loop on the engine's "
                             f"step (while engine.global_steps < N) to resume without replaying")
         return torch.tensor(float(value), dtype=getattr(torch, self.history.dtypes[kind]), device=engine.device)
+
+
+def frozen(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters of ``module`` that do not require a gradient."""
+    return [name for name, param in module.named_parameters() if not param.requires_grad]
+
+
+def set_frozen(module: torch.nn.Module, names: list[str]) -> None:
+    """Freeze the parameters ``names`` of ``module`` and no others (:func:`frozen`'s)."""
+    names = set(names)
+    for name, param in module.named_parameters():
+        if param.requires_grad == (name in names):
+            param.requires_grad_(name not in names)
 
 
 def _script_states(engine) -> list:

@@ -41,7 +41,7 @@ import torch
 from baft.errors import BaftError
 from baft.script import schedulers
 from baft.pipeline.hook import InstructionHook
-from baft.script.loop import THIS_PROCESS
+from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
@@ -225,6 +225,8 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         "train_batch_size": int(engine.train_batch_size()),
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
+        # as the script last set them: one it froze at a step, a resumed script past that step does not freeze again
+        "frozen": frozen(engine.module),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
         "param_groups": _torch_blob([{k: v for k, v in g.items() if k != "params"}
                                      for g in base_optimizer(engine.optimizer).param_groups]),
@@ -262,9 +264,10 @@ def loss_scaler(optimizer):
 
 
 def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
-    """Put the small state back: counters, batch size, hyper-parameters, scheduler, scaler, data position now; the
-    RNG states by the hook returned, which must run before any other at the next iteration's start, the script's
-    own schedulers now where they exist and by that hook, and the hyper-parameters again by that hook."""
+    """Put the small state back: counters, batch size, frozen parameters, hyper-parameters, scheduler, scaler, data
+    position now; the RNG states by the hook returned, which must run before any other at the next iteration's start,
+    the script's own schedulers now where they exist and by that hook, and the hyper-parameters again by that
+    hook."""
     for k, v in items["counters"].items():
         setattr(engine, k, v)
     if items.get("train_batch_size", engine.train_batch_size()) != engine.train_batch_size():
@@ -273,6 +276,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         PipelineEngine.set_train_batch_size(engine, items["train_batch_size"])  # DeepSpeed's: no step read yet
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
+    if "frozen" in items:
+        set_frozen(engine.module, items["frozen"])
     groups = items["param_groups"]
     if isinstance(groups, str):
         groups = _torch_unblob(groups)

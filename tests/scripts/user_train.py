@@ -31,6 +31,7 @@ parser.add_argument("--node-per-rank", action="store_true", help="each rank its 
 parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", default=(),
                     help="hand baft parts it cannot save")
 parser.add_argument("--batch-once", type=int, default=0, help="at this step double the batch size, once")
+parser.add_argument("--freeze-once", type=int, default=0, help="at this step freeze the first layer, once")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
 args = parser.parse_args()
@@ -66,6 +67,8 @@ losses = AverageMeter()  # the loss's average over the run, whose sum and count 
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
+    if args.freeze_once and engine.global_steps == args.freeze_once:  # nor does it freeze it again
+        next(engine.module.parameters()).requires_grad_(False)
     for group in engine.optimizer.param_groups:  # a decay of the script's own, by a factor before each call
         group["lr"] *= 0.98
     loss = engine.train_batch(data_iter=data)
