@@ -277,7 +277,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
     if "frozen" in items:
-        set_frozen(engine.module, items["frozen"])
+        _freeze(engine, items["frozen"])
     groups = items["param_groups"]
     if isinstance(groups, str):
         groups = _torch_unblob(groups)
@@ -313,6 +313,20 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
             restore.schedulers = _torch_unblob(items["script_schedulers"])
             schedulers.restore(engine, restore.schedulers)  # where the script made them already: else by then
     return restore
+
+
+def _freeze(engine, names: list[str]) -> None:
+    """Freeze the parameters ``names`` of the engine's module and no others. One that DeepSpeed's bf16 optimizer
+    holds is linked to its fp32 gradient (``_hp_grad``, which the all-reduce of tied weights reads) as its first
+    backward before the script froze it linked it: a process that restores it frozen runs none, and a survivor's
+    link is to the optimizer it had before."""
+    newly = {id(param) for name, param in engine.module.named_parameters() if name in names and param.requires_grad}
+    set_frozen(engine.module, names)
+    optimizer = engine.optimizer
+    for i, group in enumerate(getattr(optimizer, "bf16_groups", ()) if newly else ()):
+        for j, param in enumerate(group):
+            if id(param) in newly:
+                param._hp_grad = optimizer.fp32_groups_gradients[i][j]
 
 
 def _set_param_groups(engine, groups: list) -> None:
