@@ -1,6 +1,7 @@
 """The agreement on the step to restore, from every rank's plan: the same answer on every rank."""
 
 from baft.recovery.agree import GlobalPlan, LocalPlan, Note, Offer, global_plan, slower
+from baft.snapshot.layout import TensorEntry, signature_difference
 
 
 def plan(stage, steps, shards=(0,), num_shards=1, pending=()):
@@ -45,3 +46,16 @@ def test_snapshots_of_another_pipeline_depth_stop_every_rank_alike():
 
 def test_the_slower_source_is_where_the_time_went():
     assert slower("memory", "disk") == "disk" and slower("parity", "memory") == "parity"
+
+
+def test_another_models_snapshot_is_said_by_the_tensors_only_one_side_has():
+    """Probe 15: a layer that registers a cache buffer as it first runs forward made every restart refuse its
+    snapshots as "another model", two signatures and nothing else: the note names the buffer and what to do."""
+    weight = TensorEntry("param/1.lin.weight", "float32", (4, 4), 64, "parameters")
+    cache = TensorEntry("buffer/1.cache", "float32", (6, 1), 24, "other")
+    moment = TensorEntry("optimizer/exp_avg", "float32", (4, 4), 64, "optimizer")
+    said = signature_difference([weight, cache, moment], [weight])
+    assert said.startswith("only the snapshot has buffer/1.cache (float32, [6, 1]); a buffer a layer registers")
+    assert "register it in the layer's __init__" in said
+    assert signature_difference([weight], [weight, cache]) == "only this model has buffer/1.cache (float32, [6, 1])"
+    assert signature_difference([weight, moment], [weight]) == ""

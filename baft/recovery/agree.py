@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from baft.snapshot import slots
+from baft.snapshot.layout import signature_difference
 
 SOURCES = ("memory", "parity", "disk")  # fastest first
 
@@ -67,9 +68,10 @@ class GlobalPlan:
 
 
 def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict, tried=frozenset(),
-               refused=()) -> LocalPlan:
+               refused=(), tensors=()) -> LocalPlan:
     """This rank's plan: the steps of ``stage`` it can reach under ``root`` or through its manager
-    (``held``: the manager's answer, old rank -> source -> steps), less the steps ``tried`` before."""
+    (``held``: the manager's answer, old rank -> source -> steps), less the steps ``tried`` before. ``tensors``: this
+    stage's (:func:`~baft.snapshot.layout.model_signature`'s), to say how another model's snapshots differ."""
     found: dict[int, dict] = {}
     notes = set()
     firsts = set()  # the steps of the run's first snapshot seen, and None for any other
@@ -82,8 +84,10 @@ def local_plan(root: str, stage: int, stages: int, fingerprint: str, held: dict,
                                          f"with {rec.topology['pipe']} stages (any number of data-parallel replicas "
                                          f"works), or start fresh in a new run directory"))
             elif rec.stage == stage and rec.model != fingerprint:
+                differ = signature_difference(rec.layout.tensors, tensors) if tensors else ""
                 notes.add(Note("model", f"{slots.rank_dir(root, old_rank)}: ignoring snapshots of another model "
-                                        f"(stage {stage} signature {rec.model}, this model's is {fingerprint})"))
+                                        f"(stage {stage} signature {rec.model}, this model's is {fingerprint}"
+                                        f"{': ' + differ if differ else ''})"))
             elif rec.stage == stage:
                 entry = found.setdefault(rec.step, {"shards": set(), "num_shards": rec.layout.num_shards})
                 entry["shards"].add(rec.layout.shard)

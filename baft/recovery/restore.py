@@ -40,14 +40,15 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     snapshots that exist but cannot be restored stop the job with the reason for each.
     """
     mark("restore_start")
-    fingerprint = model_signature(state.tensor_entries(engine))
+    tensors = state.tensor_entries(engine)
+    fingerprint = model_signature(tensors)
     held = _held(client, log)
     refused: list[str] = []
     tried: set[int] = set()
     saw_snapshot = False  # did any rank see a snapshot of this run (memory, parity, disk), restorable or not?
     only_first = None  # the step of the run's first snapshot, where it is all there is and no step is whole
     while True:
-        mine = local_plan(root, engine.stage_id, engine.num_stages, fingerprint, held, tried, refused)
+        mine = local_plan(root, engine.stage_id, engine.num_stages, fingerprint, held, tried, refused, tensors)
         plan = _agree(mine, engine.num_stages)
         saw_snapshot = saw_snapshot or plan.saw_snapshot
         only_first = plan.only_first if not tried else None

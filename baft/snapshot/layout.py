@@ -121,11 +121,30 @@ def model_signature(tensors: Iterable[TensorEntry]) -> str:
 
 
 def _digest(tensors: Iterable[TensorEntry]) -> str:
-    """Of the tensors' names, dtypes and shapes; the replicas' own copies of a module buffer
-    (``buffer/dp<d>/<name>``) as one, so that it does not depend on the number of replicas."""
-    described = {(re.sub(r"^buffer/dp\d+/", "buffer/", t.name), t.dtype, tuple(t.shape)): None for t in tensors}
-    desc = json.dumps([[name, dtype, list(shape)] for name, dtype, shape in described])
+    """Of the tensors' names, dtypes and shapes (:func:`_described`)."""
+    desc = json.dumps([[name, dtype, list(shape)] for name, dtype, shape in _described(tensors)])
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def _described(tensors: Iterable[TensorEntry]) -> dict:
+    """(name, dtype, shape) of each tensor, in order; the replicas' own copies of a module buffer
+    (``buffer/dp<d>/<name>``) as one, so that it does not depend on the number of replicas."""
+    return {(re.sub(r"^buffer/dp\d+/", "buffer/", t.name), t.dtype, tuple(t.shape)): None for t in tensors}
+
+
+def signature_difference(theirs: Iterable[TensorEntry], ours: Iterable[TensorEntry]) -> str:
+    """Why two stages' :func:`model_signature` differ, for a person: a few of the tensors only one of them has; a
+    buffer only ``theirs`` has is one a layer registers in its forward, perhaps, which a restore comes before."""
+    theirs, ours = (set(_described(t for t in side if t.kind != "optimizer")) for side in (theirs, ours))
+    said = []
+    for who, only in (("the snapshot", theirs - ours), ("this model", ours - theirs)):
+        if only:
+            shown = ", ".join(f"{name} ({dtype}, {list(shape)})" for name, dtype, shape in sorted(only)[:3])
+            said.append(f"only {who} has {shown}{' ...' if len(only) > 3 else ''}")
+    if any(name.startswith("buffer/") for name, _, _ in theirs - ours):
+        said.append("a buffer a layer registers as it runs forward is not there yet when baft.initialize restores: "
+                    "register it in the layer's __init__")
+    return "; ".join(said)
 
 
 def plan_layout(tensors: Iterable[TensorEntry], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
