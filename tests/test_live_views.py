@@ -108,3 +108,34 @@ def test_queued_copies_read_the_tensors_of_each_snapshots_begin_into_the_same_sl
         stream.synchronize()
         assert slot_bytes(snapshot, "param/0.weight") == bytes(weight.detach().numpy()), step
         weight.data = weight.data + step  # rebound: the next snapshot copies from the new tensor
+
+
+class Counted(nn.Module):
+    """A module of this file's (the script's own): a count a forward keeps, a width set once, in plain attributes."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.linear, self.calls, self.rank = nn.Linear(2, 2), 0, rank
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken_back(monkeypatch):
+    """A snapshot keeps what changed since the process started (the count), not what was set once (a rank: another
+    rank's would not be its own); a restore sets the kept ones and puts the rest back as they started. torch's
+    modules (the Linear) are not read."""
+    from baft.script import attributes
+
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    model = nn.Sequential(Counted(rank=3))
+    attributes.hold_module_attributes(model)
+    assert attributes.changed_module_attributes(model) is None
+    for _ in range(3):
+        model(torch.ones(1, 2))
+    kept = attributes.changed_module_attributes(model)
+    assert kept == {"0.calls": 3} and "0.linear.in_features" not in attributes.module_attributes(model)
+    model[0].rank, model[0].calls = 5, 9  # a survivor's, changed since: taken back to the snapshot's
+    attributes.restore_module_attributes(model, kept)
+    assert (model[0].calls, model[0].rank) == (3, 3)

@@ -34,6 +34,7 @@ import xxhash
 from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 
 from baft.pipeline.hook import InstructionHook
+from baft.script.attributes import module_attributes
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import rng_states
 from baft.script.schedulers import script_schedulers
@@ -100,6 +101,9 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
     carried = THIS_PROCESS.carried_values(engine)
     if carried is not None:
         nested["carried"] = carried
+    attributes = module_attributes(engine.module)
+    if attributes:
+        nested["module_attributes"] = attributes
     weights = (("weights", data) for _, data in _leaves(engine.module.state_dict(), ""))
     return (_digest_parts(weights) | _digest_parts(generators)
             | _digest_parts((path.lstrip("."), data) for path, data in _leaves(nested, "")))

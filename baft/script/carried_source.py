@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import ast
-import os
-import sysconfig
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -171,7 +169,7 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
             continue
         function = getattr(type(owner), method, None)
         code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if code is None or (name, code) in seen or _library(code.co_filename):
+        if code is None or (name, code) in seen or source.library(code.co_filename):
             continue
         seen.add((name, code))
         definition = _defined_at(code)
@@ -183,16 +181,6 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
     return found
-
-
-LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
-                   if key in ("stdlib", "platstdlib", "purelib", "platlib")}
-                  | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
-
-
-def _library(filename: str) -> bool:
-    """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
-    return os.path.realpath(filename).startswith(LIBRARIES)
 
 
 def _defined_at(code: types.CodeType) -> Optional[ast.AST]:

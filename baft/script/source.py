@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
+import sysconfig
 from typing import Optional
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
@@ -113,3 +115,13 @@ def reached(filename: str, loop: ast.AST) -> list[ast.AST]:
 def called_name(func: ast.AST) -> str:
     """The name a call's ``func`` calls by (``f`` of ``f(...)`` and of ``obj.f(...)``); "" for any other callee."""
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
+                   if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                  | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
+
+
+def library(filename: str) -> bool:
+    """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
+    return os.path.realpath(filename).startswith(LIBRARIES)

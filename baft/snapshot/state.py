@@ -40,6 +40,7 @@ import torch
 
 from baft.errors import BaftError
 from baft.script import schedulers
+from baft.script.attributes import changed_module_attributes, restore_module_attributes
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
@@ -225,6 +226,8 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         "train_batch_size": int(engine.train_batch_size()),
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
+        # a count or setting the script's own modules keep in plain attributes (a loss module's calls)
+        "module_attributes": changed_module_attributes(engine.module) or {},
         # as the script last set them: one it froze at a step, a resumed script past that step does not freeze again
         "frozen": frozen(engine.module),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
@@ -276,6 +279,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         PipelineEngine.set_train_batch_size(engine, items["train_batch_size"])  # DeepSpeed's: no step read yet
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
+    if "module_attributes" in items:
+        restore_module_attributes(engine.module, items["module_attributes"])
     if "frozen" in items:
         _freeze(engine, items["frozen"])
     groups = items["param_groups"]
