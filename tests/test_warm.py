@@ -49,6 +49,7 @@ def test_a_warm_rank_has_the_clients_argv_cwd_environment_streams_and_exit_code(
     assert proc.returncode == 7
     assert got["argv"] == [RANK, "exit", "7"] and got["cwd"] == str(tmp_path) and got["rank"] == "3"
     assert got["threads"] == 2  # the rank's OMP_NUM_THREADS, not the server's one thread
+    assert got["whole_lines"], "each line in one write: torchrun's tee reads no half line"
     assert err.strip() == "to stderr"
     assert got["pid"] != proc.pid  # forked: the client stands in for it
 

@@ -42,6 +42,10 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict, started: boo
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    for stream in (s for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper)):
+        # a line in one write: unbuffered (PYTHONUNBUFFERED, for torchrun's tee to show it at once), print writes its
+        # text and its newline apart, and the tee, reading between them, put the line's rank prefix in its middle
+        stream.reconfigure(line_buffering=True, write_through=False)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"], **{WARM_RANK_ENV: "1"})

@@ -16,7 +16,7 @@ if what == "sleep":  # until a signal: SIGTERM ends it with its own handler's ex
 
 report = {"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
           "torch": torch.rand(2).tolist(), "numpy": numpy.random.rand(2).tolist(), "pid": os.getpid(),
-          "parent": os.getppid()}
+          "parent": os.getppid(), "whole_lines": sys.stdout.line_buffering and not sys.stdout.write_through}
 print(json.dumps(report), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if what == "exit":
