@@ -40,6 +40,12 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     snapshots that exist but cannot be restored stop the job with the reason for each.
     """
     mark("restore_start")
+    later = state.register_later_buffers(engine, (info.record.layout for old_rank in slots.rank_ids(root)
+                                                  for info in slots.committed(root, old_rank)
+                                                  if info.record.stage == engine.stage_id))
+    if later:
+        log(f"registered the buffers {', '.join(later)} the snapshots hold and this model registers as it runs "
+            f"(a cache made at its first forward), for the restore to fill")
     tensors = state.tensor_entries(engine)
     fingerprint = model_signature(tensors)
     held = _held(client, log)

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Callable, Iterator, Optional
+import re
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -44,7 +45,7 @@ from baft.script.attributes import changed_module_attributes, restore_module_att
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
-from baft.snapshot.layout import TensorEntry
+from baft.snapshot.layout import TensorEntry, model_signature
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
@@ -132,6 +133,48 @@ def buffer_views(engine, replica: int, replicas: int) -> dict[str, torch.Tensor]
     own (a restore with another number of replicas than the snapshot's gives every replica replica 0's)."""
     return {key: byte_view(b) for key, kind, _, b in _module_tensors(engine.module, replica, replicas)
             if kind == "other"}
+
+
+def register_later_buffers(engine, layouts: Iterable) -> list[str]:
+    """The buffers a snapshot of this stage holds that ``engine.module`` has not registered yet, on modules it has: a
+    cache a layer registers as it first runs forward, which a restore comes before. Registered now, not persistent
+    (what a cache made so is), of the snapshot's dtype and shape, for the restore to fill, where they are all that
+    tells this model from the snapshot's (of the first of ``layouts`` so; none of another model's); their names."""
+    ours, tried = model_signature(tensor_entries(engine)), set()
+    for layout in layouts:
+        wanted = model_signature(layout.tensors)
+        if wanted == ours:
+            return []
+        if wanted in tried:
+            continue
+        tried.add(wanted)
+        registered = _register_missing(engine, layout.tensors)
+        if registered and model_signature(tensor_entries(engine)) == wanted:
+            return registered
+        for name in registered:  # not what tells the models apart: left as the model had them
+            path, _, attr = name.rpartition(".")
+            delattr(engine.module.get_submodule(path), attr)
+    return []
+
+
+def _register_missing(engine, snapshot_tensors) -> list[str]:
+    have = {name for name, _ in engine.module.named_buffers()}
+    device = next(iter(engine.module.parameters()), torch.empty(0)).device
+    registered = []
+    for t in snapshot_tensors:
+        name = re.sub(r"^buffer/(dp\d+/)?", "", t.name)
+        if t.kind != "other" or name in have or name in registered:
+            continue
+        path, _, attr = name.rpartition(".")
+        try:
+            module = engine.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if not hasattr(module, attr):
+            module.register_buffer(attr, torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=device),
+                                   persistent=False)
+            registered.append(name)
+    return registered
 
 
 def tensor_entries(engine) -> list[TensorEntry]:

@@ -24,6 +24,16 @@ class Noise(nn.Module):
         return x + 0.01 * torch.randn(x.shape, generator=self.gen) if self.training else x
 
 
+class LazyScale(nn.Module):
+    """A scale kept in a buffer the layer registers as it first runs forward (a cache, as rotary embeddings' tables
+    often are), not in ``__init__`` (probe 15: a restore, which comes before, refused every snapshot)."""
+
+    def forward(self, x):
+        if not hasattr(self, "scale"):
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, x.shape[-1]), persistent=False)
+        return x * self.scale
+
+
 class WarmedLoss(nn.Module):
     """A mean squared error weighted up over its first calls: a count kept in a plain attribute, not a buffer (probe
     15: not kept, a resumed run trained on with the weight its count started again from)."""
@@ -52,7 +62,8 @@ torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 layers = [LayerSpec(nn.Linear, 32, 64), LayerSpec(nn.ReLU), LayerSpec(nn.Dropout, 0.1), LayerSpec(Noise),
-          LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.ReLU), LayerSpec(Noise), LayerSpec(nn.Linear, 64, 1)]
+          LayerSpec(nn.Linear, 64, 64), LayerSpec(nn.ReLU), LayerSpec(Noise), LayerSpec(LazyScale),
+          LayerSpec(nn.Linear, 64, 1)]
 model = PipelineModule(layers=layers, num_stages=2, loss_fn=WarmedLoss(), partition_method="uniform")
 data = Samples()
 config = args.config
