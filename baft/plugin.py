@@ -18,6 +18,7 @@ from baft.config import LAUNCHER_ENV, PROFILE_DIR_ENV, PROFILE_ITERS_ENV, TRACE_
 from baft.errors import ConfigError
 from baft.jsonfile import read_json
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
+from baft.script.rng import hold_script_generators
 from baft.script.schedulers import engines_own
 from baft.recovery import world
 from baft.snapshot.optimizers import base_optimizer
@@ -55,6 +56,7 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
         world.register()
     tied = world.tied_dtypes(bound.arguments.get("model"))  # as the constructor left them: DeepSpeed converts them
     frozen_first = _frozen(bound.arguments.get("model"))  # what DeepSpeed's bf16 and ZeRO wrappers leave out
+    hold_script_generators(_script_frame(), data_iterator)
     returned = _initialize(args, kwargs, data_iterator, client_state)
     if world.available() and world.generation():  # a replacement in place: how far the survivors' loops are
         THIS_PROCESS.peers = world.published("loop")
@@ -83,6 +85,14 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
             engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
                                                   [base_optimizer(returned[1])], frozen_first)
     return returned
+
+
+def _script_frame():
+    """The frame of the script's call of ``baft.initialize``: the first outside baft."""
+    frame, here = sys._getframe(1), os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame = frame.f_back
+    return frame
 
 
 def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list,

@@ -6,7 +6,9 @@ out in another order. The position baft saves (:func:`baft.snapshot.data.data_po
 generator beside the loader's state; these tests restore it at every batch of three epochs.
 """
 
+import json
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -528,3 +530,29 @@ def test_with_persistent_workers_an_iter_that_resets_the_restored_iterator_reads
         assert [b[:, 0].tolist() for b in taken] == samples, "replayed" if replay else "taken again"
         restored._iterator._shutdown_workers()
     loader._iterator._shutdown_workers()
+
+
+CROPS = np.random.default_rng(8)  # a collate function's generator, a global of its module
+
+
+def crop_collate(batch):
+    return torch.stack(batch) * float(CROPS.uniform(0.5, 1.5))
+
+
+def test_the_generators_a_script_names_and_its_collate_function_reads_are_kept_with_the_rng_states(monkeypatch):
+    """Probe 16: a generator of the script's own (``rng = np.random.default_rng(0)`` at its top), drawn by its loop
+    between steps or by a collate function reading it as a global, was in no state: a resumed run drew from it as
+    first seeded, silently. Named at ``baft.initialize``, it is among the RNG states a snapshot keeps."""
+    from baft.pipeline import rng
+
+    monkeypatch.setattr(rng, "_NAMED", {})
+    flips = random.Random(9)  # a variable of the script's call of baft.initialize
+    loader = StatefulDataLoader(Noisy(), batch_size=BATCH, collate_fn=crop_collate)
+    rng.hold_script_generators(sys._getframe(), RepeatingLoader(loader))
+    assert {"test_the_generators_a_script_names_and_its_collate_function_reads_are_kept_with_the_rng_states.flips",
+            "collate_fn.CROPS"} <= set(rng._NAMED)
+    kept = rng.from_json(json.loads(json.dumps(rng.to_json(rng.rng_states()))))
+    first = (flips.random(), [batch[0, 0].item() for batch in loader])
+    assert rng.drawn_between(kept, rng.rng_states()) == ["torch", "modules"]
+    rng.set_rng_states(kept)
+    assert (flips.random(), [batch[0, 0].item() for batch in loader]) == first

@@ -1,11 +1,15 @@
 """Every random generator a training step draws from (python's, numpy's, torch's, CUDA's, the generators of
-DeepSpeed's model-parallel tracker, and those the model's modules hold): its state as it stands, and as JSON (a
-commit record's ``rng``, what a survivor tells a replacement)."""
+DeepSpeed's model-parallel tracker, those the model's modules hold, and those the script names): its state as it
+stands, and as JSON (a commit record's ``rng``, what a survivor tells a replacement)."""
 
 from __future__ import annotations
 
 import base64
+import copy
+import inspect
+import pickle
 import random
+import types
 import weakref
 from typing import Iterator, Optional
 
@@ -14,7 +18,9 @@ import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 
+GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _HELD: list[tuple[str, "weakref.ref", str]] = []  # the model's generators: (name, its module, the attribute)
+_NAMED: dict[str, object] = {}  # the generators the script names (its variables, its collate function's globals)
 
 
 def hold_module_generators(module: torch.nn.Module) -> None:
@@ -26,11 +32,84 @@ def hold_module_generators(module: torch.nn.Module) -> None:
                 if isinstance(value, torch.Generator)]
 
 
-def _held() -> Iterator[tuple[str, torch.Generator]]:
+def hold_script_generators(frame, data_iterator=None) -> None:
+    """Count the generators the script names among every generator from now on: the variables of ``frame`` (the
+    script's call of ``baft.initialize``) and of its callers, its module's globals, and the globals read by the
+    code of its loader's ``collate_fn`` and dataset (``rng = np.random.default_rng(0)`` at the top of the script,
+    drawn by its loop between steps or by a collate function). No state of torch's holds them, and a resumed run
+    would draw from them as first seeded. Named once, by the first ``baft.initialize``: a survivor's again keeps
+    them."""
+    if _NAMED:
+        return
+    while frame is not None:
+        scope = "script" if frame.f_code.co_name == "<module>" else frame.f_code.co_name
+        _name_generators(frame.f_locals, scope)
+        if frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    loader = getattr(data_iterator, "loader", data_iterator)  # DeepSpeed's RepeatingLoader: the loader it wraps
+    collate = getattr(loader, "collate_fn", None)
+    if isinstance(collate, types.FunctionType):
+        _name_generators(_read_globals(collate), "collate_fn")
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.Dataset):
+        for method in vars(type(dataset)).values():
+            if isinstance(method, types.FunctionType):
+                _name_generators(_read_globals(method), "dataset")
+
+
+def _name_generators(scope: dict, where: str) -> None:
+    for name, value in scope.items():
+        if (isinstance(value, GENERATORS) and value is not torch.default_generator
+                and not any(value is held for held in _NAMED.values())):
+            _NAMED[f"{where}.{name}"] = value
+
+
+def _read_globals(function: types.FunctionType) -> dict:
+    """The globals and closed-over variables ``function``'s code (and the code it defines) reads."""
+    names, codes = set(), [function.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [const for const in code.co_consts if inspect.iscode(const)]
+    read = {name: function.__globals__[name] for name in names if name in function.__globals__}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            read[name] = cell.cell_contents
+        except ValueError:  # a cell not yet set
+            pass
+    return read
+
+
+def _held() -> Iterator[tuple[str, object]]:
     for name, module, attr in _HELD:
         generator = getattr(module(), attr, None)  # a module gone, or the attribute given another value: not held
         if isinstance(generator, torch.Generator):
             yield name, generator
+    yield from _NAMED.items()
+
+
+def generator_state(generator):
+    """The state of one generator of any kind :data:`GENERATORS` names."""
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return copy.deepcopy(generator.bit_generator.state)
+    if isinstance(generator, np.random.RandomState):
+        return generator.get_state()
+    return generator.getstate()
+
+
+def set_generator_state(generator, state) -> None:
+    """Set one generator to what :func:`generator_state` gave."""
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.setstate(state)
 
 
 def rng_states() -> dict:
@@ -43,7 +122,7 @@ def rng_states() -> dict:
     tracked = get_cuda_rng_tracker().get_states()
     if tracked:
         states["tracker"] = dict(tracked)
-    held = {name: generator.get_state() for name, generator in _held()}
+    held = {name: generator_state(generator) for name, generator in _held()}
     if held:
         states["modules"] = held
     return states
@@ -65,7 +144,7 @@ def set_rng_states(states: dict) -> None:
         held = dict(_held())
         for name, state in states["modules"].items():
             if name in held:
-                held[name].set_state(state)
+                set_generator_state(held[name], state)
 
 
 def drawn_between(before: dict, now: dict) -> list[str]:
@@ -76,8 +155,10 @@ def drawn_between(before: dict, now: dict) -> list[str]:
             return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
         if name == "cuda":
             return all(torch.equal(x, y) for x, y in zip(a, b))
-        if name in ("tracker", "modules"):
+        if name == "tracker":
             return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        if name == "modules":
+            return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
         return torch.equal(a, b) if name == "torch" else a == b
 
     return [name for name in now if name in before and not same(name)]
@@ -95,8 +176,11 @@ def to_json(states: dict, names: Optional[list] = None) -> dict:
             out[name] = [value[0], value[1].tolist(), int(value[2]), int(value[3]), float(value[4])]
         elif name == "torch":
             out[name] = _b64(value)
-        elif name in ("tracker", "modules"):
+        elif name == "tracker":
             out[name] = {key: _b64(state) for key, state in value.items()}
+        elif name == "modules":  # a torch generator's state as bytes, another kind's pickled
+            out[name] = {key: _b64(state) if torch.is_tensor(state) else {"pickle": _pickled(state)}
+                         for key, state in value.items()}
         else:
             out[name] = [_b64(t) for t in value]
     return out
@@ -115,10 +199,22 @@ def from_json(items: dict) -> dict:
         out["torch"] = _bytes(items["torch"])
     if "cuda" in items:
         out["cuda"] = [_bytes(s) for s in items["cuda"]]
-    for name in ("tracker", "modules"):
-        if name in items:
-            out[name] = {key: _bytes(state) for key, state in items[name].items()}
+    if "tracker" in items:
+        out["tracker"] = {key: _bytes(state) for key, state in items["tracker"].items()}
+    if "modules" in items:
+        out["modules"] = {key: pickle.loads(base64.b64decode(state["pickle"])) if isinstance(state, dict)
+                          else _bytes(state) for key, state in items["modules"].items()}
     return out
+
+
+def _same_state(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    return pickle.dumps(a) == pickle.dumps(b)
+
+
+def _pickled(state) -> str:
+    return base64.b64encode(pickle.dumps(state)).decode()
 
 
 def _b64(tensor: torch.Tensor) -> str:

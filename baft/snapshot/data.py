@@ -10,15 +10,15 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import random
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import Stateful
+
+from baft.pipeline.rng import GENERATORS, generator_state, set_generator_state
 
 
 class EngineLoaderPosition:
@@ -116,7 +116,7 @@ class ResumableLoader:
                  "sampler": getattr(self.sampler, EPOCH_START, None), "new_reader": self.new_reader}
         held = _held_generators(self.loader)
         if held:
-            state["held"] = {name: _generator_state(g) for name, g in held.items()}
+            state["held"] = {name: generator_state(g) for name, g in held.items()}
         return state
 
     def load_state_dict(self, saved: dict) -> None:
@@ -143,7 +143,7 @@ class ResumableLoader:
         held = _held_generators(self.loader)
         for name, state in saved.get("held", {}).items():  # after the restored iterator is built (a stream read again)
             if name in held:
-                _set_generator_state(held[name], state)
+                set_generator_state(held[name], state)
         self.yielded = _yielded(kept["loader"])
         self.next_epoch = bool(saved.get("new_reader")) and self.spent()
         if self.yielded is not None:
@@ -205,9 +205,6 @@ class ResumableLoader:
         return (self.yielded or 0) >= len(self.loader)
 
 
-_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
-
-
 def _held_generators(loader) -> dict:
     """The generators that the dataset of ``loader`` (and the datasets it wraps: a ``Subset``'s, a
     ``ConcatDataset``'s) or its ``collate_fn`` hold as attributes, by where they are (``dataset.rng``), where they
@@ -221,7 +218,7 @@ def _held_generators(loader) -> dict:
             return
         seen.add(id(obj))
         for name, value in vars(obj).items():
-            if isinstance(value, _GENERATORS):
+            if isinstance(value, GENERATORS):
                 found.setdefault(f"{path}.{name}", value)
             elif isinstance(value, torch.utils.data.Dataset):
                 walk(value, f"{path}.{name}", depth + 1)
@@ -235,27 +232,6 @@ def _held_generators(loader) -> dict:
     if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
         walk(collate, "collate_fn", 0)
     return found
-
-
-def _generator_state(generator):
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    if isinstance(generator, np.random.Generator):
-        return copy.deepcopy(generator.bit_generator.state)
-    if isinstance(generator, np.random.RandomState):
-        return generator.get_state()
-    return generator.getstate()
-
-
-def _set_generator_state(generator, state) -> None:
-    if isinstance(generator, torch.Generator):
-        generator.set_state(state)
-    elif isinstance(generator, np.random.Generator):
-        generator.bit_generator.state = state
-    elif isinstance(generator, np.random.RandomState):
-        generator.set_state(state)
-    else:
-        generator.setstate(state)
 
 
 def _watch_resets(position: ResumableLoader) -> None:

@@ -5,6 +5,7 @@ import hashlib
 import json
 
 import deepspeed
+import numpy as np
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
@@ -84,6 +85,7 @@ class Halving:
 extra = {"lr_scheduler": Halving} if "scheduler" in args.stateless else {}
 if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
+factors = np.random.default_rng(3)  # a generator of the script's own, which its loop draws from between steps
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
@@ -93,8 +95,9 @@ while engine.global_steps < args.steps:
         engine.set_train_batch_size(2 * engine.train_batch_size())
     if args.freeze_once and engine.global_steps == args.freeze_once:  # nor does it freeze it again
         next(engine.module.parameters()).requires_grad_(False)
-    for group in engine.optimizer.param_groups:  # a decay of the script's own, by a factor before each call
-        group["lr"] *= 0.98
+    factor = 0.97 + 0.02 * factors.random()  # a decay of the script's own, by a factor drawn before each call
+    for group in engine.optimizer.param_groups:
+        group["lr"] *= factor
     loss = engine.train_batch(data_iter=data)
     if previous is not None:  # halved where the loss went up, else a little higher
         for group in engine.optimizer.param_groups:
