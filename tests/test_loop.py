@@ -383,6 +383,33 @@ def test_a_collective_between_the_calls_is_found_in_the_loop_or_a_function_or_me
         assert _site(tmp_path, body)[0].collective == "", body
 
 
+def test_a_torch_save_between_the_calls_is_found_and_said_as_a_resumed_process_replays_them(tmp_path, capsys):
+    """Probe 16: a loop that counts its calls and saves the stage's weights with torch.save every 4 calls, resumed
+    at step 8, saved step 8's weights over its checkpoint of step 4 as it replayed call 4, silently."""
+    found = {
+        ("import torch\nfor step in range(N):\n    engine.train_batch()\n    if step < 0:\n"
+         "        torch.save({}, f'own-{step}.pt')"): "torch.save({}, f'own-{step}.pt')",
+        ("from torch import save as keep\ndef checkpoint(step):\n    keep({}, 'own.pt')\nfor step in range(N):\n"
+         "    engine.train_batch()\n    if step < 0:\n        checkpoint(step)"): "keep({}, 'own.pt')",
+    }
+    for body, call in found.items():
+        site, script = _site(tmp_path, body)
+        assert site.saves.startswith(f"{script}:") and site.saves.endswith(f" ({call})"), (body, site)
+    none = ["import numpy as np\nfor _ in range(N):\n    engine.train_batch()\n    if N < 0:\n        np.save('a', 1)",
+            "for _ in range(N):\n    engine.train_batch()\n    if N < 0:\n        engine.save_checkpoint('ckpt')"]
+    for body in none:
+        assert _site(tmp_path, body)[0].saves == "", body
+    script = tmp_path / "resumed.py"
+    script.write_text(ENGINE + "LOOP = Loop()\nLOOP.restored({}, {'global_steps': 2})\nengine = Engine(2)\n"
+                      "import torch\nfor step in range(3):\n    engine.train_batch()\n    if step < 0:\n"
+                      "        torch.save({}, 'own.pt')\n")
+    runpy.run_path(str(script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert (f"baft: warning: the loop at {script}:17 (for step in range(3)) calls torch.save between its calls, at "
+            f"{script}:20 (torch.save({{}}, 'own.pt')): as it replays calls 1-2, what that saves of the model or the "
+            f"optimizer is step 2's") in err, err
+
+
 def test_a_call_in_no_loop(tmp_path):
     site, _ = _site(tmp_path, "engine.train_batch()")
     assert site is None

@@ -222,6 +222,12 @@ class Loop:
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+        if k and self.site is not None and self.site.saves and (engine.global_rank == 0 or peers is not None):
+            print(f"baft: warning: {loop} calls torch.save between its calls, at {self.site.saves}: as it replays "
+                  f"calls 1-{k}, what that saves of the model or the optimizer is step {k}'s, not what each call had, "
+                  f"over what it saved then (engine.save_checkpoint writes nothing in a replay). Loop on the engine's "
+                  f"step (while engine.global_steps < N), which replays no calls, or save with "
+                  f"engine.save_checkpoint", file=sys.stderr, flush=True)
 
     def carried_values(self, engine) -> Optional[dict]:
         """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are

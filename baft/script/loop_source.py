@@ -36,6 +36,7 @@ class LoopSite:
     # steps again as it ran from the start
     unread: bool = False
     collective: str = ""  # a collective the loops call between the calls (file:line and its text), if any
+    saves: str = ""  # a torch.save the loops call between the calls (file:line and its text), if any
     # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
     from_step: bool = False
     # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
@@ -88,6 +89,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                     for value in carried_source.carried(file, loop, scope, frame, kept))
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
+                    saves=next(filter(None, (_torch_save(file, loop) for file, loop, _, _ in loops)), ""),
                     counts_calls=any(counts) and all(count or step for count, step in zip(counts, on_step)),
                     unread=not reads_step and (_count_around_data(loops, counts) or any(
                         not (count or _goes_on_itself(loop, frame) or _while_from_own_start(loop, scope))
@@ -388,6 +390,20 @@ def _collective(filename: str, loop: ast.AST) -> str:
     for body in source.reached(filename, loop):
         for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
             if is_collective(call):
+                return f"{filename}:{call.lineno} ({ast.unparse(call)})"
+    return ""
+
+
+def _torch_save(filename: str, loop: ast.AST) -> str:
+    """The first call of ``torch.save`` in ``loop``, or in a function or method of the same file it calls, and those
+    they call (:func:`~baft.script.source.reached`), as ``file:line (text)``; "" where none is."""
+    imported = {alias.asname or alias.name for node in ast.walk(source.parsed(filename)) if isinstance(node, ast.ImportFrom)
+                and node.module == "torch" for alias in node.names if alias.name == "save"}
+    for body in source.reached(filename, loop):
+        for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
+            func = call.func
+            if (isinstance(func, ast.Name) and func.id in imported) or (
+                    isinstance(func, ast.Attribute) and func.attr == "save" and ast.unparse(func.value) == "torch"):
                 return f"{filename}:{call.lineno} ({ast.unparse(call)})"
     return ""
 
