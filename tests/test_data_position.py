@@ -8,7 +8,9 @@ generator beside the loader's state; these tests restore it at every batch of th
 
 import json
 import random
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from deepspeed.utils import RepeatingLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
+from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.snapshot.data import ResumableLoader, data_position, not_restored
 
 SAMPLES, BATCH = 14, 2  # 7 batches an epoch
@@ -556,3 +560,18 @@ def test_the_generators_a_script_names_and_its_collate_function_reads_are_kept_w
     assert rng.drawn_between(kept, rng.rng_states()) == ["torch", "modules"]
     rng.set_rng_states(kept)
     assert (flips.random(), [batch[0, 0].item() for batch in loader]) == first
+
+
+@pytest.mark.slow
+def test_the_scripts_own_generators_resume_where_its_loop_its_collate_function_and_its_dataset_draw(tmp_path):
+    """Probe 16: a generator the script names (a variable its loop drew a learning rate from, a module global its
+    collate function read) was in no state, and one its dataset held, kept with the loader's state as the next
+    iteration began, was drawn by the loop before that: resumed, each drew anew or once more, silently."""
+    digests = tmp_path / "digests"
+    run = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
+                          "--run-dir", str(tmp_path / "run"), "--fault", "rank=1,step=6,phase=backward", "--",
+                          str(Path(__file__).parent / "scripts" / "script_generators.py")],
+                         capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from step 4" in run.stdout + run.stderr, run.stdout[-3000:]
+    assert redone_differ(digests) == []

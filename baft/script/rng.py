@@ -48,6 +48,10 @@ def hold_script_generators(frame, data_iterator=None) -> None:
             break
         frame = frame.f_back
     loader = getattr(data_iterator, "loader", data_iterator)  # DeepSpeed's RepeatingLoader: the loader it wraps
+    if isinstance(loader, torch.utils.data.DataLoader):
+        # the loader's state keeps them as the iteration starts, but the loop may draw from them before (in this
+        # process's copy, where workers draw from theirs): kept as the RNG states are, they are set as step k left them
+        _name_generators(held_by(loader), "loader")
     collate = getattr(loader, "collate_fn", None)
     if isinstance(collate, types.FunctionType):
         _name_generators(_read_globals(collate), "collate_fn")
@@ -56,6 +60,32 @@ def hold_script_generators(frame, data_iterator=None) -> None:
         for method in vars(type(dataset)).values():
             if isinstance(method, types.FunctionType):
                 _name_generators(_read_globals(method), "dataset")
+
+
+def held_by(loader) -> dict:
+    """The generators that the dataset of ``loader`` (and the datasets it wraps: a ``Subset``'s, a ``ConcatDataset``'s)
+    or its ``collate_fn`` hold as attributes, by where they are (``dataset.rng``)."""
+    found, seen = {}, set()
+
+    def walk(obj, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__") or isinstance(obj, type):
+            return
+        seen.add(id(obj))
+        for name, value in vars(obj).items():
+            if isinstance(value, GENERATORS):
+                found.setdefault(f"{path}.{name}", value)
+            elif isinstance(value, torch.utils.data.Dataset):
+                walk(value, f"{path}.{name}", depth + 1)
+            elif isinstance(value, (list, tuple)) and len(value) <= 64:  # a ConcatDataset's, not a list of samples
+                for i, item in enumerate(value):
+                    if isinstance(item, torch.utils.data.Dataset):
+                        walk(item, f"{path}.{name}[{i}]", depth + 1)
+
+    walk(getattr(loader, "dataset", None), "dataset", 0)
+    collate = getattr(loader, "collate_fn", None)
+    if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
+        walk(collate, "collate_fn", 0)
+    return found
 
 
 def _name_generators(scope: dict, where: str) -> None:

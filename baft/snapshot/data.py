@@ -18,7 +18,7 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import Stateful
 
-from baft.pipeline.rng import GENERATORS, generator_state, set_generator_state
+from baft.pipeline.rng import generator_state, held_by, set_generator_state
 
 
 class EngineLoaderPosition:
@@ -206,32 +206,9 @@ class ResumableLoader:
 
 
 def _held_generators(loader) -> dict:
-    """The generators that the dataset of ``loader`` (and the datasets it wraps: a ``Subset``'s, a
-    ``ConcatDataset``'s) or its ``collate_fn`` hold as attributes, by where they are (``dataset.rng``), where they
-    draw in this process: the loader has no workers (each worker draws from its own copy, in no state)."""
-    if getattr(loader, "num_workers", 0):
-        return {}
-    found, seen = {}, set()
-
-    def walk(obj, path: str, depth: int) -> None:
-        if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__") or isinstance(obj, type):
-            return
-        seen.add(id(obj))
-        for name, value in vars(obj).items():
-            if isinstance(value, GENERATORS):
-                found.setdefault(f"{path}.{name}", value)
-            elif isinstance(value, torch.utils.data.Dataset):
-                walk(value, f"{path}.{name}", depth + 1)
-            elif isinstance(value, (list, tuple)) and len(value) <= 64:  # a ConcatDataset's, not a list of samples
-                for i, item in enumerate(value):
-                    if isinstance(item, torch.utils.data.Dataset):
-                        walk(item, f"{path}.{name}[{i}]", depth + 1)
-
-    walk(getattr(loader, "dataset", None), "dataset", 0)
-    collate = getattr(loader, "collate_fn", None)
-    if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
-        walk(collate, "collate_fn", 0)
-    return found
+    """The generators that the dataset of ``loader`` or its ``collate_fn`` hold (:func:`held_by`), where they draw in
+    this process: the loader has no workers (each worker draws from its own copy, in no state)."""
+    return {} if getattr(loader, "num_workers", 0) else held_by(loader)
 
 
 def _watch_resets(position: ResumableLoader) -> None:
