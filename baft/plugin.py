@@ -151,7 +151,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         return engine, optimizer, loader, scheduler
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
-    from baft.snapshot.data import data_position, not_restored
+    from baft.snapshot.data import data_position, not_restored, open_file_stream
 
     data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
     protection.client_state = ClientState(client_state) if client_state is not None else None
@@ -160,6 +160,10 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         caveat = not_restored(data_iterator)
         if caveat and engine.global_rank == 0:
             protection.warn(caveat)
+        stream = open_file_stream(data_iterator)
+        if stream:
+            THIS_PROCESS.no_survivors(engine, stream, "Open the file in its __iter__, or give the dataset state_dict() "
+                                                      "and load_state_dict(), for its survivors to recover in place")
         protection.restore(data_iterator)
         protection.protect()
         guard_load_checkpoint(engine, protection.client_state)

@@ -575,3 +575,33 @@ def test_the_scripts_own_generators_resume_where_its_loop_its_collate_function_a
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from step 4" in run.stdout + run.stderr, run.stdout[-3000:]
     assert redone_differ(digests) == []
+
+
+def test_a_stream_that_reads_a_file_it_holds_open_is_named_for_its_survivors(tmp_path):
+    """Probe 16: an ``IterableDataset`` that opens its file once (in ``__init__``) and reads it in ``__iter__`` was
+    restored in a survivor by reading on from where that file stood, not from its start: other batches, silently.
+    Every rank is replaced in place instead; a stream that opens its file in ``__iter__`` is not named."""
+    from baft.snapshot.data import open_file_stream
+
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"{i}\n" for i in range(8)))
+
+    class Held(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.handle = open(path)
+
+        def __iter__(self):
+            return (torch.tensor([float(line)]) for line in self.handle)
+
+    class Opened(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            with open(path) as handle:
+                yield from (torch.tensor([float(line)]) for line in handle)
+
+    held = Held()
+    assert open_file_stream(ResumableLoader(StatefulDataLoader(held, batch_size=2))) == (
+        "the Held the loader streams reads a file it holds open (dataset.handle): a survivor's restore reads the "
+        "stream again from where that file stands, past what it read, not from its start")
+    assert open_file_stream(ResumableLoader(StatefulDataLoader(Opened(), batch_size=2))) is None
+    held.handle.close()
+    assert open_file_stream(ResumableLoader(StatefulDataLoader(held, batch_size=2))) is None

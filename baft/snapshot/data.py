@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import itertools
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -440,6 +441,24 @@ def not_restored(position) -> Optional[str]:
                 f"state: a resume {where}, draws others (the samples and their order resume exactly); draw them "
                 f"from a generator seeded by the sample index to make them resume too")
     return None
+
+
+def open_file_stream(position) -> Optional[str]:
+    """Where the loader of ``position`` streams an ``IterableDataset`` with no state of its own that reads a file it
+    holds open (``self.f = open(path)`` in its ``__init__``): why a survivor's restore would read it wrongly. torchdata
+    restores such a stream by reading it again through a new ``iter()`` from its start, and that reads on from where
+    the file stands: a new process's at its start, a survivor's past what it read. None otherwise."""
+    loader = getattr(position, "loader", position)
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, torch.utils.data.IterableDataset) or isinstance(dataset, Stateful):
+        return None
+    held = next((name for name, value in vars(dataset).items() if isinstance(value, io.IOBase) and not value.closed),
+                None)
+    if held is None:
+        return None
+    return (f"the {type(dataset).__name__} the loader streams reads a file it holds open (dataset.{held}): a "
+            f"survivor's restore reads the stream again from where that file stands, past what it read, not from its "
+            f"start")
 
 
 def _held_loaders(position) -> list[str]:
