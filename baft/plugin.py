@@ -96,12 +96,13 @@ def _script_frame():
 
 
 def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list,
-           frozen_first: Optional[list]) -> None:
+           frozen_first: Optional[list]):
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
     did, again, on the same model, its parameters frozen as they were then (``frozen_first``: the restore freezes
     those the script froze since, as a replacement's does); the engine, optimizer, loader and scheduler the script
     holds from the first call take the state of the new ones, and so do the torch optimizers inside DeepSpeed's
-    bf16 or ZeRO wrappers so far (``bases``: a scheduler the script made holds one)."""
+    bf16 or ZeRO wrappers so far (``bases``: a scheduler the script made holds one). Returns the engine's new
+    protection."""
     model = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments.get("model")
     if frozen_first is not None:
         set_frozen(model, frozen_first)
@@ -117,6 +118,7 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, 
             held.__class__, held.__dict__ = type(new), new.__dict__
     first[0].baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, first, tied,
                                             [*bases, base], frozen_first)
+    return first[0].baft
 
 
 def _frozen(model) -> Optional[list]:

@@ -36,8 +36,8 @@ class Protection:
         self.restored: Optional[Restored] = None
         self.policy = None  # made by restore(): a disk baseline restores through it
         self.manager = None  # this node's ManagerClient, while the policy keeps snapshots in memory
-        # what baft.initialize did, to do again in place after a peer was killed (None where it cannot: the reason is
-        # baft.script.loop.THIS_PROCESS.not_in_place)
+        # what baft.initialize did, to do again in place after a peer was killed, returning the new protection (None
+        # where it cannot: the reason is baft.script.loop.THIS_PROCESS.not_in_place)
         self.again = None
         self.reads = TrainBatchReads(engine)  # what train_batch reads, call by call
 

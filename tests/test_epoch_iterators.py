@@ -117,3 +117,17 @@ def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loa
     records = [json.loads(line) for line in (tmp_path / "in-place" / "recovery.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 4), ("in place", 10)]
     assert losses(tmp_path, "in-place") == losses(reference, "reference")
+
+
+@pytest.mark.slow
+def test_a_survivors_next_epoch_reader_is_another_reader_in_its_snapshots_too(tmp_path, reference):
+    """Probe 16: a survivor recovered in place inside its call for step 5, an epoch's last, and its loop then made
+    the next epoch's generator: its new engine, which had seen no call before, took that for the first reader, and
+    its snapshot of step 5 said no other reader came. A second fault restored that snapshot, where the generator's
+    iter() took the spent epoch (StopIteration, every attempt: the run failed). Rank 0 is killed in step 5, then
+    rank 1 in step 7, restored from step 5."""
+    run = train(tmp_path, "survivor", ("rank=0,step=5,phase=backward", "rank=1,step=7,phase=forward,restart=1"),
+                in_place=True, loop=("generator",))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"resumed from step (\d+) ", (tmp_path / "survivor" / "output.log").read_text()) == ["3", "5"]
+    assert losses(tmp_path, "survivor") == losses(reference, "reference")

@@ -51,7 +51,7 @@ def recover(engine, error: BaseException) -> bool:
     print(f"baft: rank {engine.global_rank} recovers in place (world {world.generation()}) after: "
           f"{str(error).splitlines()[0][:200]}", flush=True)
     record.restart_in_place(seen)
-    protection.again()
+    protection.again().reads.carry_on(protection.reads)
     world.publish("loop", THIS_PROCESS.progress())  # the replacements wait for it
     return True
 

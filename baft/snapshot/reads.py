@@ -68,6 +68,16 @@ class TrainBatchReads:
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
 
+    def carry_on(self, before: "TrainBatchReads") -> None:
+        """In a survivor recovered in place, whose new engine's calls go on from its earlier one's (``before``): the
+        calls that one saw, as if this one had (the iterator the last read, the step its epoch began): a survivor's
+        next epoch's iterator is another reader, as the uninterrupted run's was, and a later fault's restore is checked
+        against that epoch's start."""
+        self.epoch_began, self._read, self._last_read, self._last_mark = (before.epoch_began, before._read,
+                                                                          before._last_read, before._last_mark)
+        self._said_pulled, self._last_evaluated, self._said_evaluated = (before._said_pulled, before._last_evaluated,
+                                                                         before._said_evaluated)
+
     def evaluated(self, data_iter) -> None:
         """``eval_batch`` read ``data_iter`` in a loop on the engine's step: said once where an evaluation after an
         earlier step read it too (an iterator kept from one evaluation to the next, DeepSpeedExamples'
