@@ -19,7 +19,7 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import Stateful
 
-from baft.pipeline.rng import generator_state, held_by, set_generator_state
+from baft.script.rng import generator_state, held_by, set_generator_state
 
 
 class EngineLoaderPosition:
