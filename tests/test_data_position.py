@@ -547,7 +547,7 @@ def test_the_generators_a_script_names_and_its_collate_function_reads_are_kept_w
     """Probe 16: a generator of the script's own (``rng = np.random.default_rng(0)`` at its top), drawn by its loop
     between steps or by a collate function reading it as a global, was in no state: a resumed run drew from it as
     first seeded, silently. Named at ``baft.initialize``, it is among the RNG states a snapshot keeps."""
-    from baft.pipeline import rng
+    from baft.script import rng
 
     monkeypatch.setattr(rng, "_NAMED", {})
     flips = random.Random(9)  # a variable of the script's call of baft.initialize
