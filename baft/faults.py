@@ -1,8 +1,10 @@
 """The run's fault log, ``RUN_DIR/chaos.jsonl``: one JSON line per fault, written just before the kill.
 
 A fault is injected (:mod:`baft.recovery.chaos`: a rank kills itself) or detected (a hung rank its node's
-manager killed: :mod:`baft.manager.watchdog`). Each line holds ``time`` (unix time of the kill), ``restart``
-(the attempt it ended) and ``what`` (one line of text); a detected one also ``by`` (who killed it). The
+manager killed: :mod:`baft.manager.watchdog`; a warm rank killed by a signal nothing passed on to it, logged as it
+died by the warm server that reaped it, :mod:`baft.warm.server`, where nothing logged its attempt's fault). Each
+line holds ``time`` (unix time of the kill), ``restart`` (the attempt it ended) and ``what`` (one line of text); one
+a manager detected also ``by`` (who killed it). The
 restart's recovery record (:mod:`baft.recovery.record`) names the fault and counts its phases from it.
 """
 

@@ -276,3 +276,22 @@ def test_a_spare_imports_what_a_script_imports_at_its_top_level_from_its_source(
                                       "fancy", "model"]
     (tmp_path / "broken.py").write_text("import os\ndef (:\n")
     assert script_imports(tmp_path / "broken.py") == [] and script_imports(tmp_path / "missing.py") == []
+
+
+def test_a_rank_killed_by_a_signal_nothing_passed_on_is_its_attempts_fault(tmp_path):
+    """The OOM killer's SIGKILL or a user's: in no fault log, so the restart's record counted its phases from the new
+    rank 0's start (a relaunch) or from rank 0's (in place). The server that reaps it logs it, once an attempt, and
+    not over a fault an injection or a manager logged."""
+    from baft import faults
+    from baft.warm.server import Rank, _log_death
+
+    def rank(attempt):
+        return Rank(conn=None, request={"env": {"BAFT_RUN_DIR": str(tmp_path), "RANK": "1",
+                                                "TORCHELASTIC_RESTART_COUNT": str(attempt)}}, fds=[])
+
+    _log_death(rank(0), -signal.SIGKILL)
+    _log_death(rank(0), -signal.SIGKILL)  # an echo, or a second rank of the same attempt
+    faults.append(tmp_path, "kill rank 1 at step 7 (backward)", 1)  # injected, logged before its kill
+    _log_death(rank(1), -signal.SIGKILL)
+    logged = [(f["restart"], f["what"]) for f in faults.read(tmp_path)]
+    assert logged == [(0, "rank 1 killed by SIGKILL"), (1, "kill rank 1 at step 7 (backward)")]

@@ -9,7 +9,9 @@ fault and restart::
      "T0": 0.41, "T1": 3.2, "T2": 1.1, "T3": 0.08, "T4": 0.9, "total": 5.69}
 
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
-  launch); ``fault``: what was injected, the hang a manager killed, or what failed (text);
+  launch); ``fault``: what was injected, the hang a manager killed, the signal a warm rank was killed by
+  that nothing passed on to it (the OOM killer's, a user's: logged by the warm server that reaped it), or
+  "process exit" (text);
   ``killed_at``: unix time of the fault, or null when unknown; ``kind``: how the job came back,
   ``in place`` (the survivors kept their processes, the killed rank was replaced:
   :mod:`baft.recovery.in_place`; its T1 is the wait for the replacement, T2 the engine built again),
@@ -69,17 +71,22 @@ def mark(name: str) -> None:
     clock.setdefault(name, time.time())
 
 
-def torchrun_attempt() -> int:
-    """Which of torchrun's attempts this process belongs to (0: the first): the rendezvous round baft's torchrun
-    started it in (:mod:`baft.cli.torchrun`), the same on every node; else the restart count of its node's agent,
-    which on several nodes counts only the restarts for a failure of the node's own ranks."""
-    return int(os.environ.get(ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def torchrun_attempt(env=os.environ) -> int:
+    """Which of torchrun's attempts a process of environment ``env`` belongs to (0: the first): the rendezvous round
+    baft's torchrun started it in (:mod:`baft.cli.torchrun`), the same on every node; else the restart count of its
+    node's agent, which on several nodes counts only the restarts for a failure of the node's own ranks."""
+    return int(env.get(ROUND_ENV) or env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_of(env) -> int:
+    """Recoveries of the job before a process of environment ``env`` (its attempt, as faults are logged):
+    torchrun's restarts, and the recoveries in place since the latest (:mod:`baft.recovery.in_place`)."""
+    return torchrun_attempt(env) + sum(int(env.get(name, "0")) for name in (EARLIER_ENV, GENERATION_ENV))
 
 
 def restart_count() -> int:
-    """Recoveries of this job so far: torchrun's restarts, and the recoveries in place since the latest
-    (:mod:`baft.recovery.in_place`)."""
-    return torchrun_attempt() + sum(int(os.environ.get(name, "0")) for name in (EARLIER_ENV, GENERATION_ENV))
+    """Recoveries of this job so far (:func:`attempt_of` this process)."""
+    return attempt_of(os.environ)
 
 
 def restart_in_place(seen: float) -> None:

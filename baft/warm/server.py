@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from baft.config import REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV
+from baft.config import LAUNCHER_ENV, REPLACE_ENV, REPLACEMENT_ENV, SPARES_ENV, STORE_ENV
 from baft.warm.child import become_rank, die_with_parent
 from baft.warm.preload import freeze, import_if_there, preload, unforkable
 from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
@@ -155,6 +155,8 @@ class ForkServer:
             if code < 0:
                 _kill_session(pid)
                 _hear(rank)  # the signal it died of may be one its client passed on just before
+                if not rank.stopped:
+                    _log_death(rank, code)
             if code < 0 and rank.replacements:
                 rank.request["env"][REPLACEMENT_ENV] = "1"
                 rank.replacements -= 1
@@ -188,6 +190,7 @@ class Rank:
     request: dict
     fds: list[int]
     replacements: int = 0
+    stopped: bool = False  # its client passed on a signal to it, or is gone: it was stopped from outside
 
 
 def _accept(listener: socket.socket, store: list[str]) -> Optional[Rank]:
@@ -297,8 +300,25 @@ def _hear(rank: Rank) -> bool:
         return True
     except ConnectionResetError:  # it died with a line of the server's unread
         heard = b""
-    rank.replacements = 0
+    rank.replacements, rank.stopped = 0, True
     return bool(heard)
+
+
+def _log_death(rank: Rank, code: int) -> None:
+    """A rank killed by a signal nothing passed on to it (the kernel's OOM killer, a user's ``kill``): the fault of its
+    attempt in its run's fault log, when it died, where nothing logged one (an injected fault, a hang its manager
+    killed), so that the restart's record counts its phases from then (:mod:`baft.recovery.record`)."""
+    from baft import faults
+    from baft.recovery.record import attempt_of
+
+    env = rank.request["env"]
+    run_dir = env.get(LAUNCHER_ENV["run_dir"])
+    attempt = attempt_of(env)
+    try:
+        if run_dir and not any(f.get("restart") == attempt for f in faults.read(run_dir)):
+            faults.append(run_dir, f"rank {env.get('RANK', '?')} killed by {signal.Signals(-code).name}", attempt)
+    except (OSError, ValueError):  # its run directory gone, or a signal without a name: the record says less
+        pass
 
 
 def _tell(conn: socket.socket, message: dict) -> None:
