@@ -7,6 +7,7 @@ in what baft keeps otherwise (the pipeline's ``micro_offset``)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional
 
@@ -51,7 +52,9 @@ def restore_module_attributes(module: torch.nn.Module, changed: Optional[dict[st
             continue
 
 
+@functools.lru_cache(maxsize=None)
 def _scripts(cls: type) -> bool:
-    """Whether ``cls`` is defined in a file of the script's, not torch's, DeepSpeed's or another installed one."""
+    """Whether ``cls`` is defined in a file of the script's, not torch's, DeepSpeed's or another installed one (read
+    once a class: a snapshot walks every module, and where a file lies takes a look at the disk)."""
     filename = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return filename is not None and not source.library(filename)
