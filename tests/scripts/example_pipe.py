@@ -26,6 +26,9 @@ parser.add_argument("--lr-jitter", action="store_true",
 parser.add_argument("--dropout", action="store_true", help="a Dropout layer: the training draws from torch's generator")
 parser.add_argument("--ema", action="store_true",
                     help="the loop keeps an EMA of the stage's weights and a loss meter after each call, in client_state=")
+parser.add_argument("--samples", type=int, default=256, help="the training set's size")
+parser.add_argument("--augment", action="store_true",
+                    help="each sample flipped at random, drawn from torch's generator in the engine's loader workers")
 parser.add_argument("--no-baft", action="store_true", help="plain deepspeed.initialize (the reference run)")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -35,8 +38,26 @@ torch.manual_seed(0)
 random.seed(0)  # every generator seeded: baft's state digests check each (an unseeded one differs run to run)
 numpy.random.seed(0)
 data = torch.Generator().manual_seed(0)
-trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=data),
-                                          torch.randint(0, 10, (256,), generator=data))
+trainset = torch.utils.data.TensorDataset(torch.randn(args.samples, 3, 32, 32, generator=data),
+                                          torch.randint(0, 10, (args.samples,), generator=data))
+
+
+class Flipped(torch.utils.data.Dataset):
+    """A random horizontal flip as torchvision's draws it: from torch's generator, in whichever process reads."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        image, label = self.samples[index]
+        return (image.flip(-1) if torch.rand(()) < 0.5 else image), label
+
+
+if args.augment:
+    trainset = Flipped(trainset)
 layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
           nn.MaxPool2d(2), nn.Flatten(), *([nn.Dropout(0.1)] if args.dropout else []), nn.Linear(16 * 8 * 8, 10)]
 net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
