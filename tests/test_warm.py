@@ -295,3 +295,35 @@ def test_a_rank_killed_by_a_signal_nothing_passed_on_is_its_attempts_fault(tmp_p
     _log_death(rank(1), -signal.SIGKILL)
     logged = [(f["restart"], f["what"]) for f in faults.read(tmp_path)]
     assert logged == [(0, "rank 1 killed by SIGKILL"), (1, "kill rank 1 at step 7 (backward)")]
+
+
+def test_a_rank_that_dies_while_the_idle_server_imports_is_reported_as_it_dies(tmp_path):
+    """What the server imports once idle (``later``: DeepSpeed's optimizer modules, 1.8 s) ran in its one loop, and a
+    rank killed meanwhile was reported to its client, so to torchrun, only once the import was done: a fault in the
+    first seconds of a launch waited for it (T1 3-4 s instead of 0.5 s, probe rounds' early kills)."""
+    (tmp_path / "slow_import.py").write_text(
+        "import pathlib, time\npathlib.Path(__file__).with_name('importing').touch()\n"
+        "for _ in range(300):\n    time.sleep(0.1)\n")
+    path = tmp_path / "server" / "warm.sock"
+    path.parent.mkdir()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\nsys.path.insert(0, sys.argv[1])\nfrom baft.warm.server import ForkServer\n"
+        "listener = socket.socket(socket.AF_UNIX)\nlistener.bind(sys.argv[2])\nlistener.listen(8)\n"
+        "ForkServer(sys.argv[2], listener, later=['slow_import']).run()"), str(tmp_path), str(path)],
+        env=launch_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        script = tmp_path / "rank.py"
+        script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
+        client = subprocess.Popen([sys.executable, *WarmServer.program([str(script)])], text=True,
+                                  stdout=subprocess.PIPE, env={**launch_env(), SOCKET_ENV: str(path), "RANK": "0"})
+        rank = int(client.stdout.readline())
+        while not (tmp_path / "importing").exists() and time.monotonic() < deadline:  # idle a second: it imports
+            time.sleep(0.05)
+        assert (tmp_path / "importing").exists(), "the server did not import once idle"
+        os.kill(rank, signal.SIGKILL)
+        assert client.wait(15) == -signal.SIGKILL
+    finally:
+        server.kill()

@@ -62,6 +62,7 @@ class ForkServer:
         self.orphans: set[int] = set()  # children whose client is gone, killed and not yet reaped
         self.store: list[str] = []  # the address of the store where ranks that recover in place meet, once kept
         self.spares: dict[str, list[Spare]] = {}  # job -> its spares, forked ahead of a fault
+        self.reaping = False  # whether a signal handler reaps
 
     def run(self) -> None:
         while True:
@@ -99,7 +100,13 @@ class ForkServer:
         os._exit(0)
 
     def _do_later(self) -> None:
-        import_if_there(self.later.pop(0))
+        # a rank that dies meanwhile is reaped as it dies (its relaunch waited for the import, 1.8 s), where no rank is
+        # replaced in place: a replacement is a fork, and a fork must not copy a half-done import
+        signal.signal(signal.SIGCHLD, self._reap_unless_replaced)
+        try:
+            import_if_there(self.later.pop(0))
+        finally:
+            signal.signal(signal.SIGCHLD, lambda *_: None)
         freeze()
         refusal = unforkable()
         if refusal:  # the ranks already forked go on; new ones start cold
@@ -134,6 +141,17 @@ class ForkServer:
             self._keep_spares(rank.request)
             return spare.pid
         return _fork(rank, *self._inherited())
+
+    def _reap_unless_replaced(self, *_) -> None:
+        """:meth:`_reap` from a signal handler, where no end of a child forks another (no rank may be replaced, no
+        spare kept), and not inside itself."""
+        if self.reaping or any(rank.replacements for rank in self.children.values()) or any(self.spares.values()):
+            return
+        self.reaping = True
+        try:
+            self._reap()
+        finally:
+            self.reaping = False
 
     def _reap(self) -> None:
         """Collect the children that ended: a rank killed by a signal whose client is still there and did not stop
