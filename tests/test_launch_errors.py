@@ -252,6 +252,21 @@ def test_whether_deepspeed_wraps_a_scripts_optimizer_is_read_from_its_config(tmp
     assert wraps_optimizer(["train.py", "--steps", "3"]) is None  # its config is the script's own business
 
 
+@pytest.mark.parametrize("source, wraps", [
+    ('config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"}}\n', False),
+    ('config = {"train_batch_size": 8, "bf16": {"enabled": args.bf16}}\n', None),  # enabled or not: the ranks know
+    ('config = {"train_batch_size": 8}\nconfig["zero_optimization"] = {"stage": 1}\n', None),
+    ('config = {"train_batch_size": 8, **json.load(open("extra.json"))}\n', None),  # the rest from a file
+    ('config = load(args.config)\n', None),  # no config written in the script
+    ('config = {"train_batch_size": 8\n', None),  # not Python: its ranks say so
+])
+def test_whether_a_script_that_writes_its_config_wraps_its_optimizer_is_read_from_its_source(tmp_path, source, wraps):
+    """A config the script writes as a dict and that names neither bf16, fp16 nor ZeRO: the warm server never imports
+    what a wrapped optimizer needs (once idle, a rank killed in a launch's first seconds waited for that import)."""
+    (tmp_path / "train.py").write_text(source)
+    assert wraps_optimizer([str(tmp_path / "train.py"), "--steps", "3"]) is wraps
+
+
 @pytest.mark.parametrize("argv, later", [
     (["-m", "baft.examples.worker", "--precision", "bf16"], "now"),
     (["-m", "baft.examples.worker", "--stages", "3", "--zero-stage", "1"], "now"),

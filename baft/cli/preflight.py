@@ -111,10 +111,11 @@ def config_files(args: list[str]) -> list[str]:
 
 def wraps_optimizer(command: list[str]) -> Optional[bool]:
     """Whether DeepSpeed wraps the optimizer of a script launched as ``SCRIPT ARGS...`` (bf16, fp16 or a ZeRO
-    stage, by the configs its arguments name); None where they name none (the script may make its config itself)."""
+    stage, by the configs its arguments name; where they name none, False for a script that builds its config and
+    names none of those, :func:`_builds_plain_config`); None where that cannot be told."""
     configs = [read_json(path) for path in config_files(command[1:])]
     if not configs:
-        return None
+        return False if _builds_plain_config(command[0]) else None
 
     def section(doc: dict, *keys: str) -> dict:
         found = next((doc[key] for key in keys if key in doc), {})
@@ -122,6 +123,23 @@ def wraps_optimizer(command: list[str]) -> Optional[bool]:
 
     return any(section(doc, "bf16", "bfloat16").get("enabled") is True or section(doc, "fp16").get("enabled") is True
                or section(doc, "zero_optimization").get("stage", 0) not in (0, None) for doc in configs)
+
+
+WRAPPING_KEYS = {"bf16", "bfloat16", "fp16", "zero_optimization"}
+BATCH_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+
+
+def _builds_plain_config(path: str) -> bool:
+    """Whether the script at ``path`` writes its DeepSpeed config as a dict (one with a batch size key) and no string
+    of it is a key that makes DeepSpeed wrap the optimizer or a JSON file's name (a config read from a file)."""
+    try:
+        tree = ast.parse(read_bytes(path, expected="a training script"), filename=path)
+    except (SyntaxError, ValueError, ConfigError):  # the script's own error, which its ranks report
+        return False
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    builds = any(isinstance(node, ast.Dict) and BATCH_KEYS & {getattr(key, "value", None) for key in node.keys}
+                 for node in ast.walk(tree))
+    return builds and not strings & WRAPPING_KEYS and not any(string.endswith(".json") for string in strings)
 
 
 def check_baft_section(path: str) -> None:

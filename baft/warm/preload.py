@@ -33,7 +33,8 @@ PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 # When the server imports PRELOAD_LATER. "now": before it forks a rank, for a job known to wrap its optimizer, or
 # one that recovers in place (its survivors then hold the modules frozen, :func:`freeze`, not in every
 # gc.collect). "never": for a job known not to. "idle": not knowing, once no request came for server.IDLE s, so that a
-# first launch's ranks do not wait for it; a rank that dies meanwhile is reported once the import is done.
+# first launch's ranks do not wait for it; a rank that dies meanwhile is reported as it dies, and the ranks of a
+# relaunch are forked once the import is done.
 LATER_CHOICES = ("now", "idle", "never")
 # Where a GPU driver is there, DeepSpeed's import asks NVML how many GPUs there are, and loading NVML starts a
 # driver thread (an H200, gpu.md section 7): a rank forked after it could not use the GPU. There the server
