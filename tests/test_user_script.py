@@ -25,9 +25,10 @@ def config(tmp_path, name="ds_config.json", **baft):
     return path
 
 
-def finals(output: str) -> dict[int, tuple[str, str]]:
-    """Each rank's parameters and the average loss its meter kept, at the end."""
-    return {int(m[0]): m[1:] for m in re.findall(r"rank (\d) final step 8 loss \S+ params (\w+) average loss (\S+)",
+def finals(output: str) -> dict[int, tuple[str, ...]]:
+    """Each rank's parameters, the average loss its meter kept and its MetricLogger's meters, at the end."""
+    return {int(m[0]): m[1:] for m in re.findall(r"rank (\d) final step 8 loss \S+ params (\w+) average loss (\S+) "
+                                                 r"engine \w+ metrics (.*)",
                                                  output)}
 
 

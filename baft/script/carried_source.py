@@ -27,6 +27,7 @@ class Carried:
     # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
     read_before_call: bool = False
     module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
+    whole: bool = False  # an object of the script's own, kept whole (:func:`_changed_within`)
 
     @property
     def key(self) -> str:
@@ -36,8 +37,9 @@ class Carried:
 def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[Carried]:
     """The values ``loop`` (in ``scope``, run in ``frame``) carries from one call to the next: its variables, the
     attributes of objects from outside it (not of ``kept``) and the module's globals, each in order of its lines."""
-    return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept)
-            + _carried_globals(filename, loop, frame))
+    methods = _methods_called(loop, frame, kept)
+    return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept, methods)
+            + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame))
 
 
 # methods that change a list, dict, set or deque in place
@@ -93,14 +95,13 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
             for name, node in sorted(found, key=lambda item: position(item[1]))]
 
 
-def _carried_attributes(filename: str, loop: ast.AST, frame, kept) -> list[Carried]:
+def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list) -> list[Carried]:
     """The attributes of objects from outside the loop (run in ``frame``) that the loop, a function or method of the
     same file it calls, or a method of the script's own it calls on such an object (``meter.update(loss)``, its class
-    in any file of the script's: :func:`_methods_called`) carries from one call to the next (``self.prev = loss`` after
-    reading ``self.prev`` in the same body, ``self.sum += val``), in order of their lines. Only where the attribute's
-    file sets it elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``: no resume of its own), on
-    an object that is not one of ``kept``."""
-    methods = _methods_called(loop, frame, kept)
+    in any file of the script's: ``methods``, :func:`_methods_called`) carries from one call to the next
+    (``self.prev = loss`` after reading ``self.prev`` in the same body, ``self.sum += val``), in order of their lines.
+    Only where the attribute's file sets it elsewhere to nothing but a literal (``self.prev = None`` in ``__init__``:
+    no resume of its own), on an object that is not one of ``kept``."""
     covered = {(file, body.lineno) for _, _, file, body in methods}
     # (the name in ``frame`` that ``self`` stands for in a method called on it, or None; the loop's call of it; file)
     bodies = [(None, None, filename, body) for body in source.reached(filename, loop)
@@ -181,6 +182,37 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
     return found
+
+
+def _changed_within(loop: ast.AST, frame, methods: list) -> list[Carried]:
+    """The objects of the script's own whose methods the loop calls (``methods``, :func:`_methods_called`) where those
+    change an object an attribute holds through that object's own methods (torchvision's ``MetricLogger.update``:
+    ``self.meters[name].update(value)``, each meter's count and total): kept whole, where their attributes are data
+    (:func:`baft.script.carry.object_data`). Their attributes alone do not say that state changed (probe: a resumed
+    run's running averages started again, silently)."""
+    call, ends = source.call_position(frame), source.calls_end(loop)
+    found = {}
+    for receiver, called, file, body in methods:
+        this = body.args.args[0].arg
+        for node in ast.walk(body):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            held = node.func.value  # what the method is called on: reached from an attribute of ``this``, deeper
+            path = []
+            while isinstance(held, (ast.Attribute, ast.Subscript, ast.Call)):
+                path.append(held)
+                held = held.value if not isinstance(held, ast.Call) else held.func
+            nested = len(path) > 1 or path and node.func.attr not in MUTATORS  # not a list's append (attributes')
+            if isinstance(held, ast.Name) and held.id == this and nested and receiver not in found:
+                found[receiver] = Carried(f"{file}:{node.lineno} ({ast.unparse(node)})", *_split(receiver),
+                                          frame=frame, read_before_call=ends.get(called, (0, 0)) < call, whole=True)
+    return list(found.values())
+
+
+def _split(path: str) -> tuple[str, Optional[str]]:
+    """A path of attributes as (its owner's path, the last attribute), or (a name, None)."""
+    owner, _, attr = path.rpartition(".")
+    return (owner, attr) if owner else (path, None)
 
 
 def _defined_at(code: types.CodeType) -> Optional[ast.AST]:

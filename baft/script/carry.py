@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from baft.script.carried_source import Carried
-from baft.script.source import value_in
+from baft.script.source import library, value_in
 
 MOST_ITEMS = 10_000  # a container longer than this (a list of every step's loss) is not copied at every snapshot
 MOST_TENSOR_ELEMENTS = 1 << 16
@@ -68,6 +68,20 @@ def is_data(value, depth: int = 0) -> bool:
     return all(is_data(item, depth + 1) for item in items)
 
 
+def object_data(value) -> bool:
+    """Whether ``value`` is an object of a class of the script's own (not a library's) without ``state_dict()``, whose
+    attributes are data, objects of the script's own among them (a meter in a dict of meters): one kept whole."""
+    module = sys.modules.get(type(value).__module__)
+    if not hasattr(value, "__dict__") or callable(getattr(value, "state_dict", None)) or isinstance(value, type):
+        return False
+    file = getattr(module, "__file__", None)
+    return file is not None and not library(file) and all(
+        is_data(item) or object_data(item) or isinstance(item, CONTAINERS) and all(
+            object_data(v) or is_data(v) for v in itertools.islice(item.values() if isinstance(item, dict) else item,
+                                                                  100))
+        for item in vars(value).values())
+
+
 def why_not_kept(carried: Carried, value) -> Optional[str]:
     """Why ``carried``, data now ``value`` (:func:`is_data`), is not kept with every snapshot, or None where it is."""
     if carried.read_before_call:
@@ -82,7 +96,9 @@ def _plain(value, depth: int = 0) -> bool:
         return True
     if isinstance(value, torch.Tensor):
         return value.numel() <= MOST_TENSOR_ELEMENTS and not value.requires_grad
-    if depth >= 3 or not isinstance(value, CONTAINERS) or len(value) > MOST_ITEMS:
+    if not isinstance(value, CONTAINERS) and hasattr(value, "__dict__"):  # an object kept whole (object_data)
+        value = vars(value)
+    if depth >= 4 or not isinstance(value, CONTAINERS) or len(value) > MOST_ITEMS:
         return False
     items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
     return all(_plain(item, depth + 1) for item in items)
@@ -95,6 +111,9 @@ def _refill(current, value) -> bool:
     elif isinstance(current, (dict, set)):
         current.clear()
         current.update(value)
+    elif hasattr(current, "__dict__"):  # an object kept whole: what else holds it sees it
+        vars(current).clear()
+        vars(current).update(vars(value))
     else:
         return False
     return True

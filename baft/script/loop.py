@@ -235,7 +235,7 @@ class Loop:
         kept = {}
         for value_of in self.carried or ():
             value = carry.read(value_of)
-            if value is carry.UNREADABLE or not carry.is_data(value):
+            if value is carry.UNREADABLE or not (carry.object_data(value) if value_of.whole else carry.is_data(value)):
                 continue  # an object of the script's own (a writer made at the first step): made again as it first was
             why = carry.why_not_kept(value_of, value)
             if why is None:

@@ -3,6 +3,7 @@
 import json
 import os
 import time
+from collections import defaultdict, deque
 
 import torch
 
@@ -25,6 +26,36 @@ class AverageMeter:
         self.sum += value * n
         self.count += n
         self.avg = self.sum / self.count
+
+
+class SmoothedValue:
+    """A meter as torchvision's reference scripts keep one: its last values, their total and count."""
+
+    def __init__(self, window_size=4):
+        self.deque = deque(maxlen=window_size)
+        self.total, self.count = 0.0, 0
+
+    def update(self, value, n=1):
+        self.deque.append(value)
+        self.count += n
+        self.total += value * n
+
+    def __str__(self):
+        return f"{sum(self.deque) / len(self.deque)!r}/{self.total / self.count!r}"
+
+
+class MetricLogger:
+    """torchvision's: meters by name, made as first updated (its update changes them through their own update)."""
+
+    def __init__(self):
+        self.meters = defaultdict(SmoothedValue)
+
+    def update(self, **values):
+        for name, value in values.items():
+            self.meters[name].update(value)
+
+    def __str__(self):
+        return " ".join(f"{name} {meter}" for name, meter in self.meters.items())
 
 
 class Samples:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import baft
-from user_data import AverageMeter, Samples
+from user_data import AverageMeter, MetricLogger, Samples
 
 
 class Noise(nn.Module):
@@ -90,6 +90,7 @@ engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **e
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
 losses = AverageMeter()  # the loss's average over the run, whose sum and count the loop carries in the meter's update
+metrics = MetricLogger()  # and the loss's and rate's meters, made in its first update, kept whole
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
@@ -104,8 +105,9 @@ while engine.global_steps < args.steps:
             group["lr"] *= 0.5 if float(loss) > previous else 1.02
     previous = float(loss)
     losses.update(float(loss))
+    metrics.update(loss=float(loss), lr=engine.get_lr()[0])
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
-      f"average loss {losses.avg!r} engine {type(engine).__name__}", flush=True)
+      f"average loss {losses.avg!r} engine {type(engine).__name__} metrics {metrics}", flush=True)
