@@ -26,9 +26,12 @@ def config(tmp_path, name="ds_config.json", **baft):
 
 
 def finals(output: str) -> dict[int, tuple[str, ...]]:
-    """Each rank's parameters, the average loss its meter kept and its MetricLogger's meters, at the end."""
+    """Each rank's parameters, the average loss its meter kept, its MetricLogger's meters and the mean its logging
+    helper kept, at the end."""
+    # each field up to where it ends: a plain run's ranks write each line's text and its newline apart, so one rank's
+    # line may run on into the other's
     return {int(m[0]): m[1:] for m in re.findall(r"rank (\d) final step 8 loss \S+ params (\w+) average loss (\S+) "
-                                                 r"engine \w+ metrics (.*)",
+                                                 r"engine \w+ metrics (loss \S+ lr \S+) logged ([-+\d.e]+)",
                                                  output)}
 
 

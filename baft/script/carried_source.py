@@ -28,10 +28,12 @@ class Carried:
     read_before_call: bool = False
     module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
     whole: bool = False  # an object of the script's own, kept whole (:func:`_changed_within`)
+    module: Optional[str] = None  # ``name`` is a global of this module of the script's (not the frame's)
 
     @property
     def key(self) -> str:
-        return self.name if self.attr is None else f"{self.name}.{self.attr}"
+        own = self.name if self.attr is None else f"{self.name}.{self.attr}"
+        return own if self.module is None else f"{self.module}:{own}"
 
 
 def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[Carried]:
@@ -39,7 +41,8 @@ def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[C
     attributes of objects from outside it (not of ``kept``) and the module's globals, each in order of its lines."""
     methods = _methods_called(loop, frame, kept)
     return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept, methods)
-            + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame))
+            + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame)
+            + _other_modules_globals(filename, loop, frame))
 
 
 # methods that change a list, dict, set or deque in place
@@ -252,6 +255,38 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
                                                                for where, n in read),
                                           module_global=True)
     return sorted(found.values(), key=lambda c: c.where)
+
+
+def _other_modules_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
+    """The globals of another module of the script's that a function of it the loop calls carries from one call to
+    the next (a logging helper's ``global total, count`` and ``total += loss``; probe: a resumed run's averages
+    started again, silently), started at that module's level at nothing but a literal."""
+    call, ends = source.call_position(frame), source.calls_end(loop)
+    found = {}
+    for node in ast.walk(loop):
+        function = source.value_in(frame, source.dotted(node.func)) if isinstance(node, ast.Call) else None
+        if not isinstance(function, types.FunctionType) or function.__code__.co_filename == filename:
+            continue
+        code = function.__code__
+        definition = None if source.library(code.co_filename) else _defined_at(code)
+        if definition is None:
+            continue
+        tree = source.parsed(code.co_filename)
+        declared = {name for n in ast.walk(definition) if isinstance(n, ast.Global) for name in n.names}
+        for store in ast.walk(definition):
+            for name in {n.id for t in source.targets(store) for n in ast.walk(t)
+                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} & declared:
+                key = (function.__module__, name)
+                read = [n for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                        and n.id == name]
+                folded = isinstance(store, ast.AugAssign) or any(n in read for n in ast.walk(store.value))
+                earlier = any((n.lineno, n.col_offset) < (store.lineno, store.col_offset) for n in read)
+                if (key not in found and read and (folded or earlier)
+                        and _started_at_module_level_at_a_literal(name, tree)):
+                    found[key] = Carried(f"{code.co_filename}:{store.lineno} ({ast.unparse(store)})", name,
+                                         frame=frame, module=function.__module__,
+                                         read_before_call=source.in_iteration(loop, ends, loop, node) < call)
+    return list(found.values())
 
 
 def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:

@@ -47,12 +47,14 @@ def write(carried: Carried, value) -> None:
     frame = carried.frame
     names = _names(carried)
     names[carried.name] = value
-    if names is not frame.f_globals and sys.version_info < (3, 13):  # a function's frame: its fast locals
+    if carried.module is None and names is not frame.f_globals and sys.version_info < (3, 13):  # a function's frame: its fast locals
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
 
 
 def _names(carried: Carried) -> dict:
-    """The variables ``carried`` is one of: its frame's module's, or the frame's own."""
+    """The variables ``carried`` is one of: another module's, its frame's module's, or the frame's own."""
+    if carried.module is not None:
+        return vars(sys.modules[carried.module])
     return carried.frame.f_globals if carried.module_global else carried.frame.f_locals
 
 

@@ -28,6 +28,17 @@ class AverageMeter:
         self.avg = self.sum / self.count
 
 
+logged, logged_total = 0, 0.0  # what log_step keeps between its calls
+
+
+def log_step(loss):
+    """A logging helper of the script's, its running mean in globals of its module (baft keeps them)."""
+    global logged, logged_total
+    logged += 1
+    logged_total += loss
+    return logged_total / logged
+
+
 class SmoothedValue:
     """A meter as torchvision's reference scripts keep one: its last values, their total and count."""
 

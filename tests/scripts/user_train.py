@@ -11,7 +11,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import baft
-from user_data import AverageMeter, MetricLogger, Samples
+from user_data import AverageMeter, MetricLogger, Samples, log_step
 
 
 class Noise(nn.Module):
@@ -106,8 +106,9 @@ while engine.global_steps < args.steps:
     previous = float(loss)
     losses.update(float(loss))
     metrics.update(loss=float(loss), lr=engine.get_lr()[0])
+    mean = log_step(float(loss))
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
-      f"average loss {losses.avg!r} engine {type(engine).__name__} metrics {metrics}", flush=True)
+      f"average loss {losses.avg!r} engine {type(engine).__name__} metrics {metrics} logged {mean!r}", flush=True)
