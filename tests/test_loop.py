@@ -338,6 +338,25 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                "            self.after(engine.train_batch() or 1.0)\n            engine.global_steps += 1\n"
                "Trainer().fit()")
     assert [c.key for c in _site(tmp_path, patient)[0].carried] == ["self.window", "self.best", "self.bad"]
+    # a state object the trainer holds, a dataclass's defaults its start (probe: resumed, its sum started again)
+    state = ("from dataclasses import dataclass, field\n@dataclass\nclass State:\n    total: float = 0.0\n"
+             "    seen: list = field(default_factory=list)\nclass Trainer:\n    def __init__(self):\n"
+             "        self.state = State()\n    def fit(self):\n        while engine.global_steps < N:\n"
+             "            loss = engine.train_batch() or 1.0\n            self.state.total += loss\n"
+             "            self.state.seen.append(loss)\n            print(self.state.seen[-1])\n"
+             "            engine.global_steps += 1\nTrainer().fit()")
+    assert [c.key for c in _site(tmp_path, state)[0].carried] == ["self.state.total", "self.state.seen"]
+    # torchvision's MetricLogger: its update changes the meters it holds through their own update: kept whole
+    logger = ("from collections import defaultdict\nclass Smoothed:\n    def __init__(self):\n"
+              "        self.total, self.count = 0.0, 0\n    def update(self, value):\n        self.total += value\n"
+              "        self.count += 1\nclass MetricLogger:\n    def __init__(self):\n"
+              "        self.meters = defaultdict(Smoothed)\n    def update(self, **values):\n"
+              "        for name, value in values.items():\n            self.meters[name].update(value)\n"
+              "logger = MetricLogger()\nwhile engine.global_steps < N:\n"
+              "    logger.update(loss=engine.train_batch() or 1.0)\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, logger)
+    assert [(c.where, c.key, c.whole) for c in site.carried] == [
+        (f"{script}:{line + 13} (self.meters[name].update(value))", "logger", True)]
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):

@@ -118,12 +118,12 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
     for receiver, called, file, body in bodies:
         this = body.args.args[0].arg if receiver is not None and body.args.args else None
 
-        def attribute(node):
-            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
-                return None
-            if receiver is None:
-                return node.value.id, node.attr
-            return (receiver, node.attr) if node.value.id == this else None
+        def attribute(node):  # (the path of its owner in ``frame``, the attribute): ``self.state.loss_sum`` too
+            owner = source.dotted(node.value) if isinstance(node, ast.Attribute) else ""
+            if not owner or receiver is None:
+                return (owner, node.attr) if owner else None
+            head, _, rest = owner.partition(".")
+            return (f"{receiver}.{rest}" if rest else receiver, node.attr) if head == this else None
 
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
@@ -303,17 +303,31 @@ def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
 
 
 def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
-    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), and only literals."""
-    started = [v for node in ast.walk(source.parsed(filename)) if isinstance(node, (ast.Assign, ast.AnnAssign))
+    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), or a class of it
+    defaults it (a dataclass's ``loss_sum: float = 0.0``), and only literals."""
+    tree = source.parsed(filename)
+    started = [v for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and (node.lineno, node.col_offset) not in inside and node.value is not None
                for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr)]
+    started += [v for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for node in cls.body
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+                for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == attr)]
     return bool(started) and all(_literal(value) for value in started)
 
 
+EMPTY = {"list", "dict", "set", "tuple", "deque", "OrderedDict", "defaultdict", "Counter"}  # made empty by a call
+
+
 def _literal(value: ast.AST) -> bool:
-    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set."""
+    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set, and a
+    dataclass field of one (``field(default=0)``, ``field(default_factory=list)``)."""
     if isinstance(value, ast.Call) and source.called_name(value.func) in ("float", "int") and not value.keywords:
         return all(_literal(arg) for arg in value.args)
+    if isinstance(value, ast.Call) and source.called_name(value.func) == "field" and not value.args:
+        given = {k.arg: k.value for k in value.keywords}
+        factory = given.get("default_factory")
+        return ("default" in given and _literal(given["default"])
+                or isinstance(factory, (ast.Name, ast.Attribute)) and source.called_name(factory) in EMPTY)
     try:
         ast.literal_eval(value)
         return True
