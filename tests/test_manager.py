@@ -416,6 +416,28 @@ def test_foreign_snapshot_directory_is_refused_at_hello(tmp_path):
         m.serve()
 
 
+@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+def test_unreadable_newest_persisted_manifest_is_refused_at_hello(tmp_path, damage):
+    """A step directory is renamed into place whole: one whose manifest is gone or garbled was changed since. Its
+    step was skipped, and a relaunch went back to an older step, or started from step 0, without a word."""
+    layout = layout_for(1 << 16)
+    for step in (8, 9):
+        data = data_for(0, step, layout.nbytes)
+        persist.write_snapshot(tmp_path / "ckpt", [(record_for(0, step, layout, data), data)])
+    manifest = tmp_path / "ckpt" / "step-00000009" / persist.MANIFEST
+    manifest.unlink() if damage == "deleted" else manifest.write_text("{\"schema\": ")
+    m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "ckpt"))
+    m.open()
+    try:
+        with pytest.raises(BaftError, match=r"step-00000009/manifest.json: .*: the newest snapshot this node "
+                                            r"persisted cannot be read; put the file back, or move") as err:
+            m.hello(0, layout.nbytes, run_id=RUN)
+        assert "\n" not in str(err.value)
+    finally:
+        m.request_stop(unlink=True)
+        m.serve()
+
+
 def test_unwritable_snapshot_directory_is_refused_at_start(tmp_path):
     (tmp_path / "file").write_text("")
     m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "file" / "ckpt",

@@ -315,6 +315,22 @@ def list_steps(directory, log: Log = None) -> list[PersistedStep]:
     return out
 
 
+def damaged_newest(directory) -> Optional[str]:
+    """Why the newest step directory of ``directory`` cannot be read (its manifest missing or damaged), or None.
+
+    A step directory is renamed into place whole, so one whose manifest is unreadable was changed since: skipped
+    as :func:`list_steps` skips it, a restart would go back to an older step, or start from step 0, without a word.
+    """
+    steps = sorted(_step_dirs(Path(directory)), reverse=True)
+    if not steps:
+        return None
+    try:
+        read_manifest(steps[0][1])
+    except BaftError as err:
+        return str(err)
+    return None
+
+
 def _read_rank(step_path: Path, entry: dict) -> tuple[CommitRecord, bytes]:
     file = step_path / entry["file"]
     try:

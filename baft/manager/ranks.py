@@ -118,6 +118,11 @@ class NodeRanks:
                 log.warning("rank %d: %s allows %d snapshot slots, not %d: each of its snapshots "
                             "waits for the previous one's seal", rank, bound, count, slots.SLOTS)
         if self.config.dir is not None:
+            damaged = persist.damaged_newest(self.config.dir)
+            if damaged:
+                raise BaftError(f"{damaged}: the newest snapshot this node persisted cannot be read; put the file "
+                                f"back, or move its step directory out of {self.config.dir} to go on from an older "
+                                "step (or from step 0 where there is none)")
             newest = persist.list_steps(self.config.dir)
             if newest:
                 persist.check_identity(newest[0], identity)
