@@ -181,7 +181,21 @@ def parse_config(ds_config: Optional[dict]) -> BaftConfig:
         raise ConfigError("baft.persist.dir: required when persist.every or persist.seconds is set")
     if cfg.persist.keep < 1:
         raise ConfigError(f"baft.persist.keep: must be at least 1, got {cfg.persist.keep}")
+    _check_bounds(cfg)
     return cfg
+
+
+def _check_bounds(cfg: BaftConfig) -> None:
+    """Refuse the values no run can mean (before, a negative ``node_id`` kept the snapshots in a node root no manager
+    serves, left in shared memory after the run; a ``run_id`` with a slash put them outside the run's directory)."""
+    least = {"node_id": 0, "ranks_per_node": 1, "memory_limit": 1, "persist.every": 0, "persist.seconds": 0}
+    values = {"node_id": cfg.node_id, "ranks_per_node": cfg.ranks_per_node, "memory_limit": cfg.memory_limit,
+              "persist.every": cfg.persist.every, "persist.seconds": cfg.persist.seconds}
+    for key, value in values.items():
+        if value is not None and value < least[key]:
+            raise ConfigError(f"baft.{key}: must be at least {least[key]}, got {value!r}")
+    if cfg.run_id in ("", ".", "..") or "/" in cfg.run_id:
+        raise ConfigError(f"baft.run_id: expected a name (no '/'), got {cfg.run_id!r}")
 
 
 def _timeout(key: str, value) -> Optional[float]:

@@ -77,6 +77,24 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert parse_config({"baft": {"fresh_start": "always"}}).fresh_start == "always"
 
 
+@pytest.mark.parametrize("section, message", [
+    ({"node_id": -1}, "node_id: must be at least 0, got -1"),
+    ({"ranks_per_node": 0}, "ranks_per_node: must be at least 1, got 0"),
+    ({"memory_limit": -5}, "memory_limit: must be at least 1, got -5"),
+    ({"persist": {"every": -1, "dir": "p"}}, "persist.every: must be at least 0, got -1"),
+    ({"persist": {"seconds": -0.5, "dir": "p"}}, "persist.seconds: must be at least 0, got -0.5"),
+    ({"run_id": "../other"}, "run_id: expected a name \\(no '/'\\), got '../other'"),
+    ({"run_id": ""}, "run_id: expected a name \\(no '/'\\), got ''"),
+])
+def test_a_value_no_run_can_mean_names_the_key(section, message):
+    """Probe 18: a negative node_id was taken, its ranks' snapshots kept where no manager served them."""
+    from baft.config import parse_config
+    from baft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^baft\.{message}$"):
+        parse_config({"baft": section})
+
+
 def test_a_config_without_a_baft_section_is_said_to_run_unprotected_under_baft_train(monkeypatch):
     from baft.plugin import LAUNCHER_ENV, unprotected
 
