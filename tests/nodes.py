@@ -5,11 +5,13 @@ is added to the host's own network stack), its own ``/dev/shm`` (a tmpfs mounted
 mount namespace), its own hostname (``node0``, ``node1``, ...) and an ``/etc/hosts`` that
 names every node of the cluster, so commands run on it as they would on a machine of a
 cluster: ``torchrun --rdzv-endpoint node0:29400`` finds the node that hosts the rendezvous by
-its name. The host's file systems stay visible in every node, as a shared file system would.
+its name. The host's file systems stay visible in every node, as a shared file system would, but
+each node has a temporary directory of its own (``TMPDIR``), as a machine has its own ``/tmp``.
 
 Losing a node (:meth:`Cluster.lose`) SIGKILLs every process of its network namespace and
-deletes the namespace: its shared memory goes with its last process, as with a machine that
-died, and nothing of it is left for a restart to find. A replacement (:meth:`Cluster.start`
+deletes the namespace: its shared memory and its temporary directory go with it, as with a
+machine that died, and nothing of it is left for a restart to find (before, the socket directory
+of every lost node's warm server stayed in the host's ``/tmp``). A replacement (:meth:`Cluster.start`
 with the same index) is a fresh namespace that takes the lost node's name, IP and MAC address.
 
 A :class:`Job` is one node's launch command (a shell script: ``torchrun --rdzv-backend c10d
@@ -79,6 +81,7 @@ class Node:
     index: int
     netns: str
     holder: subprocess.Popen  # keeps the mount, IPC and UTS namespaces; PID 1-like for nsenter
+    tmp: Path  # its own temporary directory, which its commands get as TMPDIR
 
     @property
     def name(self) -> str:
@@ -90,7 +93,8 @@ class Node:
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` as a command that runs inside this node."""
-        return ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--uts", "--ipc", "--", *argv]
+        return ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--uts", "--ipc", "--",
+                "env", f"TMPDIR={self.tmp}", *argv]
 
     def popen(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
         """Start ``argv`` on this node, its output appended to ``log``."""
@@ -119,8 +123,9 @@ class Cluster:
         self.size = size
         self.tag = os.urandom(3).hex()
         self.hub = f"baft-{self.tag}-hub"
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        self.hosts = Path(workdir) / "hosts"
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.hosts = self.workdir / "hosts"
         self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{address(i)} {hostname(i)}\n" for i in range(size)))
         self.nodes: dict[int, Node] = {}
         self._generation = 0
@@ -149,7 +154,9 @@ class Cluster:
         holder = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--ipc",
                                    "--propagation", "private", "sh", "-c", setup],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        node = Node(index, netns, holder)
+        tmp = self.workdir / f"tmp-{netns}"
+        tmp.mkdir()
+        node = Node(index, netns, holder, tmp)
         self.nodes[index] = node
         if holder.stdout.readline().strip() != "ready":
             self.lose(index)
@@ -183,6 +190,7 @@ class Cluster:
             time.sleep(0.05)
         node.holder.wait()
         subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+        shutil.rmtree(node.tmp, ignore_errors=True)
 
     def close(self) -> None:
         """Lose every node and remove the hub."""

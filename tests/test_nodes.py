@@ -10,6 +10,7 @@ with it; a replacement is a fresh namespace with the lost node's name.
 
 import re
 import shlex
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,6 +74,20 @@ def uninterrupted(launch: str, run_dir: Path) -> tuple[dict[int, str], dict[int,
     proc = run_worker(3, args, timeout=300, env={DIGESTS_ENV: str(run_dir / "digests")})
     return ({r["step"]: repr(r["loss"]) for r in nodes.read_jsonl(run_dir / "losses.jsonl")},
             digests(proc.stdout, int(option(args, "--iters"))))
+
+
+def test_a_lost_nodes_temporary_files_go_with_it(cluster):
+    """A node's commands get a temporary directory of the node's own, deleted with the node, as a machine's ``/tmp``
+    goes with it: every lost node's warm server left its socket's directory in the host's ``/tmp`` (probe 18: dozens
+    of ``/tmp/baft-warm-*``, three from each run of the test below)."""
+    node = cluster.start(0)
+    made = node.run([sys.executable, "-c", "import os; from baft.warm import WarmServer; "
+                                           "d = WarmServer().directory; os.mkdir(d); print(d)"], env=launch_env())
+    assert made.returncode == 0, made.stderr
+    directory = Path(made.stdout.strip())
+    assert directory.is_dir()
+    cluster.lose(0)
+    assert not directory.exists(), f"{directory} outlived its node"
 
 
 @pytest.mark.slow
