@@ -200,7 +200,7 @@ class Protection:
 
         cfg, engine = self.config, self.engine
         restored = restore(engine, self.root, self.manager, data_iterator, True if cfg.adopt else cfg.fresh_start,
-                           log=self.warn)
+                           log=self.warn, run_id=cfg.run_id)
         if restored is None and cfg.adopt:  # the first start under baft: from the job's DeepSpeed checkpoint
             from baft.recovery.adopt import adopt
 

@@ -233,8 +233,10 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     resumes from that step, bit for bit, instead of starting over; once at --iters, a launch trains nothing
     and says so. The resumed launch's manager is killed as it trains: a new one takes over its snapshots as the run
     ends, and writes its last step (before, the launch ended in an error naming no manager running, its snapshots
-    left in shared memory, unwritten)."""
+    left in shared memory, unwritten). A copy of the run directory elsewhere is another run, refused at start
+    (probe 18: it said "resumed from step 10 (disk)", then its first snapshot failed on a manager's error)."""
     import re
+    import shutil
     import subprocess
     import sys
 
@@ -243,9 +245,9 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
 
     run_dir = tmp_path / "run"
 
-    def train(*extra) -> subprocess.CompletedProcess:
+    def train(*extra, run=run_dir) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
-                               "--policy", "baft", "--period", "1", "--max-restarts", "0", "--run-dir", str(run_dir),
+                               "--policy", "baft", "--period", "1", "--max-restarts", "0", "--run-dir", str(run),
                                *extra], capture_output=True, text=True,
                               env=launch_env({DIGESTS_ENV: str(tmp_path / "digests")}), timeout=300)
 
@@ -290,3 +292,11 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     assert other.returncode != 0 and "of stage 0 is of another model" in said, said[-3000:]
     assert "refusing to start again from step 0" in said and "another --run-dir" in said
     assert len(losses(run_dir)) == 5 + len(after)
+
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir, moved)
+    copied = train(run=moved)
+    said = copied.stdout + copied.stderr
+    assert copied.returncode != 0 and "resumed from" not in said, said[-3000:]
+    assert re.search(r"the snapshot of step 10 of stage 0 is of run 'run-\w+', this run is 'moved-\w+' \(baft train "
+                     r"names a run by its directory's path", said), said[-3000:]

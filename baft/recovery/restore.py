@@ -33,11 +33,12 @@ Shards = dict[int, tuple[CommitRecord, mmap.mmap]]  # data-parallel shard -> its
 
 
 def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True,
-            log=print) -> Optional[Restored]:
+            log=print, run_id: str = "") -> Optional[Restored]:
     """Load the newest snapshot every rank can restore into ``engine``; None for a fresh start.
 
     A fresh start needs that no rank saw any snapshot of this run, or ``fresh_start="always"``:
-    snapshots that exist but cannot be restored stop the job with the reason for each.
+    snapshots that exist but cannot be restored stop the job with the reason for each, one of another
+    run (``run_id``: this one's) among them.
     """
     mark("restore_start")
     later = state.register_later_buffers(engine, (info.record.layout for old_rank in slots.rank_ids(root)
@@ -65,7 +66,8 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
                 log(note.text)
         if plan.step is None:
             break
-        source, shards = _load_shards(engine, root, client, plan.step, mine.offers[plan.step], fingerprint, refused)
+        source, shards = _load_shards(engine, root, client, plan.step, mine.offers[plan.step], fingerprint, refused,
+                                      run_id)
         if _everyone(shards is not None):
             for line in refused:
                 log(line)
@@ -140,7 +142,7 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
         raise BaftError("no snapshot of this run anywhere, and fresh_start is false")
 
 
-def _load_shards(engine, root, client, step, offer, fingerprint, refused) -> tuple[str, Optional[Shards]]:
+def _load_shards(engine, root, client, step, offer, fingerprint, refused, run_id="") -> tuple[str, Optional[Shards]]:
     """Map and verify every reachable shard of this stage at ``step``: the slowest source it came from, and the
     shards, or None (the reasons appended to ``refused``). Nothing the engine trains with changes: the
     shards are only applied (:func:`_apply`) once every rank has loaded its own, so a failed attempt leaves
@@ -155,12 +157,19 @@ def _load_shards(engine, root, client, step, offer, fingerprint, refused) -> tup
     shards: Shards = {}  # verified in place, copied once by _apply
 
     def mine(record: CommitRecord) -> bool:
+        why = None
         if record.stage == engine.stage_id and record.model != fingerprint:
             why = (f"the snapshot of step {record.step} of stage {record.stage} is of another model (signature "
                    f"{record.model}, this model's is {fingerprint})")
-            if why not in refused:
-                refused.append(why)
-        return record.stage == engine.stage_id and record.model == fingerprint
+        elif record.stage == engine.stage_id and run_id and record.run_id and record.run_id != run_id:
+            # persisted by another run: under baft train a run's id is its directory's path, so a run directory
+            # moved or copied elsewhere is another run (before, it resumed and its first snapshot was refused)
+            why = (f"the snapshot of step {record.step} of stage {record.stage} is of run {record.run_id!r}, this "
+                   f"run is {run_id!r} (baft train names a run by its directory's path: one moved or copied "
+                   f"resumes only where it was)")
+        if why is not None and why not in refused:
+            refused.append(why)
+        return record.stage == engine.stage_id and why is None
     for old_rank in slots.rank_ids(root):
         found = slots.map_verified(root, old_rank, step=step, log=refused.append, accept=mine)
         if found is not None and found[0].layout.shard not in shards:
