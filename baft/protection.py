@@ -40,6 +40,7 @@ class Protection:
         # where it cannot: the reason is baft.script.loop.THIS_PROCESS.not_in_place)
         self.again = None
         self.reads = TrainBatchReads(engine)  # what train_batch reads, call by call
+        self.configured_batch_size = int(engine.train_batch_size())  # the config's, before the script or a restore
 
     @property
     def data_position(self):

@@ -233,7 +233,8 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     resumes from that step, bit for bit, instead of starting over; once at --iters, a launch trains nothing
     and says so. The resumed launch's manager is killed as it trains: a new one takes over its snapshots as the run
     ends, and writes its last step (before, the launch ended in an error naming no manager running, its snapshots
-    left in shared memory, unwritten). A copy of the run directory elsewhere is another run, refused at start
+    left in shared memory, unwritten). A launch whose config asks another batch size goes on at the run's, saying so
+    (probe 18: the config's change was dropped without a word). A copy of the run directory elsewhere is another run, refused at start
     (probe 18: it said "resumed from step 10 (disk)", then its first snapshot failed on a manager's error)."""
     import re
     import shutil
@@ -281,9 +282,11 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     assert "a new launch" in resumed.stdout, "baft train prints the recovery table"
     assert compare(clean_run / "digests", tmp_path / "digests") == []
 
-    again = train()
+    again = train("--micro-batches", "2")  # a config asking fewer: the run goes on at its own, and says so
     assert again.returncode == 0, again.stderr[-3000:]
     assert "baft: resumed from step 10 (disk)" in again.stdout
+    assert ("the config's train_batch_size is 4 (2 micro-batches), the run's snapshots were taken under a config of "
+            "8: it goes on at the restored step's 8 (4 micro-batches), as it trained") in again.stdout + again.stderr
     assert "the run is already at step 10: nothing to train until --iters 10" in again.stdout
     assert len(losses(run_dir)) == 5 + len(after)
 

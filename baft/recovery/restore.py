@@ -73,7 +73,10 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
                 log(line)
             _apply(engine, shards)
             items = shards_items(shards, engine.global_rank)
+            configured = engine.train_batch_size()
             rng = state.restore_items(engine, items, data_iterator)
+            if engine.global_rank == 0:
+                _say_another_batch_size(engine, items, configured, log)
             restored = Restored(plan.step, _slowest(source), len(shards), refused, rng, items)
             _close(shards)
             mark("restore_end")
@@ -87,6 +90,20 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
     mark("restore_end")
     _fresh_start(engine.global_rank, saw_snapshot, fresh_start, refused, log, only_first)
     return None
+
+
+def _say_another_batch_size(engine, items: dict, configured: int, log) -> None:
+    """Say where this launch's config asks another batch size than the one the restored run's config asked: the run
+    goes on at the snapshot's (as the script last set it), which the config's change does not reach (before, it was
+    dropped without a word)."""
+    was = items.get("configured_batch_size")
+    if was is None or was == configured:
+        return
+    micro = engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+    log(f"the config's train_batch_size is {configured} ({configured // micro} micro-batches), the run's snapshots were "
+        f"taken under a config of {was}: it goes on at the restored step's {engine.train_batch_size()} "
+        f"({engine.gradient_accumulation_steps()} micro-batches), as it trained; to train at {configured}, start "
+        "afresh in another run directory (or call set_train_batch_size in the script)")
 
 
 def _held(client, log) -> dict:

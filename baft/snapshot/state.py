@@ -267,6 +267,8 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         "counters": {k: int(getattr(engine, k, 0)) for k in ENGINE_COUNTERS},
         # as the script last set it (set_train_batch_size): a resumed script past where it set it does not again
         "train_batch_size": int(engine.train_batch_size()),
+        # the config's: a relaunch whose config asks another is told that the run goes on at the snapshot's
+        "configured_batch_size": getattr(getattr(engine, "baft", None), "configured_batch_size", None),
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
         # a count or setting the script's own modules keep in plain attributes (a loss module's calls)
