@@ -335,6 +335,32 @@ def test_sigterm_keeps_shared_memory_for_the_next_manager_and_stop_unlinks(tmp_p
         control.stop(root)
 
 
+def test_a_stopped_manager_is_killed_before_another_takes_over_its_snapshots(tmp_path, managers):
+    """A run's manager that stops answering (SIGSTOP) is replaced as one that died is, as the run ends; before, the
+    stopped process outlived the run, said to have died, and once continued it served a root the new one had freed."""
+    import signal
+
+    from baft.manager.nodes import revive_all
+
+    root = tmp_path / "shm"
+    config = ManagerConfig(node_id=0, shm_root=root)
+    first = managers(config)[0]
+    t = Trainer(root, 0, 1 << 20)
+    sent = t.step(1)
+    t.close()
+    first.send_signal(signal.SIGSTOP)
+    try:
+        assert revive_all([config]) == [(0, first.pid)]
+        first.wait(10)  # gone (reaped by the kill's wait), not stopped
+    finally:
+        first.send_signal(signal.SIGCONT)
+    with ManagerClient.connect(root) as c:
+        assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
+    assert same_snapshot(slots.load_verified(root, 0), *sent)
+    assert revive_all([config]) == []
+    control.stop(root)
+
+
 def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -222,8 +222,9 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
             try:
                 outcome = run_logged(cmd, env, log)
             finally:
-                for node in revive_all(configs, log_dir=run):
-                    click.echo(f"baft: node {node}'s manager died during the run; a new one took over its snapshots "
+                for node, silent in revive_all(configs, log_dir=run):
+                    what = f"stopped answering (pid {silent}, killed)" if silent else "died"
+                    click.echo(f"baft: node {node}'s manager {what} during the run; a new one took over its snapshots "
                                "to keep them", err=True)
                 stop_all(configs)
                 _say_what_is_kept(configs, run)

@@ -126,6 +126,21 @@ def retire(shm_root, timeout: float = 120.0) -> Optional[int]:
     return pid
 
 
+def kill_silent(shm_root) -> Optional[int]:
+    """Kill the manager of ``shm_root`` that no longer answers but is there (stopped, frozen), as its ``manager.json``
+    names it; its pid, or None where no such process is left."""
+    try:
+        pid = read_json(Path(shm_root) / INFO_NAME)["pid"]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (BaftError, KeyError, OSError):
+        return None
+    if str(shm_root).encode() not in argv or not _alive(pid):  # its pid taken by another process since
+        return None
+    os.kill(pid, signal.SIGKILL)
+    _wait_exit(shm_root, pid, 10.0, "SIGKILL")
+    return pid
+
+
 def status(shm_root, timeout: float = 5.0) -> dict:
     """The status of the manager of ``shm_root`` (see :func:`format_status`)."""
     with ManagerClient.connect(shm_root, timeout=timeout) as client:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from baft.config import node_dir, node_root
 from baft.manager.config import ManagerConfig, Member
-from baft.manager.control import retire, start, status, stop
+from baft.manager.control import kill_silent, retire, start, status, stop
 from baft.manager.protocol import ManagerUnavailable
 
 
@@ -52,18 +52,19 @@ def start_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> l
     return [start(c, log_path=manager_log(log_dir, c.node_id) if log_dir else None) for c in configs]
 
 
-def revive_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[int]:
-    """Start again each manager of ``configs`` that no longer answers (killed during the run), on its root: it adopts
-    the snapshots its ranks left there, so that :func:`stop_all` writes and frees them as it does a live one's. The
-    node ids of those started again."""
+def revive_all(configs: list[ManagerConfig], log_dir: Optional[Path] = None) -> list[tuple[int, Optional[int]]]:
+    """Start again each manager of ``configs`` that no longer answers (killed during the run, or stopped: that one is
+    killed first, else it outlived the run, and served again a root the new one had freed once continued), on its
+    root: it adopts the snapshots its ranks left there, so that :func:`stop_all` writes and frees them as it does a
+    live one's. The node ids of those started again, each with the pid of the silent manager killed, or None."""
     dead = []
     for c in configs:
         try:
             status(c.shm_root)
         except ManagerUnavailable:
-            dead.append(c)
-    start_all(dead, log_dir)
-    return [c.node_id for c in dead]
+            dead.append((c, kill_silent(c.shm_root)))
+    start_all([c for c, _ in dead], log_dir)
+    return [(c.node_id, killed) for c, killed in dead]
 
 
 def retire_all(configs: list[ManagerConfig]) -> list[int]:
