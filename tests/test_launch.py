@@ -2,6 +2,7 @@
 
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,24 @@ def test_a_fault_asked_for_that_the_run_never_reached_is_named():
     logged = [{"what": asked[0].what, "restart": 0}, {"what": asked[3].what, "restart": 0},
               {"what": "hang: rank 1 (pid 42) silent for 3.0 s", "restart": 1}]
     assert not_fired(asked, logged) == asked[1:3]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("rank=-1,step=3,phase=backward", "rank must be 0 or more, got -1"),
+    ("rank=1,step=-3,phase=backward", "step must be 0 or more, got -3"),
+    ("node=-2,step=3", "node must be 0 or more, got -2"),
+    ("step=3,phase=backward", "rank= is missing"),
+    ("rank=1,phase=backward", "step= is missing"),
+    ("rank=1,step=x,phase=backward", "rank, node, step and restart must be integers"),
+])
+def test_a_fault_no_run_can_reach_is_refused_naming_what_is_wrong(spec, message):
+    """Probe 18: ``rank=-1`` trained the whole run, then said the fault never happened; a missing ``rank=`` was said
+    to be no integer."""
+    from baft.errors import ConfigError
+    from baft.recovery.chaos import parse_fault
+
+    with pytest.raises(ConfigError, match=rf"^fault '{re.escape(spec)}': {re.escape(message)}$"):
+        parse_fault(spec)
 
 
 def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():

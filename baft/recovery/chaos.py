@@ -66,15 +66,22 @@ def parse_fault(text: str) -> Fault:
             raise ConfigError(f"fault {text!r}: expected rank=R,step=S,phase=P[,restart=N], node=N,step=S "
                               f"or manager=N,step=S")
         fields[key.strip()] = value.strip()
+    whole = next((w for w in ("node", "manager") if w in fields), None)
+    missing = [key for key in (whole or "rank", "step") if key not in fields]
+    if missing:
+        raise ConfigError(f"fault {text!r}: {missing[0]}= is missing")
     try:
-        for whole in ("node", "manager"):
-            if whole in fields:
-                return Fault(None, int(fields["step"]), whole, int(fields.get("restart", 0)), int(fields[whole]))
-        if fields.get("phase") not in PHASES + IN_PLACE_PHASES:
-            raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES + IN_PLACE_PHASES)}")
-        return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"], int(fields.get("restart", 0)))
-    except (KeyError, ValueError):
+        numbers = {key: int(fields[key]) for key in ("rank", "node", "manager", "step", "restart") if key in fields}
+    except ValueError:
         raise ConfigError(f"fault {text!r}: rank, node, step and restart must be integers") from None
+    negative = next((key for key, number in numbers.items() if number < 0), None)
+    if negative:  # no such rank, node or attempt: the run went on to its end, the fault never fired
+        raise ConfigError(f"fault {text!r}: {negative} must be 0 or more, got {numbers[negative]}")
+    if whole:
+        return Fault(None, numbers["step"], whole, numbers.get("restart", 0), numbers[whole])
+    if fields.get("phase") not in PHASES + IN_PLACE_PHASES:
+        raise ConfigError(f"fault {text!r}: phase must be one of {', '.join(PHASES + IN_PLACE_PHASES)}")
+    return Fault(numbers["rank"], numbers["step"], fields["phase"], numbers.get("restart", 0))
 
 
 def faults_from_env() -> list[Fault]:
