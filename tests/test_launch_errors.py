@@ -120,6 +120,18 @@ def test_options_that_cannot_go_together_are_one_line_before_anything_launches(t
     assert screen(proc) == [said] and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("options", [["--max-restarts", "-1"], ["--nprocs", "0"]])
+def test_a_count_no_launch_can_take_is_refused_before_anything_launches(tmp_path, options):
+    """Probe 18: ``--max-restarts -1`` ended in torchrun's AssertionError and "training failed (exit code 1)",
+    ``--nprocs -2`` in its traceback; ``--nprocs 0`` launched the default count."""
+    script, config = user_files(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", *options, "--run-dir", str(tmp_path / "run"),
+                           "--", str(script), "--config", str(config)],
+                          capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert proc.returncode == 2 and f"Invalid value for '{options[0]}'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("source, line", [
     ("import deepspeed\n\nengine, *_ = deepspeed.initialize(model=m, config=c)\n", 3),
     ("import deepspeed as ds\nimport baft.config\nds.initialize(model=m)\n", 3),

@@ -36,8 +36,9 @@ SCRIPT_OWN = {"iters": "its steps", **dict.fromkeys(("micro_batches", "micro_bat
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Plan file to follow.")
 @click.option("--run-dir", default="runs/latest", show_default=True, type=click.Path(file_okay=False),
               help="Where losses.jsonl, recovery.jsonl and checkpoints go.")
-@click.option("--max-restarts", default=3, show_default=True, help="Elastic restarts after a failure.")
-@click.option("--nprocs", type=int, help="Processes for a script (default: stages x data-parallel).")
+@click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Elastic restarts after a failure.")
+@click.option("--nprocs", type=click.IntRange(min=1), help="Processes for a script (default: stages x data-parallel).")
 @click.option("--manager/--no-manager", default=True, show_default=True,
               help="Start this node's snapshot manager for the run (stopped at the end).")
 @click.option("--warm/--cold", default=True, show_default=True,
