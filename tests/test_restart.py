@@ -294,6 +294,7 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     said = other.stdout + other.stderr
     assert other.returncode != 0 and "of stage 0 is of another model" in said, said[-3000:]
     assert "refusing to start again from step 0" in said and "another --run-dir" in said
+    assert "is kept in" in said and "goes on from it" not in said, said[-3000:]  # it would stop the same way again
     assert len(losses(run_dir)) == 5 + len(after)
 
     moved = tmp_path / "moved"

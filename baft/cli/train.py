@@ -220,6 +220,7 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
             if warm:
                 server.start(env, later=later)
             start_all(configs, log_dir=run)
+            outcome = None
             try:
                 outcome = run_logged(cmd, env, log)
             finally:
@@ -228,7 +229,7 @@ def _run(cmd: list[str], env: dict, run: Path, run_id: str, server, configs, war
                     click.echo(f"baft: node {node}'s manager {what} during the run; a new one took over its snapshots "
                                "to keep them", err=True)
                 stop_all(configs)
-                _say_what_is_kept(configs, run)
+                _say_what_is_kept(configs, run, outcome)
     except Terminated:
         click.echo(f"baft: stopped by SIGTERM; every rank's output is in {log}", err=True)
         raise SystemExit(128 + signal.SIGTERM) from None
@@ -260,9 +261,11 @@ def _report(outcome, asked, run: Path, log: Path, trace_dir) -> None:
         click.echo(f"baft: trace of every rank in {trace_dir}; draw it with: baft show {trace_dir} --png timeline.png")
 
 
-def _say_what_is_kept(configs, run: Path) -> None:
+def _say_what_is_kept(configs, run: Path, outcome=None) -> None:
     """After the managers stopped: the step the run goes on from, on disk; or, where a manager could not
-    write it, the shared memory it kept instead (never freed unwritten)."""
+    write it, the shared memory it kept instead (never freed unwritten). Where a rank's baft error stopped the launch
+    (its ``outcome``: snapshots refused, a bad config), the step kept is said, not that a launch again goes on from
+    it: the same launch would stop the same way."""
     from baft.manager import persist
     from baft.manager.nodes import manager_log
     from baft.snapshot import slots
@@ -274,8 +277,10 @@ def _say_what_is_kept(configs, run: Path) -> None:
                    f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
     newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
     if newest and all(newest) and not kept_in_memory:
-        click.echo(f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / PERSISTED}: `baft train` "
-                   f"again with this --run-dir goes on from it (the example: with a larger --iters)")
+        kept = f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / PERSISTED}"
+        click.echo(kept + (" (the error below stopped this launch)" if outcome is not None and outcome.error else
+                           ": `baft train` again with this --run-dir goes on from it (the example: with a larger "
+                           "--iters)"))
 
 
 def _refuse_an_earlier_runs_snapshots(run: Path, top: Path) -> None:
