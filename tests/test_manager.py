@@ -352,13 +352,16 @@ def test_a_stopped_manager_is_killed_before_another_takes_over_its_snapshots(tmp
     try:
         assert revive_all([config]) == [(0, first.pid)]
         first.wait(10)  # gone (reaped by the kill's wait), not stopped
+        with ManagerClient.connect(root) as c:
+            assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
+        assert same_snapshot(slots.load_verified(root, 0), *sent)
+        assert revive_all([config]) == []
     finally:
         first.send_signal(signal.SIGCONT)
-    with ManagerClient.connect(root) as c:
-        assert wait_for(lambda: c.held()["0"]["memory"] == [1], what="adopted step 1")
-    assert same_snapshot(slots.load_verified(root, 0), *sent)
-    assert revive_all([config]) == []
-    control.stop(root)
+        try:  # the manager revive_all started, which the fixture does not know
+            control.stop(root)
+        except BaftError:
+            pass
 
 
 def test_unreachable_manager_warns_once_and_training_goes_on(tmp_path):
