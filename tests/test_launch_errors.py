@@ -120,6 +120,30 @@ def test_options_that_cannot_go_together_are_one_line_before_anything_launches(t
     assert screen(proc) == [said] and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("kept, policy, expected", [
+    ("persisted", "torch-save", r"run/persisted: this run's snapshots \(up to step 9\) of an in-memory policy, which "
+                                r"policy 'torch-save' does not restore \(it would train from step 0\): launch with"),
+    ("checkpoints", "baft", r"run/checkpoints: this run's checkpoints of a disk policy, which policy 'baft' does not "
+                            r"restore \(it would train from step 0\): launch with the policy the run trained under"),
+])
+def test_a_launch_under_a_policy_that_keeps_its_progress_elsewhere_is_refused(tmp_path, kept, policy, expected):
+    """Probe 18: a run persisted by baft's policy relaunched under torch-save (or the reverse) found nothing of its
+    own and trained from step 0, without a word."""
+    from test_persist import node
+
+    from baft.manager import persist
+
+    if kept == "persisted":
+        persist.write_snapshot(tmp_path / "run" / "persisted" / "node0", node(9))
+    else:
+        (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / "step9-rank0.pt").write_bytes(b"")
+    script, config = user_files(tmp_path, baft={"policy": policy})
+    proc = baft_train(tmp_path, script, "--config", config)
+    said = assert_one_line(proc, expected)
+    assert screen(proc) == [said], "more than the error on the screen"
+
+
 @pytest.mark.parametrize("options", [["--max-restarts", "-1"], ["--nprocs", "0"]])
 def test_a_count_no_launch_can_take_is_refused_before_anything_launches(tmp_path, options):
     """Probe 18: ``--max-restarts -1`` ended in torchrun's AssertionError and "training failed (exit code 1)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -78,6 +79,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     asked = [chaos.parse_fault(fault) for fault in faults]
     procs = nprocs or model["stages"] * dp
     run, run_id, env = _run_dir_and_env(run_dir, procs, nodes, faults, trace_dir)
+    _refuse_another_policys_progress(run, *(_policy_and_save_dir(command) if command else (policy, None)))
     server = WarmServer.running(env) or WarmServer()
     managed = manager and (policy in IN_MEMORY or not example)  # a script's policy is its config's
     configs = _manager_configs(run, run_id, nodes, persist_every) \
@@ -299,6 +301,40 @@ def _refuse_an_earlier_runs_snapshots(run: Path, top: Path) -> None:
         f"to start afresh with `baft manager clean {' '.join(str(root.path) for root in held)}`"
         + "".join(f" (after `baft manager stop --shm-root {root.path}`: its manager, pid {root.manager_pid}, serves "
                   "it still)" for root in serving))
+
+
+def _policy_and_save_dir(command) -> tuple[Optional[str], Optional[str]]:
+    """The policy and ``save_dir`` of the ``"baft"`` section a script's arguments name (None where they name no
+    config, or one without the section)."""
+    from baft.cli.preflight import config_files
+    from baft.config import parse_config
+    from baft.jsonfile import read_json
+
+    for path in config_files(list(command[1:])):
+        cfg = parse_config(read_json(path))
+        if cfg.enabled:
+            return cfg.policy, cfg.save_dir
+    return None, None
+
+
+def _refuse_another_policys_progress(run: Path, policy: Optional[str], save_dir: Optional[str]) -> None:
+    """A launch whose policy keeps its progress where the run's so far is not (the in-memory policies' snapshots in
+    ``RUN_DIR/persisted``, the disk policies' checkpoints in their ``save_dir``) would find none and train from step
+    0 without a word (probe 18): refused in one line naming where the run's progress is."""
+    from baft.config import POLICIES
+    from baft.manager import persist
+
+    persisted = max((s.step for node in (run / PERSISTED).glob("node*") for s in persist.list_steps(node)),
+                    default=None)
+    checkpoints = Path(save_dir) if save_dir else run / "checkpoints"
+    written = checkpoints.is_dir() and any(checkpoints.iterdir())
+    way_on = "launch with the policy the run trained under, or start afresh in another --run-dir"
+    if policy in IN_MEMORY and persisted is None and written:
+        raise BaftError(f"{checkpoints}: this run's checkpoints of a disk policy, which policy {policy!r} does not "
+                        f"restore (it would train from step 0): {way_on}")
+    if policy in POLICIES and policy not in IN_MEMORY + ("none",) and persisted is not None and not written:
+        raise BaftError(f"{run / PERSISTED}: this run's snapshots (up to step {persisted}) of an in-memory policy, "
+                        f"which policy {policy!r} does not restore (it would train from step 0): {way_on}")
 
 
 def _warn_unserved_snapshots(shm_root: str, run_id: str) -> None:
