@@ -11,10 +11,11 @@ restart's recovery record (:mod:`baft.recovery.record`) names the fault and coun
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
+
+from baft.jsonfile import append_line
 
 FILENAME = "chaos.jsonl"
 
@@ -22,10 +23,7 @@ FILENAME = "chaos.jsonl"
 def append(run_dir, what: str, restart: int, at: Optional[float] = None, **more) -> None:
     """Log a fault of attempt ``restart`` at unix time ``at`` (now by default), on disk before it returns."""
     line = {"time": time.time() if at is None else at, "restart": restart, "what": what, **more}
-    with open(Path(run_dir) / FILENAME, "a") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_line(Path(run_dir) / FILENAME, line, sync=True)
 
 
 def read(run_dir) -> list[dict]:

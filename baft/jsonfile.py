@@ -37,6 +37,19 @@ def write_text_atomic(path, text: str) -> Path:
     return path
 
 
+def append_line(path, doc: dict, sync: bool = False) -> None:
+    """Append ``doc`` to the JSON-lines file ``path``, on a line of its own also where the file's last line was cut
+    short (a process killed as it wrote, a full disk): appended to it, the two made one line no reader could parse
+    (a finished ``baft train`` ended in that error, and ``baft report`` refused the run). ``sync``: on disk before it
+    returns."""
+    with open(path, "ab+") as f:
+        torn = f.seek(0, os.SEEK_END) > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(doc).encode() + b"\n")
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 @lru_cache(maxsize=None)
 def _schema(name: str) -> dict:
     return json.loads(resources.files("baft.schemas").joinpath(name).read_text())

@@ -81,6 +81,22 @@ def test_malformed_line_is_named(tmp_path, line, problem):
     assert refusal(run) == f"{tmp_path / FILENAME}:3: {problem}"
 
 
+def test_a_line_appended_after_one_cut_short_is_a_line_of_its_own(tmp_path):
+    """A fault's or a recovery's line written after one a kill or a full disk cut short: appended to it, the two
+    were one line no reader could parse (probe 18: the fault was lost, and a finished ``baft train`` ended in a
+    "not valid JSON" error, its recovery table refused)."""
+    from baft import faults
+    from baft.jsonfile import append_line
+
+    (tmp_path / faults.FILENAME).write_text('{"time": 1.0, "restart": 0, "wh')
+    faults.append(tmp_path, "kill rank 1 at step 6 (backward)", restart=0, at=2.0)
+    assert [f["what"] for f in faults.read(tmp_path)] == ["kill rank 1 at step 6 (backward)"]
+    (tmp_path / FILENAME).write_text(json.dumps(RECORD) + "\n" + '{"restart": 2, "fau')
+    append_line(tmp_path / FILENAME, RECORD)
+    assert (tmp_path / FILENAME).read_text().splitlines()[2] == json.dumps(RECORD)
+    assert refusal(tmp_path).startswith(f"{tmp_path / FILENAME}:2: not valid JSON")  # named, not glued to line 3
+
+
 def test_missing_or_empty_run(tmp_path):
     assert refusal(tmp_path / "nope") == f"{tmp_path / 'nope'}: no such run directory"
     assert refusal(tmp_path) == f"{tmp_path / FILENAME}: no such file (the run recorded no restart)"

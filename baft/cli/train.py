@@ -247,7 +247,10 @@ def _report(outcome, asked, run: Path, log: Path, trace_dir) -> None:
         from baft.cli.report import render_recovery_text
         from baft.recovery.record import load_recoveries
 
-        click.echo(render_recovery_text(load_recoveries(run)))
+        try:
+            click.echo(render_recovery_text(load_recoveries(run)))
+        except BaftError as err:  # the table's, not the run's: a finished run ended in this error
+            click.echo(f"baft: warning: no recovery table: {err}", err=True)
     if outcome.error:
         raise BaftError(outcome.error)
     if outcome.code == 0:

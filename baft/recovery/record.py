@@ -47,7 +47,7 @@ from typing import Optional
 from baft import faults as fault_log
 from baft.config import GENERATION_ENV, ROUND_ENV, WARM_RANK_ENV
 from baft.errors import BaftError
-from baft.jsonfile import parse_object
+from baft.jsonfile import append_line, parse_object
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.agree import SOURCES as RESTORE_SOURCES
 
@@ -124,8 +124,7 @@ class RecoveryReport(InstructionHook):
         record = recovery_record(self.restored, Path(self.run_dir), fault)
         if "by" in fault:  # detected, not injected: the ranks' output has not said it yet
             print(f"baft: {fault['what']}; killed by {fault['by']}", flush=True)
-        with open(Path(self.run_dir) / FILENAME, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(Path(self.run_dir) / FILENAME, record)
         print("baft: recovered " + "  ".join(f"{k} {record[k]:.2f}s" for k in ("T0", "T1", "T2", "T3", "T4", "total"))
               + f"  from step {record['restored_step']} ({record['source']})", flush=True)
 
