@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -293,6 +294,8 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     other = train("--d-model", "32")  # another model in the same run directory: refused, not started over
     said = other.stdout + other.stderr
     assert other.returncode != 0 and "of stage 0 is of another model" in said, said[-3000:]
+    assert re.search(r"another model \(signature \w+, this model's is \w+: only the snapshot has \S+ \(float32, "
+                     r"\[\d+(, \d+)*\]\)", said), said[-3000:]  # which tensors differ (probe 18: from disk, none said)
     assert "refusing to start again from step 0" in said and "another --run-dir" in said
     assert "is kept in" in said and "goes on from it" not in said, said[-3000:]  # it would stop the same way again
     assert len(losses(run_dir)) == 5 + len(after)

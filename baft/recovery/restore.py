@@ -27,7 +27,7 @@ from baft.errors import BaftError
 from baft.recovery.agree import GlobalPlan, LocalPlan, global_plan, local_plan, slower
 from baft.recovery.record import Restored, mark
 from baft.snapshot import slots, state
-from baft.snapshot.layout import CommitRecord, model_signature, plan_layout
+from baft.snapshot.layout import CommitRecord, model_signature, plan_layout, signature_difference
 
 Shards = dict[int, tuple[CommitRecord, mmap.mmap]]  # data-parallel shard -> its verified record and mapping
 
@@ -66,7 +66,7 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
                 log(note.text)
         if plan.step is None:
             break
-        source, shards = _load_shards(engine, root, client, plan.step, mine.offers[plan.step], fingerprint, refused,
+        source, shards = _load_shards(engine, root, client, plan.step, mine.offers[plan.step], tensors, refused,
                                       run_id)
         if _everyone(shards is not None):
             for line in refused:
@@ -159,9 +159,9 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
         raise BaftError("no snapshot of this run anywhere, and fresh_start is false")
 
 
-def _load_shards(engine, root, client, step, offer, fingerprint, refused, run_id="") -> tuple[str, Optional[Shards]]:
-    """Map and verify every reachable shard of this stage at ``step``: the slowest source it came from, and the
-    shards, or None (the reasons appended to ``refused``). Nothing the engine trains with changes: the
+def _load_shards(engine, root, client, step, offer, tensors, refused, run_id="") -> tuple[str, Optional[Shards]]:
+    """Map and verify every reachable shard of this stage at ``step`` (``tensors``: this stage's): the slowest source
+    it came from, and the shards, or None (the reasons appended to ``refused``). Nothing the engine trains with changes: the
     shards are only applied (:func:`_apply`) once every rank has loaded its own, so a failed attempt leaves
     no rank half-restored; the optimizer's empty state tensors are made where it has none yet (a first
     step not taken), for the shards to be checked against."""
@@ -172,12 +172,14 @@ def _load_shards(engine, root, client, step, offer, fingerprint, refused, run_id
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
     shards: Shards = {}  # verified in place, copied once by _apply
+    fingerprint = model_signature(tensors)
 
     def mine(record: CommitRecord) -> bool:
         why = None
         if record.stage == engine.stage_id and record.model != fingerprint:
+            differ = signature_difference(record.layout.tensors, tensors)
             why = (f"the snapshot of step {record.step} of stage {record.stage} is of another model (signature "
-                   f"{record.model}, this model's is {fingerprint})")
+                   f"{record.model}, this model's is {fingerprint}{': ' + differ if differ else ''})")
         elif record.stage == engine.stage_id and run_id and record.run_id and record.run_id != run_id:
             # persisted by another run: under baft train a run's id is its directory's path, so a run directory
             # moved or copied elsewhere is another run (before, it resumed and its first snapshot was refused)
