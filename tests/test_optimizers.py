@@ -4,6 +4,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
 from baft.errors import BaftError
@@ -107,3 +108,39 @@ def test_the_scripts_schedulers_are_kept_when_made_later_and_two_of_a_kind_refus
     with pytest.raises(BaftError, match=r"^the script has more than one learning-rate scheduler of a kind on the "
                                         r"engine's optimizer \(\{'LambdaLR': 2\}\).*\(lr_scheduler=\)$"):
         schedulers.script_schedulers(engine)
+
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer of a script's own that counts its steps in ``self.state`` under a key that is no parameter
+    (torch's ``state_dict`` keeps it), and decays its learning rate by that count."""
+
+    def step(self, closure=None):
+        self.state["global_step"] = self.state.get("global_step", 0) + 1
+        for group in self.param_groups:
+            group["lr"] = 0.1 / self.state["global_step"] ** 0.5
+        return super().step(closure)
+
+
+def _counting_engine(steps):
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    engine = SimpleNamespace(module=module, optimizer=CountingSGD(module.parameters(), lr=0.1, momentum=0.9))
+    for _ in range(steps):
+        module(torch.ones(1, 3)).sum().backward()
+        engine.optimizer.step()
+    return engine
+
+
+def test_what_an_optimizer_keeps_in_its_state_under_a_key_that_is_no_parameter_is_restored():
+    """Probe 17: a step count the script's optimizer kept in ``self.state["global_step"]`` was in no snapshot; a
+    resumed run counted from 0 again and decayed its learning rate from the start, silently."""
+    from baft.snapshot.state import _torch_blob, _torch_unblob
+
+    saved = _torch_blob(adapter_for(_counting_engine(3)).scalars())
+    fresh = _counting_engine(0)
+    adapter_for(fresh).load_scalars(_torch_unblob(saved))
+    assert fresh.optimizer.state["global_step"] == 3
+    survivor = _counting_engine(5)  # one that went on past the snapshot's step goes back to it
+    adapter_for(survivor).load_scalars(_torch_unblob(_torch_blob(adapter_for(_counting_engine(0)).scalars())))
+    assert "global_step" not in survivor.optimizer.state

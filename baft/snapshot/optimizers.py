@@ -57,17 +57,25 @@ class ScalarState:
         self.products = CpuAdamProducts.of(self.optimizer)
 
     def scalars(self) -> dict:
-        """``{"optim/<name>/<key>": value}`` for every non-tensor state value, and ``"cpu_adam"``: the C++ Adam's
-        last call, where there is one."""
+        """``{"optim/<name>/<key>": value}`` for every non-tensor state value, ``"cpu_adam"``: the C++ Adam's
+        last call, where there is one, and ``"unkeyed"``: what the optimizer keeps in its ``state`` under a key that
+        is not a parameter (an optimizer of the script's own counting its steps in ``self.state["step"]``, which
+        torch's ``state_dict`` keeps)."""
         found = {f"optim/{name}/{key}": value for name, p in self.stateful_params()
                  for key, value in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(value)}
         if self.products is not None and self.products.last is not None:
             found["cpu_adam"] = self.products.last
+        unkeyed = {key: value for key, value in self.optimizer.state.items() if not torch.is_tensor(key)}
+        if unkeyed:
+            found["unkeyed"] = unkeyed
         return found
 
     def load_scalars(self, saved: dict) -> None:
         saved = dict(saved)
         calls = saved.pop("cpu_adam", None)
+        for key in [key for key in self.optimizer.state if not torch.is_tensor(key)]:
+            del self.optimizer.state[key]  # as the snapshot's step had them: none there, none now
+        self.optimizer.state.update(saved.pop("unkeyed", {}))
         params = dict(self.stateful_params())
         for path, value in saved.items():
             name, key = path[len("optim/"):].rsplit("/", 1)
