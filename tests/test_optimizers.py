@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 from baft.errors import BaftError
 from baft.snapshot.layout import TensorEntry, plan_layout
 from baft.snapshot.optimizers import adapter_for
+from baft.snapshot.state import optimizer_adapter
 from conftest import run_ranks
 
 
@@ -144,3 +145,54 @@ def test_what_an_optimizer_keeps_in_its_state_under_a_key_that_is_no_parameter_i
     survivor = _counting_engine(5)  # one that went on past the snapshot's step goes back to it
     adapter_for(survivor).load_scalars(_torch_unblob(_torch_blob(adapter_for(_counting_engine(0)).scalars())))
     assert "global_step" not in survivor.optimizer.state
+
+
+
+def _biases(module):
+    return [p for name, p in module.named_parameters() if name.endswith("bias")]
+
+
+def _grouped_engine(steps, add_group=True):
+    """A module whose optimizer the script made over its weights, then gave its biases in a group of their own."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    weights = [p for name, p in module.named_parameters() if name.endswith("weight")]
+    engine = SimpleNamespace(module=module, optimizer=torch.optim.SGD(weights, lr=0.1, momentum=0.9))
+    optimizer_adapter(engine)  # made at baft.initialize, before the script adds the group
+    if add_group:
+        engine.optimizer.add_param_group({"params": _biases(module), "lr": 0.01, "momentum": 0.5})
+    for _ in range(steps):
+        module(torch.ones(1, 3)).sum().backward()
+        engine.optimizer.step()
+    return engine
+
+
+def test_a_param_group_the_script_adds_after_initialize_is_snapshotted_and_added_again_by_a_restore():
+    """Probe 17: the state of a group added with ``add_param_group`` after ``baft.initialize`` was in no snapshot (its
+    momentum started again from zero), and a process resumed past the step that added it trained without it (the
+    biases never again), both silently. Now its state is named as any group's; a restore, which comes before the
+    script adds it, gives its parameters their state, and adds the group where the script does not again."""
+    from baft.snapshot.state import _torch_blob, _torch_unblob
+
+    trained = _grouped_engine(3)
+    adapter = optimizer_adapter(trained)
+    names = [name for name, _ in adapter.tensors()]
+    assert names == [f"optim/{n}/momentum_buffer" for n in ("0.weight", "1.weight", "0.bias", "1.bias")], names
+    groups = _torch_unblob(_torch_blob([{k: v for k, v in g.items() if k != "params"}
+                                        for g in trained.optimizer.param_groups]))
+    added = adapter.added_groups()
+    assert added == {"first": 1, "names": [["0.bias", "1.bias"]]}
+    for script_adds_it_again in (True, False):  # after baft.initialize, or once, at a step before the restored one
+        resumed = _grouped_engine(0, add_group=False)
+        restorer = optimizer_adapter(resumed)
+        restorer.create_state(adapter.entries())
+        assert [name for name, _ in restorer.tensors()] == names  # what a restore's layout fits
+        for (_, to), (_, value) in zip(restorer.tensors(), adapter.tensors()):
+            to.copy_(value)
+        if script_adds_it_again:
+            resumed.optimizer.add_param_group({"params": _biases(resumed.module), "lr": 0.01, "momentum": 0.5})
+        restorer.add_groups(added, groups)  # as the first resumed iteration starts
+        assert list(map(id, resumed.optimizer.param_groups[1]["params"])) == list(map(id, _biases(resumed.module)))
+        assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.1, 0.01]
+        assert torch.equal(resumed.optimizer.state_dict()["state"][3]["momentum_buffer"],
+                           trained.optimizer.state_dict()["state"][3]["momentum_buffer"])

@@ -115,7 +115,8 @@ class StateSource:
         now = f"{dtype_name(t)} {list(t.shape)}"
         if laid_out is None:
             raise BaftError(f"state tensor {name} ({now}) is new since the first snapshot laid the state out (the "
-                            f"optimizer's state of a parameter trained only since: one unfrozen mid-run?); a "
+                            f"optimizer's state of a parameter trained only since: one unfrozen mid-run, or added "
+                            f"with add_param_group?); a "
                             f"snapshot's layout is fixed for the run: train every parameter from the start")
         if (laid_out.dtype, laid_out.shape) != (dtype_name(t), tuple(t.shape)):
             raise BaftError(f"state tensor {name} is now {now}, was {laid_out.dtype} {list(laid_out.shape)} when the "

@@ -76,12 +76,16 @@ class ScalarState:
         for key in [key for key in self.optimizer.state if not torch.is_tensor(key)]:
             del self.optimizer.state[key]  # as the snapshot's step had them: none there, none now
         self.optimizer.state.update(saved.pop("unkeyed", {}))
-        params = dict(self.stateful_params())
+        params = self.params_by_name()
         for path, value in saved.items():
             name, key = path[len("optim/"):].rsplit("/", 1)
             self.optimizer.state[params[name]][key] = value
         if self.products is not None:
             self.products.restore(calls)
+
+    def params_by_name(self) -> dict:
+        """The parameters a snapshot's optimizer state may be of, by name."""
+        return dict(self.stateful_params())
 
 
 class CpuAdamProducts:
@@ -178,7 +182,7 @@ class NamedOptimizerState(ScalarState):
         return iter(self.params)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.params:
+        for name, p in self.stateful_params():
             if self.own_masters:
                 yield f"master/{name}", p
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
@@ -190,7 +194,7 @@ class NamedOptimizerState(ScalarState):
 
     def create_state(self, entries) -> None:
         """Allocate the state tensors a snapshot lists (a torch optimizer creates them at its first step)."""
-        params = dict(self.params)
+        params = self.params_by_name()
         for e in entries:
             if e.kind != "optimizer" or not e.name.startswith("optim/"):
                 continue
@@ -207,14 +211,57 @@ class TorchOptimizer(NamedOptimizerState):
 
     own_masters = False
 
+    def __init__(self, engine):
+        self.module_params = dict(engine.module.named_parameters())
+        self.names = {id(p): name for name, p in self.module_params.items()}
+        self.first_groups = len(base_optimizer(engine.optimizer).param_groups)  # as the script made it
+        self._walked: Optional[tuple] = None  # the groups' sizes and the state's when the parameters were named
+        super().__init__(engine)
+
     def named_params(self, engine):
-        names = {id(p): n for n, p in engine.module.named_parameters()}
+        in_groups = set()
         for gi, group in enumerate(self.optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
-                if id(p) not in names:
-                    raise BaftError(f"{type(engine.optimizer).__name__}: parameter {pi} of param group {gi} is "
+                if id(p) not in self.names:
+                    raise BaftError(f"{type(self.wrapper).__name__}: parameter {pi} of param group {gi} is "
                                     f"not a parameter of the model; baft cannot name its optimizer state")
-                yield names[id(p)], p
+                in_groups.add(id(p))
+                yield self.names[id(p)], p
+        for name, p in self.module_params.items():  # a restore gave them state for a group the script adds later
+            if id(p) not in in_groups and p in self.optimizer.state:
+                yield name, p
+
+    def stateful_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters of the optimizer's param groups as they are now (the script may add a group after
+        ``baft.initialize``: ``add_param_group``), then the module's that are in none and hold optimizer state."""
+        walked = (tuple(len(group["params"]) for group in self.optimizer.param_groups), len(self.optimizer.state))
+        if walked != self._walked:
+            self.params, self._walked = list(self.named_params(None)), walked
+        return iter(self.params)
+
+    def params_by_name(self) -> dict:
+        """Every parameter of the module: a snapshot's state may be of one in a group the script adds after
+        ``baft.initialize``, where a restore comes before."""
+        return self.module_params
+
+    def added_groups(self) -> Optional[dict]:
+        """The param groups the script added since it made the optimizer, by their parameters' names (what a resumed
+        process past the step that added them adds again), or None."""
+        groups = self.optimizer.param_groups
+        if len(groups) == self.first_groups:
+            return None
+        return {"first": self.first_groups,
+                "names": [[self.names[id(p)] for p in group["params"]] for group in groups[self.first_groups:]]}
+
+    def add_groups(self, added: Optional[dict], saved_groups: list) -> None:
+        """Add the param groups ``added`` (:meth:`added_groups` of the snapshot's step) that the optimizer lacks, with
+        their hyper-parameters ``saved_groups``: the script added them before that step, and a process resumed past
+        it does not again."""
+        groups = self.optimizer.param_groups
+        if not added or len(groups) >= len(saved_groups) or len(groups) < added["first"]:
+            return
+        for names, saved in zip(added["names"][len(groups) - added["first"]:], saved_groups[len(groups):]):
+            self.optimizer.add_param_group({**saved, "params": [self.module_params[name] for name in names]})
 
 
 class FP16Masters(NamedOptimizerState):

@@ -280,6 +280,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
                                      for g in base_optimizer(engine.optimizer).param_groups]),
         "optimizer_scalars": _torch_blob(optimizer_adapter(engine).scalars()),
     }
+    added = _added_groups(engine)
+    if added is not None:  # param groups the script added after making the optimizer (add_param_group)
+        items["added_groups"] = added
     if getattr(engine, "lr_scheduler", None) is not None:
         items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
     kept = schedulers.capture(engine) if script_schedulers else None
@@ -358,7 +361,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         # set again as the first resumed iteration starts: the loop's code before its next train_batch call runs
         # again in the resumed process (a learning rate it multiplies by a factor there, a scheduler it steps there,
         # would be so twice), and they were captured as that iteration started, after that code
-        restore.groups = groups
+        restore.groups, restore.added = groups, items.get("added_groups")
         if "script_schedulers" in items:
             restore.schedulers = _torch_unblob(items["script_schedulers"])
             schedulers.restore(engine, restore.schedulers)  # where the script made them already: else by then
@@ -377,6 +380,11 @@ def _freeze(engine, names: list[str]) -> None:
         for j, param in enumerate(group):
             if id(param) in newly:
                 param._hp_grad = optimizer.fp32_groups_gradients[i][j]
+
+
+def _added_groups(engine) -> Optional[dict]:
+    added = getattr(optimizer_adapter(engine), "added_groups", None)
+    return added() if added is not None else None
 
 
 def _set_param_groups(engine, groups: list) -> None:
@@ -410,6 +418,7 @@ class RngRestore(InstructionHook):
         self.between = between
         self.schedulers: Optional[list] = None  # what the script's schedulers kept
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
+        self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
 
     def between_steps(self) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
@@ -434,13 +443,15 @@ class RngRestore(InstructionHook):
                                 f"run. Make them before the loop's first train_batch, or give one to "
                                 f"deepspeed.initialize (lr_scheduler=)")
         if self.groups is not None:
+            if self.added is not None:  # added before the restored step, by a script that does not again past it
+                optimizer_adapter(engine).add_groups(self.added, self.groups)
             _set_param_groups(engine, self.groups)
-            self.groups = None
+            self.groups = self.added = None
 
     def cancel(self) -> None:
         """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
         loaded over it)."""
-        self.rng = self.schedulers = self.groups = None
+        self.rng = self.schedulers = self.groups = self.added = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:
