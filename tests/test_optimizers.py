@@ -196,3 +196,42 @@ def test_a_param_group_the_script_adds_after_initialize_is_snapshotted_and_added
         assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.1, 0.01]
         assert torch.equal(resumed.optimizer.state_dict()["state"][3]["momentum_buffer"],
                            trained.optimizer.state_dict()["state"][3]["momentum_buffer"])
+
+
+def test_a_scheduler_of_a_class_neither_torchs_nor_deepspeeds_is_kept_and_a_trainer_or_wrapper_is_not():
+    """Probe 17: a scheduler class of the script's own (a plain class with step and state_dict, as timm's Scheduler
+    is) that its loop stepped was in no snapshot; a resumed run started its count again, silently. A trainer of the
+    script's that holds the optimizer and a module, or an optimizer wrapping it (Lookahead), is no scheduler."""
+    from baft.script import schedulers
+
+    class Warmup:
+        def __init__(self, optimizer):
+            self.optimizer, self.t = optimizer, 0
+
+        def step(self):
+            self.t += 1
+
+        def state_dict(self):
+            return {"t": self.t}
+
+        def load_state_dict(self, state):
+            self.t = state["t"]
+
+    class Trainer(Warmup):
+        def __init__(self, optimizer, model):
+            super().__init__(optimizer)
+            self.model = model
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, optimizer):
+            self.optimizer, self.param_groups, self.state, self.defaults = optimizer, optimizer.param_groups, {}, {}
+
+    module = torch.nn.Linear(2, 1)
+    engine = SimpleNamespace(optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+    made = [Warmup(engine.optimizer), Trainer(engine.optimizer, module), Lookahead(engine.optimizer)]
+    made[0].step()
+    assert schedulers.script_schedulers(engine) == [made[0]]
+    assert schedulers.capture(engine) == [("test_a_scheduler_of_a_class_neither_torchs_nor_deepspeeds_is_kept_and_a_"
+                                           "trainer_or_wrapper_is_not.<locals>.Warmup", {"t": 1})]
+    made[0].t = 5
+    assert schedulers.restore(engine, [(type(made[0]).__qualname__, {"t": 1})]) is None and made[0].t == 1

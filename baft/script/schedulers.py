@@ -103,15 +103,37 @@ def _look(engine) -> list:
     known = {id(vars(scheduler)) for scheduler in _ENGINES}
     found = []
     kinds = _scheduler_kinds()
+    looks: dict[type, int] = {}  # each type's: 0 no scheduler, 1 torch's or DeepSpeed's, 2 perhaps one of another's
     for obj in gc.get_objects():
         # by type alone: isinstance reads the object's __class__, and some of gc's objects warn when read
-        # (torch.distributed.reduce_op)
-        if (issubclass(type(obj), kinds) and id(vars(obj)) not in known
-                and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups):
+        # (torch.distributed.reduce_op); once per type, of hundreds of thousands of objects
+        kind = type(obj)
+        look = looks.get(kind)
+        if look is None:
+            look = looks[kind] = 1 if issubclass(kind, kinds) else 2 if _scheduler_like_kind(kind) else 0
+        if (look and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups
+                and (look == 1 or _holds_no_module(obj)) and id(vars(obj)) not in known):
             known.add(id(vars(obj)))
             found.append(obj)
     inner = {id(s) for obj in found for s in getattr(obj, "_schedulers", ())}
     return [obj for obj in found if id(obj) not in inner]
+
+
+def _scheduler_like_kind(kind: type) -> bool:
+    """Whether objects of ``kind`` may be schedulers of a class neither torch's nor DeepSpeed's (the script's own
+    warm-up, timm's ``Scheduler``): it has ``step``, ``state_dict`` and ``load_state_dict``, and is no optimizer (a
+    wrapper of the script's, Lookahead), module, or class of torch's, DeepSpeed's or baft's. One is where it holds the
+    engine's optimizer as ``optimizer`` (:func:`_holds_no_module`)."""
+    return (all(callable(getattr(kind, name, None)) for name in ("step", "state_dict", "load_state_dict"))
+            and not issubclass(kind, (torch.optim.Optimizer, torch.nn.Module))
+            and kind.__module__.partition(".")[0] not in ("torch", "deepspeed", "baft"))
+
+
+def _holds_no_module(obj) -> bool:
+    """A scheduler holds the optimizer and numbers; a trainer of the script's that holds the optimizer holds a module
+    too (its state_dict is not a scheduler's)."""
+    held = getattr(obj, "__dict__", None)
+    return isinstance(held, dict) and not any(isinstance(value, torch.nn.Module) for value in held.values())
 
 
 def last_lrs_again(scheduler) -> None:
