@@ -190,8 +190,9 @@ def test_the_scripts_own_schedulers_resume_when_made_before_initialize_stepped_b
     replaced by another as it ended (freed: as many references to the optimizer) left the new one in no snapshot;
     a survivor's ``CyclicLR`` loaded twice (at the restore and as the iteration starts) lost a key of its state; a
     survivor whose loop had replaced its scheduler since the restored step stopped the run, saying to make its
-    schedulers before the loop. Each resumed silently with other learning rates, or died; every step trained again
-    must equal its first."""
+    schedulers before the loop. Each resumed silently with other learning rates, or died. Probe 17: a weight-decay
+    schedule of a class of the script's own was in no snapshot, nor a param group added at the first step, which a
+    replacement trained without. Every step trained again must equal its first."""
     script = Path(__file__).parent / "scripts" / "own_schedulers.py"
     digests = tmp_path / "digests"
     proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "2",
@@ -207,7 +208,8 @@ def test_the_scripts_own_schedulers_resume_when_made_before_initialize_stepped_b
     assert [r["restored_step"] for r in recovery] == [2, 6] and {r["kind"] for r in recovery} == {"in place"}, recovery
     log = (tmp_path / "run" / LOG_NAME).read_text()
     assert log.count("rank 1 lost a peer and cannot recover in place (its loop replaced a learning-rate scheduler of "
-                     "its own ({'LinearLR': 1, 'StepLR': 1} -> {'CyclicLR': 1, 'StepLR': 1}) after the newest step "
+                     "its own ({'LinearLR': 1, 'StepLR': 1, 'WeightDecayWarmup': 1} -> {'CyclicLR': 1, 'StepLR': 1, "
+                     "'WeightDecayWarmup': 1}) after the newest step "
                      "every rank holds (2)") == 1
     pids = processes(digests)
     assert pids[2][1] == pids[1][1] != pids[0][1], pids  # rank 1 replaced at the first kill, kept at the second
