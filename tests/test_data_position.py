@@ -250,7 +250,7 @@ def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had()
     the micro-batches of now; a restore goes on counting from it."""
     from types import SimpleNamespace
 
-    from baft.snapshot.data import EngineLoaderPosition
+    from baft.snapshot.engine_loader import EngineLoaderPosition
 
     engine = SimpleNamespace(global_steps=0, micro_batches=2, training_dataloader=None)
     position = EngineLoaderPosition(engine)
