@@ -165,6 +165,26 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
     assert watch.error is None and watch.outcome(1).exception is None
 
 
+def test_a_scripts_usage_error_stops_the_run_at_once_as_its_line():
+    """Probe 20: argparse's ``error: unrecognized arguments`` (exit 2) was restarted into ``--max-restarts`` times and
+    then shown as the ranks' last lines. Its line after the usage (wrapped, indented) is the run's error, and stops
+    torchrun; an ``error:`` line with no usage before it is not."""
+    import io
+
+    from baft.cli.runlog import _Watch
+
+    stopped, watch = [], _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+    for line in ["[1] my error: not a usage's\n", "[0] usage: train.py [-h] --config CONFIG\n",
+                 "[1] usage: train.py [-h]\n", "[0]                 [--steps STEPS]\n", "[1] loading\n",
+                 "[1] train.py: error: not after a usage\n"]:
+        watch._read(line, "stderr")
+    assert not stopped and watch.error is None
+    watch._read("[0] train.py: error: unrecognized arguments: --bogus\n", "stderr")
+    assert stopped and watch.error == ("rank 0: train.py: error: unrecognized arguments: --bogus (the script's own "
+                                       "usage error: a restart does not help)")
+    assert watch.outcome(1).error == watch.error
+
+
 def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_waits_less(monkeypatch):
     """``baft.cli.torchrun`` replaces three things of torch's rendezvous (each restart spent 0.3-1.2 s in the first
     two): the event name read off ``inspect.stack()``, by the same name read off the frame; under ``--standalone`` the

@@ -10,7 +10,8 @@ from any rank. A surviving rank's traceback after a kill stays in the log; a fai
 prints the ranks' last lines and torchrun's (its summary names the rank that failed first).
 A rank's :class:`~baft.errors.BaftError` is the user's to fix, so no restart can get past it:
 :func:`run_logged` stops torchrun at the first one instead of letting it restart every rank
-``--max-restarts`` times into the same error. That error, or the Python exception a rank died of
+``--max-restarts`` times into the same error; so too the script's own usage error (argparse's
+``prog: error: ...`` after its usage). That error, or the Python exception a rank died of
 outside a training step (a DeepSpeed config assertion, an import error), is the one line
 :class:`Outcome` gives for the screen; the tracebacks stay in the log.
 """
@@ -50,6 +51,8 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 # a traceback's last line, ``ValueError: ...`` or ``pkg.mod.Error``; not a line the rank printed meanwhile on its
 # other stream (``baft: resumed from step 2``)
 _EXCEPTION = re.compile(r"(?!baft:)[A-Za-z_][\w.]*(:( |$)|\s*$)")
+_USAGE = re.compile(r"[Uu]sage: ")  # argparse's usage (click's), which its error line follows
+_USAGE_ERROR = re.compile(r"(?:\S.*: )?[Ee]rror: \S")  # argparse's ``prog: error: ...``, click's ``Error: ...``
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TERMINATED_GRACE = 2.0  # seconds torchrun has to end on a SIGTERM of its own before baft train sends one
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
@@ -241,6 +244,7 @@ class _Watch:
         self.last = {RANKS: deque(maxlen=rank_lines), LAUNCHER: deque(maxlen=launcher_lines)}
         self.error: Optional[str] = None  # the first baft error
         self.tracebacks: dict[str, _Traceback] = {}
+        self.in_usage: set[str] = set()  # the ranks whose last lines are the script's usage
         self.exceptions: dict[str, _RankException] = {}  # each rank's last
         self.failed: Optional[tuple[int, str]] = None  # (exit code, rank) of the last attempt's first failure
         # (rank, exception, whether in a training step) raised, not a lost peer's echo: this attempt's so far, and
@@ -275,12 +279,24 @@ class _Watch:
             self.exceptions[match[1]] = exception
             if not says_peer_lost(exception.line):
                 self.raised.add((match[1], exception.line, exception.in_step))
-        error = baft_error(line)
+        error = baft_error(line) or self._usage_error(match[1], line[match.end():])
         if error is None:
             return on_screen(line, stream)
         if self.error is None:
             self.error = error[1]
             self.stop()
+        return None
+
+    def _usage_error(self, rank: str, text: str) -> Optional[tuple[str, str]]:
+        """(rank, message) when ``text``, the rank's line, is its script's usage error: its arguments are wrong in
+        every attempt."""
+        if rank in self.in_usage and _USAGE_ERROR.match(text):
+            self.in_usage.discard(rank)
+            return rank, f"rank {rank}: {text.rstrip()} (the script's own usage error: a restart does not help)"
+        if _USAGE.match(text) or rank in self.in_usage and text[:1].isspace():  # a long usage goes on indented
+            self.in_usage.add(rank)
+        else:
+            self.in_usage.discard(rank)
         return None
 
     def _same_again(self) -> None:
