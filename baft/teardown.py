@@ -8,12 +8,19 @@ finalization is ended through a ``noexcept`` frame, and the process aborts with
 has finished: the launcher sees a failed job. ``destroy_process_group`` alone does not
 stop those threads while DeepSpeed's engine still holds its groups, so the teardown also
 waits, with the GIL released, until every gloo worker thread is idle.
+
+Under ``baft train`` a rank also says, as it exits, the step it ended its script at: a rank that returns early (its
+loop ends sooner than its peers') leaves them failing on a lost peer, and ``baft train`` names it from that line.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
+
+from baft.config import LAUNCHER_ENV
 
 _GLOO_WORKERS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -22,6 +29,9 @@ def teardown(engine) -> None:
     """At interpreter exit: tear baft's protection down, destroy the process groups, let gloo's workers go idle."""
     import torch.distributed as dist
 
+    if LAUNCHER_ENV["run_dir"] in os.environ:  # baft train's watch reads it (baft.cli.runlog)
+        print(f"baft: rank {engine.global_rank} ended its script at step {engine.global_steps}", file=sys.stderr,
+              flush=True)
     protection = getattr(engine, "baft", None)  # none when the config has no "baft" section
     if protection is not None:
         protection.close()

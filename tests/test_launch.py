@@ -185,6 +185,40 @@ def test_a_scripts_usage_error_stops_the_run_at_once_as_its_line():
     assert watch.outcome(1).error == watch.error
 
 
+def test_a_rank_that_ends_its_script_early_twice_in_a_row_ends_the_run_naming_it():
+    """Probe 20: a rank's ``sys.exit(0)`` at a step left its peer failing on the lost peer; torchrun restarted into it
+    every time and the run ended on the peer's exit code, naming no rank. The rank's line as it exits (hidden from the
+    screen) names it: once, a restart; twice in a row, the run's reason. A rank that ends its script while a peer is
+    killed, or after an exception, or the failed rank itself, is none."""
+    import io
+
+    from baft.cli.runlog import _Watch, on_screen
+
+    echo = ["[0] [rank0]: Traceback (most recent call last):\n", '[0] [rank0]:   File "e.py", line 9, in train_batch\n',
+            "[0] [rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:9856. This is typically\n",
+            "[0] baft: rank 0 ended its script at step 3\n"]
+    failed = "[W] torch.distributed.elastic ... [default0] failed (exitcode: {code}) local_rank: {rank} (pid: 42) of bin\n"
+    left = ["[1] baft: rank 1 ended its script at step 3\n", *echo, failed.format(code=1, rank=0)]
+    assert on_screen(left[0], "stderr") is None
+    said = "rank 1 ended its script (exit status 0) at step 3 while its peers were training: they failed on losing it"
+    stopped, watch = [], _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+    for line in left:
+        watch._read(line, "stderr")
+    assert not stopped and watch.outcome(1).exception == f"{said} (no restart left)"
+    for line in left:
+        watch._read(line, "stderr")
+    assert stopped and watch.outcome(1).exception == f"{said} (it did so in the attempt before too: a restart does " \
+                                                     "not help)"
+    raised = ['[1] Traceback (most recent call last):\n', "[1] ValueError: bad lr\n"]
+    for others in ([*left[:-1], failed.format(code=-9, rank=0)],  # its peer killed in the last step
+                   [*raised, *left],  # it ended its script of the ValueError
+                   [left[0], failed.format(code=1, rank=1)]):  # it ended it with sys.exit(1)
+        watch = _Watch(io.StringIO(), lambda: None, 5, 5)
+        for line in [*others, *others]:
+            watch._read(line, "stderr")
+        assert "ended its script" not in (watch.outcome(1).exception or ""), others
+
+
 def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_waits_less(monkeypatch):
     """``baft.cli.torchrun`` replaces three things of torch's rendezvous (each restart spent 0.3-1.2 s in the first
     two): the event name read off ``inspect.stack()``, by the same name read off the frame; under ``--standalone`` the

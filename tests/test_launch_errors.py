@@ -239,6 +239,29 @@ def test_a_deepspeed_config_assertion_is_its_line_once_with_the_rank_and_the_log
 
 
 @pytest.mark.slow
+def test_a_rank_that_ends_its_script_early_is_named_once_after_one_restart(tmp_path):
+    """Probe 20: rank 1's ``sys.exit(0)`` at step 3 left rank 0 failing on the lost peer; torchrun restarted into it
+    ``--max-restarts`` times and the run ended in rank 0's traceback tail, naming no rank. Now a restart, the same
+    again, and the run ends in one line that names the rank and its step."""
+    script, config = user_files(tmp_path)
+    script.write_text(SCRIPT + "import itertools, sys, torch\n"
+                      "batches = itertools.repeat((torch.ones(4, 4), torch.ones(4, 1)))\n"
+                      "while engine.global_steps < 6:\n"
+                      "    if engine.global_steps == 3 and engine.global_rank == 1:\n        sys.exit(0)\n"
+                      "    engine.train_batch(data_iter=batches)\n")
+    proc = baft_train(tmp_path, script, "--config", config, max_restarts=3)
+    log = tmp_path / "run" / LOG_NAME
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = screen(proc)
+    assert not any(noise in line for line in lines for noise in NOT_ON_SCREEN), lines
+    assert lines[-1] == ("baft: error: rank 1 ended its script (exit status 0) at step 3 while its peers were "
+                         "training: they failed on losing it (it did so in the attempt before too: a restart does not "
+                         f"help); every rank's output is in {log}"), lines
+    assert sum("resumed from step" in line for line in lines) == 1, "one restart, not three"
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
 def test_the_examples_options_given_for_a_script_are_said_not_read_and_its_run_is_still_managed(tmp_path):
     """``--policy none --period 3 --iters 5`` of a script's run were silently ignored (its ranks snapshot as their
     config says), and ``--policy none`` started no manager: its snapshots stayed in shared memory after the run,

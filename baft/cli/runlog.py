@@ -11,7 +11,8 @@ prints the ranks' last lines and torchrun's (its summary names the rank that fai
 A rank's :class:`~baft.errors.BaftError` is the user's to fix, so no restart can get past it:
 :func:`run_logged` stops torchrun at the first one instead of letting it restart every rank
 ``--max-restarts`` times into the same error; so too the script's own usage error (argparse's
-``prog: error: ...`` after its usage). That error, or the Python exception a rank died of
+``prog: error: ...`` after its usage), and a rank that ends its script (exit status 0) while its peers train on,
+which they fail on, twice in a row. That error, or the Python exception a rank died of
 outside a training step (a DeepSpeed config assertion, an import error), is the one line
 :class:`Outcome` gives for the screen; the tracebacks stay in the log.
 """
@@ -51,6 +52,7 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 # a traceback's last line, ``ValueError: ...`` or ``pkg.mod.Error``; not a line the rank printed meanwhile on its
 # other stream (``baft: resumed from step 2``)
 _EXCEPTION = re.compile(r"(?!baft:)[A-Za-z_][\w.]*(:( |$)|\s*$)")
+_ENDED = re.compile(r"baft: rank \d+ ended its script at step (\d+)$")  # baft.teardown's, as a rank exits
 _USAGE = re.compile(r"[Uu]sage: ")  # argparse's usage (click's), which its error line follows
 _USAGE_ERROR = re.compile(r"(?:\S.*: )?[Ee]rror: \S")  # argparse's ``prog: error: ...``, click's ``Error: ...``
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -95,7 +97,7 @@ def on_screen(line: str, stream: str) -> Optional[str]:
         return None
     text = line[match.end():]
     if text.startswith("baft:"):
-        return text
+        return None if _ENDED.match(text) else text
     if match[1] == "0" and stream == "stdout" and not DEEPSPEED_SETUP.match(text):
         return text
     return None
@@ -202,6 +204,11 @@ def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path:
                           announce=announce)
 
 
+def _said_left_early(rank: str, step: int) -> str:
+    return f"rank {rank} ended its script (exit status 0) at step {step} while its peers were training: they failed " \
+           "on losing it"
+
+
 @dataclass(frozen=True)
 class _RankException:
     """The line of a Python exception a rank printed (``AssertionError: ...``), and whether it was raised in a
@@ -252,6 +259,11 @@ class _Watch:
         self.raised: set[tuple[str, str, bool]] = set()
         self.ended_before: frozenset[tuple[str, str, bool]] = frozenset()
         self.repeated: Optional[str] = None  # "rank R: <line>" raised between steps that ended two attempts in a row
+        # this attempt's ranks that printed an exception, and those that ended their script otherwise (rank -> step);
+        # the (rank, step) that ended its script while its peers failed on losing it, in the attempt before
+        self.failing: set[str] = set()
+        self.left: dict[str, int] = {}
+        self.left_before: Optional[tuple[str, int]] = None
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
@@ -274,9 +286,13 @@ class _Watch:
                 self._same_again()
             return None
         self.last[RANKS].append(line)
+        ended = _ENDED.match(line, match.end())
+        if ended and match[1] not in self.failing:
+            self.left[match[1]] = int(ended[1])
         exception = self.tracebacks.setdefault(match[1], _Traceback()).feed(line[match.end():])
         if exception is not None:
             self.exceptions[match[1]] = exception
+            self.failing.add(match[1])
             if not says_peer_lost(exception.line):
                 self.raised.add((match[1], exception.line, exception.in_step))
         error = baft_error(line) or self._usage_error(match[1], line[match.end():])
@@ -304,8 +320,9 @@ class _Watch:
         training step or between steps, will end every one with it: the restarts left are not tried, and the error
         is the run's. The rank torchrun saw fail first may be a peer whose receive failed as the raising rank exited:
         its echo is no attempt's ending."""
-        exitcode, _ = self.failed
+        exitcode, failed = self.failed
         ended = frozenset(self.raised) if exitcode > 0 else frozenset()
+        left = self._left_early(exitcode, failed)
         again = sorted(ended & self.ended_before)
         restarting = self.restarts_left is None or self.restarts_left > 0  # torchrun starts the ranks again now
         if self.restarts_left is not None:
@@ -319,7 +336,22 @@ class _Watch:
                 self.repeated = said
             if restarting:  # else torchrun ends by itself, its summary in the log
                 self.stop()
+        elif left and self.left_before and left[0] == self.left_before[0] and self.error is None \
+                and self.repeated is None:
+            self.repeated = f"{_said_left_early(*left)} (it did so in the attempt before too: a restart does not help)"
+            if restarting:
+                self.stop()
         self.ended_before, self.raised = ended, set()
+        self.left_before, self.left, self.failing = left, {}, set()
+
+    def _left_early(self, exitcode: int, failed: str) -> Optional[tuple[str, int]]:
+        """(rank, step) of a rank that ended its script in an attempt that failed of no exception but a lost peer's,
+        in another rank (``failed``, the one torchrun saw fail first, with ``exitcode``): its peers trained on
+        without it. A script that returns early on one rank (``sys.exit(0)`` at a step, a loop of its own that ends
+        sooner) does so again after every restart."""
+        if exitcode <= 0 or self.raised:
+            return None
+        return next(((rank, step) for rank, step in sorted(self.left.items()) if rank != failed), None)
 
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
@@ -333,6 +365,8 @@ class _Watch:
             return Outcome(code, error=self.error)
         if self.repeated is not None:
             return Outcome(code, exception=self.repeated)
+        if self.left_before is not None:
+            return Outcome(code, exception=f"{_said_left_early(*self.left_before)} (no restart left)")
         exitcode, rank = self.failed or (0, "")
         exception = self.exceptions.get(rank)
         if exitcode > 0 and exception is not None and not exception.in_step:
