@@ -467,6 +467,25 @@ def test_unreadable_newest_persisted_manifest_is_refused_at_hello(tmp_path, dama
         m.serve()
 
 
+def test_a_damaged_rank_file_of_a_persisted_step_refuses_that_rank_alone(tmp_path, in_process):
+    """Probe 20: a rank's restore from disk read every rank's file of the step, so one truncated file refused its
+    intact peer too, naming that file (and a relaunch said "manager could not restore rank 0" of the intact rank)."""
+    layout = layout_for(1 << 16)
+    sent = {r: data_for(r, 9, layout.nbytes) for r in (0, 1)}
+    persist.write_snapshot(tmp_path / "ckpt", [(record_for(r, 9, layout, d), d) for r, d in sent.items()])
+    damaged = tmp_path / "ckpt" / "step-00000009" / "rank1.safetensors"
+    with open(damaged, "r+b") as f:
+        f.truncate(100)
+    config = ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "ckpt")
+    in_process(config)
+    with ManagerClient.connect(config.shm_root) as c:
+        reply = c.restore(0)
+        with pytest.raises(BaftError, match=rf"^restore rank 1: .*; {damaged}: holds 100 bytes, the manifest says"):
+            c.restore(1)
+    assert (reply["source"], reply["step"]) == ("disk", 9)
+    assert same_snapshot(slots.load_verified(config.shm_root, 0, 9), record_for(0, 9, layout, sent[0]), sent[0])
+
+
 def test_unwritable_snapshot_directory_is_refused_at_start(tmp_path):
     (tmp_path / "file").write_text("")
     m = server.Manager(ManagerConfig(node_id=0, shm_root=tmp_path / "shm", dir=tmp_path / "file" / "ckpt",

@@ -307,3 +307,12 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     assert copied.returncode != 0 and "resumed from" not in said, said[-3000:]
     assert re.search(r"the snapshot of step 10 of stage 0 is of run 'run-\w+', this run is 'moved-\w+' \(baft train "
                      r"names a run by its directory's path", said), said[-3000:]
+
+    damaged = run_dir / "persisted" / "node0" / "step-00000010" / "rank1.safetensors"
+    with open(damaged, "r+b") as f:  # probe 20: rank 0's restore, and each stage, blamed it on their own words too
+        f.truncate(100)
+    truncated = train()
+    said = truncated.stdout + truncated.stderr
+    assert truncated.returncode != 0 and said.count(str(damaged)) == 1, said[-3000:]
+    assert f"{damaged}: holds 100 bytes, the manifest says" in said and "refusing to start again" in said, said[-3000:]
+    assert "could not restore rank 0" not in said and "fits this model" not in said, said[-3000:]

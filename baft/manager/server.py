@@ -213,7 +213,8 @@ class Manager:
             if s in disk and rank in disk[s].ranks:
                 try:
                     persist.check_identity(disk[s], self.ranks.identity(rank))
-                    return self.ranks.materialize("disk", rank, persist.read_snapshot(disk[s].path), refused)
+                    # its own file alone: another rank's damaged one is that rank's to refuse
+                    return self.ranks.materialize("disk", rank, persist.read_snapshot(disk[s].path, [rank]), refused)
                 except BaftError as err:
                     refused.append(str(err))
         for line in refused:

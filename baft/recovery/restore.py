@@ -85,8 +85,6 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             _close(shards)
         tried.add(plan.step)
         held = {}  # what the manager could not materialize, it will not on a second ask
-    for line in refused:
-        log(line)
     mark("restore_end")
     _fresh_start(engine.global_rank, saw_snapshot, fresh_start, refused, log, only_first)
     return None
@@ -142,7 +140,8 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
     """The rule for starting from step 0: allowed only where no rank saw a snapshot of this run, or only the run's
     first (``only_first``, its step), which some stages committed and others did not (a fault as it was committed:
     the run had no step to go back to but its start, as after a fault before any snapshot), or where
-    ``fresh_start`` is ``"always"``; else a one-line error with every reason a snapshot was refused."""
+    ``fresh_start`` is ``"always"``; else a one-line error with every reason a snapshot was refused (said there
+    alone, not also line by line before it)."""
     if saw_snapshot and only_first is not None and fresh_start is True and not refused:
         if rank == 0:
             log(f"the run's first snapshot, of step {only_first}, was committed by some stages and not others (a "
@@ -153,6 +152,8 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
         raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "
                         f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh, or "
                         f"train under another baft.run_id (baft train: another --run-dir)")
+    for line in refused:
+        log(line)
     if saw_snapshot:
         log("fresh_start is \"always\": snapshots of this run exist but none can be restored; starting from step 0")
     elif not fresh_start:
@@ -165,12 +166,13 @@ def _load_shards(engine, root, client, step, offer, tensors, refused, run_id="")
     shards are only applied (:func:`_apply`) once every rank has loaded its own, so a failed attempt leaves
     no rank half-restored; the optimizer's empty state tensors are made where it has none yet (a first
     step not taken), for the shards to be checked against."""
-    source = "memory"
+    source, unserved = "memory", False
     for old_rank, _ in offer.pending:
         try:
             source = slower(source, client.restore(old_rank, step)["source"])
         except BaftError as err:
             refused.append(f"manager could not restore rank {old_rank} step {step}: {err}")
+            unserved = True
     shards: Shards = {}  # verified in place, copied once by _apply
     fingerprint = model_signature(tensors)
 
@@ -200,7 +202,8 @@ def _load_shards(engine, root, client, step, offer, tensors, refused, run_id="")
         state.create_optimizer_state(engine, next(iter(shards.values()))[0].layout.tensors)
         problem = _fit_problem(engine, shards)
     if problem is not None:
-        refused.append(problem)
+        if shards or not unserved:  # none at all, where the manager's refusal above says why, needs no second line
+            refused.append(problem)
         _close(shards)
         return source, None
     return source, shards
