@@ -79,6 +79,11 @@ COUNTS = {
     "two calls a pass of a loop on the engine's step": ("def both():\n    engine.train_batch()\n    engine.train_batch()\n"
                                                         "while engine.global_steps < N:\n    both()\n"
                                                         "    engine.global_steps += 2"),
+    # probe 19: nanoGPT's, which breaks once its counter passes the end (resumed, it trained as many steps again)
+    "a while True that breaks at its counter": ("iter_num = 0\nwhile True:\n    engine.train_batch()\n"
+                                                 "    iter_num += 1\n    if iter_num > N - 1:\n        break"),
+    "a while True that breaks at its counter, in a condition": (
+        "it = 0\nwhile True:\n    engine.train_batch()\n    it += 1\n    if N <= it or it < 0:\n        break"),
     "a trainer's own start, at 0": ("start_epoch = start_step = 0\nfor epoch in range(start_epoch, args.epochs):\n"
                                     "    for step in range(start_step if epoch == start_epoch else 0, N):\n"
                                     "        engine.train_batch()"),
@@ -99,11 +104,15 @@ STEPS = {
     "range from the script's own start, through tqdm": ("from tqdm import tqdm\nstart = args.epochs + 3\n"
                                                         "for step in tqdm(range(start, start + N), disable=True):\n"
                                                         "    engine.train_batch()"),
-    # probe 13: Megatron's, from what its own load_checkpoint returned (said to run its steps again: it does not)
+    # probe 13: Megatron's, from what its own load_checkpoint returned (said to run its steps again: it does not);
+    # at 0 it counts its calls (test_a_counter_started_from_a_value_of_the_scripts_counts_from_where_it_stands...)
     "a counter from the script's own resume": ("def train():\n    iteration = args.iteration\n"
                                                "    while iteration < N:\n        engine.train_batch()\n"
                                                "        iteration += 1\n"
-                                               "args.iteration = 0\ntrain()"),
+                                               "args.iteration = 1\ntrain()"),
+    "a while True that breaks on the engine's step": ("while True:\n    engine.train_batch()\n"
+                                                      "    engine.global_steps += 1\n"
+                                                      "    if engine.global_steps >= N:\n        break"),
     "a list from the engine's step": ("lrs = [0.1] * (N - engine.global_steps)\nfor lr in lrs:\n"
                                       "    engine.train_batch()"),
     "a counter from the engine's step": ("step = engine.global_steps\nwhile step < N:\n    engine.train_batch()\n"
@@ -198,6 +207,98 @@ def test_a_range_from_a_start_read_at_the_call_counts_its_calls_unless_the_scrip
                       for how in ("", ", through tqdm"))
     assert ((plain.start_read, plain.counts_calls, plain.unread) == (wrapped.start_read, wrapped.counts_calls,
                                                                      wrapped.unread) == (True, False, False)), wrapped
+
+
+FIRST_CALL = STUB + """
+class Engine(Engine):  # the site as read at the process's first call, with a client_state kept
+    def train_batch(self):
+        global SITE
+        if 'SITE' not in globals():
+            SITE = loop_around(sys._getframe(1), kept=(self, progress))
+    def eval_batch(self):
+        global SITE
+        if 'SITE' not in globals():
+            SITE = loop_around(sys._getframe(1), kept=(self, progress), training=False)
+engine = Engine()
+class Progress:  # a client_state, which a restore sets
+    iteration = 0
+progress = Progress()
+"""
+
+
+def _first_site(tmp_path, body):
+    """The site read at the script's first call (train_batch or eval_batch), as :class:`baft.script.loop.Loop` does."""
+    script = tmp_path / f"first{len(list(tmp_path.iterdir()))}.py"
+    script.write_text(FIRST_CALL + textwrap.dedent(body) + "\n")
+    return runpy.run_path(str(script), run_name="__main__")["SITE"], script
+
+
+def test_a_counter_started_from_a_value_of_the_scripts_counts_from_where_it_stands_at_the_first_call(tmp_path):
+    """Probe 19: Megatron's ``iteration = args.iteration`` and GPT-NeoX's ``neox_args.iteration``, 0 where the script has
+    no checkpoint of its own, were taken as the script's own resume: a resumed run trained as many steps again as it
+    had, silently; so was nanoGPT's ``while True`` (its resume branch sets ``iter_num`` from its checkpoint) and a
+    trainer's ``while not self.should_stop and self.global_step < max_steps``. Each counts its calls where its counter
+    stands at its start as the process first calls (read at that call: the script's own resume sets it elsewhere);
+    not one the script's client_state holds (a restore sets it), nor one from the engine's step."""
+    megatron = ("def train():\n    iteration = args.iteration\n    while iteration < N:\n        engine.train_batch()\n"
+                "        iteration += 1\n        args.iteration = iteration\nargs.iteration = {start}\ntrain()")
+    neox = ("from dataclasses import dataclass\n@dataclass\nclass NeoXArgs:\n    iteration: int = 0\n"
+            "neox_args = NeoXArgs()\nneox_args.iteration = int('{start}')\ndef train(neox_args):\n"
+            "    iteration = neox_args.iteration\n    while iteration < N:\n        engine.train_batch()\n"
+            "        iteration += 1\n        neox_args.iteration += 1\ntrain(neox_args)")
+    nanogpt = ("iter_num = 0\nif N > 5:  # its resume branch\n    iter_num = int('7')\niter_num = {start}\n"
+               "def estimate_loss():\n    for split in ['train', 'val']:\n        for k in range(2):\n"
+               "            engine.eval_batch()\nwhile True:\n    if iter_num % 2 == 0:\n        estimate_loss()\n"
+               "    engine.train_batch()\n    iter_num += 1\n    if iter_num > N:\n        break")
+    trainer = ("class Trainer:\n    def __init__(self, start):\n        self.global_step, self.should_stop = start, False\n"
+               "    def fit(self):\n        while not self.should_stop and self.global_step < N:\n"
+               "            for batch_idx in range(3):\n                engine.train_batch()\n"
+               "                self.global_step += 1\nTrainer({start}).fit()")
+    before = "def train():\n    i = args.epochs - 1 + {start}\n    while i < N:\n        i += 1\n        engine.train_batch()\ntrain()"
+    for name, body, header in (("Megatron", megatron, "while iteration < N"), ("GPT-NeoX", neox, "while iteration < N"),
+                               ("nanoGPT", nanogpt, "while True"),
+                               ("a trainer", trainer, "for batch_idx in range(3)"),
+                               ("a count before the call", before, "while i < N")):
+        site, _ = _first_site(tmp_path, body.format(start=0))
+        assert (site.counts_calls, site.start_read, site.unread, site.text) == (True, True, False, header), (name, site)
+        site, _ = _first_site(tmp_path, body.format(start=1))  # resumed by the script itself: it goes on from there
+        assert (site.counts_calls, site.unread) == (False, False), (name, site)
+    # a counter of the client_state (a restore sets it), or from the engine's step: it resumes with the engine
+    for body in ("while progress.iteration < N:\n    engine.train_batch()\n    progress.iteration += 1",
+                 "def f():\n    step = engine.global_steps\n    while step < N:\n        engine.train_batch()\n"
+                 "        step += 1\nf()"):
+        site, _ = _first_site(tmp_path, body)
+        assert (site.counts_calls, site.start_read, site.unread) == (False, False, False), (body, site)
+    # a break out of a loop inside it stops no while
+    inner = ("it = 0\nwhile True:\n    engine.train_batch()\n    engine.global_steps += 1\n    it += 1\n"
+             "    for _ in range(1):\n        if it > 0:\n            break\n    if engine.global_steps >= N:\n"
+             "        break")
+    assert not _first_site(tmp_path, inner)[0].counts_calls
+    # the script resumed itself to that start: its loop goes on from there (Loop reads it)
+    script = tmp_path / "resumed_megatron.py"
+    script.write_text(DECIDED.format(start=0, resumed=True).split("start_epoch, start_step")[0]
+                      + "args = type('Args', (), {})()\nN = 2\n"
+                      + megatron.format(start=0).replace("engine.train_batch()", "engine.train_batch()\n        break"))
+    loop = runpy.run_path(str(script), run_name="__main__")["LOOP"]
+    assert loop.site.start_read and not loop.counts_calls, loop.site
+
+
+def test_an_evaluation_before_the_first_step_is_read_from_the_loop_that_trains(tmp_path):
+    """Probe 19: nanoGPT evaluates before its first step, from ``estimate_loss``'s ``for k in range(eval_iters)``: the
+    site was read from that loop, and named it (the evaluation of a ``for batch in val_loader`` would have been read
+    as a loop over the data, not one that counts its calls). The training loop around it is read instead, through a
+    function of another module of the script that calls train_batch (GPT-NeoX's ``train_step``)."""
+    helper = tmp_path / "helpers.py"
+    helper.write_text("def train_step(engine):\n    return engine.train_batch()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        body = ("from helpers import train_step\ndef evaluate():\n    for batch in loader:\n        engine.eval_batch()\n"
+                "for step in range(N):\n    if step % 2 == 0:\n        evaluate()\n    train_step(engine)")
+        site, script = _first_site(tmp_path, body)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert site.counts_calls and not site.unread and site.text == "for step in range(N)", site
+    assert site.where == f"{script}:{FIRST_CALL.count(chr(10)) + 5}", site
 
 
 def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):

@@ -176,7 +176,7 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
         if code is None or (name, code) in seen or source.library(code.co_filename):
             continue
         seen.add((name, code))
-        definition = _defined_at(code)
+        definition = defined_at(code)
         if definition is None or not definition.args.args:
             continue
         found.append((name, called, code.co_filename, definition))
@@ -218,7 +218,7 @@ def _split(path: str) -> tuple[str, Optional[str]]:
     return (owner, attr) if owner else (path, None)
 
 
-def _defined_at(code: types.CodeType) -> Optional[ast.AST]:
+def defined_at(code: types.CodeType) -> Optional[ast.AST]:
     """The definition of the function ``code`` is, read from its file; None where it cannot be read."""
     tree = source.parsed(code.co_filename)
     return next((node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
@@ -268,7 +268,7 @@ def _other_modules_globals(filename: str, loop: ast.AST, frame) -> list[Carried]
         if not isinstance(function, types.FunctionType) or function.__code__.co_filename == filename:
             continue
         code = function.__code__
-        definition = None if source.library(code.co_filename) else _defined_at(code)
+        definition = None if source.library(code.co_filename) else defined_at(code)
         if definition is None:
             continue
         tree = source.parsed(code.co_filename)

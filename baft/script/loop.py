@@ -168,7 +168,7 @@ class Loop:
         if unread and engine.global_rank == 0:
             print(f"baft: warning: {unread}", file=sys.stderr, flush=True)
         mode = engine.baft.config.loop
-        self.site = loop_around(frame, kept=self._kept(engine)) if mode == "auto" else None
+        self.site = loop_around(frame, kept=self._kept(engine), training=training) if mode == "auto" else None
         self.site_at_train_batch = training
         if self.site is not None and self.site.sets_state:
             self._sets_state(engine, self.site)

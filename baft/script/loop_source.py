@@ -57,10 +57,14 @@ class LoopSite:
         return f"the loop at {self.where} ({self.text})"
 
 
-def loop_around(frame, kept=()) -> Optional[LoopSite]:
+def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
     """The loops around the call ``frame`` is in, and those around its callers' calls up to the script's
     module level; None where no loop is found (the source unreadable, or the call in no loop). ``kept``: objects
-    whose attributes the loops may set without saying so (the engine, whose state baft keeps)."""
+    whose attributes the loops may set without saying so (the engine, whose state baft keeps). A call to
+    ``eval_batch`` (not ``training``) is read from the innermost loop that calls ``train_batch`` too: the loops of
+    the evaluation itself (nanoGPT's ``for k in range(eval_iters)``, a ``for batch in val_loader``) count nothing the
+    training loop does (probe 19: nanoGPT, which evaluates before its first step, was read from its evaluation's loop,
+    and named it)."""
     loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -72,6 +76,9 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
         if frame.f_code.co_name == "<module>":
             break
         frame = frame.f_back
+    if not training:
+        trains = next((i for i, (file, loop, _, at) in enumerate(loops) if _reaches_train_batch(file, loop, at)), 0)
+        loops = loops[trains:]
     if not loops:
         return None
     filename, innermost, _, _ = loops[0]
@@ -83,7 +90,7 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
     on_step = [isinstance(loop, ast.While) and _reads_engine_step(loop.test, scope) for _, loop, scope, _ in loops]
     # so is such a ``while`` that calls ``train_batch`` more than once a pass (a task's step, then another's): resumed
     # between its calls, its pass would start again from the first
-    counts = [_counts_calls(loop, scope, frame) or (step and _train_calls(file, loop) > 1)
+    counts = [_counts_calls(loop, scope, frame, kept) or (step and _train_calls(file, loop) > 1)
               for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
                     for value in carried_source.carried(file, loop, scope, frame, kept))
@@ -102,7 +109,39 @@ def loop_around(frame, kept=()) -> Optional[LoopSite]:
                                     for count in _own_count(file, loop, scope, frame, kept)
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
                     carried=carried,
-                    start_read=any(_start_read(loop) for _, loop, _, _ in loops))
+                    start_read=any(_start_read(loop, scope, frame, kept) for _, loop, scope, frame in loops))
+
+
+def _reaches_train_batch(filename: str, loop: ast.AST, frame) -> bool:
+    """Whether ``loop`` (run in ``frame``) calls ``train_batch``, or a function it calls does: one of the same file
+    (:func:`source.reached`), or of another module of the script's it names (GPT-NeoX's ``train_step``), and those
+    they call."""
+    def named(name: str, names: Optional[dict]):  # what ``name`` (``a.b``) holds in the frame, or a module's globals
+        if names is None:
+            return source.value_in(frame, name)
+        root, *path = name.split(".")
+        value = names.get(root)
+        for attr in path:
+            value = getattr(value, attr, None)
+        return value
+
+    todo, seen = [(filename, body, None) for body in source.reached(filename, loop)], set()
+    while todo:
+        file, body, names = todo.pop()
+        for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
+            if source.called_name(call.func) == "train_batch":
+                return True
+            function = named(source.dotted(call.func), names) if source.dotted(call.func) else None
+            code = getattr(function, "__code__", None)
+            if (not isinstance(function, types.FunctionType) or code.co_filename == file or code in seen
+                    or source.library(code.co_filename)):
+                continue
+            seen.add(code)
+            definition = carried_source.defined_at(code)
+            if definition is not None:
+                todo += [(code.co_filename, b, function.__globals__)
+                         for b in source.reached(code.co_filename, definition)]
+    return False
 
 
 def _loops_at(tree: ast.Module, line: int) -> list[tuple[ast.AST, ast.AST]]:
@@ -127,11 +166,11 @@ def _holds(node: ast.AST, line: int) -> bool:
     return start is not None and start <= line <= (node.end_lineno or start)
 
 
-def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None) -> bool:
+def _counts_calls(loop: ast.AST, scope: ast.AST, frame=None, kept=()) -> bool:
     """A ``for`` over a count of its own (:func:`_counted`), or a ``while`` over a counter of its own
-    (:func:`_while_counts`)."""
+    (:func:`_while_counts`, :func:`_while_start_read`)."""
     if isinstance(loop, ast.While):
-        return _while_counts(loop, scope)
+        return _while_counts(loop, scope) or _while_start_read(loop, scope, frame, kept)
     return isinstance(loop, (ast.For, ast.AsyncFor)) and _counted(loop.iter, scope, frame)
 
 
@@ -160,8 +199,11 @@ def _range_from_own_start(expr: ast.AST) -> bool:
             and not (isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, int)))
 
 
-def _start_read(loop: ast.AST) -> bool:
-    """A ``for`` over a range from a start of the script's own (:func:`_range_from_own_start`)."""
+def _start_read(loop: ast.AST, scope: ast.AST, frame=None, kept=()) -> bool:
+    """A ``for`` over a range from a start of the script's own (:func:`_range_from_own_start`), or a ``while`` over a
+    counter that counts from its start at the call (:func:`_while_start_read`)."""
+    if isinstance(loop, ast.While):
+        return _while_start_read(loop, scope, frame, kept)
     return isinstance(loop, (ast.For, ast.AsyncFor)) and _range_from_own_start(loop.iter)
 
 
@@ -203,7 +245,8 @@ def _count_around_data(loops: list, counts: list[bool]) -> bool:
     whether each of ``loops`` counts its calls."""
     return (any(not count and isinstance(loop, (ast.For, ast.AsyncFor)) and _data(loop.iter, frame)
                 for count, (_, loop, _, frame) in zip(counts, loops))
-            and any(count and not _start_read(loop) for count, (_, loop, _, _) in zip(counts, loops)))
+            and any(count and not _start_read(loop, scope, frame)
+                    for count, (_, loop, scope, frame) in zip(counts, loops)))
 
 
 def _goes_on_itself(loop: ast.AST, frame) -> bool:
@@ -214,14 +257,100 @@ def _goes_on_itself(loop: ast.AST, frame) -> bool:
 
 
 def _while_from_own_start(loop: ast.AST, scope: ast.AST) -> bool:
-    """A ``while i < n`` whose counter its scope sets from something other than a number: the script's own resume
-    (Megatron's ``iteration = args.iteration``, from what its load_checkpoint returned), as a ``range`` from a start of
-    its own."""
-    test = loop.test if isinstance(loop, ast.While) else None
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
-            and any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == test.left.id
-                                                         for t in node.targets) for node in ast.walk(scope))
-            and not _set_to_numbers(test.left.id, scope))
+    """A ``while`` over a counter (:func:`_while_counter`) its scope sets from something other than a number, or one
+    an object holds (a trainer's ``self.global_step``, the ``client_state``'s ``progress.iteration``): the script's own
+    resume, perhaps (Megatron's ``iteration = args.iteration``, from what its load_checkpoint returned), as a ``range``
+    from a start of its own. Where it stands at its start at the call, it counts its calls
+    (:func:`_while_start_read`)."""
+    counter = _while_counter(loop)
+    if not counter:
+        return False
+    if "." in counter:
+        return True
+    return (any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)
+                for node in ast.walk(scope))
+            and not _set_to_numbers(counter, scope))
+
+
+def _while_start_read(loop: ast.AST, scope: ast.AST, frame, kept=()) -> bool:
+    """A ``while`` over a counter of the script's own (:func:`_while_counter`) started from something other than a
+    number in the source (Megatron's ``iteration = args.iteration``, GPT-NeoX's ``neox_args.iteration``, nanoGPT's
+    ``iter_num``, which its resume branch sets from its checkpoint, a trainer's ``self.global_step``) that stands at its
+    start as the process calls: 0, or 1 where the loop adds to it before the call (read at that call, as a ``range``
+    from a variable: probe 19, Megatron's and GPT-NeoX's loops without a checkpoint of their own were taken as resuming
+    themselves, and a resumed run trained as many steps again as it had, silently). Not a counter an object baft keeps
+    holds (the ``client_state``'s: a restore sets it), nor where the script's own load_checkpoint returned the restored
+    step (:mod:`baft.script.loop` reads that)."""
+    counter = _while_counter(loop)
+    if (frame is None or not counter or not _while_from_own_start(loop, scope)
+            or _reads_engine_step(ast.parse(counter, mode="eval").body, scope)):
+        return False
+    owner, _, _ = counter.rpartition(".")
+    if owner and any(source.value_in(frame, owner) is k for k in kept if k is not None):
+        return False
+    value = source.value_in(frame, counter)
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    call = source.call_position(frame)
+    before = any((node.lineno, node.col_offset) < call for node in _adds_one(loop, counter))
+    return value == (1 if before else 0)
+
+
+STOPS = (ast.Lt, ast.LtE, ast.NotEq)  # ``while i < n``
+REACHED = {ast.Gt: "left", ast.GtE: "left", ast.Eq: "either", ast.Lt: "right", ast.LtE: "right"}  # ``if i >= n: break``
+
+
+def _while_counter(loop: ast.AST) -> str:
+    """The counter of the script's own a ``while`` stops on and adds 1 to, a name or a path of attributes (``i``,
+    ``self.global_step``): ``while i < n`` (or ``<=``, ``!=``), such a comparison among the conditions an ``and`` joins
+    (a trainer's ``while not self.should_stop and self.global_step < self.max_steps``), or a ``while True`` that breaks
+    where it reaches a bound (nanoGPT's ``if iter_num > max_iters: break``); "" where there is none."""
+    if not isinstance(loop, ast.While):
+        return ""
+    test = loop.test
+    compared = [source.dotted(cond.left) for cond in (test.values if isinstance(test, ast.BoolOp)
+                                                      and isinstance(test.op, ast.And) else [test])
+                if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], STOPS)]
+    if isinstance(test, ast.Constant) and test.value:
+        for stop in _break_conditions(loop.body):
+            for cond in stop.values if isinstance(stop, ast.BoolOp) and isinstance(stop.op, ast.Or) else [stop]:
+                side = REACHED.get(type(cond.ops[0])) if isinstance(cond, ast.Compare) and len(cond.ops) == 1 else None
+                if side in ("left", "either"):
+                    compared.append(source.dotted(cond.left))
+                if side in ("right", "either"):
+                    compared.append(source.dotted(cond.comparators[0]))
+    return next((name for name in compared if name and _adds_one(loop, name)), "")
+
+
+def _break_conditions(body: list) -> list[ast.AST]:
+    """The conditions of the ``if`` statements of a loop's ``body`` whose own body breaks out of that loop (not out of
+    a loop inside it)."""
+    found = []
+    for statement in body:
+        if isinstance(statement, ast.If):
+            if any(isinstance(s, ast.Break) for s in _own_statements(statement.body)):
+                found.append(statement.test)
+            found += _break_conditions(statement.orelse)
+            found += _break_conditions([s for s in statement.body if isinstance(s, ast.If)])
+        elif isinstance(statement, (ast.With, ast.AsyncWith, ast.Try)):
+            found += _break_conditions(statement.body)
+    return found
+
+
+def _own_statements(body: list):
+    """The statements of ``body`` and those the blocks in it hold that run with it (a ``with``, a ``try``), not a
+    loop's, a condition's or a function's."""
+    for statement in body:
+        yield statement
+        if isinstance(statement, (ast.With, ast.AsyncWith, ast.Try)):
+            yield from _own_statements(statement.body)
+
+
+def _adds_one(loop: ast.AST, counter: str) -> list[ast.AST]:
+    """The statements of ``loop`` that add 1 to ``counter`` (a name or a path of attributes)."""
+    return [node for node in ast.walk(loop) if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)
+            and source.dotted(node.target) == counter and isinstance(node.value, ast.Constant)
+            and node.value.value == 1]
 
 
 def _data(expr: ast.AST, frame) -> bool:
@@ -249,18 +378,14 @@ def _value(expr: ast.AST, frame):
 
 
 def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
-    """``while i < n`` (or ``<=``, ``!=``) where ``i`` is set to a number in the scope and ``i += 1`` in the loop."""
-    test = loop.test
-    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1
-            and isinstance(test.ops[0], (ast.Lt, ast.LtE, ast.NotEq))) or _reads_engine_step(test, scope):
+    """A ``while`` over a counter (:func:`_while_counter`: ``while i < n``, ``while True`` that breaks at ``i > n``)
+    that is a name the scope sets to nothing but numbers, and ``i += 1`` in the loop."""
+    counter = _while_counter(loop)
+    if not counter or "." in counter or _reads_engine_step(ast.Name(counter, ast.Load()), scope):
         return False
-    counter = test.left.id
-    counted = any(isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name)
-                  and node.target.id == counter and isinstance(node.value, ast.Constant) and node.value.value == 1
-                  for node in ast.walk(loop))
     started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
-    return counted and bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
+    return bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
 
 
 def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
