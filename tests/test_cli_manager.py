@@ -86,3 +86,31 @@ def test_clean_empty_removes_only_roots_with_nothing_committed(shm_root):
     cleaned = baft_cli("manager", "clean", "--empty", shm_root)
     assert cleaned.returncode == 0 and "removed 1 node root(s)" in cleaned.stdout, cleaned.stdout + cleaned.stderr
     assert not empty.exists() and slots.committed(holding, 1), "only the root with nothing committed went"
+
+
+def test_the_scan_passes_over_a_run_whose_root_is_removed_as_it_is_scanned(tmp_path):
+    """Another run on the machine ending (its root removed) as ``baft train`` scanned the roots for unserved snapshots
+    stopped that launch with a FileNotFoundError (seen in the suite beside a second suite's runs)."""
+    import shutil
+    import threading
+
+    from baft.manager import inventory
+
+    (tmp_path / "run-kept" / "node0" / "rank0").mkdir(parents=True)
+    stop = threading.Event()
+
+    def another_run():
+        while not stop.is_set():
+            for rank in range(4):
+                (tmp_path / "run-ending" / "node0" / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+                (tmp_path / "run-ending" / "node0" / f"rank{rank}" / "slot0.bin").write_bytes(b"0" * 64)
+            shutil.rmtree(tmp_path / "run-ending", ignore_errors=True)
+
+    thread = threading.Thread(target=another_run)
+    thread.start()
+    try:
+        for _ in range(300):
+            assert tmp_path / "run-kept" / "node0" in [root.path for root in inventory.scan(tmp_path)]
+    finally:
+        stop.set()
+        thread.join()

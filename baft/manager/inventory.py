@@ -9,6 +9,7 @@ no manager serves, for ``baft manager clean``.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +56,38 @@ def node_root(path) -> NodeRoot:
         held = slots.committed(root, rank)
         if held:
             newest[rank] = held[0].record.step
-    nbytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    return NodeRoot(root, newest, nbytes, _manager_pid(root))
+    return NodeRoot(root, newest, _bytes_under(root), _manager_pid(root))
+
+
+def _bytes_under(root: Path) -> int:
+    """The bytes of the files under ``root``, those another run removes meanwhile not counted."""
+    total = 0
+    for directory, _, files in os.walk(root):  # skips a directory removed as it walks
+        for name in files:
+            try:
+                total += os.stat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def scan(top) -> list[NodeRoot]:
-    """Every node root under ``top`` (a directory with rank directories, or a manager's files), by path."""
-    top = Path(top)
-    if not top.is_dir():
-        return []
-    found = {p.parent for p in top.rglob("rank*") if slots.rank_of(p) is not None}
-    found |= {p.parent for name in (INFO_NAME, SOCKET_NAME, LOG_NAME) for p in top.rglob(name)}
-    return [node_root(p) for p in sorted(found)]
+    """Every node root under ``top`` (a directory with rank directories, or a manager's files), by path. Another run
+    on this machine may end as it is scanned (its root removed): a root gone meanwhile is left out (it was a
+    FileNotFoundError that stopped baft train, seen with two runs at once)."""
+    found = set()
+    for directory, subdirectories, files in os.walk(top):
+        path = Path(directory)
+        if any(slots.rank_of(path / sub) is not None for sub in subdirectories) or {INFO_NAME, SOCKET_NAME,
+                                                                                    LOG_NAME} & set(files):
+            found.add(path)
+    roots = []
+    for path in sorted(found):
+        try:
+            roots.append(node_root(path))
+        except FileNotFoundError:
+            pass
+    return roots
 
 
 def remove(path) -> NodeRoot:
