@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +155,8 @@ class Cluster:
         holder = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--ipc",
                                    "--propagation", "private", "sh", "-c", setup],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        tmp = self.workdir / f"tmp-{netns}"
-        tmp.mkdir()
+        # in the host's /tmp, not under workdir: a warm server's socket path there is short of AF_UNIX's 108 bytes
+        tmp = Path(tempfile.mkdtemp(prefix=f"{netns}-"))
         node = Node(index, netns, holder, tmp)
         self.nodes[index] = node
         if holder.stdout.readline().strip() != "ready":
