@@ -120,8 +120,27 @@ class Protection:
                             "before that iter(): baft cannot tell the next epoch's order from there. Use the policy "
                             "baft, loop on the engine's step (while engine.global_steps < N), or take one iterator "
                             "before the loop")
-        if self.restored is not None and self.restored.items is not None:
-            state.restore_items(self.engine, self.restored.items, again)
+        items = self.restored.items if self.restored is not None else None
+        if items is not None and items.get("at_exit"):
+            # put back as the replay ended (replayed_to_exit): what the loop's code set since is the next step's
+            if again is not None and "data" in items:
+                again.load_state_dict(state.unblob(items["data"]))
+        elif items is not None:
+            state.restore_items(self.engine, items, again)
+
+    def replayed_to_exit(self) -> None:
+        """A loop that counts its calls has replayed the last before the restored step, and the snapshot of that
+        step was taken as the process that trained it ended (:meth:`SnapshotPolicy.snapshot_final`), after the loop's
+        code that followed the call, before the code that begins its next iteration: the state that code may have
+        changed (a learning rate, a scheduler of its own, its ``client_state``) is put back now, where the loop goes
+        on, for its code to set the next step's once (probe 19: put back as that step started, a finished nanoGPT run
+        relaunched to train on undid the learning rate its loop set for the next step, silently). What the loop's
+        code after the call changes by adding to it (``lr *= 0.5`` where the loss went up) it does again."""
+        from baft.snapshot import state
+
+        items = self.restored.items if self.restored is not None else None
+        if items is not None and items.get("at_exit"):
+            state.restore_items(self.engine, items)
 
     def protect(self) -> None:
         """Snapshot as the policy says, report the recovery after the first resumed iteration, inject

@@ -6,10 +6,12 @@ import json
 from baft.recovery.digests import compare, redone_differ
 
 
-def record(directory, rank, restart, step, **parts):
+def record(directory, rank, restart, step, at_exit=False, **parts):
     directory.mkdir(parents=True, exist_ok=True)
+    line = {"rank": rank, "pid": 1, "restart": restart, "step": step, "parts": parts, **({"at_exit": True} if at_exit
+                                                                                           else {})}
     with open(directory / f"rank{rank}.jsonl", "a") as f:
-        f.write(json.dumps({"rank": rank, "pid": 1, "restart": restart, "step": step, "parts": parts}) + "\n")
+        f.write(json.dumps(line) + "\n")
 
 
 def uninterrupted(directory, steps=6):
@@ -65,3 +67,25 @@ def test_steps_trained_again_must_equal_their_first_training(tmp_path):
     assert redone_differ(run) == []
     record(run, 1, 0, 3, weights="other", **{"optimizer.param_groups[0].lr": "lr3"})
     assert redone_differ(run) == ["rank 1: weights differs from step 3 when it is trained again"]
+
+
+def test_a_steps_state_as_a_process_ended_counts_only_where_no_iteration_started_from_it(tmp_path):
+    """Probe 19: a finished run launched again to train on recorded its last step's state as it ended (the learning
+    rate its last step had) and again as the next iteration started (the one its loop set for the next step): said to
+    differ from the uninterrupted run's, and from itself. Where no iteration started from it (a run's last step), it
+    is that step's state."""
+    uninterrupted(tmp_path / "ref")
+    run = tmp_path / "run"
+    for step in range(7):
+        for rank in (0, 1):
+            if step == 4:  # the first launch ended here: its loop had not set the next step's learning rate yet
+                record(run, rank, 0, step, at_exit=True, weights="w4", **{"optimizer.param_groups[0].lr": "lr3"})
+            record(run, rank, 0, step, weights=f"w{step}", **{"optimizer.param_groups[0].lr": f"lr{step}"})
+    assert compare(tmp_path / "ref", run) == [] and redone_differ(run)[0].endswith("nothing to compare")
+    ended = tmp_path / "ended"
+    uninterrupted(ended, steps=5)
+    for rank in (0, 1):
+        record(ended, rank, 0, 6, at_exit=True, weights="w6", **{"optimizer.param_groups[0].lr": "other"})
+    assert [line.split(",")[0] for line in compare(tmp_path / "ref", ended)] == [
+        "rank 0: optimizer.param_groups[0].lr differs from step 6", "rank 1: optimizer.param_groups[0].lr differs from "
+                                                                    "step 6"]

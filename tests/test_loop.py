@@ -301,6 +301,64 @@ def test_an_evaluation_before_the_first_step_is_read_from_the_loop_that_trains(t
     assert site.where == f"{script}:{FIRST_CALL.count(chr(10)) + 5}", site
 
 
+def test_an_evaluation_before_the_training_loop_is_not_read_as_it(tmp_path):
+    """Probe 19: a trainer's sanity check, ``eval_batch`` over a few validation batches before its loop, was read as
+    the loop (a loop over the data: on the engine's step), and a resumed run of a trainer that counts its calls
+    trained its epochs and learning rates otherwise, silently. Such an evaluation is not in a loop that trains: the
+    loop is read at the first call to train_batch."""
+    script = tmp_path / "sanity.py"
+    script.write_text(STUB + textwrap.dedent("""
+        from baft.script.loop_source import trains_around
+        AROUND = []
+        class Engine(Engine):
+            def eval_batch(self):
+                AROUND.append(trains_around(sys._getframe(1)))
+        engine = Engine()
+        def fit():
+            for batch in loader:  # the sanity check
+                engine.eval_batch()
+            for step in range(N):
+                engine.train_batch()
+                if step % 2 == 0:
+                    for batch in loader:
+                        engine.eval_batch()
+        fit()
+        """))
+    around = runpy.run_path(str(script), run_name="__main__")["AROUND"]
+    assert around == [False, False, True, True], around
+
+
+def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
+    """Probe 19: timm's ``model_ema.update(model)`` and GPT-NeoX's noise-scale logger read the model's weights between
+    the calls: replayed, from the restored step's (said as the replay starts); on the engine's step, an EMA (an
+    ``nn.Module`` of the script's) no snapshot holds (said at start, where it is not the client_state)."""
+    ema = tmp_path / "ema_module.py"
+    ema.write_text("import copy\nimport torch\nclass ModelEma(torch.nn.Module):\n    def __init__(self, model):\n"
+                   "        super().__init__()\n        self.module = copy.deepcopy(model)\n"
+                   "    def _update(self, model):\n        with torch.no_grad():\n"
+                   "            for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):\n"
+                   "                e.copy_(0.9 * e + 0.1 * m)\n    def update(self, model):\n"
+                   "        self._update(model)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        start = "import torch\nfrom ema_module import ModelEma\nnet = torch.nn.Linear(2, 2)\nema = ModelEma(net)\n"
+        site, _ = _first_site(tmp_path, start + "while engine.global_steps < N:\n    engine.train_batch()\n"
+                                                "    engine.global_steps += 1\n    ema.update(net)")
+        assert site.reads_weights == f"{ema}:9 (self.module.state_dict())" and site.weights_owner == "ema (ModelEma)"
+        site, script = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nfor _ in range(N):\n"
+                                             "    engine.train_batch()\n    norm = sum(p.norm() for p in net.parameters())")
+        assert site.reads_weights.endswith("(net.parameters())") and site.weights_owner == "", site
+        # a checkpoint (said as such), an optimizer's state: not the weights
+        for body in ("for step in range(N):\n    engine.train_batch()\n    if step < 0:\n"
+                     "        torch.save({'model': net.state_dict()}, 'x.pt')",
+                     "opt = torch.optim.SGD(net.parameters(), 0.1)\nfor step in range(N):\n    engine.train_batch()\n"
+                     "    saved = opt.state_dict()"):
+            site, _ = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\n" + body)
+            assert site.reads_weights == "", (body, site)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     """``iteration += 1`` feeding a warm-up in a loop on the engine's step: no snapshot holds it, so a resumed run
     starts it again from 0 (said at start, where the loop does not count its calls)."""
@@ -765,6 +823,7 @@ def test_an_evaluation_a_replay_could_not_return_is_said_once_as_it_is_made(caps
     from baft.script.loop import Loop
 
     loop, engine = Loop(), SimpleNamespace(global_steps=3, global_rank=0)
+    loop.decided = loop.counts_calls = True  # (an evaluation before the loop is read is said once it is)
     loop.record_eval(engine, torch.tensor(0.5))
     assert capsys.readouterr().err == ""
     loop.record_eval(engine, (torch.zeros(2), torch.ones(3)))

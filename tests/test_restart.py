@@ -237,7 +237,6 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     left in shared memory, unwritten). A launch whose config asks another batch size goes on at the run's, saying so
     (probe 18: the config's change was dropped without a word). A copy of the run directory elsewhere is another run, refused at start
     (probe 18: it said "resumed from step 10 (disk)", then its first snapshot failed on a manager's error)."""
-    import re
     import shutil
     import subprocess
     import sys

@@ -141,8 +141,10 @@ class BaftPipelineEngine(PipelineEngine):
             if loop.history.kept_after(loop.calls):  # the last replayed call's are the restored step's own
                 self._step_applied = loop.history.applied_after(loop.calls)
                 self._global_grad_norm = loop.history.grad_norm_after(loop.calls, self.device)
-            if not loop.replaying and self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
-                loop.replay_drew(self, self.baft.hooks.rng.between_steps())
+            if not loop.replaying:
+                self.baft.replayed_to_exit()  # a snapshot taken as the process ended: its state, where it was taken
+                if self.baft.hooks.rng is not None:  # the loop's code after step k draws as then
+                    loop.replay_drew(self, self.baft.hooks.rng.between_steps(replayed=True))
             return value
         if loop.calls == loop.to_replay > 0:  # the first call that trains after those replayed
             self.baft.replayed()
@@ -195,7 +197,7 @@ class BaftPipelineEngine(PipelineEngine):
             return loop.replay_eval(self, returns_none=not self.is_last_stage() and not return_logits and not (
                 compute_loss and (bcast_loss or self.monitor.enabled)))
         value = super().eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches)
-        if loop.counts_calls:
+        if loop.counts_calls or not loop.decided:  # (before the training loop: it may count its calls)
             loop.record_eval(self, value)
         else:  # no replay reads the evaluations' batches again
             self.baft.reads.evaluated(data_iter)

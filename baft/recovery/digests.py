@@ -118,9 +118,11 @@ class StateDigests(InstructionHook):
         self.batches = xxhash.xxh3_64()
         self.engine = None  # set at a step boundary
 
-    def _write(self, engine, parts: dict) -> None:
+    def _write(self, engine, parts: dict, at_exit: bool = False) -> None:
         line = {"rank": engine.global_rank, "pid": os.getpid(), "restart": restart_count(), "step": engine.global_steps,
                 "parts": parts}
+        if at_exit:
+            line["at_exit"] = True
         with open(self.directory / f"rank{engine.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -141,9 +143,11 @@ class StateDigests(InstructionHook):
         self._write(engine, {"batches": self.batches.hexdigest()})
 
     def close(self):
-        """The state after the last step (not after an iteration a fault cut short)."""
+        """The state after the last step (not after an iteration a fault cut short), as the process ends: after the
+        loop's code that followed its call, not the code that begins the next iteration (its learning rate), so
+        marked; :func:`load` takes it only for a step no iteration started from."""
         if self.engine is not None:
-            self._write(self.engine, state_parts(self.engine, self.data_iterator))
+            self._write(self.engine, state_parts(self.engine, self.data_iterator), at_exit=True)
 
 
 def digests_hook(data_iterator=None):
@@ -159,6 +163,14 @@ def _records(directory) -> Iterator[dict]:
                 yield json.loads(line)
 
 
+def _states(directory) -> list[dict]:
+    """The records of ``directory``, less those of a step's state as a process ended where an iteration started
+    from that step too (:func:`load`)."""
+    records = list(_records(directory))
+    started = {(rec["rank"], rec["step"]) for rec in records if not rec.get("at_exit") and len(rec["parts"]) > 1}
+    return [rec for rec in records if not (rec.get("at_exit") and (rec["rank"], rec["step"]) in started)]
+
+
 def processes(directory) -> dict[int, dict[int, int]]:
     """restart -> rank -> the pid that recorded that rank's state in it (a recovery in place keeps a survivor's)."""
     found: dict[int, dict[int, int]] = {}
@@ -169,9 +181,12 @@ def processes(directory) -> dict[int, dict[int, int]]:
 
 def load(directory) -> dict[tuple[int, int], dict[str, dict[str, int]]]:
     """(rank, step) -> part -> {digest: the first restart that recorded it} (a step trained twice, before
-    and after a fault, has its digests from both)."""
+    and after a fault, has its digests from both). A step's state as a process ended (the last of a run, or where a
+    fault between steps ended it) counts only where no iteration started from that step: it was read before the
+    loop's code that begins the next (probe 19: a finished run launched again to train on was said to differ at its
+    last step, in the learning rate its loop sets for the next)."""
     found: dict = defaultdict(lambda: defaultdict(dict))
-    for rec in _records(directory):
+    for rec in _states(directory):
         for part, digest in rec["parts"].items():
             seen = found[rec["rank"], rec["step"]][part]
             seen[digest] = min(seen.get(digest, rec["restart"]), rec["restart"])
@@ -225,7 +240,7 @@ def redone_differ(run) -> list[str]:
     naming the first such step, or one line saying no step was trained twice. Empty: every step trained
     again equal to its first training in every part."""
     recorded: dict[tuple[int, int, str], list[str]] = defaultdict(list)
-    for rec in _records(run):
+    for rec in _states(run):
         for part, digest in rec["parts"].items():
             recorded[rec["rank"], rec["step"], part].append(digest)
     redone = {key: digests for key, digests in sorted(recorded.items()) if len(digests) > 1}

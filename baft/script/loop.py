@@ -42,7 +42,7 @@ from baft.errors import BaftError
 from baft.script.history import RETURNED_NONE, History
 from baft.script import carry
 from baft.script.carried_source import Carried
-from baft.script.loop_source import LoopSite, loop_around
+from baft.script.loop_source import LoopSite, loop_around, trains_around
 from baft.script.rng import rng_states, set_rng_states
 from baft.script.schedulers import script_schedulers
 
@@ -81,15 +81,22 @@ class Loop:
         self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
         self.restored_count: Optional[int] = None  # the engine's scheduler's count as restored, before a replay
+        self.restored_at_exit = False  # the restored snapshot was taken as the process that trained it ended
+        self.evals_at_exit = 0
 
-    def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None) -> None:
+    def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None,
+                 at_exit: bool = False) -> None:
         """The history a snapshot holds, the engine's ``counters`` it set and the values the loop carried then (put
-        back at the loop's first call), in a process that has not trained yet (a survivor keeps its own)."""
+        back at the loop's first call), in a process that has not trained yet (a survivor keeps its own).
+        ``at_exit``: the snapshot was taken as the process that trained the step ended."""
         if not self.decided:
             self.history = History.from_items(items) if items else History()
             self.recorded = items is not None
             self.counters = dict(counters)
             self.carried_restored = carried
+            self.restored_at_exit = at_exit
+            # the evaluations made after the restored step's call before the process ended: replayed, the rest made
+            self.evals_at_exit = len(self.history.evals.get(counters.get("global_steps", 0), [])) if at_exit else 0
         elif not self.counts_calls:
             # a survivor in place, taken back to the snapshot's step: its call trains the step after it and returns to
             # the loop's code, which reads them as they were when that step first started
@@ -157,6 +164,8 @@ class Loop:
                     self._elsewhere(engine, frame)
                 self.call_sites.add(site)
         if not self.decided:
+            if not training and engine.baft.config.loop == "auto" and not trains_around(frame):
+                return  # an evaluation before the training loop (a sanity check): read at that loop's first call
             self._decide(engine, frame, training)
         if training and not self.counts_calls and self.carried is None:
             self._carry(engine, frame)
@@ -182,6 +191,7 @@ class Loop:
                               "\"calls\" in the baft section if it counts its calls from 0")
         if not self.counts_calls:
             self.show_restored(engine)
+            self._weights_not_kept(engine)
             if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.site.carried)):
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
@@ -222,12 +232,33 @@ class Loop:
             print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
                   f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
                   f"if it stops on the engine's step)", flush=True)
+        if k and self.site is not None and self.site.reads_weights and (engine.global_rank == 0 or peers is not None):
+            print(f"baft: warning: {loop} reads the model's weights between its calls, at {self.site.reads_weights}: "
+                  f"as it replays calls 1-{k}, those are step {k}'s, not each call's, and what it computes from them "
+                  f"(an EMA of the weights, a noise scale, a logged norm) is not the uninterrupted run's as it "
+                  f"replays them (probe 19). Keep such an object in client_state= of baft.initialize (put back as "
+                  f"step {k + 1} starts), or loop on the engine's step (while engine.global_steps < N), which replays "
+                  f"no calls",
+                  file=sys.stderr, flush=True)
         if k and self.site is not None and self.site.saves and (engine.global_rank == 0 or peers is not None):
             print(f"baft: warning: {loop} calls torch.save between its calls, at {self.site.saves}: as it replays "
                   f"calls 1-{k}, what that saves of the model or the optimizer is step {k}'s, not what each call had, "
                   f"over what it saved then (engine.save_checkpoint writes nothing in a replay). Loop on the engine's "
                   f"step (while engine.global_steps < N), which replays no calls, or save with "
                   f"engine.save_checkpoint", file=sys.stderr, flush=True)
+
+    def _weights_not_kept(self, engine) -> None:
+        """A loop on the engine's step that updates an object of the script's own from the model's weights between its
+        calls (timm's ``model_ema.update(model)``), which no snapshot holds (an ``nn.Module``, kept by no value baft
+        keeps): said at start, as a resumed process makes it again from the restored weights (probe 19)."""
+        site = self.site
+        if site is None or not site.weights_owner:
+            return
+        self._say(engine, f"updates {site.weights_owner} from the model's weights between its calls, at "
+                          f"{site.reads_weights}, which no snapshot holds: resumed after a fault it starts again from "
+                          f"what the script makes it from, not where the uninterrupted run had it. Keep it in "
+                          f"client_state= of baft.initialize (an object with state_dict() and load_state_dict(): an "
+                          f"nn.Module's)")
 
     def carried_values(self, engine) -> Optional[dict]:
         """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are
@@ -380,7 +411,17 @@ class Loop:
     def replays_evaluations(self) -> bool:
         """Whether an ``eval_batch`` or ``save_checkpoint`` call now was made, after the same call to
         ``train_batch``, by the process that trained the step (or by the survivors, for a replacement in place)."""
-        return 0 < self.evaluated_until and self.calls <= self.evaluated_until
+        if not self.decided:  # an evaluation before the training loop: made then, where it counts its calls
+            return (self.recorded and bool(self.counters.get("global_steps"))
+                    and self.evals_replayed < len(self.history.evals.get(0, [])))
+        if not 0 < self.evaluated_until or self.calls > self.evaluated_until:
+            return False
+        if self.calls == self.evaluated_until and self.restored_at_exit and self.peers is None:
+            # the snapshot was taken as the process that trained the step ended: it evaluated after the call (the
+            # loop's code after it, Megatron's), not where the loop's next iteration begins (nanoGPT's, at its top:
+            # probe 19, a finished run launched again to train on stopped there, nothing recorded to replay)
+            return self.evals_replayed < self.evals_at_exit
+        return True
 
     def called(self) -> None:
         """A call to ``train_batch``, replayed or not."""
@@ -390,7 +431,7 @@ class Loop:
     def record_eval(self, engine, value) -> None:
         """What ``eval_batch`` returned at the engine's step; said once where it cannot be replayed."""
         self.history.record_eval(engine.global_steps, value)
-        if self.history.evals[engine.global_steps][-1] is None and not self.said_unreplayable:
+        if self.history.evals[engine.global_steps][-1] is None and not self.said_unreplayable and self.decided:
             self.said_unreplayable = True
             if engine.global_rank == 0:
                 print(f"baft: eval_batch returned {type(value).__name__} at step {engine.global_steps}, not a scalar "

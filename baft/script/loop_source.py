@@ -50,6 +50,10 @@ class LoopSite:
     # one of the loops is a range from a start read at the call (``range(start, n)``): 0 or 1 then, it counts its
     # calls, unless the script resumed itself to that start
     start_read: bool = False
+    # where the loops (or what they call) read the model's weights or gradients between the calls (an EMA of the
+    # weights, a noise scale), file:line and text, and the name of the object of the script's whose method does
+    reads_weights: str = ""
+    weights_owner: str = ""
 
     @property
     def named(self) -> str:
@@ -65,17 +69,9 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
     the evaluation itself (nanoGPT's ``for k in range(eval_iters)``, a ``for batch in val_loader``) count nothing the
     training loop does (probe 19: nanoGPT, which evaluates before its first step, was read from its evaluation's loop,
     and named it)."""
-    loops: list[tuple[str, ast.AST, ast.AST, object]] = []  # (file, loop, its scope, its frame), innermost first
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        tree = source.parsed(filename)
-        if tree is None:
-            return None
-        found = _loops_at(tree, frame.f_lineno)
-        loops += [(filename, loop, scope, frame) for loop, scope in reversed(found)]
-        if frame.f_code.co_name == "<module>":
-            break
-        frame = frame.f_back
+    loops = _loops_of(frame)
+    if loops is None:
+        return None
     if not training:
         trains = next((i for i, (file, loop, _, at) in enumerate(loops) if _reaches_train_batch(file, loop, at)), 0)
         loops = loops[trains:]
@@ -94,6 +90,8 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
               for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
                     for value in carried_source.carried(file, loop, scope, frame, kept))
+    weights = next(((where, _held_apart(owner, at, kept, carried)) for file, loop, _, at in loops
+                    for where, owner in [_reads_weights(file, loop, at)] if where), ("", ""))
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     saves=next(filter(None, (_torch_save(file, loop) for file, loop, _, _ in loops)), ""),
@@ -109,14 +107,51 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
                                     for count in _own_count(file, loop, scope, frame, kept)
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
                     carried=carried,
-                    start_read=any(_start_read(loop, scope, frame, kept) for _, loop, scope, frame in loops))
+                    start_read=any(_start_read(loop, scope, frame, kept) for _, loop, scope, frame in loops),
+                    reads_weights=weights[0], weights_owner=weights[1])
+
+
+def _loops_of(frame) -> Optional[list[tuple[str, ast.AST, ast.AST, object]]]:
+    """(file, loop, its scope, its frame) for the loops around the call ``frame`` is in and its callers' calls up to
+    the script's module level, innermost first; None where a source cannot be read."""
+    loops: list[tuple[str, ast.AST, ast.AST, object]] = []
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        tree = source.parsed(filename)
+        if tree is None:
+            return None
+        found = _loops_at(tree, frame.f_lineno)
+        loops += [(filename, loop, scope, frame) for loop, scope in reversed(found)]
+        if frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    return loops
+
+
+def trains_around(frame) -> bool:
+    """Whether a loop around the call ``frame`` is in (an ``eval_batch`` call's caller) calls ``train_batch`` too: not
+    where the script evaluates before its training loop (a trainer's sanity check over a few validation batches),
+    whose loops say nothing of the training loop's (probe 19: read from a sanity check's ``for batch in val_loader``,
+    a trainer's loop that counts its calls was taken as one on the engine's step, and a resumed run's epochs and
+    learning rates differed, silently)."""
+    loops = _loops_of(frame)
+    return loops is None or any(_reaches_train_batch(file, loop, at) for file, loop, _, at in loops)
 
 
 def _reaches_train_batch(filename: str, loop: ast.AST, frame) -> bool:
     """Whether ``loop`` (run in ``frame``) calls ``train_batch``, or a function it calls does: one of the same file
     (:func:`source.reached`), or of another module of the script's it names (GPT-NeoX's ``train_step``), and those
     they call."""
-    def named(name: str, names: Optional[dict]):  # what ``name`` (``a.b``) holds in the frame, or a module's globals
+    return any(source.called_name(call.func) == "train_batch" for _, call, _ in _calls_reached(filename, loop, frame))
+
+
+def _calls_reached(filename: str, loop: ast.AST, frame):
+    """(file, call, owner) for each call ``loop`` (run in ``frame``) makes, and the functions it calls make: those of
+    the same file (:func:`source.reached`), and those of the script's own it names, in another module or as a method
+    of an object of the script's it holds (``model_ema.update(model)``, ``self.flatten_grads()`` in it), and those
+    they call; ``owner``: the name in ``frame`` of the object whose method makes the call (``model_ema``), else
+    None."""
+    def named(name: str, names: Optional[dict]):  # what ``name`` (``a.b``) holds in the frame, or a function's names
         if names is None:
             return source.value_in(frame, name)
         root, *path = name.split(".")
@@ -125,23 +160,77 @@ def _reaches_train_batch(filename: str, loop: ast.AST, frame) -> bool:
             value = getattr(value, attr, None)
         return value
 
-    todo, seen = [(filename, body, None) for body in source.reached(filename, loop)], set()
+    todo, seen = [(filename, body, None, None) for body in source.reached(filename, loop)], set()
     while todo:
-        file, body, names = todo.pop()
+        file, body, names, owner = todo.pop(0)
         for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
-            if source.called_name(call.func) == "train_batch":
-                return True
-            function = named(source.dotted(call.func), names) if source.dotted(call.func) else None
+            yield file, call, owner
+            path = source.dotted(call.func)
+            function = named(path, names) if path else None
+            this = None
+            if isinstance(function, types.MethodType):
+                this, function = function.__self__, function.__func__
             code = getattr(function, "__code__", None)
-            if (not isinstance(function, types.FunctionType) or code.co_filename == file or code in seen
-                    or source.library(code.co_filename)):
-                continue
+            if (not isinstance(function, types.FunctionType) or code in seen or source.library(code.co_filename)
+                    or (this is None and code.co_filename == file and names is None)):
+                continue  # a function of the loop's own file: reached already
             seen.add(code)
             definition = carried_source.defined_at(code)
-            if definition is not None:
-                todo += [(code.co_filename, b, function.__globals__)
-                         for b in source.reached(code.co_filename, definition)]
-    return False
+            if definition is None:
+                continue
+            scope = dict(function.__globals__)
+            if this is not None and definition.args.args:
+                scope[definition.args.args[0].arg] = this
+            holder = owner if owner is not None else (path.rpartition(".")[0] or None) if this is not None else None
+            todo += [(code.co_filename, b, scope, holder) for b in source.reached(code.co_filename, definition)]
+
+
+WEIGHTS = ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict")
+NOT_WEIGHTS = ("optim", "sched", "loader", "sampler", "data", "iter", "scaler")  # state_dict()s of other state
+
+
+def _reads_weights(filename: str, loop: ast.AST, frame) -> tuple[str, str]:
+    """Where the loop (run in ``frame``), or what it calls, reads the model's weights or gradients between its calls
+    to train (``model.parameters()``, ``model.state_dict()``, ``p.grad``: an EMA of the weights, a noise scale, a
+    logged norm), as ``file:line (text)``, and the name of the object whose method reads them (``model_ema``), or "";
+    ("", "") where it reads none. Not a ``state_dict()`` beside a ``save`` (a checkpoint: :func:`_torch_save`), nor
+    one of what its name says is other state (an optimizer's, a loader's)."""
+    for file, call, owner in _calls_reached(filename, loop, frame):
+        name = source.called_name(call.func)
+        receiver = source.dotted(call.func.value).rpartition(".")[2].lower() if isinstance(call.func,
+                                                                                         ast.Attribute) else ""
+        if (name not in WEIGHTS or not isinstance(call.func, ast.Attribute) or receiver.startswith("opt")
+                or any(w in receiver for w in NOT_WEIGHTS)):
+            continue
+        if name == "state_dict" and _beside_a_save(file, call):
+            continue
+        return f"{file}:{call.lineno} ({ast.unparse(call)})", owner or ""
+    return "", ""
+
+
+def _held_apart(owner: str, frame, kept, carried) -> str:
+    """``owner`` (a name in ``frame``) with its type's name, ``model_ema (ModelEmaV2)``, where it is an object no
+    snapshot holds: not one of ``kept`` (the engine, the ``client_state``: its object, or the one whose method it is),
+    nor one whose attributes are among the values the loop carries; else ""."""
+    held = source.value_in(frame, owner) if owner else None
+    if held is None or any(k is held or getattr(k, "__self__", None) is held for k in kept if k is not None):
+        return ""
+    if any(c.key == owner or c.key.startswith(owner + ".") for c in carried):
+        return ""
+    return f"{owner} ({type(held).__name__})"
+
+
+def _beside_a_save(filename: str, call: ast.Call) -> bool:
+    """Whether the innermost block (an ``if``, a loop, a function) that holds ``call`` in ``filename`` calls a
+    ``save`` too (``torch.save({'model': model.state_dict()}, path)``)."""
+    tree = source.parsed(filename)
+    blocks = [node for node in ast.walk(tree) if isinstance(node, (ast.If, ast.For, ast.While, ast.FunctionDef,
+                                                                   ast.AsyncFunctionDef))
+              and node.lineno <= call.lineno <= (node.end_lineno or node.lineno)]
+    if not blocks:
+        return False
+    innermost = max(blocks, key=lambda node: node.lineno)
+    return any(isinstance(node, ast.Call) and source.called_name(node.func) == "save" for node in ast.walk(innermost))
 
 
 def _loops_at(tree: ast.Module, line: int) -> list[tuple[ast.AST, ast.AST]]:

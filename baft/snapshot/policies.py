@@ -120,9 +120,10 @@ class SnapshotPolicy(InstructionHook, Periodic):
         first resumed iteration, holds what the first one held."""
         self.restored_items = (step, items)
 
-    def begin(self, engine) -> None:
+    def begin(self, engine, at_exit: bool = False) -> None:
         """Start the snapshot of the engine's current step: of the tensors the engine holds now, the module's
-        buffers copied here, before a forward changes them (their time counted as stall); the rest follow."""
+        buffers copied here, before a forward changes them (their time counted as stall); the rest follow.
+        ``at_exit``: taken as the process ends (:meth:`snapshot_final`), not as an iteration starts."""
         self.prepare(engine)
         self.source.refresh()
         step = engine.global_steps
@@ -133,6 +134,10 @@ class SnapshotPolicy(InstructionHook, Periodic):
                      "ended_at": time.time()}  # the step's end: where a recovery's lost work (T0) starts
             if self.last_step is None and self.restored_items is None:
                 items["first"] = True  # the run's first snapshot: without it every stage holds, a restart starts over
+            if at_exit:
+                # before the loop's code for the next step ran: a restore sets the state the loop reads there once,
+                # not again as the first resumed iteration starts (state.restore_items)
+                items["at_exit"] = True
         self.snapshot = Snapshot(self.source, self.writer, step, items, self.stream)
         self.last_step = step
         start = time.perf_counter()
@@ -172,7 +177,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
         if engine.global_steps == self.last_step or state.optimizer_state_missing(engine) is not None:
             return
         self.sealer.wait()
-        self.begin(engine)
+        self.begin(engine, at_exit=True)
         snapshot = self._fence()  # every chunk copied here, whatever the policy's own way
         self._committed(snapshot.seal(threads=1), snapshot.slot)  # at process exit: no thread starts
 

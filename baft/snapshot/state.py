@@ -245,6 +245,11 @@ def _torch_unblob(text: str):
     return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
 
 
+def unblob(value):
+    """A value :func:`capture_items` kept: unpickled where it was pickled (a blob), else as it is."""
+    return _torch_unblob(value) if isinstance(value, str) else value
+
+
 def capture_rng(rng_end: Optional[dict] = None) -> dict:
     """The generators' states now, at an iteration's start (``rng``), as JSON; and ``rng_between``: of those the
     script drew from since the previous iteration ended (``rng_end``, :func:`~baft.script.rng.rng_states`),
@@ -352,12 +357,20 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
     THIS_PROCESS.restored(items.get("loop"), items["counters"],
-                          _torch_unblob(items["carried"]) if "carried" in items else None)
-    restore = RngRestore(items["rng"], items.get("rng_between"))
+                          _torch_unblob(items["carried"]) if "carried" in items else None, bool(items.get("at_exit")))
+    restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")))
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
-    if not survivor:
+    if items.get("at_exit"):
+        # taken as the process ended, before the loop's code for the next step ran: the resumed loop runs that code
+        # once, on what is restored now (probe 19: set again as the first resumed iteration started, the learning
+        # rate a finished nanoGPT run had, relaunched to train on, undid the one its loop set for the next step)
+        if "script_schedulers" in items and not survivor:
+            why = schedulers.restore(engine, _torch_unblob(items["script_schedulers"]))
+            if why is not None:  # one the script makes after baft.initialize: loaded as the iteration starts
+                restore.schedulers = _torch_unblob(items["script_schedulers"])
+    elif not survivor:
         # set again as the first resumed iteration starts: the loop's code before its next train_batch call runs
         # again in the resumed process (a learning rate it multiplies by a factor there, a scheduler it steps there,
         # would be so twice), and they were captured as that iteration started, after that code
@@ -413,21 +426,31 @@ class RngRestore(InstructionHook):
     before it, the states of the generators the script draws from between its steps (``between``) as they were
     when the restored step ended: where the script's own loop draws them (:meth:`between_steps`)."""
 
-    def __init__(self, rng: dict, between: Optional[dict] = None):
+    def __init__(self, rng: dict, between: Optional[dict] = None, at_exit: bool = False):
         self.rng: Optional[dict] = rng
         self.between = between
+        # the snapshot was taken as the process ended (``rng``: the states then), not as an iteration started: the
+        # generators are set once, where the loop goes on (:meth:`between_steps`), not again as the iteration starts
+        self.at_exit = at_exit
         self.schedulers: Optional[list] = None  # what the script's schedulers kept
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
         self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
 
-    def between_steps(self) -> list[str]:
+    def between_steps(self, replayed: bool = False) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
-        call a loop that counts its calls replays. Nothing once the first iteration has started. Returns the
-        generators whose states were not those set (after a replay: its draws were not the uninterrupted run's)."""
-        if self.rng is None or not self.between:
+        call a loop that counts its calls replays (``replayed``). Nothing once the first iteration has started.
+        Returns the generators whose states were not those set (after a replay: its draws were not the uninterrupted
+        run's). A snapshot taken as the process ended sets every generator here, and none as the iteration starts:
+        as it ended (its loop's code after the call ran), or where the call ended, for a replay to run that code
+        again."""
+        if self.rng is None or not (self.between or self.at_exit):
             return []
-        states = from_json(self.between)
-        differ = drawn_between(states, rng_states())
+        between = from_json(self.between or {})
+        differ = drawn_between(between, rng_states())
+        states = between
+        if self.at_exit:
+            states = {**from_json(self.rng), **(between if replayed else {})}
+            self.rng = None
         set_rng_states(states)
         return differ
 
