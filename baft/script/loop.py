@@ -228,24 +228,28 @@ class Loop:
             self.evaluated_until = peers["step_called_for"] - 1
             # those of the steps after the restored one (the restored record holds this stage's own up to it)
             self.history.evals.update({int(step): v for step, v in peers["evals"].items() if int(step) > k})
-        if k and (engine.global_rank == 0 or peers is not None):
-            print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
-                  f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
-                  f"if it stops on the engine's step)", flush=True)
-        if k and self.site is not None and self.site.reads_weights and (engine.global_rank == 0 or peers is not None):
-            print(f"baft: warning: {loop} reads the model's weights between its calls, at {self.site.reads_weights}: "
-                  f"as it replays calls 1-{k}, those are step {k}'s, not each call's, and what it computes from them "
-                  f"(an EMA of the weights, a noise scale, a logged norm) is not the uninterrupted run's as it "
-                  f"replays them (probe 19). Keep such an object in client_state= of baft.initialize (put back as "
-                  f"step {k + 1} starts), or loop on the engine's step (while engine.global_steps < N), which replays "
-                  f"no calls",
-                  file=sys.stderr, flush=True)
-        if k and self.site is not None and self.site.saves and (engine.global_rank == 0 or peers is not None):
-            print(f"baft: warning: {loop} calls torch.save between its calls, at {self.site.saves}: as it replays "
-                  f"calls 1-{k}, what that saves of the model or the optimizer is step {k}'s, not what each call had, "
-                  f"over what it saved then (engine.save_checkpoint writes nothing in a replay). Loop on the engine's "
-                  f"step (while engine.global_steps < N), which replays no calls, or save with "
-                  f"engine.save_checkpoint", file=sys.stderr, flush=True)
+        if not k or (engine.global_rank != 0 and peers is None):
+            return
+        print(f"baft: {loop} counts its calls to train_batch: resumed at step {k}, its first {k} calls return "
+              f"what steps 1-{k} returned, without training them again (\"loop\": \"steps\" in the baft section "
+              f"if it stops on the engine's step)", flush=True)
+        reads_weights, saves = (self.site.reads_weights, self.site.saves) if self.site else ("", "")
+        no_replay = "loop on the engine's step (while engine.global_steps < N), which replays no calls"
+        if reads_weights:
+            self._warn(f"{loop} reads the model's weights between its calls, at {reads_weights}: as it replays "
+                       f"calls 1-{k}, those are step {k}'s, not each call's, and what it computes from them (an EMA "
+                       f"of the weights, a noise scale, a logged norm) is not the uninterrupted run's as it replays "
+                       f"them (probe 19). Keep such an object in client_state= of baft.initialize (put back as step "
+                       f"{k + 1} starts), or {no_replay}")
+        if saves:
+            self._warn(f"{loop} calls torch.save between its calls, at {saves}: as it replays calls 1-{k}, what "
+                       f"that saves of the model or the optimizer is step {k}'s, not what each call had, over what "
+                       f"it saved then (engine.save_checkpoint writes nothing in a replay). {no_replay.capitalize()}, "
+                       f"or save with engine.save_checkpoint")
+
+    @staticmethod
+    def _warn(text: str) -> None:
+        print(f"baft: warning: {text}", file=sys.stderr, flush=True)
 
     def _weights_not_kept(self, engine) -> None:
         """A loop on the engine's step that updates an object of the script's own from the model's weights between its
