@@ -1,7 +1,6 @@
 """Kill a rank mid-training: the elastic restart resumes from the newest snapshot, bit for bit."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import psutil
 import pytest
 
 from baft.cli.launch import launch_env
+from baft.config import LAUNCHER_ENV
 from baft.recovery.digests import DIGESTS_ENV, compare
 from baft.recovery.record import load_recoveries
 from baft.snapshot import slots
@@ -123,29 +123,43 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
 
-def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Event) -> None:
-    """SIGSTOP the rank whose state digests are ``digests`` once it starts the iteration after ``step`` in the first
-    attempt (it records a digest line, with its pid, as each iteration starts); its pid, start time and the time
-    of the stop in ``stopped``."""
+def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Event, run_dir: Path) -> None:
+    """SIGSTOP the client of the rank whose state digests are ``digests`` (the process torchrun started and ``ps``
+    shows as the rank: :mod:`baft.warm.client`) once the rank starts the iteration after ``step`` in the first
+    attempt (it records a digest line, with its pid, as each iteration starts); in ``stopped`` the rank's pid, start
+    time and the time of the stop, and the client's pid."""
     while not done.wait(0.01):
         text = digests.read_text() if digests.exists() else ""
         lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
         last = json.loads(lines[-1]) if lines else None
         if last is not None and last["restart"] == 0 and last["step"] >= step:
-            os.kill(last["pid"], signal.SIGSTOP)
-            stopped.update(pid=last["pid"], started=psutil.Process(last["pid"]).create_time(), at=time.time())
+            client = client_of(run_dir, last["rank"])
+            client.send_signal(signal.SIGSTOP)
+            stopped.update(pid=last["pid"], started=psutil.Process(last["pid"]).create_time(), at=time.time(),
+                           client=client.pid)
             return
+
+
+def client_of(run_dir: Path, rank: int) -> psutil.Process:
+    """The warm client that stands for ``rank`` of the run in ``run_dir`` (the rank, forked, has the warm server's
+    command line and initial environment)."""
+    wanted = {"RANK": str(rank), LAUNCHER_ENV["run_dir"]: str(run_dir)}
+    return next(p for p in psutil.process_iter(["cmdline"]) if any(a.endswith("baft/warm/client.py")
+                                                                   for a in p.info["cmdline"] or ())
+                and all(p.environ().get(k) == v for k, v in wanted.items()))
 
 
 @pytest.mark.slow
 def test_a_stopped_rank_is_killed_by_its_manager_and_replaced_in_place_bit_identical(tmp_path, clean_run,
                                                                                    uninterrupted):
-    """Rank 1 is SIGSTOPped mid-run under ``baft train --in-place``: rank 0 blocks in a receive from it, the node's
-    manager sees rank 1's heartbeat fall silent for hang_timeout and kills it, the warm server replaces it, and
-    rank 0 recovers in its own process from the newest snapshot."""
+    """Rank 1 is SIGSTOPped mid-run under ``baft train --in-place``, as a user stops it: the process ``ps`` and
+    torchrun show as the rank, its warm client, which passes the stop on through the warm server (before, the forked
+    rank trained on and the stopped client held the job up at its end, forever). Rank 0 blocks in a receive from it,
+    the node's manager sees rank 1's heartbeat fall silent for hang_timeout and kills it, the warm server replaces it
+    and continues the client, and rank 0 recovers in its own process from the newest snapshot."""
     run_dir = tmp_path / "run"
     stopped, done = {}, threading.Event()
-    watcher = threading.Thread(target=stop_rank_when, args=(tmp_path / "digests" / "rank1.jsonl", 4, stopped, done))
+    watcher = threading.Thread(target=stop_rank_when, args=(tmp_path / "digests" / "rank1.jsonl", 4, stopped, done, run_dir))
     watcher.start()
     try:
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--in-place", "--example", "gpt", *TINY,
@@ -157,6 +171,8 @@ def test_a_stopped_rank_is_killed_by_its_manager_and_replaced_in_place_bit_ident
         watcher.join()
         if stopped and (left := live(stopped)) is not None:
             left.kill()  # a watchdog that failed must not leave a stopped process behind
+        if stopped and psutil.pid_exists(stopped["client"]):
+            psutil.Process(stopped["client"]).resume()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert stopped, "rank 1 never reached step 4"
     assert live(stopped) is None, "the stopped rank is still there"

@@ -3,7 +3,8 @@
 Standard library only, run by path. It asks the node's warm server (:mod:`baft.warm.server`, at
 ``$BAFT_WARM_SOCKET``) to fork the rank with this process's standard streams, environment, working
 directory and ``ARGV``, passes every signal torchrun sends on to the rank (telling the server first: a rank
-stopped from outside is not replaced in place), and ends as the rank ended: with its exit code, or killed by its
+stopped from outside is not replaced in place; SIGSTOP, which no process can catch, the server passes on itself), and
+ends as the rank ended: with its exit code, or killed by its
 signal. Where the server does not answer it runs ``python ARGV`` in its own place (``exec``), as torchrun would
 have, and says so.
 """
@@ -42,7 +43,7 @@ def main(argv: list) -> None:
     try:
         conn.connect(path)
         socket.send_fds(conn, [b"F"], [0, 1, 2])
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
         conn.sendall(json.dumps(request).encode() + b"\n")
         replies = conn.makefile("rb")
         started = replies.readline()

@@ -6,7 +6,8 @@ queue), then answers each client by forking a child that becomes the rank (:mod:
 writes the child's pid, then its exit status (negative: the signal) on the client's connection, and kills the child
 when the client goes away (torchrun killed it), so rank and client live and die together. A job that recovers in
 place (:mod:`baft.recovery.world`) has its killed ranks replaced, each by one of the spares the server keeps for it
-(:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped (:func:`_hear`).
+(:mod:`baft.warm.spares`), or by a new fork; not one that its client stopped (:func:`_hear`). A client stopped
+(SIGSTOP, SIGTSTP: to ``ps`` it is the rank) has its rank stopped with it, and continued with it (:meth:`_mirror_stops`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from baft.warm.preload import freeze, import_if_there, preload, unforkable
 from baft.warm.spares import Spare, assign, channel_pair, job_of, kill_spare, wait_as_spare
 
 IDLE = 1.0  # seconds without a request after which the server imports what preload() left for later
+STOP_POLL = 0.25  # seconds between looks at whether a rank's client is stopped
 ORPHAN_GRACE = 60.0  # seconds the ranks of a dead launcher have to be stopped by its torchrun (30 s, then SIGKILL)
 
 
@@ -71,6 +73,8 @@ class ForkServer:
                 self.stop()
             watched = [r.conn for pid, r in self.children.items() if pid not in self.orphans]
             timeout = IDLE if self.later or self.launcher_died else None
+            if self.children:
+                timeout = min(timeout or STOP_POLL, STOP_POLL)
             listening = [self.listener] if self.listener else []
             ready = select.select([*listening, self.wake_r, *watched], [], [], timeout)[0]
             if not ready and self.later:
@@ -91,6 +95,7 @@ class ForkServer:
                         self.orphans.add(pid)
             self._reap()
             self.orphans &= self.children.keys()
+            self._mirror_stops()
 
     def stop(self, *_) -> None:
         """The ranks and spares die with the server (and by their death signal, should it be SIGKILLed)."""
@@ -142,6 +147,20 @@ class ForkServer:
             return spare.pid
         return _fork(rank, *self._inherited())
 
+    def _mirror_stops(self) -> None:
+        """Stop each rank whose client is stopped, and continue it once its client is: a SIGSTOP sent to the process
+        ``ps`` shows as the rank reaches no rank otherwise (no process can pass it on), and the rank trained on while
+        the stopped client held up torchrun at the job's end, forever. Stopped, the rank is a hang its manager
+        kills (:meth:`_reap` continues its client then)."""
+        for pid, rank in self.children.items():
+            stopped = _is_stopped(rank.request.get("client"))
+            if stopped != rank.client_stopped and pid not in self.orphans:
+                rank.client_stopped = stopped
+                try:
+                    os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+                except ProcessLookupError:  # it has just ended: reaped next
+                    pass
+
     def _reap_unless_replaced(self, *_) -> None:
         """:meth:`_reap` from a signal handler, where no end of a child forks another (no rank may be replaced, no
         spare kept), and not inside itself."""
@@ -170,6 +189,9 @@ class ForkServer:
             if rank is None:
                 self._spare_ended(pid, code)
                 continue
+            if rank.client_stopped:  # it ended stopped with its client (a hang its manager killed): the client
+                rank.client_stopped = False  # goes on, to follow its replacement or to end as it ended
+                _continue(rank.request["client"])
             if code < 0:
                 _kill_session(pid)
                 _hear(rank)  # the signal it died of may be one its client passed on just before
@@ -209,6 +231,7 @@ class Rank:
     fds: list[int]
     replacements: int = 0
     stopped: bool = False  # its client passed on a signal to it, or is gone: it was stopped from outside
+    client_stopped: bool = False  # its client is stopped (SIGSTOP), and so is it (ForkServer._mirror_stops)
 
 
 def _accept(listener: socket.socket, store: list[str]) -> Optional[Rank]:
@@ -320,6 +343,23 @@ def _hear(rank: Rank) -> bool:
         heard = b""
     rank.replacements, rank.stopped = 0, True
     return bool(heard)
+
+
+def _is_stopped(pid: Optional[int]) -> bool:
+    """Whether the process ``pid`` is stopped by a signal (state ``T`` in ``/proc/PID/stat``; not ``t``, a debugger's
+    stop); False where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"T"
+    except (OSError, IndexError, TypeError):
+        return False
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _log_death(rank: Rank, code: int) -> None:
