@@ -18,7 +18,7 @@ fault and restart::
   ``warm relaunch`` (torchrun restarted every rank, each forked from the node's warm server:
   :mod:`baft.warm`) or ``cold relaunch`` (each a new interpreter, as plain torchrun starts it).
 - ``restored_step``: the step training resumed from (int); ``lost_steps``: steps done
-  after it and redone (int); ``source``: where the state came from, one of ``memory``
+  after it and redone (int, from ``losses.jsonl``; null where the script writes none); ``source``: where the state came from, one of ``memory``
   (the node's snapshot manager), ``parity`` (rebuilt from peers' erasure-coded shares),
   ``disk`` (a persisted snapshot) or ``fresh`` (no snapshot: training restarted from step 0).
 - Phases, in seconds: ``T0`` rollback (wall time of the work lost since the restored
@@ -196,7 +196,8 @@ def recovery_record(restored: Optional[Restored], run_dir: Path, fault: dict) ->
             if "failure_seen" in clock and not relaunch and (fault.get("time") or progress) else {})
     return {"restart": restart_count(), "fault": what, "killed_at": fault.get("time"), "kind": relaunch_kind(),
             "restored_step": step, "source": restored.source if restored else "fresh",
-            "lost_steps": max(progress, default=step) - step, **t, "total": sum(t.values()), **seen}
+            # (unknown where the script writes no losses.jsonl: the restored step may be a period behind the fault)
+            "lost_steps": max(max(progress) - step, 0) if progress else None, **t, "total": sum(t.values()), **seen}
 
 
 @dataclass(frozen=True)
