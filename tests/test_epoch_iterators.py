@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 
 from baft.cli.launch import launch_env
+from baft.recovery.digests import DIGESTS_ENV, compare
 
 SCRIPT = Path(__file__).parent / "scripts" / "epoch_iterators.py"
 
 
 def train(tmp_path, name, faults=(), policy="baft", in_place=False, loop=(), workers=2):
+    """The run ``name`` under ``tmp_path``, each rank's state digests in ``name-digests``."""
     cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", str(len(faults)),
            *(["--in-place"] if in_place else []), "--run-dir", str(tmp_path / name),
            *(a for fault in faults for a in ("--fault", fault)), "--", str(SCRIPT), policy, str(workers), *loop]
-    return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=launch_env({DIGESTS_ENV: str(tmp_path / f"{name}-digests")}))
 
 
 def losses(tmp_path, name) -> dict[str, str]:
@@ -117,6 +120,8 @@ def test_a_survivor_in_place_reads_on_from_the_restored_position_through_its_loa
     records = [json.loads(line) for line in (tmp_path / "in-place" / "recovery.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["restored_step"]) for r in records] == [("in place", 4), ("in place", 10)]
     assert losses(tmp_path, "in-place") == losses(reference, "reference")
+    # every part too: the survivor's snapshots said another reader came at the step it trained again (probe 19)
+    assert compare(reference / "reference-digests", tmp_path / "in-place-digests") == []
 
 
 @pytest.mark.slow

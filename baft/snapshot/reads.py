@@ -77,6 +77,11 @@ class TrainBatchReads:
                                                                           before._last_read, before._last_mark)
         self._said_pulled, self._last_evaluated, self._said_evaluated = (before._said_pulled, before._last_evaluated,
                                                                          before._said_evaluated)
+        kept = self.kept_iterator()
+        if kept is not None and self._last_read is kept:
+            # the one it read last, made the restored one (another epoch mark): read on, not another reader (probe 19:
+            # the snapshots of the step the survivor trained again said one came, unlike the uninterrupted run's)
+            self._last_mark = epoch_mark(kept)
 
     def evaluated(self, data_iter) -> None:
         """``eval_batch`` read ``data_iter`` in a loop on the engine's step: said once where an evaluation after an

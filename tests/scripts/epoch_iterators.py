@@ -7,9 +7,11 @@ loader: yield batch``) in a loop on the engine's step (``forever-after-iter``: m
 the script never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
 Either loop prints the same steps."""
 
+import random
 import sys
 
 import deepspeed
+import numpy as np
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
@@ -31,6 +33,8 @@ class Samples(torch.utils.data.Dataset):
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
+random.seed(0)  # (the state digests compare every generator)
+np.random.seed(0)
 model = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 16, 1)],
                        num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
 # torch's sampler, not torchdata's: each epoch's order drawn from a generator of its own, which no loader state holds
