@@ -198,6 +198,25 @@ def test_a_param_group_the_script_adds_after_initialize_is_snapshotted_and_added
                            trained.optimizer.state_dict()["state"][3]["momentum_buffer"])
 
 
+def test_a_param_group_added_mid_run_is_said_to_get_its_state_at_its_first_step_not_never_given_a_gradient():
+    """Probe 21: after ``add_param_group`` mid-run, the step before the group's first was said to hold parameters
+    "never given a gradient", to be frozen; its parameters have no state yet as the optimizer makes it at their
+    first step."""
+    from baft.snapshot.state import optimizer_state_missing
+
+    engine = _grouped_engine(2, add_group=False)
+    engine.global_steps = 2
+    assert optimizer_state_missing(engine) is None
+    engine.optimizer.add_param_group({"params": _biases(engine.module), "lr": 0.01})
+    said = optimizer_state_missing(engine)
+    assert said == ("2 of 4 trainable parameters, in the param groups the script added since it made the optimizer "
+                    "(add_param_group), have no optimizer state yet after 2 steps: the optimizer makes it at their "
+                    "first step"), said
+    engine.module[1].weight.grad = None
+    engine.optimizer.state.pop(engine.module[1].weight)  # one of the first groups too: as before
+    assert "never given a gradient?" in optimizer_state_missing(engine)
+
+
 def test_a_scheduler_of_a_class_neither_torchs_nor_deepspeeds_is_kept_and_a_trainer_or_wrapper_is_not():
     """Probe 17: a scheduler class of the script's own (a plain class with step and state_dict, as timm's Scheduler
     is) that its loop stepped was in no snapshot; a resumed run started its count again, silently. A trainer of the

@@ -480,7 +480,8 @@ class RngRestore(InstructionHook):
 def optimizer_state_missing(engine) -> Optional[str]:
     """None when the optimizer's state is there to snapshot, else why not. A torch optimizer creates its state
     at its first step (not one skipped for an fp16 overflow); one that created none then (SGD without
-    momentum) has none to snapshot."""
+    momentum) has none to snapshot. A param group the script added since it made the optimizer
+    (``add_param_group``) gets its state at its first step too."""
     optimizer = base_optimizer(engine.optimizer)
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     without = sum(1 for p in trained if not optimizer.state.get(p))
@@ -489,6 +490,13 @@ def optimizer_state_missing(engine) -> Optional[str]:
         return None
     if not stepped:
         return "optimizer state is created by the first optimizer step"
+    first = getattr(optimizer_adapter(engine), "first_groups", len(optimizer.param_groups))
+    added = [p for group in optimizer.param_groups[first:] for p in group["params"] if p.requires_grad]
+    if without == sum(1 for p in added if not optimizer.state.get(p)):
+        # probe 21: said to be parameters never given a gradient, to be frozen
+        return (f"{without} of {len(trained)} trainable parameters, in the param groups the script added since it "
+                f"made the optimizer (add_param_group), have no optimizer state yet after {engine.global_steps} "
+                f"steps: the optimizer makes it at their first step")
     return (f"{without} of {len(trained)} trainable parameters have no optimizer state after "
             f"{engine.global_steps} steps (never given a gradient? set requires_grad=False on them)")
 
