@@ -332,3 +332,13 @@ def test_a_failed_run_goes_on_from_its_newest_snapshot_on_disk(tmp_path, clean_r
     assert truncated.returncode != 0 and said.count(str(damaged)) == 1, said[-3000:]
     assert f"{damaged}: holds 100 bytes, the manifest says" in said and "refusing to start again" in said, said[-3000:]
     assert "could not restore rank 0" not in said and "fits this model" not in said, said[-3000:]
+    # the way on from the older step on disk, said with the step (probe 21: only a fresh start was offered), taken
+    aside = damaged.parent.parent / f"damaged-{damaged.parent.name}"
+    assert (f"baft: the snapshot of step 10 on disk is damaged (the error below names its file): to go on from step "
+            f"{restored}, the newest step persisted before it whose files are whole on every node, move its directory "
+            f"aside (`mv {damaged.parent} {aside}`) and launch again") in said, said[-3000:]
+    damaged.parent.rename(aside)
+    older = train()
+    assert older.returncode == 0 and f"baft: resumed from step {restored} (disk)" in older.stdout, older.stderr[-3000:]
+    assert [(r["step"], repr(r["loss"])) for r in losses(run_dir)[-(10 - restored):]] == [
+        (step, repr(uninterrupted[step])) for step in range(restored + 1, 11)]

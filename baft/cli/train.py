@@ -281,11 +281,46 @@ def _say_what_is_kept(configs, run: Path, outcome=None) -> None:
                    f"{manager_log(run, c.node_id)}); it kept {c.shm_root} in shared memory: `baft train` "
                    f"again resumes from it, `baft manager clean {c.shm_root}` frees it", err=True)
     newest = [persist.list_steps(c.dir) for c in configs if c.dir is not None]
-    if newest and all(newest) and not kept_in_memory:
+    damaged = _damaged_step(newest, outcome.error if outcome is not None else None)
+    if damaged:
+        click.echo(damaged, err=True)
+    elif newest and all(newest) and not kept_in_memory:
         kept = f"baft: step {min(steps[0].step for steps in newest)} is kept in {run / PERSISTED}"
         click.echo(kept + (" (the error below stopped this launch)" if outcome is not None and outcome.error else
                            ": `baft train` again with this --run-dir goes on from it (the example: with a larger "
                            "--iters)"))
+
+
+def _damaged_step(newest: list, error: Optional[str]) -> str:
+    """Where the rank's ``error`` that stopped the launch names a file of a node's newest persisted step (of
+    ``newest``, each node's steps newest first: its size or checksums wrong), the way on from the newest older step
+    every node holds whole: that step's directory moved aside, with the command and the step the run then goes on
+    from (probe 21: only a fresh start or another run directory was offered). Never done here: going back steps is
+    the user's to choose. "" where the error names no such file."""
+    bad = [steps[0] for steps in newest if steps and error and f"{steps[0].path}/" in error]
+    if not bad:
+        return ""
+    moves = " && ".join(f"mv {step.path} {step.path.parent / ('damaged-' + step.path.name)}" for step in bad)
+    older = sorted(set.intersection(*({s.step for s in steps if s.step < bad[0].step} for steps in newest)),
+                   reverse=True)
+    whole = next((step for step in older if _whole_on_every_node(newest, step)), None)
+    said = f"baft: the snapshot of step {bad[0].step} on disk is damaged (the error below names its file)"
+    if whole is None:
+        return f"{said}, and no step persisted before it is whole on every node: start afresh in another --run-dir"
+    return (f"{said}: to go on from step {whole}, the newest step persisted before it whose files are whole on every "
+            f"node, move its directory aside (`{moves}`) and launch again; or start afresh in another --run-dir")
+
+
+def _whole_on_every_node(newest: list, step: int) -> bool:
+    """Whether every node's persisted ``step`` reads back whole (each rank's file's size and checksums)."""
+    from baft.manager import persist
+
+    try:
+        for steps in newest:
+            persist.read_snapshot(next(s.path for s in steps if s.step == step))
+    except BaftError:
+        return False
+    return True
 
 
 def _refuse_an_earlier_runs_snapshots(run: Path, top: Path) -> None:
