@@ -143,16 +143,21 @@ def test_an_evaluation_iterator_kept_across_evaluations_is_said(tmp_path):
 @pytest.mark.slow
 def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     """Round nine's probe: a script that doubles its batch size once (``set_train_batch_size`` at step 3), resumed
-    after it, trained on at the configured size, silently: the snapshot keeps the engine's batch size."""
+    after it, trained on at the configured size, silently: the snapshot keeps the engine's batch size. Probe 21: the
+    noise the loop adds to the weights before each call was added twice to the first resumed step, silently (the
+    snapshot is taken as the step starts, after it): the weights are set back as restored as that step starts."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
                                "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config",
-                               str(config(tmp_path, period=1)), "--batch-once", "3"],
+                               str(config(tmp_path, period=1)), "--batch-once", "3", "--perturb"],
                               capture_output=True, text=True, env=launch_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = finals((tmp_path / name / LOG_NAME).read_text())
     assert "resumed from step" in proc.stdout + proc.stderr
+    log = (tmp_path / "killed" / LOG_NAME).read_text()
+    assert re.search(r"rank 0: the script changed the model's param/\S+, .* after the restore, before this iteration "
+                     r"\(at \S+user_train.py:\d+ \(engine.module.parameters\(\)\)\)", log), log[-3000:]
     assert len(runs["reference"]) == 2 and runs["killed"] == runs["reference"], runs
 
 

@@ -75,6 +75,8 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             items = shards_items(shards, engine.global_rank)
             configured = engine.train_batch_size()
             rng = state.restore_items(engine, items, data_iterator)
+            if not items.get("at_exit"):  # taken as an iteration started: after the loop's code before its call
+                rng.weights = state.module_values(engine)
             if engine.global_rank == 0:
                 _say_another_batch_size(engine, items, configured, log)
             restored = Restored(plan.step, _slowest(source), len(shards), refused, rng, items)

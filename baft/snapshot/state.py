@@ -416,6 +416,26 @@ def _set_param_groups(engine, groups: list) -> None:
                 group[key] = value.clone()
 
 
+def module_values(engine) -> dict[str, torch.Tensor]:
+    """A copy in host memory of the module's parameters and buffers by their snapshot names, as a restore set them."""
+    return {name: t.detach().to("cpu", copy=True) for name, _, t in _module_state(engine)}
+
+
+def set_module_values(engine, kept: dict[str, torch.Tensor]) -> list[str]:
+    """Set the module's parameters and buffers whose bits differ from ``kept`` (:func:`module_values`) back to it;
+    their names."""
+    changed = []
+    for name, _, t in _module_state(engine):
+        value = kept.get(name)
+        if value is None or value.shape != t.shape or value.dtype != t.dtype:
+            continue
+        value = value.to(t.device)
+        if not torch.equal(byte_view(t), byte_view(value)):
+            t.copy_(value)
+            changed.append(name)
+    return changed
+
+
 def set_rng(rng: dict) -> None:
     """Set the generators (python, numpy, torch, CUDA) ``rng`` holds to the states :func:`capture_rng` took."""
     set_rng_states(from_json(rng))
@@ -435,6 +455,7 @@ class RngRestore(InstructionHook):
         self.schedulers: Optional[list] = None  # what the script's schedulers kept
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
         self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
+        self.weights: Optional[dict] = None  # the module's parameters and buffers as restored (module_values)
 
     def between_steps(self, replayed: bool = False) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
@@ -470,11 +491,27 @@ class RngRestore(InstructionHook):
                 optimizer_adapter(engine).add_groups(self.added, self.groups)
             _set_param_groups(engine, self.groups)
             self.groups = self.added = None
+        if self.weights is not None:
+            self._weights_again(engine)
+
+    def _weights_again(self, engine) -> None:
+        """The module's weights as restored, where the script changed them since: the snapshot was taken as this
+        iteration started, after the loop's code before its call, which has run again (probe 21: weight noise the
+        loop adds before each call was added twice to the first resumed step, silently)."""
+        changed = set_module_values(engine, self.weights)
+        self.weights = None
+        if changed:
+            names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            at = THIS_PROCESS.site.reads_weights if THIS_PROCESS.site is not None else ""
+            print(f"baft: rank {engine.global_rank}: the script changed the model's {names} after the restore, "
+                  f"before this iteration{f' (at {at})' if at else ''}: the snapshot holds them as the loop's code "
+                  f"before its call left them as step {engine.global_steps + 1} started, which this process has run "
+                  f"again; set back to the snapshot's, as the uninterrupted run had them", flush=True)
 
     def cancel(self) -> None:
         """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
         loaded over it)."""
-        self.rng = self.schedulers = self.groups = self.added = None
+        self.rng = self.schedulers = self.groups = self.added = self.weights = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:
