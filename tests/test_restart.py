@@ -122,6 +122,17 @@ def test_lost_node_is_rebuilt_from_parity_and_resumes_bit_identical(tmp_path, cl
     assert "rebuilt node 1" in (run_dir / "manager-node1.log").read_text()
     assert not (Path(SHM_ROOT) / run_id(run_dir)).exists(), "the run left its shared-memory directory behind"
 
+    damaged = run_dir / "persisted" / "node1" / "step-00000010" / "rank1.safetensors"
+    with open(damaged, "r+b") as f:  # probe 21: read on node 1, it was named in no line on the screen
+        f.truncate(100)
+    refused = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--example", "gpt", *TINY, "--iters", "10",
+                              "--policy", "baft", "--period", "1", "--nodes", "2", "--max-restarts", "0",
+                              "--run-dir", str(run_dir)], capture_output=True, text=True, env=launch_env(), timeout=300)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and f"{damaged}: holds 100 bytes" in said, said[-3000:]
+    assert ("baft: the snapshot of step 10 on disk is damaged (the error below names its file), and no step persisted "
+            "before it is whole on every node: start afresh in another --run-dir") in said, said[-3000:]
+
 
 def stop_rank_when(digests: Path, step: int, stopped: dict, done: threading.Event, run_dir: Path) -> None:
     """SIGSTOP the client of the rank whose state digests are ``digests`` (the process torchrun started and ``ps``

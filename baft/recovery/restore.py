@@ -150,7 +150,7 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
                 f"fault as it was committed): starting again from step 0")
         return
     if saw_snapshot and fresh_start != "always":
-        reasons = "; ".join(refused) or "no step was complete for every pipeline stage"
+        reasons = "; ".join(_everyones(refused)) or "no step was complete for every pipeline stage"
         raise BaftError(f"rank {rank}: this run has snapshots but none can be restored ({reasons}); refusing to "
                         f"start again from step 0. Set baft.fresh_start to \"always\" to drop them and start fresh, or "
                         f"train under another baft.run_id (baft train: another --run-dir)")
@@ -160,6 +160,15 @@ def _fresh_start(rank: int, saw_snapshot: bool, fresh_start, refused: list[str],
         log("fresh_start is \"always\": snapshots of this run exist but none can be restored; starting from step 0")
     elif not fresh_start:
         raise BaftError("no snapshot of this run anywhere, and fresh_start is false")
+
+
+def _everyones(lines: list[str]) -> list[str]:
+    """Every rank's ``lines``, each once, in rank order (a collective): whichever rank's error stops the launch says
+    why each rank refused (probe 21: on two nodes, rank 0's said no step was complete, and the damaged file rank 1
+    read on the other node was named in no line on the screen)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, lines)
+    return list(dict.fromkeys(line for mine in everyone for line in mine))
 
 
 def _load_shards(engine, root, client, step, offer, tensors, refused, run_id="") -> tuple[str, Optional[Shards]]:
