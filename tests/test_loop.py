@@ -255,9 +255,15 @@ def test_a_counter_started_from_a_value_of_the_scripts_counts_from_where_it_stan
                "            for batch_idx in range(3):\n                engine.train_batch()\n"
                "                self.global_step += 1\nTrainer({start}).fit()")
     before = "def train():\n    i = args.epochs - 1 + {start}\n    while i < N:\n        i += 1\n        engine.train_batch()\ntrain()"
+    # probe 22: minGPT's Trainer.run, whose break asks that max_iters be set too (read as a loop baft cannot read:
+    # resumed, it trained as many steps again as it had, said at start)
+    mingpt = ("class Trainer:\n    def run(self):\n        self.iter_num = {start}\n        while True:\n"
+              "            self.loss = engine.train_batch()\n            self.iter_num += 1\n"
+              "            if args.steps is not None and self.iter_num >= args.steps:\n                break\n"
+              "Trainer().run()")
     for name, body, header in (("Megatron", megatron, "while iteration < N"), ("GPT-NeoX", neox, "while iteration < N"),
                                ("nanoGPT", nanogpt, "while True"),
-                               ("a trainer", trainer, "for batch_idx in range(3)"),
+                               ("a trainer", trainer, "for batch_idx in range(3)"), ("minGPT", mingpt, "while True"),
                                ("a count before the call", before, "while i < N")):
         site, _ = _first_site(tmp_path, body.format(start=0))
         assert (site.counts_calls, site.start_read, site.unread, site.text) == (True, True, False, header), (name, site)

@@ -402,13 +402,22 @@ def _while_counter(loop: ast.AST) -> str:
                 if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], STOPS)]
     if isinstance(test, ast.Constant) and test.value:
         for stop in _break_conditions(loop.body):
-            for cond in stop.values if isinstance(stop, ast.BoolOp) and isinstance(stop.op, ast.Or) else [stop]:
+            for cond in _joined(stop):
                 side = REACHED.get(type(cond.ops[0])) if isinstance(cond, ast.Compare) and len(cond.ops) == 1 else None
                 if side in ("left", "either"):
                     compared.append(source.dotted(cond.left))
                 if side in ("right", "either"):
                     compared.append(source.dotted(cond.comparators[0]))
     return next((name for name in compared if name and _adds_one(loop, name)), "")
+
+
+def _joined(test: ast.AST) -> list[ast.AST]:
+    """The conditions an ``or`` or an ``and`` joins in ``test``, those nested in them too; else ``test`` alone. Each
+    comparison of a counter among them stops the loop where it reaches its bound: alone (``or``), or with the others
+    (minGPT's ``if config.max_iters is not None and self.iter_num >= config.max_iters: break``)."""
+    if isinstance(test, ast.BoolOp):
+        return [cond for value in test.values for cond in _joined(value)]
+    return [test]
 
 
 def _break_conditions(body: list) -> list[ast.AST]:
