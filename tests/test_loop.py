@@ -261,9 +261,14 @@ def test_a_counter_started_from_a_value_of_the_scripts_counts_from_where_it_stan
               "            self.loss = engine.train_batch()\n            self.iter_num += 1\n"
               "            if args.steps is not None and self.iter_num >= args.steps:\n                break\n"
               "Trainer().run()")
+    # probe 22: litgpt's fit(), its counters in the dict it checkpoints (as minGPT's, before)
+    litgpt = ("def fit(state):\n    while True:\n        if state['iter_num'] >= N:\n            break\n"
+              "        state['iter_num'] += 1\n        engine.train_batch()\n        state['step_count'] += 1\n"
+              "fit({{'iter_num': {start}, 'step_count': 0}})")
     for name, body, header in (("Megatron", megatron, "while iteration < N"), ("GPT-NeoX", neox, "while iteration < N"),
                                ("nanoGPT", nanogpt, "while True"),
                                ("a trainer", trainer, "for batch_idx in range(3)"), ("minGPT", mingpt, "while True"),
+                               ("litgpt", litgpt, "while True"),
                                ("a count before the call", before, "while i < N")):
         site, _ = _first_site(tmp_path, body.format(start=0))
         assert (site.counts_calls, site.start_read, site.unread, site.text) == (True, True, False, header), (name, site)

@@ -347,14 +347,15 @@ def _goes_on_itself(loop: ast.AST, frame) -> bool:
 
 def _while_from_own_start(loop: ast.AST, scope: ast.AST) -> bool:
     """A ``while`` over a counter (:func:`_while_counter`) its scope sets from something other than a number, or one
-    an object holds (a trainer's ``self.global_step``, the ``client_state``'s ``progress.iteration``): the script's own
+    an object or a dict holds (a trainer's ``self.global_step``, the ``client_state``'s ``progress.iteration``,
+    litgpt's ``state["iter_num"]``): the script's own
     resume, perhaps (Megatron's ``iteration = args.iteration``, from what its load_checkpoint returned), as a ``range``
     from a start of its own. Where it stands at its start at the call, it counts its calls
     (:func:`_while_start_read`)."""
     counter = _while_counter(loop)
     if not counter:
         return False
-    if "." in counter:
+    if not counter.isidentifier():
         return True
     return (any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)
                 for node in ast.walk(scope))
@@ -374,10 +375,11 @@ def _while_start_read(loop: ast.AST, scope: ast.AST, frame, kept=()) -> bool:
     if (frame is None or not counter or not _while_from_own_start(loop, scope)
             or _reads_engine_step(ast.parse(counter, mode="eval").body, scope)):
         return False
-    owner, _, _ = counter.rpartition(".")
-    if owner and any(source.value_in(frame, owner) is k for k in kept if k is not None):
+    held = ast.parse(counter, mode="eval").body
+    if isinstance(held, (ast.Attribute, ast.Subscript)) and any(_value(held.value, frame) is k for k in kept
+                                                                 if k is not None):
         return False
-    value = source.value_in(frame, counter)
+    value = _value(held, frame)
     if not isinstance(value, int) or isinstance(value, bool):
         return False
     call = source.call_position(frame)
@@ -390,14 +392,14 @@ REACHED = {ast.Gt: "left", ast.GtE: "left", ast.Eq: "either", ast.Lt: "right", a
 
 
 def _while_counter(loop: ast.AST) -> str:
-    """The counter of the script's own a ``while`` stops on and adds 1 to, a name or a path of attributes (``i``,
-    ``self.global_step``): ``while i < n`` (or ``<=``, ``!=``), such a comparison among the conditions an ``and`` joins
+    """The counter of the script's own a ``while`` stops on and adds 1 to, a name or a path of attributes and items
+    from one (``i``, ``self.global_step``, litgpt's ``state["iter_num"]``: :func:`_counter_path`): ``while i < n`` (or ``<=``, ``!=``), such a comparison among the conditions an ``and`` joins
     (a trainer's ``while not self.should_stop and self.global_step < self.max_steps``), or a ``while True`` that breaks
     where it reaches a bound (nanoGPT's ``if iter_num > max_iters: break``); "" where there is none."""
     if not isinstance(loop, ast.While):
         return ""
     test = loop.test
-    compared = [source.dotted(cond.left) for cond in (test.values if isinstance(test, ast.BoolOp)
+    compared = [_counter_path(cond.left) for cond in (test.values if isinstance(test, ast.BoolOp)
                                                       and isinstance(test.op, ast.And) else [test])
                 if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], STOPS)]
     if isinstance(test, ast.Constant) and test.value:
@@ -405,9 +407,9 @@ def _while_counter(loop: ast.AST) -> str:
             for cond in _joined(stop):
                 side = REACHED.get(type(cond.ops[0])) if isinstance(cond, ast.Compare) and len(cond.ops) == 1 else None
                 if side in ("left", "either"):
-                    compared.append(source.dotted(cond.left))
+                    compared.append(_counter_path(cond.left))
                 if side in ("right", "either"):
-                    compared.append(source.dotted(cond.comparators[0]))
+                    compared.append(_counter_path(cond.comparators[0]))
     return next((name for name in compared if name and _adds_one(loop, name)), "")
 
 
@@ -444,10 +446,21 @@ def _own_statements(body: list):
             yield from _own_statements(statement.body)
 
 
+def _counter_path(expr: ast.AST) -> str:
+    """``expr`` as its source reads, where it is a name or a path of attributes and items at a constant key from one
+    (``i``, ``self.global_step``, litgpt's ``state["iter_num"]``); "" for any other expression."""
+    node = expr
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Constant):
+            return ""
+        node = node.value
+    return ast.unparse(expr) if isinstance(node, ast.Name) else ""
+
+
 def _adds_one(loop: ast.AST, counter: str) -> list[ast.AST]:
-    """The statements of ``loop`` that add 1 to ``counter`` (a name or a path of attributes)."""
+    """The statements of ``loop`` that add 1 to ``counter`` (:func:`_counter_path`)."""
     return [node for node in ast.walk(loop) if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)
-            and source.dotted(node.target) == counter and isinstance(node.value, ast.Constant)
+            and _counter_path(node.target) == counter and isinstance(node.value, ast.Constant)
             and node.value.value == 1]
 
 
@@ -479,7 +492,7 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     """A ``while`` over a counter (:func:`_while_counter`: ``while i < n``, ``while True`` that breaks at ``i > n``)
     that is a name the scope sets to nothing but numbers, and ``i += 1`` in the loop."""
     counter = _while_counter(loop)
-    if not counter or "." in counter or _reads_engine_step(ast.Name(counter, ast.Load()), scope):
+    if not counter or not counter.isidentifier() or _reads_engine_step(ast.Name(counter, ast.Load()), scope):
         return False
     started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
