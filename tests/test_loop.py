@@ -294,6 +294,61 @@ def test_a_counter_started_from_a_value_of_the_scripts_counts_from_where_it_stan
     assert loop.site.start_read and not loop.counts_calls, loop.site
 
 
+CLIENT_TOP = """
+import sys
+from types import SimpleNamespace
+from baft.script.loop import Loop
+from baft.recovery.script_checkpoint import ClientState
+from baft.script.loop_source import set_before_call
+
+LOOP = Loop()
+FOUND = []
+
+class TrainState:  # torchtitan's, given to baft.initialize as client_state=
+    step = 0
+    def state_dict(self):
+        return {{"step": self.step}}
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+train_state = TrainState()
+
+class Engine:
+    global_steps = global_rank = 0
+    baft = SimpleNamespace(config=SimpleNamespace(loop="auto"), client_state=ClientState({client}))
+    def train_batch(self):
+        FOUND.append(set_before_call(sys._getframe(1), {client}))
+        LOOP.decide(self, sys._getframe(1))
+
+engine = Engine()
+def main():
+    while train_state.step < 2:
+        train_state.step += 1
+        engine.train_batch()
+    for _ in range(2):  # Megatron's: after the call
+        engine.train_batch()
+        train_state.step += 1
+main()
+"""
+
+
+@pytest.mark.parametrize("client", ["train_state", "train_state.state_dict"])
+def test_a_client_state_the_loop_sets_before_its_call_is_said(tmp_path, capsys, client):
+    """Probe 22: torchtitan's ``while train_state.step < steps: train_state.step += 1`` at its top, its TrainState
+    given as client_state=: a snapshot of step k holds the count the loop set for step k + 1, and a resumed loop
+    added 1 again; the run's steps were logged one ahead and it ended a step short, silently. A loop that does not
+    count its calls and sets its client_state (the object, or the one whose state_dict it is) before its call is said
+    at start; one that sets it after the call is not, nor one whose loop counts its calls (a callable's state, which
+    a restore does not load: the replay runs the loop's code and puts the client_state back as the next step starts)."""
+    script = tmp_path / "client_top.py"
+    script.write_text(CLIENT_TOP.format(client=client))
+    found = runpy.run_path(str(script), run_name="__main__")["FOUND"]
+    assert found == [f"{script}:30 (train_state.step += 1)"] * 2 + ["", ""], found
+    said = capsys.readouterr().err
+    assert said.count("sets its client_state before its call to train_batch, at "
+                      f"{script}:30 (train_state.step += 1)") == (client == "train_state"), said
+
+
 def test_an_evaluation_before_the_first_step_is_read_from_the_loop_that_trains(tmp_path):
     """Probe 19: nanoGPT evaluates before its first step, from ``estimate_loss``'s ``for k in range(eval_iters)``: the
     site was read from that loop, and named it (the evaluation of a ``for batch in val_loader`` would have been read

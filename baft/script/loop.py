@@ -42,7 +42,7 @@ from baft.errors import BaftError
 from baft.script.history import RETURNED_NONE, History
 from baft.script import carry
 from baft.script.carried_source import Carried
-from baft.script.loop_source import LoopSite, loop_around, trains_around
+from baft.script.loop_source import LoopSite, loop_around, set_before_call, trains_around
 from baft.script.rng import rng_states, set_rng_states
 from baft.script.schedulers import script_schedulers
 
@@ -192,6 +192,8 @@ class Loop:
         if not self.counts_calls:
             self.show_restored(engine)
             self._weights_not_kept(engine)
+            if self.site is not None and training:
+                self._client_set_before_call(engine, frame)
             if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.site.carried)):
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
@@ -263,6 +265,20 @@ class Loop:
                           f"what the script makes it from, not where the uninterrupted run had it. Keep it in "
                           f"client_state= of baft.initialize (an object with state_dict() and load_state_dict(): an "
                           f"nn.Module's)")
+
+    def _client_set_before_call(self, engine, frame) -> None:
+        """A loop that does not count its calls and sets its ``client_state`` before its call to ``train_batch`` in an
+        iteration (torchtitan's ``train_state.step += 1`` at its top): said at start. A snapshot holds it as that code
+        left it, and a resumed process's loop runs the code again on it (probe 22: a count one ahead, and a run that
+        stops on it trained a step short, silently)."""
+        client = getattr(getattr(engine.baft, "client_state", None), "source", None)
+        where = set_before_call(frame, client) if client is not None else ""
+        if where:
+            self._say(engine, f"sets its client_state before its call to train_batch, at {where}: a snapshot of step "
+                              f"k holds it as the loop set it for step k + 1, and a resumed process's loop sets it "
+                              f"again before that step (a count one ahead of the engine's step; a run that stops on it "
+                              f"ends a step short). Set it after the call, as Megatron's iteration += 1 follows its "
+                              f"train_step")
 
     def carried_values(self, engine) -> Optional[dict]:
         """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are

@@ -138,6 +138,28 @@ def trains_around(frame) -> bool:
     return loops is None or any(_reaches_train_batch(file, loop, at) for file, loop, _, at in loops)
 
 
+def set_before_call(frame, owner) -> str:
+    """Where a loop around the call ``frame`` is in sets an attribute or item of ``owner`` (the script's
+    ``client_state``, or the object whose method it is) before that call in an iteration (torchtitan's ``while
+    train_state.step < steps: train_state.step += 1`` at its top), as ``file:line (text)``; "" where none does. A
+    snapshot of step k is taken as step k + 1's call starts, after that code: a resumed loop runs it again on what the
+    restore set (probe 22: a count one ahead, and a run that stops on it trained a step short, silently)."""
+    owners = [o for o in (owner, getattr(owner, "__self__", None)) if o is not None]
+    for filename, loop, _, at in _loops_of(frame) or ():
+        call = source.call_position(at)
+        for node in ast.walk(loop):
+            if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) or node.lineno < loop.body[0].lineno:
+                continue  # (the loop's header: its bounds, not its iteration's code)
+            for target in source.targets(node):
+                base = target
+                while isinstance(base, (ast.Attribute, ast.Subscript)):
+                    base = base.value
+                if (target is not base and isinstance(base, ast.Name) and (node.lineno, node.col_offset) < call
+                        and any(source.value_in(at, base.id) is o for o in owners)):
+                    return f"{filename}:{node.lineno} ({ast.unparse(node)})"
+    return ""
+
+
 def _reaches_train_batch(filename: str, loop: ast.AST, frame) -> bool:
     """Whether ``loop`` (run in ``frame``) calls ``train_batch``, or a function it calls does: one of the same file
     (:func:`source.reached`), or of another module of the script's it names (GPT-NeoX's ``train_step``), and those
