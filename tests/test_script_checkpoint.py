@@ -6,6 +6,7 @@ Every run is compared part by part, at every step, with the script's uninterrupt
 script's own ``client_state`` (iteration, consumed samples).
 """
 
+import functools
 import re
 import shutil
 import subprocess
@@ -117,6 +118,18 @@ def test_a_load_before_the_scripts_first_save_returns_the_client_state_of_the_re
     assert client.not_returned(2) is None
     assert f"baft: kept step 2 (memory), {tmp_path} holds no checkpoint yet" in capsys.readouterr().out
     assert _guarded_load(None, engine, deepspeeds, str(tmp_path)) == (None, None)  # nothing to return: DeepSpeed's
+
+
+def test_an_argument_deepspeeds_load_checkpoint_does_not_take_fails_as_deepspeeds_call_would():
+    """Probe 22: ``engine.load_checkpoint(dir, client_state=...)`` (save_checkpoint's argument) failed, once baft had
+    restored, with ``_guarded_load() got multiple values for argument 'client_state'``, naming baft's guard; plain
+    DeepSpeed says the argument is not one it takes."""
+    from baft.pipeline.engine import BaftPipelineEngine
+
+    engine = BaftPipelineEngine.__new__(BaftPipelineEngine)
+    engine.baft = SimpleNamespace(load_guard=functools.partial(_guarded_load, None))
+    with pytest.raises(TypeError, match=r"^load_checkpoint\(\) got an unexpected keyword argument 'client_state'$"):
+        engine.load_checkpoint("ckpt", client_state={})
 
 
 def test_a_callables_restored_state_that_no_load_checkpoint_returned_is_said():

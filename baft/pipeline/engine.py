@@ -20,6 +20,7 @@ while the engine's thread waits:
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -211,6 +212,10 @@ class BaftPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         guard = self.baft.load_guard  # baft.recovery.script_checkpoint's, once baft restored (None before, or unset)
         load = super().load_checkpoint
+        try:  # an argument DeepSpeed's does not take fails as DeepSpeed's call would, not inside baft's guard
+            inspect.signature(load).bind(load_dir, tag, *args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"load_checkpoint() {err}") from None
         return load(load_dir, tag, *args, **kwargs) if guard is None else guard(self, load, load_dir, tag, *args,
                                                                                   **kwargs)
 
