@@ -489,6 +489,67 @@ def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_sk
     assert "takes its batches" not in calls(the_loaders_iterator) + calls(a_wrapper) + calls(elsewhere)
 
 
+class CycleIterator:
+    """litgpt's (litgpt/utils.py): the loader, again each epoch, counted."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+        self.epoch = 0
+        self._iterator = None
+
+    def __next__(self):
+        if self._iterator is None:
+            self._iterator = iter(self.iterable)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.iterable)
+            self.epoch += 1
+            return next(self._iterator)
+
+    def __iter__(self):
+        return self
+
+
+def test_the_counts_of_a_wrapper_of_the_script_around_the_loader_come_back_where_train_batch_reads_it():
+    """litgpt's ``CycleIterator`` over the loader, read by ``train_batch``: the loader's position was kept, not the
+    wrapper's ``epoch``, and a resumed run logged "Epoch 2" where the uninterrupted one logged "Epoch 4", silently
+    (probe 22). A wrapper of the script's own that holds the kept loader has its numbers kept with the position, and
+    set as a new process's ``train_batch`` first reads it (or at once where it read it already: a survivor in place);
+    a library's wrapper (DeepSpeed's ``RepeatingLoader``) or the loader's own iterator keeps nothing of its own."""
+    from types import SimpleNamespace
+
+    from baft.snapshot.reads import TrainBatchReads
+
+    def reads_of(loader):
+        reads = TrainBatchReads(SimpleNamespace(global_steps=0, global_rank=0))
+        reads.position = data_position(None, loader)
+        return reads
+
+    loader = LOADERS["shuffle, generator"](0)
+    reads = reads_of(loader)
+    wrapper = CycleIterator(loader)
+    reads.call(wrapper)
+    for _ in range(len(loader) * 2 + 1):
+        next(wrapper)
+    kept = reads.reader_state()
+    assert kept == {"type": "CycleIterator", "counts": {"epoch": 2}}, kept
+    again = reads_of(LOADERS["shuffle, generator"](0))
+    again.restore_reader(kept)
+    resumed = CycleIterator(again.position.loader)
+    assert resumed.epoch == 0
+    again.call(resumed)
+    assert resumed.epoch == 2
+    survivor = reads_of(loader)
+    survivor.call(wrapper)
+    wrapper.epoch = 3
+    survivor.restore_reader(kept)
+    assert wrapper.epoch == 2
+    for other in (RepeatingLoader(loader), iter(loader)):
+        reads.call(other)
+        assert reads.reader_state() is None
+
+
 def test_with_persistent_workers_an_iter_that_resets_the_restored_iterator_reads_on_from_the_restored_position():
     """With ``persistent_workers`` the loader's ``iter()`` resets the one iterator it keeps (its sampler draws the
     epoch's order) rather than make a new one. A loop that counts its calls and takes ``iter()`` each epoch, resumed

@@ -10,9 +10,12 @@ replaced after a fault where each call reads an iterator of its own.
 
 from __future__ import annotations
 
+import numbers
+import sys
 from typing import Optional
 
 from baft.script.loop import THIS_PROCESS
+from baft.script.source import library
 from baft.snapshot.build import warn
 from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator
 
@@ -32,6 +35,7 @@ class TrainBatchReads:
         self._said_pulled = False
         self._last_evaluated = (None, 0)  # the iterator eval_batch last read, and the step it was called after
         self._said_evaluated = False
+        self._reader_restored: Optional[dict] = None  # a wrapper's counts a restore set, until train_batch reads it
 
     def call(self, data_iter) -> None:
         """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;
@@ -40,6 +44,7 @@ class TrainBatchReads:
         one from it, so a fault replaces every rank."""
         if isinstance(self.position, ResumableLoader):
             self.position.reads(data_iter)
+        self._put_reader_back(data_iter)
         kept = self.kept_iterator()
         before, read_before = self._kept_at_last_read
         if data_iter is not kept and kept is before and getattr(kept, "_num_yielded", 0) != read_before:
@@ -82,6 +87,36 @@ class TrainBatchReads:
             # the one it read last, made the restored one (another epoch mark): read on, not another reader (probe 19:
             # the snapshots of the step the survivor trained again said one came, unlike the uninterrupted run's)
             self._last_mark = epoch_mark(kept)
+        self._put_reader_back(self._last_read)  # before its call trains the steps since the restored one again
+
+    def reader_state(self) -> Optional[dict]:
+        """The counts of the iterator ``train_batch`` reads where it is a wrapper of the script's own around the loader
+        baft keeps (litgpt's ``CycleIterator``, its ``epoch``): its attributes that are numbers or strings, with its
+        type's name; None where it is no such wrapper. The loader's position is kept, not the wrapper's own counts
+        (probe 22: a resumed run logged "Epoch 1" where the uninterrupted one logged "Epoch 4", silently)."""
+        read = self._last_read
+        loader = self.position.loader if isinstance(self.position, ResumableLoader) else None
+        if loader is None or read is None or read is loader or not hasattr(read, "__dict__"):
+            return None
+        module = sys.modules.get(type(read).__module__)
+        if library(getattr(module, "__file__", None) or "<none>") or not any(v is loader for v in vars(read).values()):
+            return None
+        counts = {k: v for k, v in vars(read).items() if isinstance(v, (bool, numbers.Number, str))}
+        return {"type": type(read).__qualname__, "counts": counts} if counts else None
+
+    def restore_reader(self, state: dict) -> None:
+        """Set the wrapper's counts :meth:`reader_state` kept: now where ``train_batch`` read it already (a survivor in
+        place), else as it first reads it."""
+        self._reader_restored = state
+        self._put_reader_back(self._last_read)
+
+    def _put_reader_back(self, read) -> None:
+        state = self._reader_restored
+        if state is None or read is None or type(read).__qualname__ != state["type"]:
+            return
+        self._reader_restored = None
+        for name, value in state["counts"].items():
+            setattr(read, name, value)
 
     def evaluated(self, data_iter) -> None:
         """``eval_batch`` read ``data_iter`` in a loop on the engine's step: said once where an evaluation after an

@@ -301,6 +301,10 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
     client = _client_state(engine)
     if client is not None:
         items["client_state"] = _torch_blob(client.capture())
+    reads = getattr(getattr(engine, "baft", None), "reads", None)
+    reader = reads.reader_state() if reads is not None else None
+    if reader is not None:  # a wrapper of the script's around the loader, read by train_batch: its epoch count
+        items["reader"] = reader
     if THIS_PROCESS.counts_calls:  # what a process resumed here replays of the loop's calls
         items["loop"] = THIS_PROCESS.history.items()
     values = THIS_PROCESS.carried_values(engine) if carried else None
@@ -356,6 +360,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     client = _client_state(engine)
     if "client_state" in items and client is not None:
         client.restore(_torch_unblob(items["client_state"]))
+    if "reader" in items and getattr(getattr(engine, "baft", None), "reads", None) is not None:
+        engine.baft.reads.restore_reader(items["reader"])
     THIS_PROCESS.restored(items.get("loop"), items["counters"],
                           _torch_unblob(items["carried"]) if "carried" in items else None, bool(items.get("at_exit")))
     restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")))
