@@ -1013,3 +1013,31 @@ def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_w
     done = subprocess.run([sys.executable, "-c", ending], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "the script ends" in done.stdout, done.stderr[-2000:]
     assert [line for line in done.stderr.splitlines() if line.startswith("baft: error:")] == [f"baft: error: {why}"]
+
+
+def test_a_replay_drawing_from_a_generator_the_training_draws_from_is_said_where_the_restored_step_drew_none():
+    """Probe 22: minGPT's callback samples from torch's generator every few steps, which dropout draws from too.
+    Resumed at a step after which the loop drew nothing, the replay's samples at the earlier steps came from the
+    generator as the script had seeded it, not as the uninterrupted run's training had left it, and nothing said so (it
+    was said only where the loop drew after the restored step too). A draw the replay makes as the uninterrupted run
+    did (python's, which the training leaves alone) is not said, nor a generator the replay does not draw from."""
+    import random
+
+    from baft.script.rng import rng_states, to_json
+    from baft.snapshot.state import RngRestore
+
+    def resumed(draw) -> list[str]:
+        random.seed(0)
+        torch.manual_seed(0)
+        random.random()  # the loop's draws up to the restored step
+        torch.rand(3)  # the training's dropout
+        restore = RngRestore(to_json(rng_states()))  # as the restored step's next iteration starts
+        random.seed(0)
+        torch.manual_seed(0)
+        restore.replay_started()
+        random.random()
+        draw()
+        return restore.between_steps(replayed=True)
+
+    assert resumed(lambda: torch.multinomial(torch.ones(8), 2)) == ["torch"]
+    assert resumed(lambda: None) == []

@@ -132,6 +132,8 @@ class BaftPipelineEngine(PipelineEngine):
         loop.decide(self, sys._getframe(1))
         self.baft.reads.call(data_iter)
         if loop.replaying:
+            if loop.calls == 0 and self.baft.hooks.rng is not None:
+                self.baft.hooks.rng.replay_started()
             value = loop.replay_train(self)
             # what the script's code after the call reads, as it read it then (the restored step's, from the next call)
             self.global_steps = loop.calls

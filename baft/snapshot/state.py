@@ -462,6 +462,13 @@ class RngRestore(InstructionHook):
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
         self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
         self.weights: Optional[dict] = None  # the module's parameters and buffers as restored (module_values)
+        self.replay_from: Optional[dict] = None  # the generators as a loop that counts its calls began to replay them
+
+    def replay_started(self) -> None:
+        """A loop that counts its calls begins to replay them: the generators now, to tell as the replay ends which the
+        loop's code between the calls drew from (:meth:`between_steps`)."""
+        if self.rng is not None:
+            self.replay_from = rng_states()
 
     def between_steps(self, replayed: bool = False) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last
@@ -470,10 +477,19 @@ class RngRestore(InstructionHook):
         run's). A snapshot taken as the process ended sets every generator here, and none as the iteration starts:
         as it ended (its loop's code after the call ran), or where the call ended, for a replay to run that code
         again."""
-        if self.rng is None or not (self.between or self.at_exit):
+        if self.rng is None:
             return []
-        between = from_json(self.between or {})
-        differ = drawn_between(between, rng_states())
+        between, now = from_json(self.between or {}), rng_states()
+        differ = drawn_between(between, now)
+        if replayed and self.replay_from is not None:
+            # drawn between replayed calls, not (or not only) after the restored step's: those the uninterrupted run
+            # left otherwise than the replay did (probe 22: minGPT's sample at a replayed step, unsaid)
+            drew = drawn_between(self.replay_from, now)
+            differ += [name for name in drawn_between({**from_json(self.rng), **between}, now)
+                       if name in drew and name not in differ]
+            self.replay_from = None
+        if not (self.between or self.at_exit):
+            return differ
         states = between
         if self.at_exit:
             states = {**from_json(self.rng), **(between if replayed else {})}
