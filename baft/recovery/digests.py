@@ -101,6 +101,10 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
     carried = THIS_PROCESS.carried_values(engine)
     if carried is not None:
         nested["carried"] = carried
+    reads = getattr(engine.baft, "reads", None)
+    reader = reads.reader_state() if reads is not None else None
+    if reader is not None:  # a wrapper of the script's around the loader: its epoch count
+        nested["reader"] = reader["counts"]
     attributes = module_attributes(engine.module)
     if attributes:
         nested["module_attributes"] = attributes
