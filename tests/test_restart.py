@@ -155,9 +155,16 @@ def client_of(run_dir: Path, rank: int) -> psutil.Process:
     """The warm client that stands for ``rank`` of the run in ``run_dir`` (the rank, forked, has the warm server's
     command line and initial environment)."""
     wanted = {"RANK": str(rank), LAUNCHER_ENV["run_dir"]: str(run_dir)}
-    return next(p for p in psutil.process_iter(["cmdline"]) if any(a.endswith("baft/warm/client.py")
-                                                                   for a in p.info["cmdline"] or ())
-                and all(p.environ().get(k) == v for k, v in wanted.items()))
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(arg.endswith("baft/warm/client.py") for arg in proc.info["cmdline"] or ()):
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile, or another user's
+            continue
+        if all(env.get(k) == v for k, v in wanted.items()):
+            return proc
+    raise LookupError(f"no warm client of rank {rank} of {run_dir}")
 
 
 @pytest.mark.slow
