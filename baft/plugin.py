@@ -167,6 +167,8 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
             THIS_PROCESS.no_survivors(engine, stream, "Open the file in its __iter__, or give the dataset state_dict() "
                                                       "and load_state_dict(), for its survivors to recover in place")
         protection.restore(data_iterator)
+        if protection.client_state is not None:  # as the loop's first code will find it
+            protection.client_state.hold()
         protection.protect()
         guard_load_checkpoint(engine, protection.client_state)
         THIS_PROCESS.before_first_call(engine)

@@ -333,20 +333,20 @@ main()
 
 
 @pytest.mark.parametrize("client", ["train_state", "train_state.state_dict"])
-def test_a_client_state_the_loop_sets_before_its_call_is_said(tmp_path, capsys, client):
+def test_a_client_state_the_loop_sets_before_its_call_is_found(tmp_path, client):
     """Probe 22: torchtitan's ``while train_state.step < steps: train_state.step += 1`` at its top, its TrainState
-    given as client_state=: a snapshot of step k holds the count the loop set for step k + 1, and a resumed loop
+    given as client_state=: a snapshot of step k held the count the loop set for step k + 1, and a resumed loop
     added 1 again; the run's steps were logged one ahead and it ended a step short, silently. A loop that does not
-    count its calls and sets its client_state (the object, or the one whose state_dict it is) before its call is said
-    at start; one that sets it after the call is not, nor one whose loop counts its calls (a callable's state, which
-    a restore does not load: the replay runs the loop's code and puts the client_state back as the next step starts)."""
+    count its calls and sets its client_state (the object, or the one whose state_dict it is) before its call is
+    found at its first call (its snapshots keep the client_state as the call before returned:
+    tests/test_popular_loops.py); one that sets it after the call is not, nor one whose loop counts its calls (a
+    callable's state, which a restore does not load: the replay runs the loop's code and puts the client_state back
+    as the next step starts)."""
     script = tmp_path / "client_top.py"
     script.write_text(CLIENT_TOP.format(client=client))
-    found = runpy.run_path(str(script), run_name="__main__")["FOUND"]
-    assert found == [f"{script}:30 (train_state.step += 1)"] * 2 + ["", ""], found
-    said = capsys.readouterr().err
-    assert said.count("sets its client_state before its call to train_batch, at "
-                      f"{script}:30 (train_state.step += 1)") == (client == "train_state"), said
+    ran = runpy.run_path(str(script), run_name="__main__")
+    assert ran["FOUND"] == [f"{script}:30 (train_state.step += 1)"] * 2 + ["", ""], ran["FOUND"]
+    assert ran["LOOP"].client_set_before == (f"{script}:30 (train_state.step += 1)" if client == "train_state" else "")
 
 
 def test_an_evaluation_before_the_first_step_is_read_from_the_loop_that_trains(tmp_path):

@@ -65,12 +65,14 @@ def test_nanogpt_and_megatron_shaped_loops_resume_as_an_uninterrupted_run(tmp_pa
     among the uninterrupted run's, its final lines and every part of its state at every step the same. Finished and
     launched again, the learning rate nanoGPT's loop sets by hand for the next step was undone by the one its last
     step had (the snapshot taken as the process ended, set again as the first resumed iteration started: probe 19), in
-    a loop on the engine's step too."""
+    a loop on the engine's step too. torchtitan's count, its client_state, set at the loop's top before the call:
+    resumed, it was one ahead and the run ended a step short (probe 22)."""
     cases = {"nanogpt": ("nanogpt",), "nanogpt-relaunch": ("nanogpt", "--fault", "rank=1,step=4,phase=backward"),
              "nanogpt-in-place": ("nanogpt", "--in-place", "--fault", "rank=0,step=8,phase=forward"),
              "nanogpt-finished": ("nanogpt", "finished at", 6),
              "megatron": ("megatron",), "megatron-relaunch": ("megatron", "--fault", "rank=0,step=5,phase=forward"),
-             "steps": ("steps",), "steps-finished": ("steps", "finished at", 7)}
+             "steps": ("steps",), "steps-finished": ("steps", "finished at", 7),
+             "titan": ("titan",), "titan-relaunch": ("titan", "--fault", "rank=1,step=6,phase=backward")}
     runs = _runs(tmp_path_factory, cases)
     for name, directory in runs.items():
         reference = runs[name.split("-")[0]]

@@ -155,6 +155,8 @@ class BaftPipelineEngine(PipelineEngine):
         loop.step_called_for = self.global_steps + 1
         loss = self._train_to(self.global_steps + 1, data_iter)
         self.baft.reads.ended()
+        if loop.client_set_before and self.baft.client_state is not None:
+            self.baft.client_state.hold()  # what the next step's snapshot keeps of it (ClientState.hold)
         return loss
 
     def set_train_batch_size(self, train_batch_size):

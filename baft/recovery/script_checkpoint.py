@@ -22,6 +22,7 @@ so the counters are right after a fault that came before the script's first chec
 
 from __future__ import annotations
 
+import copy
 import functools
 import glob
 import os
@@ -48,6 +49,7 @@ class ClientState:
         self.source = source
         self.restored: Optional[dict] = None  # as of the restored step
         self.returned = False  # whether the script's load_checkpoint returned it
+        self.held: Optional[dict] = None  # a copy as the loop's latest call returned (hold)
 
     def not_returned(self, step: int) -> Optional[str]:
         """What to say as the script's loop starts where a callable's state, restored as of ``step``, never reached the
@@ -64,6 +66,13 @@ class ClientState:
 
     def capture(self) -> dict:
         return self.source.state_dict() if self.stateful else self.source()
+
+    def hold(self) -> None:
+        """Keep a copy of the state as it stands now, before the loop's code for the next step runs: where that code
+        sets it before its call (torchtitan's ``train_state.step += 1`` at the loop's top), a snapshot, taken as the
+        call starts, keeps this copy, which a resumed loop's code sets for that step once (probe 22: a count one ahead
+        of the engine's step, a run a step short)."""
+        self.held = copy.deepcopy(self.capture())
 
     def restore(self, saved: dict) -> None:
         self.restored = saved

@@ -82,6 +82,7 @@ class Loop:
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
         self.restored_count: Optional[int] = None  # the engine's scheduler's count as restored, before a replay
         self.restored_at_exit = False  # the restored snapshot was taken as the process that trained it ended
+        self.client_set_before = ""  # where the loop sets its client_state before its call (file:line), if it does
         self.evals_at_exit = 0
 
     def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None,
@@ -268,17 +269,17 @@ class Loop:
 
     def _client_set_before_call(self, engine, frame) -> None:
         """A loop that does not count its calls and sets its ``client_state`` before its call to ``train_batch`` in an
-        iteration (torchtitan's ``train_state.step += 1`` at its top): said at start. A snapshot holds it as that code
-        left it, and a resumed process's loop runs the code again on it (probe 22: a count one ahead, and a run that
-        stops on it trained a step short, silently)."""
+        iteration (torchtitan's ``train_state.step += 1`` at its top): its snapshots keep the ``client_state`` as the
+        call before returned (:meth:`~baft.recovery.script_checkpoint.ClientState.hold`), for a resumed loop's code to
+        set it for the next step once (probe 22: a count one ahead, and a run that stops on it trained a step short,
+        silently). A survivor's has moved on past the restored step's: every rank is replaced."""
         client = getattr(getattr(engine.baft, "client_state", None), "source", None)
         where = set_before_call(frame, client) if client is not None else ""
         if where:
-            self._say(engine, f"sets its client_state before its call to train_batch, at {where}: a snapshot of step "
-                              f"k holds it as the loop set it for step k + 1, and a resumed process's loop sets it "
-                              f"again before that step (a count one ahead of the engine's step; a run that stops on it "
-                              f"ends a step short). Set it after the call, as Megatron's iteration += 1 follows its "
-                              f"train_step")
+            self.client_set_before = where
+            self.no_survivors(engine, f"its loop sets its client_state before its call to train_batch, at {where}: a "
+                                      f"survivor's has moved on past the restored step's",
+                              "Set it after the call for its survivors to recover in place")
 
     def carried_values(self, engine) -> Optional[dict]:
         """What a snapshot keeps of the values the loop carries (key -> a copy of the value), or None where there are

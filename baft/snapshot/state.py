@@ -266,8 +266,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
     """The small state at the step boundary, as JSON-able values: built as such (a commit record per step), not
     walked after. The RNG states are :func:`capture_rng`'s. ``script_schedulers``: look for the schedulers the
     script made (False before its loop has run: they are looked for once per optimizer). ``carried``: keep the values
-    the loop carries, as they stand when the next step's call has started (False where the step has just ended: the
-    loop's code after its call has yet to run)."""
+    the loop carries, as they stand when the next step's call has started, and the client_state a loop sets before
+    its call as the call before returned (False where the step has just ended: the loop's code after its call has yet
+    to run)."""
     items = {
         "counters": {k: int(getattr(engine, k, 0)) for k in ENGINE_COUNTERS},
         # as the script last set it (set_train_batch_size): a resumed script past where it set it does not again
@@ -299,8 +300,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
     if data_iterator is not None and hasattr(data_iterator, "state_dict"):
         items["data"] = _torch_blob(data_iterator.state_dict())  # a loader's generator state is a ByteTensor
     client = _client_state(engine)
-    if client is not None:
-        items["client_state"] = _torch_blob(client.capture())
+    if client is not None:  # as the previous call returned, where the loop sets it before its calls
+        held = client.held if carried and THIS_PROCESS.client_set_before else None
+        items["client_state"] = _torch_blob(held if held is not None else client.capture())
     reads = getattr(getattr(engine, "baft", None), "reads", None)
     reader = reads.reader_state() if reads is not None else None
     if reader is not None:  # a wrapper of the script's around the loader, read by train_batch: its epoch count

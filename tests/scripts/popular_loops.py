@@ -7,7 +7,8 @@ drawn with ``torch.randint`` from torch's global generator, a best validation lo
 ``--shape megatron``: Megatron-DeepSpeed's ``train()``: ``iteration = args.iteration`` (0: the script loads no
 checkpoint of its own), ``while iteration < args.train_iters``, consumed samples and a loss dict averaged over log
 intervals. ``--shape steps``: nanoGPT's loop on the engine's step (``while engine.global_steps < max_iters``), as the
-README advises.
+README advises. ``--shape titan``: torchtitan's, its ``TrainState`` the ``client_state``, counted at the loop's top
+(``while train_state.step < steps: train_state.step += 1`` before its call).
 """
 
 import argparse
@@ -26,7 +27,7 @@ import baft
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
-parser.add_argument("--shape", choices=("nanogpt", "megatron", "steps"), default="nanogpt")
+parser.add_argument("--shape", choices=("nanogpt", "megatron", "steps", "titan"), default="nanogpt")
 parser.add_argument("--iters", type=int, default=10)
 args = parser.parse_args()
 VOCAB, BLOCK, BATCH = 32, 8, 4
@@ -75,7 +76,22 @@ def lm_loss(logits, targets):
 model = PipelineModule(layers=[LayerSpec(nn.Embedding, VOCAB, 16), LayerSpec(nn.Linear, 16, 16), LayerSpec(nn.GELU),
                                LayerSpec(nn.Linear, 16, VOCAB)], num_stages=2, loss_fn=lm_loss,
                        partition_method="uniform")
-engine, optimizer, _, _ = baft.initialize(model=model, config=args.config)
+
+
+class TrainState:  # torchtitan's: the loop's count, given to baft.initialize as its client_state
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+train_state = TrainState()
+engine, optimizer, _, _ = baft.initialize(model=model, config=args.config,
+                                          client_state=train_state if args.shape == "titan" else None)
 rank = engine.global_rank
 train_iter = Batches("train")
 
@@ -137,6 +153,15 @@ if args.shape == "nanogpt":
         if iter_num > max_iters:
             break
     finish(iter_num)
+elif args.shape == "titan":
+    while train_state.step < args.iters:
+        train_state.step += 1
+        lr = get_lr(train_state.step - 1)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        loss = engine.train_batch(data_iter=train_iter)
+        print(f"rank {rank} iter {train_state.step}: loss {loss.item()!r}, lr {lr!r}", flush=True)
+    finish(train_state.step)
 elif args.shape == "steps":
     while engine.global_steps < args.iters:
         lr = get_lr(engine.global_steps)
