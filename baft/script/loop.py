@@ -150,9 +150,10 @@ class Loop:
             print(f"baft: rank {engine.global_rank}: {loop} drew from {', '.join(generators)}'s generator between the "
                   f"calls it replayed (steps 1-{self.calls}) other numbers than the uninterrupted run (the training "
                   f"draws from it too, and a replayed call trains nothing; or the script does not seed it): what the "
-                  f"loop computed from them then may differ (a count of picks, a logged value); its draws from step "
-                  f"{self.calls + 1} on are the same. Loop on the engine's step (while engine.global_steps < N), which "
-                  f"replays nothing", flush=True)
+                  f"loop computed from them then may differ (a count of picks, a logged value; a DataLoader's iter() "
+                  f"draws its workers' base seed from torch's: where that is all it drew, only the seeds of the "
+                  f"iterators it made in the replay differ); its draws from step {self.calls + 1} on are the same. Loop "
+                  f"on the engine's step (while engine.global_steps < N), which replays nothing", flush=True)
 
     def decide(self, engine, frame, training: bool = True) -> None:
         """At each call to ``train_batch`` (``training``) or ``eval_batch`` (``frame``: its caller's): at the
