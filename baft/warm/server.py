@@ -156,10 +156,7 @@ class ForkServer:
             stopped = _is_stopped(rank.request.get("client"))
             if stopped != rank.client_stopped and pid not in self.orphans:
                 rank.client_stopped = stopped
-                try:
-                    os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
-                except ProcessLookupError:  # it has just ended: reaped next
-                    pass
+                _signal(pid, signal.SIGSTOP if stopped else signal.SIGCONT)  # (one just ended is reaped next)
 
     def _reap_unless_replaced(self, *_) -> None:
         """:meth:`_reap` from a signal handler, where no end of a child forks another (no rank may be replaced, no
@@ -191,7 +188,7 @@ class ForkServer:
                 continue
             if rank.client_stopped:  # it ended stopped with its client (a hang its manager killed): the client
                 rank.client_stopped = False  # goes on, to follow its replacement or to end as it ended
-                _continue(rank.request["client"])
+                _signal(rank.request["client"], signal.SIGCONT)
             if code < 0:
                 _kill_session(pid)
                 _hear(rank)  # the signal it died of may be one its client passed on just before
@@ -355,9 +352,10 @@ def _is_stopped(pid: Optional[int]) -> bool:
         return False
 
 
-def _continue(pid: int) -> None:
+def _signal(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``, where it has not ended meanwhile."""
     try:
-        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
 
