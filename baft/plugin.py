@@ -154,12 +154,14 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
     from baft.snapshot.data import data_position, not_restored, open_file_stream
+    from baft.snapshot.repeated_loader import RepeatedLoaderPosition
 
     data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
     protection.client_state = ClientState(client_state) if client_state is not None else None
     protection.hooks.digests = digests_hook(data_iterator)
     if cfg.policy != "none":
-        caveat = not_restored(data_iterator)
+        found_later = isinstance(data_iterator, RepeatedLoaderPosition) and data_iterator.loader is None
+        caveat = None if found_later else not_restored(data_iterator)  # (said of as the loop first reads it)
         if caveat and engine.global_rank == 0:
             protection.warn(caveat)
         stream = open_file_stream(data_iterator)
@@ -167,6 +169,8 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
             THIS_PROCESS.no_survivors(engine, stream, "Open the file in its __iter__, or give the dataset state_dict() "
                                                       "and load_state_dict(), for its survivors to recover in place")
         protection.restore(data_iterator)
+        if found_later:
+            data_iterator.resumed = protection.restored is not None
         if protection.client_state is not None:  # as the loop's first code will find it
             protection.client_state.hold()
         protection.protect()

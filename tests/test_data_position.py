@@ -20,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
 from baft.cli.launch import launch_env
+from baft.errors import BaftError
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.snapshot.data import ResumableLoader, data_position, not_restored
 
@@ -213,7 +214,8 @@ def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_load
 
 
 def test_initialize_names_what_a_restore_will_not_bring_back():
-    assert "pass data_iterator=" in not_restored(None)
+    unfound = not_restored(data_position(None, None))  # until the loop's first call finds a loader it repeats
+    assert "RepeatingLoader of a DataLoader (found as train_batch first reads it), or pass data_iterator=" in unfound
     assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
     said = not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
     assert "loader's 2 workers are in no saved state: a resume inside an epoch, draws others" in said, said
@@ -243,6 +245,111 @@ def test_initialize_names_what_a_restore_will_not_bring_back():
     assert said.startswith("the data iterator Mixer holds torchdata loaders (loaders[0], loaders[1]) whose "
                            "state_dict() leaves out the generator"), said
     assert not_restored(data_position(None, Mixer(kept=True))) is None
+
+
+class Stream16(torch.utils.data.IterableDataset):
+    """A stream of 16 samples an epoch, each drawing from torch's generator (in a worker: each its own share)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = range(16) if info is None else range(info.id, 16, info.num_workers)
+        return (torch.tensor([float(i), torch.rand(()).item()]) for i in mine)
+
+
+PLAIN = {  # torch's own DataLoader, no state of its own: DeepSpeedExamples' iter(RepeatingLoader(loader))
+    "shuffle": lambda workers: torch.utils.data.DataLoader(
+        Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers),
+    "shuffle, generator": lambda workers: torch.utils.data.DataLoader(
+        Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=workers,
+        generator=torch.Generator().manual_seed(3)),
+    "in order": lambda workers: torch.utils.data.DataLoader(Noisy(), batch_size=BATCH, num_workers=workers),
+    "a stream": lambda workers: torch.utils.data.DataLoader(Stream16(), batch_size=BATCH, num_workers=workers),
+}
+
+
+def read_repeated(make, batches, workers, restore_at=None):
+    """``batches`` batches of ``RepeatingLoader(make(workers))``, the position saved after ``restore_at`` of them
+    and restored into a new process's: it runs the script's code up to its loop as the first did (its first
+    iterator made from the same generators), then baft restores, then sets the RNG states as the step starts."""
+    torch.manual_seed(0)
+    feed = RepeatingLoader(make(workers))
+    position, out = data_position(None, feed), []
+    for i in range(batches):
+        if i == restore_at:
+            saved, rng = position.state_dict(), torch.get_rng_state()
+            torch.manual_seed(0)
+            feed = RepeatingLoader(make(workers))
+            data_position(None, feed).load_state_dict(saved)
+            torch.set_rng_state(rng)
+        out.append(next(feed))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", PLAIN)
+def test_a_plain_loaders_repeating_loader_restored_at_any_batch_reads_as_the_uninterrupted_one(name, workers):
+    """Every later batch and its random draws, in this process or the workers' (before, a resumed run read from the
+    first epoch's start, said at start; DeepSpeedExamples' shape). Restored after every batch of three epochs: inside
+    an epoch, at its end (7 batches each), in the first epoch (read on from the new process's own iterator)."""
+    make = PLAIN[name]
+    reference = read_repeated(make, 21, workers)
+    if name.startswith("shuffle"):
+        assert not torch.equal(reference[:7, :, 0], reference[7:14, :, 0]), "each epoch in its own order"
+    for restore_at in range(1, 21, 1 if workers == 0 else 3):
+        assert torch.equal(read_repeated(make, 21, workers, restore_at), reference), f"restored after {restore_at}"
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_a_survivors_repeating_loader_reads_again_from_the_restored_position(name):
+    """In place: the survivor's repeating loader read on, into the next epoch; the restored position (by a position
+    made again, as the survivor's initialize makes it) makes the restored epoch's iterator again. With workers, a
+    position in the first epoch, whose iterator was made before baft found it, cannot be: an error, not another
+    order."""
+    torch.manual_seed(0)
+    feed = RepeatingLoader(PLAIN[name](0))
+    position = data_position(None, feed)
+    for restore_at, read_on in ((3, 6), (9, 9)):  # in the first epoch, then in the second
+        for _ in range(restore_at - (3 if restore_at == 9 else 0)):
+            next(feed)
+        saved, rng = position.state_dict(), torch.get_rng_state()
+        reference = torch.stack([next(feed) for _ in range(read_on)])
+        data_position(None, feed).load_state_dict(saved)
+        torch.set_rng_state(rng)
+        assert torch.equal(torch.stack([next(feed) for _ in range(read_on)]), reference), f"restored at {restore_at}"
+    torch.manual_seed(0)
+    feed = RepeatingLoader(PLAIN[name](2))
+    position = data_position(None, feed)
+    next(feed)
+    saved = position.state_dict()
+    next(feed)
+    with pytest.raises(BaftError, match="in the first epoch of a DataLoader with workers"):
+        data_position(None, feed).load_state_dict(saved)
+
+
+def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_before():
+    """Not given to ``baft.initialize``: the position is restored before the loop's first call finds the repeating
+    loader, and put back then; a persistent-worker loader's caveat is said."""
+    torch.manual_seed(0)
+    feed = RepeatingLoader(PLAIN["shuffle"](0))
+    position = data_position(None, feed)
+    for _ in range(9):
+        next(feed)
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    reference = [next(feed) for _ in range(5)]
+    torch.manual_seed(0)
+    later = data_position(None, None)
+    later.load_state_dict(saved)
+    resumed = RepeatingLoader(PLAIN["shuffle"](0))
+    assert later.bind(resumed) is None and later.loader is resumed.loader
+    torch.set_rng_state(rng)
+    assert all(torch.equal(next(resumed), batch) for batch in reference)
+    unsaved = data_position(None, None)
+    unsaved.resumed = True  # restored from a snapshot with no position of such a loader
+    assert "holds no position of the DataLoader" in unsaved.bind(RepeatingLoader(PLAIN["shuffle"](0)))
+    persistent = torch.utils.data.DataLoader(Noisy(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    said = not_restored(data_position(None, RepeatingLoader(persistent)))
+    assert "in the loader's 2 persistent workers are in no saved state" in said, said
+    assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

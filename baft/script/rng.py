@@ -47,7 +47,12 @@ def hold_script_generators(frame, data_iterator=None) -> None:
         if frame.f_code.co_name == "<module>":
             break
         frame = frame.f_back
-    loader = getattr(data_iterator, "loader", data_iterator)  # DeepSpeed's RepeatingLoader: the loader it wraps
+    hold_loader_generators(getattr(data_iterator, "loader", data_iterator))  # a RepeatingLoader's: the loader
+
+
+def hold_loader_generators(loader) -> None:
+    """Count the generators ``loader``'s dataset and ``collate_fn`` hold, and the globals their code reads, among
+    every generator from now on (:func:`hold_script_generators`; a loader baft finds as the loop first reads it)."""
     if isinstance(loader, torch.utils.data.DataLoader):
         # the loader's state keeps them as the iteration starts, but the loop may draw from them before (in this
         # process's copy, where workers draw from theirs): kept as the RNG states are, they are set as step k left them

@@ -34,7 +34,7 @@ class ResumableLoader:
     and every later epoch in another order (torchdata 0.11; ``tests/test_data_position.py``).
     Saving ``g`` as it stands at the capture, and setting it once the restored iterator is built, puts both draws back.
     A sampler of torch's own keeps its state outside the loader's: it is saved as each epoch's iterator is made
-    (:func:`_record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`_drawing_sampler`). torchdata's
+    (:func:`record_epoch_starts`; a ``batch_sampler``'s, or its sampler's: :func:`drawing_sampler`). torchdata's
     own restore builds a new iterator for the next ``iter()``; one the script already holds (taken before
     ``baft.initialize``, a survivor's in place, the epoch's own in a loop that counts its calls) is made that one.
     With ``persistent_workers`` an ``iter()`` of the loader gives the same iterator each epoch, reset (its sampler
@@ -51,8 +51,8 @@ class ResumableLoader:
 
     def __init__(self, loader):
         self.loader = loader
-        self.sampler = _drawing_sampler(loader)
-        _record_epoch_starts(self.sampler)
+        self.sampler = drawing_sampler(loader)
+        record_epoch_starts(self.sampler)
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         # what it had read when an iter() of the loader reset it (persistent workers: the next epoch's), or None
@@ -88,7 +88,7 @@ class ResumableLoader:
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
         self.loader.load_state_dict(saved["loader"])
-        with _as_epoch_started(self.sampler, saved.get("sampler")):
+        with as_epoch_started(self.sampler, saved.get("sampler")):
             self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
         if live is not None and restored is not None and live is not restored:
@@ -235,7 +235,7 @@ EPOCH_START = "_baft_epoch_start"  # a sampler's own state as it made its latest
 RESTORING = "_baft_restoring"  # the state it makes the restored iterator from
 
 
-def _record_epoch_starts(sampler) -> None:
+def record_epoch_starts(sampler) -> None:
     """Make ``sampler`` keep its own state as it makes each epoch's iterator (:data:`EPOCH_START`), where the loader's
     state leaves it out: torch's samplers that draw from their ``generator`` (``RandomSampler``,
     ``SubsetRandomSampler``, ``WeightedRandomSampler``; without one, from torch's generator) or are seeded by their
@@ -274,8 +274,8 @@ _RECORDING: dict[type, type] = {}
 _END = object()
 
 
-def _drawing_sampler(loader):
-    """The sampler of ``loader`` whose state :func:`_record_epoch_starts` keeps: the loader's ``sampler``, or where
+def drawing_sampler(loader):
+    """The sampler of ``loader`` whose state :func:`record_epoch_starts` keeps: the loader's ``sampler``, or where
     a script gave a ``batch_sampler=`` instead (the loader's sampler then a sequential one that draws nothing), that
     batch sampler or the sampler it batches (torch's ``BatchSampler(RandomSampler(data, generator=g))``)."""
     batches = getattr(loader, "batch_sampler", None)
@@ -289,7 +289,7 @@ def _inner(sampler):
 
 
 def _records(sampler) -> bool:
-    """Whether :func:`_record_epoch_starts` keeps ``sampler``'s state: it draws, or is seeded by its ``epoch``."""
+    """Whether :func:`record_epoch_starts` keeps ``sampler``'s state: it draws, or is seeded by its ``epoch``."""
     inner = _inner(sampler)
     return _draws(inner) or isinstance(getattr(inner, "epoch", None), int)
 
@@ -331,7 +331,7 @@ def _set_sampler_state(sampler, saved: dict) -> None:
 
 
 @contextmanager
-def _as_epoch_started(sampler, saved: Optional[dict]):
+def as_epoch_started(sampler, saved: Optional[dict]):
     """Within: each iterator ``sampler`` makes is made as it stood when the restored iterator's epoch began (``saved``,
     :data:`EPOCH_START`'s); torch's generator is set back afterwards (a restore sets it as the next iteration
     starts)."""
@@ -364,21 +364,29 @@ def _take_over(live, restored) -> None:
 
 def data_position(engine, data_iterator=None, training_data=None):
     """What baft saves and restores the data position with, or None when nothing says where the data stands."""
+    from baft.snapshot.repeated_loader import RepeatedLoaderPosition, plain_repeating
+
+    if plain_repeating(data_iterator):  # a plain DataLoader's: what its iterators were made from, kept by baft
+        position = RepeatedLoaderPosition(engine)
+        position.bind(data_iterator)
+        return position
     if isinstance(data_iterator, RepeatingLoader):  # DeepSpeed's: each epoch an iter() of the loader it wraps
         return data_position(engine, data_iterator.loader, training_data)
     if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
         return ResumableLoader(data_iterator)
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
         return EngineLoaderPosition(engine)
+    if data_iterator is None:  # a RepeatingLoader of a plain DataLoader's, found as the loop first reads it
+        return RepeatedLoaderPosition(engine)
     return data_iterator
 
 
 def not_restored(position) -> Optional[str]:
     """What a restore from ``position`` does not bring back, to say once at initialize; None when nothing."""
-    if position is None:
-        return ("the data position will not be restored after a restart (a resumed run would read its data from the "
-                "start): pass data_iterator= an iterator with state_dict() and load_state_dict(), such as torchdata's "
-                "StatefulDataLoader, and train on iter() of it, taken after baft.initialize")
+    from baft.snapshot.repeated_loader import RepeatedLoaderPosition
+
+    if isinstance(position, RepeatedLoaderPosition):
+        return position.caveat()
     held = _held_loaders(position)
     if held:
         return (f"the data iterator {type(position).__name__} holds torchdata loaders ({', '.join(held)}) whose "

@@ -17,7 +17,8 @@ from typing import Optional
 from baft.script.loop import THIS_PROCESS
 from baft.script.source import library
 from baft.snapshot.build import warn
-from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator
+from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator, not_restored
+from baft.snapshot.repeated_loader import RepeatedLoaderPosition
 
 
 class TrainBatchReads:
@@ -44,6 +45,8 @@ class TrainBatchReads:
         one from it, so a fault replaces every rank."""
         if isinstance(self.position, ResumableLoader):
             self.position.reads(data_iter)
+        elif isinstance(self.position, RepeatedLoaderPosition) and self._last_read is None:
+            self._find_loader(data_iter if data_iter is not None else getattr(self.engine, "data_iterator", None))
         self._put_reader_back(data_iter)
         kept = self.kept_iterator()
         before, read_before = self._kept_at_last_read
@@ -69,9 +72,19 @@ class TrainBatchReads:
         if read is None or id(read) in self._read:
             return
         self._read.add(id(read))
-        why = foreign_iterator(self.position, read)
+        position = self.position if getattr(self.position, "loader", True) is not None else None
+        why = foreign_iterator(position, read)
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
+
+    def _find_loader(self, read) -> None:
+        """The loop's first call reads ``read``: where it is a ``RepeatingLoader`` of a plain ``DataLoader``, the
+        position kept is that loader's (:class:`RepeatedLoaderPosition`); what a restore of it cannot bring back is
+        said (or that there is no such loader: the data position is in no snapshot)."""
+        said = [self.position.bind(read), not_restored(self.position)]
+        for message in said:
+            if message and self.engine.global_rank == 0 and self.engine.baft.config.policy != "none":
+                warn(self.engine, message)
 
     def carry_on(self, before: "TrainBatchReads") -> None:
         """In a survivor recovered in place, whose new engine's calls go on from its earlier one's (``before``): the
@@ -87,6 +100,8 @@ class TrainBatchReads:
             # the one it read last, made the restored one (another epoch mark): read on, not another reader (probe 19:
             # the snapshots of the step the survivor trained again said one came, unlike the uninterrupted run's)
             self._last_mark = epoch_mark(kept)
+        if isinstance(self.position, RepeatedLoaderPosition) and isinstance(before.position, RepeatedLoaderPosition):
+            self.position.carry_on(before.position)
         self._put_reader_back(self._last_read)  # before its call trains the steps since the restored one again
 
     def reader_state(self) -> Optional[dict]:

@@ -1,7 +1,7 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
-data iterator, in a loop on the engine's step; with ``generator``, each epoch a generator of the script's over the
+data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize); with ``generator``, each epoch a generator of the script's over the
 loader (``for batch in loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in
 loader: yield batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader
 the script never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
@@ -69,6 +69,13 @@ if sys.argv[3:] in (["forever"], ["forever-after-iter"]):  # one generator of th
 elif sys.argv[3:] == ["repeating"]:
     data = RepeatingLoader(loader)  # its first iterator taken before baft.initialize restores the loader
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
+    while engine.global_steps < 3 * len(loader) // 2:
+        report(engine.train_batch(data_iter=data))
+elif sys.argv[3:] == ["plain"]:  # torch's own loader over the same sampler, not given to baft.initialize
+    plain = torch.utils.data.DataLoader(Samples(), batch_size=2, drop_last=True, sampler=loader.sampler,
+                                        num_workers=loader.num_workers, generator=torch.Generator().manual_seed(4))
+    data = iter(RepeatingLoader(plain))  # DeepSpeedExamples' shape
+    engine, *_ = baft.initialize(model=model, config=config)
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
 else:

@@ -1,0 +1,59 @@
+"""DeepSpeed's ``RepeatingLoader`` of a loader, noting what each epoch's iterator was made from: the engine's own
+loader (:mod:`baft.snapshot.engine_loader`) and a script's plain ``DataLoader`` (:mod:`baft.snapshot.repeated_loader`)
+are repeated through it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from deepspeed.runtime.dataloader import RepeatingLoader
+
+
+class EpochStarts(RepeatingLoader):
+    """DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from: the states of torch's
+    generator and of the loader's ``generator`` as its ``iter()`` began (:attr:`made_from`: the base seed its
+    workers are seeded from is drawn there; None for the iterator it held when baft took it over), and how many it
+    has made since (:attr:`epoch`); :attr:`first` is the iterator it held then."""
+
+    epoch: int
+    made_from: Optional[dict]
+    first: object
+
+    @classmethod
+    def take_over(cls, repeating: RepeatingLoader) -> "EpochStarts":
+        """``repeating``, made one (its class becomes this; its loader and the iterator it holds stay)."""
+        if not isinstance(repeating, cls):
+            repeating.__class__ = cls
+            repeating.epoch, repeating.made_from, repeating.first = 0, None, repeating.data_iter
+        return repeating
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.new_epoch()
+            return next(self.data_iter)
+
+    def new_epoch(self) -> None:
+        """Make the next epoch's iterator, from the generators as they stand."""
+        self.epoch += 1
+        self.made_from = generator_states(self.loader)
+        self.data_iter = iter(self.loader)
+
+    def remake(self, made_from: Optional[dict]) -> None:
+        """Make the iterator of an epoch again, from the generators as ``made_from`` says (torch's left as it was)."""
+        with torch.random.fork_rng(devices=[]):
+            if made_from is not None:
+                torch.set_rng_state(made_from["torch"])
+                if made_from["generator"] is not None:
+                    self.loader.generator.set_state(made_from["generator"])
+            self.data_iter = iter(self.loader)
+        self.made_from = made_from
+
+
+def generator_states(loader) -> dict:
+    """The states of torch's generator and of ``loader``'s ``generator`` (None where it has none)."""
+    generator = getattr(loader, "generator", None)
+    return {"torch": torch.get_rng_state(),
+            "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
