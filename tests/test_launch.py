@@ -219,6 +219,16 @@ def test_a_rank_that_ends_its_script_early_twice_in_a_row_ends_the_run_naming_it
         assert "ended its script" not in (watch.outcome(1).exception or ""), others
 
 
+def put_back_torchruns_agent(monkeypatch) -> None:
+    """After the test, torch's agent and its signal handler as they were (``baft.cli.torchrun.main`` changes them)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api
+
+    for owner, name in ((api, "_terminate_process_handler"), (LocalElasticAgent, "_initialize_workers"),
+                        (LocalElasticAgent, "_monitor_workers")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+
+
 def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_waits_less(monkeypatch):
     """``baft.cli.torchrun`` replaces three things of torch's rendezvous (each restart spent 0.3-1.2 s in the first
     two): the event name read off ``inspect.stack()``, by the same name read off the frame; under ``--standalone`` the
@@ -239,6 +249,7 @@ def test_torchrun_as_baft_runs_it_names_rendezvous_events_as_torch_does_and_wait
     assert torchrun._method_name(depth=10 ** 6) == "no_method_name"
 
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
+    put_back_torchruns_agent(monkeypatch)
     # a node waiting for the others polls the rendezvous every 0.05 s on a few nodes (torch: every second, so a
     # restart of a job on several nodes waited up to a second past the last node's joining), once a second on many
     for argv, skewed, poll in ((["--standalone", "--nproc-per-node=2", "--", "train.py"], False, 0.05),
@@ -274,6 +285,7 @@ def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_r
     for owner, name in ((handler, "next_rendezvous"), (dynamic_rendezvous, "get_method_name"),
                         (dynamic_rendezvous, "_delay")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # put back after
+    put_back_torchruns_agent(monkeypatch)
     monkeypatch.delenv(torchrun.UNSHARED_STORE_ENV, raising=False)
     monkeypatch.setattr(torch.distributed.run, "main", lambda argv: None)
     torchrun.main(["--standalone", "--", "train.py"])
@@ -305,6 +317,49 @@ def test_torchrun_as_baft_runs_it_serves_the_ranks_a_new_store_each_rendezvous_r
             pass
 
     assert not torchrun._each_round(Other, poll=0.05)
+
+
+def test_torchrun_as_baft_runs_it_stops_on_a_death_signal_caught_on_the_way(monkeypatch):
+    """``baft train`` stops a run no restart can get past (SIGTERM) as it reads torchrun's line that an attempt failed:
+    torch's handler raised its exception while the agent's ``logging`` still wrote that line, which caught it, and
+    the agent restarted the ranks (a fresh-clone CI: 3 restarts where 1 is right). It is raised again as the agent
+    next starts or watches its ranks."""
+    import io
+    import logging
+    import signal
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    from baft.cli import torchrun
+
+    class Agent:
+        def _initialize_workers(self, group):
+            return "started"
+
+        def _monitor_workers(self, group):
+            return "watched"
+
+    class SignalledAsItWrites(logging.StreamHandler):
+        def flush(self):
+            api._terminate_process_handler(signal.SIGTERM, None)
+
+    put_back_torchruns_agent(monkeypatch)
+    assert torchrun._death_signal_kept(api, Agent)
+    assert Agent()._initialize_workers(None) == "started" and Agent()._monitor_workers(None) == "watched"
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # what logging caught, unprinted
+    agent_log = logging.getLogger("baft.test.agent")
+    agent_log.propagate, handler = False, SignalledAsItWrites(io.StringIO())
+    agent_log.addHandler(handler)
+    try:
+        agent_log.error("failed (exitcode: 1) local_rank: 0 (pid: 42) of binary: python")
+    finally:
+        agent_log.removeHandler(handler)
+    for method in (Agent()._initialize_workers, Agent()._monitor_workers):
+        with pytest.raises(api.SignalException, match="got signal") as raised:
+            method(None)
+        assert raised.value.sigval == signal.SIGTERM
+    assert not torchrun._death_signal_kept(SimpleNamespace(), Agent)  # a torch without that handler: as it is
 
 
 def test_baft_torchrun_starts_each_python_rank_as_a_warm_servers_client(monkeypatch):

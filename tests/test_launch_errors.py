@@ -256,13 +256,10 @@ def test_a_rank_that_ends_its_script_early_is_named_once_after_one_restart(tmp_p
     assert not any(noise in line for line in lines for noise in NOT_ON_SCREEN), lines
     said = ("baft: error: rank 1 ended its script (exit status 0) at step 3 while its peers were training: they failed "
             "on losing it ({}); every rank's output is in " + str(log))
-    restarts = sum("resumed from step" in line for line in lines)
-    # one restart, the same again, and the end; but torchrun's failure line can reach baft train before its tail of
-    # rank 1's own line that it ended its script, and that attempt then counts as a peer's loss alone: a restart more
-    # (seen once in a fresh-clone CI, 3 restarts; 0 of 3 runs alone)
-    assert lines[-1] in (said.format("it did so in the attempt before too: a restart does not help"),
-                         said.format("no restart left")), lines
-    assert 1 <= restarts <= 3 and ("no restart left" not in lines[-1] or restarts == 3), (restarts, lines[-1])
+    # one restart, the same again, and the end: torchrun stopped there, also where the SIGTERM came as it still wrote
+    # its line that the attempt failed (a fresh-clone CI: its logging caught the signal's exception, 3 restarts)
+    assert sum("resumed from step" in line for line in lines) == 1, lines
+    assert lines[-1] == said.format("it did so in the attempt before too: a restart does not help"), lines
     assert_nothing_left(tmp_path)
 
 

@@ -46,7 +46,9 @@ PREFIX_TEMPLATE = "[${rank}] "
 # torchrun's prefix, then the one torch.distributed puts on a rank's traceback once its process group is up
 _PREFIX = re.compile(r"\[(\d+)\] (?:\[rank\d+\]: )?")
 _BAFT_ERROR = re.compile(r"(?:baft: error: |baft\.errors\.\w+: )(.*)")  # the example's line; a script's traceback
-_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) ")  # torchrun's first failure of an attempt
+# torchrun's first failure of an attempt, logged after it stopped the ranks and wrote the rest of their files' tails:
+# every line of the attempt's ranks comes before it
+_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) ")
 _STEP_FRAME = re.compile(r'\s+File ".*", line \d+, in (train_batch|eval_batch)$')  # DeepSpeed's PipelineEngine
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 # a traceback's last line, ``ValueError: ...`` or ``pkg.mod.Error``; not a line the rank printed meanwhile on its

@@ -17,6 +17,13 @@ elastic agent, unchanged) less four costs its rendezvous adds to every restart o
   it listens waits out torch's connect backoff: 0.1-0.7 s of about half the warm relaunches. Here the agent serves
   a new one each rendezvous round, listening before any rank starts, holding no earlier attempt's keys.
 
+It also keeps a death signal torch's agent lost: its handler raises an exception in the agent, which two places on
+its way from an attempt's failure to the next attempt catch and log (``logging``'s own error handling, where the
+signal came as the agent wrote a line, and its wait for the tails of the ranks' files): the agent then restarted the
+ranks as if no signal had come. That is where ``baft train`` stops a run no restart can get past, as it reads the
+agent's line that the attempt failed (:mod:`baft.cli.runlog`); here the agent raises it again before it starts or
+watches the ranks next (:func:`_death_signal_kept`).
+
 Where torch no longer has what this replaces, torchrun runs as it is (the store unshared).
 
 ``baft torchrun ARGS`` (:func:`main` with ``warm``) is the same torchrun with its ranks forked from a warm server of
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 
 from baft.config import ROUND_ENV
@@ -90,6 +98,35 @@ def _each_round(handler: type, poll: float) -> bool:
     return new_store
 
 
+def _death_signal_kept(launcher_api, agent: type) -> bool:
+    """Have ``agent`` (torch's agent class) raise the exception of a death signal that ``launcher_api``'s handler
+    (``torch.distributed.elastic.multiprocessing.api``) raised and something caught on the way, as it would next start
+    or watch its ranks; whether it could."""
+    handler = getattr(launcher_api, "_terminate_process_handler", None)
+    methods = ("_initialize_workers", "_monitor_workers")
+    if handler is None or not hasattr(launcher_api, "SignalException") or not all(hasattr(agent, m) for m in methods):
+        return False
+    received: list[signal.Signals] = []
+
+    def terminate(signum, frame) -> None:
+        received.append(signal.Signals(signum))
+        handler(signum, frame)
+
+    def signal_first(method):
+        @functools.wraps(method)
+        def unless_signalled(self, *args, **kwargs):
+            if received:
+                said = f"Process {os.getpid()} got signal: {received[0]}"  # as torch's handler says it
+                raise launcher_api.SignalException(said, sigval=received[0])
+            return method(self, *args, **kwargs)
+        return unless_signalled
+
+    launcher_api._terminate_process_handler = terminate  # looked up as the agent starts its ranks and registers it
+    for name in methods:
+        setattr(agent, name, signal_first(getattr(agent, name)))
+    return True
+
+
 def _ranks_warm(run_module, servers: list) -> None:
     """Have torchrun start each rank whose program is ``python [-m] PROGRAM ARGS`` as a client of a warm server
     (``python -u CLIENT [-m] PROGRAM ARGS``), the server started here as torchrun reads its program; any other
@@ -120,6 +157,8 @@ def _ranks_warm(run_module, servers: list) -> None:
 def main(argv: list[str], warm: bool = False) -> None:
     """torchrun ``argv``, less the costs above; ``warm``: its ranks forked from a warm server."""
     from torch.distributed import run as run_module
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as launcher_api
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.run import main as torchrun
 
@@ -133,6 +172,7 @@ def main(argv: list[str], warm: bool = False) -> None:
         dynamic_rendezvous._delay = _shorter_waits(delay, nodes, poll)
     if not _each_round(dynamic_rendezvous.DynamicRendezvousHandler, poll):
         os.environ.setdefault(UNSHARED_STORE_ENV, "1")
+    _death_signal_kept(launcher_api, LocalElasticAgent)
     servers: list = []
     if warm:
         _ranks_warm(run_module, servers)
