@@ -77,10 +77,13 @@ def check_capturable(engine, data_iterator=None) -> None:
     """A ``BaftError`` naming every part of the state baft cannot save and restore exactly, each with the way
     out: a resumed run would diverge from the uninterrupted one without a word."""
     optimizer_adapter(engine)
+    loader = isinstance(data_iterator, torch.utils.data.DataLoader)
     parts = (("lr_scheduler", getattr(engine, "lr_scheduler", None),
               "give it state_dict() and load_state_dict(), as torch's schedulers have"),
              ("data_iterator", data_iterator,
-              "give it state_dict() and load_state_dict(), or pass torchdata's StatefulDataLoader"))
+              "pass torchdata's StatefulDataLoader (a drop-in), or deepspeed.utils.RepeatingLoader(loader), and train "
+              "on that" if loader else "give it state_dict() and load_state_dict(), or pass torchdata's "
+                                       "StatefulDataLoader"))
     problems = []
     for what, obj, way_out in parts:
         if obj is not None and not (callable(getattr(obj, "state_dict", None))
