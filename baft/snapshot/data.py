@@ -362,30 +362,31 @@ def _take_over(live, restored) -> None:
         signal_handling._set_worker_pids(id(live), tuple(w.pid for w in live._workers))
 
 
-def data_position(engine, data_iterator=None, training_data=None):
-    """What baft saves and restores the data position with, or None when nothing says where the data stands."""
+def data_position(engine, data_iterator=None, training_data=None, loaders=()):
+    """What baft saves and restores the data position with. ``loaders``: the plain ``DataLoader`` objects the
+    script holds, made resumable, one of which the loop may read (:mod:`baft.snapshot.found_position`)."""
+    from baft.snapshot.found_position import PositionFoundLater
     from baft.snapshot.repeated_loader import RepeatedLoaderPosition, plain_repeating
 
     if plain_repeating(data_iterator):  # a plain DataLoader's: what its iterators were made from, kept by baft
-        position = RepeatedLoaderPosition(engine)
-        position.bind(data_iterator)
-        return position
+        return RepeatedLoaderPosition(data_iterator, engine)
     if isinstance(data_iterator, RepeatingLoader):  # DeepSpeed's: each epoch an iter() of the loader it wraps
         return data_position(engine, data_iterator.loader, training_data)
     if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
         return ResumableLoader(data_iterator)
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
         return EngineLoaderPosition(engine)
-    if data_iterator is None:  # a RepeatingLoader of a plain DataLoader's, found as the loop first reads it
-        return RepeatedLoaderPosition(engine)
+    if data_iterator is None:  # found as the loop first reads it
+        return PositionFoundLater(engine, list(loaders))
     return data_iterator
 
 
 def not_restored(position) -> Optional[str]:
     """What a restore from ``position`` does not bring back, to say once at initialize; None when nothing."""
+    from baft.snapshot.found_position import PositionFoundLater
     from baft.snapshot.repeated_loader import RepeatedLoaderPosition
 
-    if isinstance(position, RepeatedLoaderPosition):
+    if isinstance(position, (RepeatedLoaderPosition, PositionFoundLater)):
         return position.caveat()
     held = _held_loaders(position)
     if held:

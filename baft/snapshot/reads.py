@@ -18,7 +18,7 @@ from baft.script.loop import THIS_PROCESS
 from baft.script.source import library
 from baft.snapshot.build import warn
 from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator, not_restored
-from baft.snapshot.repeated_loader import RepeatedLoaderPosition
+from baft.snapshot.found_position import PositionFoundLater
 
 
 class TrainBatchReads:
@@ -43,10 +43,10 @@ class TrainBatchReads:
         where it is another iterator than at the last call, and not one of the loader baft keeps (an epoch's), the
         call's own (``train_batch(iter(batches))``): a survivor in place would train the steps since the restored
         one from it, so a fault replaces every rank."""
+        if isinstance(self.position, PositionFoundLater) and self._last_read is None:
+            self._find_position(data_iter if data_iter is not None else getattr(self.engine, "data_iterator", None))
         if isinstance(self.position, ResumableLoader):
             self.position.reads(data_iter)
-        elif isinstance(self.position, RepeatedLoaderPosition) and self._last_read is None:
-            self._find_loader(data_iter if data_iter is not None else getattr(self.engine, "data_iterator", None))
         self._put_reader_back(data_iter)
         kept = self.kept_iterator()
         before, read_before = self._kept_at_last_read
@@ -77,11 +77,12 @@ class TrainBatchReads:
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
 
-    def _find_loader(self, read) -> None:
-        """The loop's first call reads ``read``: where it is a ``RepeatingLoader`` of a plain ``DataLoader``, the
-        position kept is that loader's (:class:`RepeatedLoaderPosition`); what a restore of it cannot bring back is
-        said (or that there is no such loader: the data position is in no snapshot)."""
-        said = [self.position.bind(read), not_restored(self.position)]
+    def _find_position(self, read) -> None:
+        """The loop's first call reads ``read``: the position kept is of the loader it reads, where baft keeps one
+        (:class:`PositionFoundLater`); what a restore of it cannot bring back is said, or that no position is kept."""
+        position = self.position
+        said = [position.find(read)]
+        said.append(position.caveat(read) if isinstance(position, PositionFoundLater) else not_restored(position))
         for message in said:
             if message and self.engine.global_rank == 0 and self.engine.baft.config.policy != "none":
                 warn(self.engine, message)
@@ -100,7 +101,7 @@ class TrainBatchReads:
             # the one it read last, made the restored one (another epoch mark): read on, not another reader (probe 19:
             # the snapshots of the step the survivor trained again said one came, unlike the uninterrupted run's)
             self._last_mark = epoch_mark(kept)
-        if isinstance(self.position, RepeatedLoaderPosition) and isinstance(before.position, RepeatedLoaderPosition):
+        if isinstance(self.position, PositionFoundLater):
             self.position.carry_on(before.position)
         self._put_reader_back(self._last_read)  # before its call trains the steps since the restored one again
 

@@ -22,8 +22,8 @@ class RepeatedLoaderPosition:
     sampler drew the epoch's order from (:func:`~baft.snapshot.data.record_epoch_starts`), and the loader's
     ``generator``.
 
-    Made by ``baft.initialize`` before the loop runs, it finds the loader at the first ``train_batch`` that reads
-    such a repeating loader (:meth:`bind`); a restore before then is put back then. A restore makes the epoch's
+    Given to ``baft.initialize``, or found as the loop's first ``train_batch`` reads it
+    (:class:`~baft.snapshot.found_position.PositionFoundLater`). A restore makes the epoch's
     iterator again from what it was made from, its sampler's order drawn as it was, and skips the batches read:
     through the sampler where the loader reads in this process (nothing fetched: a skipped sample's random draws
     come again from the generators as a resumed step sets them), by reading them with workers (each worker's
@@ -33,41 +33,29 @@ class RepeatedLoaderPosition:
     same), a survivor in place does not: with workers, where it cannot be made again, every rank is replaced.
     """
 
-    def __init__(self, engine=None):
-        self.engine = engine
-        self.repeating: Optional[EpochStarts] = None
-        self.sampler = None
-        self.pending: Optional[dict] = None  # a position restored before the loader was found
-        self.resumed = False  # whether this process was restored before the loader was found
+    def __init__(self, repeating: RepeatingLoader, engine=None):
+        self.repeating = EpochStarts.take_over(repeating)
+        loader = repeating.loader
+        self.sampler = drawing_sampler(loader)
+        record_epoch_starts(self.sampler)
+        hold_loader_generators(loader)
+        if loader.num_workers and engine is not None:
+            from baft.script.loop import THIS_PROCESS
+
+            THIS_PROCESS.no_survivors(engine, "the loop repeats a DataLoader with workers through RepeatingLoader, "
+                                              "whose first epoch's iterator a survivor cannot make again as it was "
+                                              "made",
+                                      "Give baft.initialize torchdata's StatefulDataLoader as data_iterator= for its "
+                                      "survivors to recover in place")
 
     @property
     def loader(self):
-        """The plain ``DataLoader`` this position keeps, or None before one is found."""
-        return self.repeating.loader if self.repeating is not None else None
-
-    def bind(self, data_iter) -> Optional[str]:
-        """Take over ``data_iter`` where it is a ``RepeatingLoader`` of a plain ``DataLoader`` and none was taken
-        yet, and put back a position restored before; what the run should hear of it, or None: a restore whose
-        snapshot held no position (the data would go on from its start)."""
-        if self.repeating is not None or not plain_repeating(data_iter):
-            return None
-        self._take(EpochStarts.take_over(data_iter))
-        if self.pending is not None:
-            self.load_state_dict(self.pending)
-            return None
-        if self.resumed:
-            return ("the restored snapshot holds no position of the DataLoader the loop repeats (taken before baft "
-                    "kept one): its data goes on from the start of its first epoch")
-        return None
+        """The plain ``DataLoader`` this position keeps."""
+        return self.repeating.loader
 
     def caveat(self) -> Optional[str]:
         """What a restore of the loader kept does not bring back, or None."""
         loader = self.loader
-        if loader is None:
-            return ("the data position will not be restored after a restart (a resumed run would read its data "
-                    "from the start): read it through deepspeed.utils.RepeatingLoader of a DataLoader (found as "
-                    "train_batch first reads it), or pass data_iterator= an iterator with state_dict() and "
-                    "load_state_dict(), such as torchdata's StatefulDataLoader, and train on iter() of it")
         if loader.num_workers and loader.persistent_workers:
             return (f"random numbers your dataset or collate_fn draws in the loader's {loader.num_workers} "
                     f"persistent workers are in no saved state: they are seeded once, as they start, so a resume "
@@ -75,44 +63,13 @@ class RepeatedLoaderPosition:
                     f"by the sample index to make them resume too")
         return None
 
-    def carry_on(self, before: "RepeatedLoaderPosition") -> None:
-        """In a survivor recovered in place: keep the loader the earlier engine's position kept, and put back the
-        restored position in it now, before the call trains the steps since that one again."""
-        if before.repeating is not None and self.repeating is None:
-            self._take(before.repeating)
-            if self.pending is not None:
-                self.load_state_dict(self.pending)
-
-    def _take(self, repeating: EpochStarts) -> None:
-        self.repeating = repeating
-        loader = repeating.loader
-        self.sampler = drawing_sampler(loader)
-        record_epoch_starts(self.sampler)
-        hold_loader_generators(loader)
-        if loader.num_workers and self.engine is not None:
-            from baft.script.loop import THIS_PROCESS
-
-            THIS_PROCESS.no_survivors(self.engine, "the loop repeats a DataLoader with workers through "
-                                                   "RepeatingLoader, whose first epoch's iterator a survivor cannot "
-                                                   "make again as it was made",
-                                      "Give baft.initialize torchdata's StatefulDataLoader as data_iterator= for its "
-                                      "survivors to recover in place")
-
-    def state_dict(self) -> Optional[dict]:
-        if self.repeating is None:
-            return None
+    def state_dict(self) -> dict:
         generator = self.repeating.loader.generator
         return {"epoch": self.repeating.epoch, "read": _read(self.repeating.data_iter),
                 "made_from": self.repeating.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
 
-    def load_state_dict(self, saved: Optional[dict]) -> None:
-        if self.repeating is None:
-            self.pending = saved
-            return
-        self.pending = None
-        if saved is None:
-            return
+    def load_state_dict(self, saved: dict) -> None:
         repeating, loader = self.repeating, self.repeating.loader
         here = repeating.data_iter
         # the first epoch's iterator, as made in this process, not read past the position: read on from it
