@@ -154,12 +154,9 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
     from baft.snapshot.data import data_position, not_restored, open_file_stream
-    from baft.snapshot.found_position import PositionFoundLater, made_resumable, script_loaders
+    from baft.snapshot.found_position import PositionFoundLater
 
-    unnamed = data_iterator is None and given.get("training_data") is None  # the loop's data, found as it reads
-    loaders = made_resumable(script_loaders(_script_frame())) if unnamed else []
-    data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"),
-                                                             loaders)
+    data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
     protection.client_state = ClientState(client_state) if client_state is not None else None
     protection.hooks.digests = digests_hook(data_iterator)
     if cfg.policy != "none":

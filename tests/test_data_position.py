@@ -215,7 +215,7 @@ def test_a_position_saved_before_baft_kept_the_generator_still_restores_the_load
 
 def test_initialize_names_what_a_restore_will_not_bring_back():
     unfound = not_restored(data_position(None, None))  # until the loop's first call finds a loader it repeats
-    assert "read a DataLoader made before baft.initialize, or deepspeed.utils.RepeatingLoader of one" in unfound
+    assert "read a DataLoader through deepspeed.utils.RepeatingLoader, or pass data_iterator=" in unfound
     assert not_restored(data_position(None, LOADERS["shuffle, generator"](0))) is None
     said = not_restored(data_position(None, LOADERS["shuffle, generator"](2)))
     assert "loader's 2 workers are in no saved state: a resume inside an epoch, draws others" in said, said
@@ -352,39 +352,14 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_plain_loader_the_script_holds_at_initialize_is_made_resumable_reading_the_same_batches(workers):
-    """One not iterated yet becomes torchdata's StatefulDataLoader in place, its batches and their draws (in this
-    process or the workers') as the plain loader's over three epochs; one whose iterator a RepeatingLoader took before
-    stays plain (that iterator would read on outside the position). The loop's first call finds which it reads."""
-    from baft.snapshot.found_position import made_resumable
-
-    def epochs(loader):
-        torch.manual_seed(0)
-        return torch.stack([batch for _ in range(3) for batch in loader])
-
-    for name in ("shuffle", "shuffle, generator", "a stream"):
-        torch.manual_seed(0)
-        plain = epochs(PLAIN[name](workers))
-        loader = PLAIN[name](workers)
-        assert made_resumable([loader]) == [loader] and isinstance(loader, StatefulDataLoader)
-        assert torch.equal(epochs(loader), plain), name
-    repeated = RepeatingLoader(PLAIN["shuffle"](workers))
-    assert made_resumable([repeated.loader]) == [] and type(repeated.loader) is torch.utils.data.DataLoader
-    kept, other = PLAIN["shuffle"](workers), PLAIN["in order"](workers)
-    made_resumable([kept, other])
-
-    def over_kept():
-        yield from kept
-
-    for reads in (lambda: iter(kept), lambda: RepeatingLoader(kept), over_kept):
-        position = data_position(None, None, loaders=[other, kept])
-        position.find(reads())
-        assert isinstance(position, ResumableLoader) and position.loader is kept
-    position = data_position(None, None, loaders=[other, kept])
-    unfound = PLAIN["shuffle"](workers)
-    assert position.find(iter(unfound)) is None and position.loader is None
-    assert "a DataLoader that baft did not find as baft.initialize was called" in position.caveat(iter(unfound))
+def test_a_plain_loader_read_otherwise_than_through_a_repeating_loader_is_said_at_the_first_call():
+    """Its iterators keep no position; the line says how to read it so that its position is kept."""
+    position = data_position(None, None)
+    plain = iter(PLAIN["shuffle"](0))
+    assert position.find(plain) is None and position.loader is None
+    assert position.caveat(plain).startswith("train_batch reads an iterator of torch's DataLoader, which keeps no "
+                                             "position: a resumed run reads its data from the start; read it through "
+                                             "deepspeed.utils.RepeatingLoader")
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

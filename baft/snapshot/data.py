@@ -362,9 +362,8 @@ def _take_over(live, restored) -> None:
         signal_handling._set_worker_pids(id(live), tuple(w.pid for w in live._workers))
 
 
-def data_position(engine, data_iterator=None, training_data=None, loaders=()):
-    """What baft saves and restores the data position with. ``loaders``: the plain ``DataLoader`` objects the
-    script holds, made resumable, one of which the loop may read (:mod:`baft.snapshot.found_position`)."""
+def data_position(engine, data_iterator=None, training_data=None):
+    """What baft saves and restores the data position with."""
     from baft.snapshot.found_position import PositionFoundLater
     from baft.snapshot.repeated_loader import RepeatedLoaderPosition, plain_repeating
 
@@ -377,7 +376,7 @@ def data_position(engine, data_iterator=None, training_data=None, loaders=()):
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
         return EngineLoaderPosition(engine)
     if data_iterator is None:  # found as the loop first reads it
-        return PositionFoundLater(engine, list(loaders))
+        return PositionFoundLater(engine)
     return data_iterator
 
 
