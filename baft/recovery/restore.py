@@ -26,6 +26,7 @@ from baft.accelerator import collective_device
 from baft.errors import BaftError
 from baft.recovery.agree import GlobalPlan, LocalPlan, global_plan, local_plan, slower
 from baft.recovery.record import Restored, mark
+from baft.recovery.restored_weights import RestoredWeights
 from baft.snapshot import slots, state
 from baft.snapshot.layout import CommitRecord, model_signature, plan_layout, signature_difference
 
@@ -75,12 +76,13 @@ def restore(engine, root: str, client=None, data_iterator=None, fresh_start=True
             items = shards_items(shards, engine.global_rank)
             configured = engine.train_batch_size()
             rng = state.restore_items(engine, items, data_iterator)
-            if not items.get("at_exit"):  # taken as an iteration started: after the loop's code before its call
-                rng.weights = state.module_values(engine)
             if engine.global_rank == 0:
                 _say_another_batch_size(engine, items, configured, log)
             restored = Restored(plan.step, _slowest(source), len(shards), refused, rng, items)
-            _close(shards)
+            if not items.get("at_exit"):  # taken as an iteration started: after the loop's code before its call
+                rng.weights = RestoredWeights(engine, shards)  # keeps the shards' maps open until then
+            else:
+                _close(shards)
             mark("restore_end")
             return restored
         if shards is not None:

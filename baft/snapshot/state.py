@@ -119,14 +119,19 @@ def _module_tensors(module: torch.nn.Module, replica: int,
         yield _buffer_name(name, replica, replicas), "other", name, b
 
 
-def _module_state(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
-    for key, kind, _, t in _module_tensors(engine.module, *_replicas(engine)):
+def module_tensors(engine, replica: Optional[int] = None,
+                   replicas: Optional[int] = None) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name in a snapshot, kind, tensor) of the module's parameters (their ``.data``) and buffers, the buffers named as
+    this rank's replica names them, or as replica ``replica`` of ``replicas`` does."""
+    if replica is None:
+        replica, replicas = _replicas(engine)
+    for key, kind, _, t in _module_tensors(engine.module, replica, replicas):
         yield key, kind, t.data if kind == "parameters" else t
 
 
 def named_state_tensors(engine) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(name, kind, tensor) for every tensor this rank holds of its state, in a stable order."""
-    yield from _module_state(engine)
+    yield from module_tensors(engine)
     for name, t in optimizer_adapter(engine).tensors():
         yield name, "optimizer", t
 
@@ -427,26 +432,6 @@ def _set_param_groups(engine, groups: list) -> None:
                 group[key] = value.clone()
 
 
-def module_values(engine) -> dict[str, torch.Tensor]:
-    """A copy in host memory of the module's parameters and buffers by their snapshot names, as a restore set them."""
-    return {name: t.detach().to("cpu", copy=True) for name, _, t in _module_state(engine)}
-
-
-def set_module_values(engine, kept: dict[str, torch.Tensor]) -> list[str]:
-    """Set the module's parameters and buffers whose bits differ from ``kept`` (:func:`module_values`) back to it;
-    their names."""
-    changed = []
-    for name, _, t in _module_state(engine):
-        value = kept.get(name)
-        if value is None or value.shape != t.shape or value.dtype != t.dtype:
-            continue
-        value = value.to(t.device)
-        if not torch.equal(byte_view(t), byte_view(value)):
-            t.copy_(value)
-            changed.append(name)
-    return changed
-
-
 def set_rng(rng: dict) -> None:
     """Set the generators (python, numpy, torch, CUDA) ``rng`` holds to the states :func:`capture_rng` took."""
     set_rng_states(from_json(rng))
@@ -466,7 +451,7 @@ class RngRestore(InstructionHook):
         self.schedulers: Optional[list] = None  # what the script's schedulers kept
         self.groups: Optional[list] = None  # the optimizer's param groups' hyper-parameters kept
         self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
-        self.weights: Optional[dict] = None  # the module's parameters and buffers as restored (module_values)
+        self.weights = None  # the module's parameters and buffers as restored (RestoredWeights)
         self.replay_from: Optional[dict] = None  # the generators as a loop that counts its calls began to replay them
 
     def replay_started(self) -> None:
@@ -525,8 +510,8 @@ class RngRestore(InstructionHook):
         """The module's weights as restored, where the script changed them since: the snapshot was taken as this
         iteration started, after the loop's code before its call, which has run again (probe 21: weight noise the
         loop adds before each call was added twice to the first resumed step, silently)."""
-        changed = set_module_values(engine, self.weights)
-        self.weights = None
+        weights, self.weights = self.weights, None
+        changed = weights.set_back(engine)
         if changed:
             names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
             at = THIS_PROCESS.site.reads_weights if THIS_PROCESS.site is not None else ""
@@ -538,6 +523,8 @@ class RngRestore(InstructionHook):
     def cancel(self) -> None:
         """Leave the RNG states and the script's schedulers as they are (a checkpoint newer than the snapshot was
         loaded over it)."""
+        if self.weights is not None:
+            self.weights.close()
         self.rng = self.schedulers = self.groups = self.added = self.weights = None
 
 
