@@ -8,11 +8,12 @@ it lives (on the device on a GPU: no copy of the weights anywhere) and the snaps
 from; as the first resumed iteration starts, the checksums are computed again and only the tensors whose differ are
 read again from those maps, their chunks checked against the snapshot's commit record.
 
-The snapshot's slots still hold it then: a rank's writer begins its first snapshot in the policy's hook, after the
-restored RNG states' hook that sets the weights back (:class:`baft.pipeline.hook.Hooks`), and never in one of its two
-newest committed slots (:meth:`baft.snapshot.slots.SnapshotWriter.begin`), among which the restored step is but where
-a rank had committed two steps past the one every rank held. A slot reused all the same fails the chunks' checksums:
-a ``BaftError`` then, not a silent resume on the script's weights.
+The snapshot's slots still hold it then: no writer (a trainer's, or the manager's as it rebuilds a snapshot) begins
+one in either of its rank's two newest committed slots (:meth:`baft.snapshot.slots.SnapshotWriter.begin`), which hold
+the restored step unless that rank had committed two steps past the one every rank held; and this rank's own writer
+begins its first in the policy's hook, after the one that sets the weights back (:class:`baft.pipeline.hook.Hooks`).
+A slot reused all the same fails its chunks' checksums: a ``BaftError`` then, not a silent resume on the script's
+weights.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class RestoredWeights:
         num_shards = self._shards[0][0].layout.num_shards
         self._sums = TorchSums()
         self._kept = {name: (t.shape, t.dtype, self._of(t)) for name, _, t in module_tensors(engine)}
+        # the name the restore filled each from: a buffer, replica 0's where the snapshot had another number of
+        # replicas (restore._views)
         self._sources = {name: source for (name, _, _), (source, _, _) in
                          zip(module_tensors(engine), module_tensors(engine, replica=0, replicas=num_shards))}
 
