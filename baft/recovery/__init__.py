@@ -2,6 +2,8 @@
 
 - ``agree``    which step: the newest every pipeline stage can reach, computed alike on every rank
 - ``restore``  loading that step into the engine, all ranks or none; refusing a silent fresh start
+- ``restored_weights`` the weights as restored, kept as checksums: those the resumed script changes before its
+  first iteration are set back from the snapshot's slot
 - ``adopt``    a job's first start under baft, from its DeepSpeed checkpoint
 - ``record``   the T0..T4 of every restart, written after the first resumed iteration and read back
 - ``chaos``    fault injection (kill, hang, corrupt) for tests and experiments
