@@ -3,6 +3,7 @@ checksums kept at the restore (no copy of the weights). tests/test_user_script.p
 killed and relaunched (``user_train.py --perturb``); these check the set-back and its refusal on a module of their
 own, snapshotted into a real slot."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,7 @@ class Grid:
         return 1
 
 
-def restored(tmp_path):
+def restored(tmp_path, held=lambda chunk: True):
     """An engine of a module with a buffer and Adam's state, snapshotted into a committed slot and restored from it:
     the engine, the slot's writer, and what the restore keeps."""
     module = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
@@ -41,7 +42,11 @@ def restored(tmp_path):
     snapshot.copy_first()
     snapshot.fence()
     snapshot.seal(threads=1)
-    return eng, writer, RestoredWeights(eng, {0: map_verified(tmp_path, 0)})
+    record, data = map_verified(tmp_path, 0)
+    kept = [i for i, chunk in enumerate(record.layout.chunks) if held(chunk)]  # the rest, as if another node's
+    record = replace(record, layout=replace(record.layout, chunks=tuple(record.layout.chunks[i] for i in kept)),
+                     checksums=[record.checksums[i] for i in kept])
+    return eng, writer, RestoredWeights(eng, {0: (record, data)})
 
 
 def test_only_the_tensors_the_script_changed_are_set_back_bit_for_bit(tmp_path):
@@ -65,5 +70,16 @@ def test_a_slot_reused_since_the_restore_is_an_error_not_a_resume_on_the_scripts
     with pytest.raises(BaftError, match=r"^rank 0: the script changed the model's param/0\.weight after the restore, "
                                         r"before the first resumed iteration, and the snapshot of step 1 \(rank 0's "
                                         r"shared-memory slot\) no longer holds it: chunk 0 fails its checksum"):
+        weights.set_back(eng)
+    writer.close()
+
+
+def test_a_tensor_part_of_which_a_replica_on_another_node_sent_is_an_error_where_the_script_changed_it(tmp_path):
+    eng, writer, weights = restored(tmp_path, held=lambda chunk: chunk.tensor != "param/0.weight" or chunk.start)
+    with torch.no_grad():
+        eng.module[0].weight.add_(1)
+    with pytest.raises(BaftError, match=r"^rank 0: the script changed the model's param/0\.weight after the restore, "
+                                        r"before the first resumed iteration, and part of its snapshot came from a "
+                                        r"data-parallel replica on another node, which cannot be read again here"):
         weights.set_back(eng)
     writer.close()
