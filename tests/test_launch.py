@@ -158,6 +158,13 @@ def test_an_error_that_ends_two_attempts_in_a_row_ends_the_run():
         watch._read(line, "stderr")
     assert stopped and watch.outcome(1).exception == ("rank 1: RuntimeError: corrupt shard before step 3 (it ended "
                                                       "the attempt before too: a restart does not help)")
+    stopped, watch = [], _Watch(io.StringIO(), lambda: stopped.append(True), 5, 5)
+    for _ in range(2):  # ranks 10 and 2 raise the same between steps, twice: the lowest rank is named, not "10" < "2"
+        for rank in (10, 2):
+            for line in between:
+                watch._read(line.replace("[1]", f"[{rank}]"), "stderr")
+        watch._read(failed.format(code=1, rank=10), "stderr")
+    assert stopped and watch.outcome(1).exception.startswith("rank 2: RuntimeError: corrupt shard"), watch.repeated
     watch = _Watch(io.StringIO(), lambda: None, 5, 5)
     for port in (9856, 34506):  # a peer's echo alone, twice, is no error of the run's
         for line in [*echo[:2], echo[2].format(port=port), failed.format(code=1, rank=0)]:

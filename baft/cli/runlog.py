@@ -242,6 +242,11 @@ class _Traceback:
         return None
 
 
+def _by_rank(item: tuple) -> tuple:
+    """``item`` (a rank as torchrun's prefix names it, then what it says) in the ranks' order: rank 2 before 10."""
+    return int(item[0]), *item[1:]
+
+
 class _Watch:
     """Reads torchrun's output as :func:`run_logged` copies it to the log and the screen: the last lines of
     the ranks and of torchrun, the ranks' baft errors and Python exceptions, and the rank torchrun saw fail."""
@@ -325,7 +330,7 @@ class _Watch:
         exitcode, failed = self.failed
         ended = frozenset(self.raised) if exitcode > 0 else frozenset()
         left = self._left_early(exitcode, failed)
-        again = sorted(ended & self.ended_before)
+        again = sorted(ended & self.ended_before, key=_by_rank)
         restarting = self.restarts_left is None or self.restarts_left > 0  # torchrun starts the ranks again now
         if self.restarts_left is not None:
             self.restarts_left -= 1
@@ -353,7 +358,7 @@ class _Watch:
         sooner) does so again after every restart."""
         if exitcode <= 0 or self.raised:
             return None
-        return next(((rank, step) for rank, step in sorted(self.left.items()) if rank != failed), None)
+        return next(((rank, step) for rank, step in sorted(self.left.items(), key=_by_rank) if rank != failed), None)
 
     def outcome(self, code: int) -> Outcome:
         """How the launch that exited with ``code`` ended. A failed one's reason: the first baft error, or
@@ -374,7 +379,7 @@ class _Watch:
         if exitcode > 0 and exception is not None and not exception.in_step:
             return Outcome(code, exception=f"rank {rank}: {exception.line}")
         if self.ended_before:
-            rank, line, in_step = min(self.ended_before)
+            rank, line, in_step = min(self.ended_before, key=_by_rank)
             where = "in a training step, with" if in_step else "with"
             return Outcome(code, exception=f"rank {rank}: {line} ({where} no restart left)")
         return Outcome(code)
