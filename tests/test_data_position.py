@@ -352,6 +352,19 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
 
 
+def test_a_second_repeating_loader_the_loop_reads_is_said():
+    """Two tasks, each a RepeatingLoader of a plain loader, read in turn: the position kept is the first's (found at
+    the first call); the second's would resume from its start."""
+    from baft.snapshot.data import foreign_iterator
+
+    first, second = RepeatingLoader(PLAIN["shuffle"](0)), RepeatingLoader(PLAIN["in order"](0))
+    position = data_position(None, None)
+    position.find(first)
+    assert foreign_iterator(position, first) is None
+    assert foreign_iterator(position, second).startswith("train_batch reads another RepeatingLoader than the one it "
+                                                         "read first")
+
+
 def test_a_plain_loader_read_otherwise_than_through_a_repeating_loader_is_said_at_the_first_call():
     """Its iterators keep no position; the line says how to read it so that its position is kept."""
     position = data_position(None, None)

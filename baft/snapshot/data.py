@@ -472,6 +472,11 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
         return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
                 "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
                 "new iterator of the loader each epoch")
+    repeated = getattr(position, "repeating", None)  # a RepeatedLoaderPosition's: the loader found at the first call
+    if repeated is not None and isinstance(data_iter, RepeatingLoader) and data_iter is not repeated:
+        return ("train_batch reads another RepeatingLoader than the one it read first, whose position baft keeps: "
+                "this one's is in no snapshot, and a resumed run reads it from its start; give baft.initialize one "
+                "data_iterator whose state_dict() keeps each one's position")
     given = getattr(getattr(position, "loader", position), "dataset", None)
     read = getattr(data_iter, "_dataset", None)  # a DataLoader's iterator
     if given is not None and read is not None and read is not given:
