@@ -89,6 +89,9 @@ step compare-small-m$M_HIGH 60 $BAFT compare $SMALL --micro-batches $M_HIGH --po
 step compare-small-m$M_LOW 50 $BAFT compare $SMALL --micro-batches $M_LOW --policies $POLICIES,baft,dcp-async/10 \
     --leftovers start --none-between --rounds $ROUNDS_SMALL --block 3 --out "$WORK/compare-small-m$M_LOW.json"
 step kill-gpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_precision.py -k gpu-bf16
+# the restore's weights check (checksums on the device, changed tensors read again from the slot) against the host
+# copy it replaced (README: restored weights), on the device
+step restored-weights 20 python3 experiments/restored_weights_cost.py --device cuda
 # which call in the warm fork server's full import list starts a thread (DeepSpeed's NVML probe on the H200: the
 # server imports torch alone there since), with the Python stack where it started
 step warm-threads 40 env OMP_NUM_THREADS=1 PYTORCH_NVML_BASED_CUDA_CHECK=1 python3 experiments/warm_threads.py
