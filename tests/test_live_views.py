@@ -123,19 +123,20 @@ class Counted(nn.Module):
 
 
 def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken_back(monkeypatch):
-    """A snapshot keeps what changed since the process started (the count), not what was set once (a rank: another
-    rank's would not be its own); a restore sets the kept ones and puts the rest back as they started. torch's
-    modules (the Linear) are not read."""
+    """A snapshot keeps what changed since the process started (the count, a torch ``Dropout``'s ``p`` the loop set to
+    0 once: probe 23), not what was set once (a rank: another rank's would not be its own; the Linear's width); a
+    restore sets the kept ones and puts the rest back as they started."""
     from baft.script import attributes
 
     monkeypatch.setattr(attributes, "_AT_START", [])
-    model = nn.Sequential(Counted(rank=3))
+    model = nn.Sequential(Counted(rank=3), nn.Dropout(0.1))
     attributes.hold_module_attributes(model)
     assert attributes.changed_module_attributes(model) is None
     for _ in range(3):
         model(torch.ones(1, 2))
+    model[1].p = 0.0
     kept = attributes.changed_module_attributes(model)
-    assert kept == {"0.calls": 3} and "0.linear.in_features" not in attributes.module_attributes(model)
-    model[0].rank, model[0].calls = 5, 9  # a survivor's, changed since: taken back to the snapshot's
+    assert kept == {"0.calls": 3, "1.p": 0.0} and attributes.module_attributes(model)["0.linear.in_features"] == 2
+    model[0].rank, model[0].calls, model[1].p = 5, 9, 0.5  # a survivor's, changed since: taken back to the snapshot's
     attributes.restore_module_attributes(model, kept)
-    assert (model[0].calls, model[0].rank) == (3, 3)
+    assert (model[0].calls, model[0].rank, model[1].p) == (3, 3, 0.0)

@@ -167,7 +167,9 @@ def test_a_layer_the_script_froze_once_is_frozen_after_a_restore_in_place(tmp_pa
     it again, silently; in place, a survivor's ZeRO-1 made again without it refused every snapshot ("master/group0/dp0
     ... not in that size"). The snapshot keeps which parameters are frozen, and a survivor makes its engine again
     with them as they were at ``baft.initialize``. Killed twice: restored before the freeze (the survivor trains
-    steps 4 and 5 again, frozen from step 4), then after it (the replacement is frozen by the restore)."""
+    steps 4 and 5 again, frozen from step 4), then after it (the replacement is frozen by the restore). Probe 23: the
+    script turns its dropout off at the same step (torch's ``nn.Dropout``, ``p = 0``), which a replacement restored
+    after it trained with again, silently: the snapshot keeps the plain attributes of torch's modules too."""
     cfg = tmp_path / "zero1.json"
     cfg.write_text(json.dumps({**json.loads(config(tmp_path, period=1).read_text()),
                                "zero_optimization": {"stage": 1}}))
@@ -175,7 +177,7 @@ def test_a_layer_the_script_froze_once_is_frozen_after_a_restore_in_place(tmp_pa
               "--fault", "rank=0,step=8,phase=forward,restart=1"]
     runs = {name: subprocess.Popen([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "2",
                                     "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config", str(cfg),
-                                    "--freeze-once", "4"],
+                                    "--freeze-once", "4", "--dropout-off-once", "4"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
             for name, fault in (("reference", []), ("killed", faults))}
     finished = {}

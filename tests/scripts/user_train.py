@@ -56,6 +56,7 @@ parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", def
                     help="hand baft parts it cannot save")
 parser.add_argument("--batch-once", type=int, default=0, help="at this step double the batch size, once")
 parser.add_argument("--freeze-once", type=int, default=0, help="at this step freeze the first layer, once")
+parser.add_argument("--dropout-off-once", type=int, default=0, help="at this step turn the dropout off, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
@@ -97,6 +98,10 @@ while engine.global_steps < args.steps:
         engine.set_train_batch_size(2 * engine.train_batch_size())
     if args.freeze_once and engine.global_steps == args.freeze_once:  # nor does it freeze it again
         next(engine.module.parameters()).requires_grad_(False)
+    if args.dropout_off_once and engine.global_steps == args.dropout_off_once:  # early dropout: torch's p, once
+        for module in engine.module.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
     if args.perturb:  # weight noise before each call (probe 21: added twice to the first resumed step)
         with torch.no_grad():
             for p in engine.module.parameters():
