@@ -166,6 +166,75 @@ def test_a_position_saved_again_before_the_restored_loader_reads_restores_it_too
         assert torch.equal(samples, reference[restore_at:, :, 0]), f"restored twice after batch {restore_at}"
 
 
+class Scaled(torch.utils.data.Dataset):
+    """A dataset with a setting the loop changes once (an augmentation's strength, turned down as a warm-up ends)."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), self.scale])
+
+
+class Shift:
+    """A collate_fn with a setting of its own (a masking rate a curriculum raises)."""
+
+    def __init__(self):
+        self.shift = 0
+
+    def __call__(self, samples):
+        return torch.utils.data.default_collate(samples) + self.shift
+
+
+def test_the_settings_a_loop_changes_once_in_its_dataset_and_collate_fn_come_back_with_the_position():
+    """Probe 23: the loop sets ``dataset.scale`` and ``collate_fn.shift`` once, after batch 4; a loader restored after
+    it (a new process's, made with the first values) read on with those, silently. The position keeps the plain
+    values they hold that changed since, and a survivor restored to before the change gets the first ones back."""
+    def make():
+        return StatefulDataLoader(Scaled(), batch_size=BATCH, shuffle=True, drop_last=True, collate_fn=Shift(),
+                                  generator=torch.Generator().manual_seed(3))
+
+    def run(restore_at=None):
+        loader = make()
+        position, feed, out = data_position(None, loader), RepeatingLoader(loader), []
+        for i in range(10):
+            if i == 4:
+                loader.dataset.scale, loader.collate_fn.shift = 0.5, 2
+            if i == restore_at:
+                saved = position.state_dict()
+                loader = make()
+                position = data_position(None, loader)
+                position.load_state_dict(saved)
+                feed = RepeatingLoader(loader)
+            out.append(next(feed))
+        return torch.stack(out)
+
+    reference = run()
+    for restore_at in (2, 6, 9):
+        assert torch.equal(run(restore_at), reference), f"restored after batch {restore_at}"
+    loader = make()
+    position, feed = data_position(None, loader), RepeatingLoader(loader)
+    next(feed)
+    before = position.state_dict()  # a snapshot before the change
+    loader.dataset.scale, loader.collate_fn.shift = 0.5, 2
+    next(feed)
+    data_position(None, loader).load_state_dict(before)  # as a survivor recovering in place makes it again
+    assert (loader.dataset.scale, loader.collate_fn.shift) == (1.0, 0)
+    # a count a stream keeps, set once torchdata has read it again up to the position (not counted twice)
+    stream = StatefulDataLoader(CountedStream(), batch_size=2)
+    position, batches = data_position(None, stream), iter(stream)
+    for _ in range(3):
+        next(batches)
+    stream = StatefulDataLoader(CountedStream(), batch_size=2)
+    data_position(None, stream).load_state_dict(position.state_dict())
+    batches = iter(stream)
+    next(batches)
+    assert stream.dataset.given == 8
+
+
 def test_with_workers_the_order_resumes_anywhere_and_their_draws_from_an_epoch_boundary():
     """A worker's generator is seeded from the loader's base seed at each epoch and is in no state_dict: the
     numbers drawn in workers resume exactly from an epoch boundary only (baft warns of it at initialize)."""
@@ -180,6 +249,18 @@ class Stream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         return iter(torch.arange(80.0).view(40, 2))
+
+
+class CountedStream(Stream):
+    """A stream that counts the samples it gave (the tokens a run has seen)."""
+
+    def __init__(self):
+        self.given = 0
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            self.given += 1
+            yield sample
 
 
 @pytest.mark.parametrize("workers", [0, 2])

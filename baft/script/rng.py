@@ -70,27 +70,32 @@ def hold_loader_generators(loader) -> None:
 def held_by(loader) -> dict:
     """The generators that the dataset of ``loader`` (and the datasets it wraps: a ``Subset``'s, a ``ConcatDataset``'s)
     or its ``collate_fn`` hold as attributes, by where they are (``dataset.rng``)."""
-    found, seen = {}, set()
+    return {f"{path}.{name}": value for path, obj in data_objects(loader) for name, value in vars(obj).items()
+            if isinstance(value, GENERATORS)}
 
-    def walk(obj, path: str, depth: int) -> None:
+
+def data_objects(loader) -> Iterator[tuple[str, object]]:
+    """The dataset of ``loader``, the datasets it wraps and its ``collate_fn`` where that is an object (not a
+    function), by where they are (``dataset``, ``dataset.dataset``, ``dataset.datasets[0]``, ``collate_fn``)."""
+    seen = set()
+
+    def walk(obj, path: str, depth: int) -> Iterator[tuple[str, object]]:
         if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__") or isinstance(obj, type):
             return
         seen.add(id(obj))
+        yield path, obj
         for name, value in vars(obj).items():
-            if isinstance(value, GENERATORS):
-                found.setdefault(f"{path}.{name}", value)
-            elif isinstance(value, torch.utils.data.Dataset):
-                walk(value, f"{path}.{name}", depth + 1)
+            if isinstance(value, torch.utils.data.Dataset):
+                yield from walk(value, f"{path}.{name}", depth + 1)
             elif isinstance(value, (list, tuple)) and len(value) <= 64:  # a ConcatDataset's, not a list of samples
                 for i, item in enumerate(value):
                     if isinstance(item, torch.utils.data.Dataset):
-                        walk(item, f"{path}.{name}[{i}]", depth + 1)
+                        yield from walk(item, f"{path}.{name}[{i}]", depth + 1)
 
-    walk(getattr(loader, "dataset", None), "dataset", 0)
+    yield from walk(getattr(loader, "dataset", None), "dataset", 0)
     collate = getattr(loader, "collate_fn", None)
     if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
-        walk(collate, "collate_fn", 0)
-    return found
+        yield from walk(collate, "collate_fn", 0)
 
 
 def _name_generators(scope: dict, where: str) -> None:

@@ -11,6 +11,7 @@ import copy
 import inspect
 import io
 import itertools
+import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -19,7 +20,8 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import Stateful
 
-from baft.script.rng import generator_state, held_by, set_generator_state
+from baft.script.attributes import PLAIN
+from baft.script.rng import data_objects, generator_state, held_by, set_generator_state
 from baft.snapshot.engine_loader import EngineLoaderPosition
 
 
@@ -42,7 +44,9 @@ class ResumableLoader:
     before the restored one read) is taken as a new iterator would be (:attr:`reset_after`).
     A generator the dataset or the ``collate_fn`` holds (``np.random.default_rng(seed)``, ``random.Random(seed)``, a
     ``torch.Generator``: a random crop, BERT-style masking) draws in this process where the loader has no workers;
-    no loader state holds it, so its state is kept beside the loader's (:func:`_held_generators`).
+    no loader state holds it, so its state is kept beside the loader's (:func:`_held_generators`). So are the plain
+    values they hold as attributes that changed since (:func:`_data_attributes`): a setting the loop changes once
+    (``dataset.scale = 0.5``, an augmentation turned off as a warm-up ends), a count a stream keeps.
     An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
     position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
     gives says twice the position, and a second restore in the same epoch would skip as many batches; those counters
@@ -63,6 +67,8 @@ class ResumableLoader:
         self.recount = 0
         self.new_reader = False  # whether train_batch's latest call read another iterator than the call before
         self.next_epoch = False  # whether the restored position is an epoch's end the uninterrupted run left
+        # as this process first protected the loader (a survivor recovering in place makes this object again)
+        self.attributes_at_start = _ATTRIBUTES_AT_START.setdefault(loader, _data_attributes(loader))
 
     def state_dict(self) -> dict:
         if self.unread is not None:
@@ -79,6 +85,11 @@ class ResumableLoader:
         held = _held_generators(self.loader)
         if held:
             state["held"] = {name: generator_state(g) for name, g in held.items()}
+        start = self.attributes_at_start
+        changed = {path: value for path, value in _data_attributes(self.loader).items()
+                   if path not in start or start[path] != value or type(start[path]) is not type(value)}
+        if changed:
+            state["attributes"] = changed
         return state
 
     def load_state_dict(self, saved: dict) -> None:
@@ -106,6 +117,7 @@ class ResumableLoader:
         for name, state in saved.get("held", {}).items():  # after the restored iterator is built (a stream read again)
             if name in held:
                 set_generator_state(held[name], state)
+        _set_data_attributes(self.loader, {**self.attributes_at_start, **saved.get("attributes", {})})  # so too
         self.yielded = _yielded(kept["loader"])
         self.next_epoch = bool(saved.get("new_reader")) and self.spent()
         if self.yielded is not None:
@@ -171,6 +183,30 @@ def _held_generators(loader) -> dict:
     """The generators that the dataset of ``loader`` or its ``collate_fn`` hold (:func:`held_by`), where they draw in
     this process: the loader has no workers (each worker draws from its own copy, in no state)."""
     return {} if getattr(loader, "num_workers", 0) else held_by(loader)
+
+
+_ATTRIBUTES_AT_START: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> _data_attributes
+
+
+def _data_attributes(loader) -> dict:
+    """The plain values (numbers, strings, None) that the dataset of ``loader`` or its ``collate_fn`` hold as
+    attributes (:func:`~baft.script.rng.data_objects`), by where they are (``dataset.scale``), where they are read in
+    this process: the loader has no workers (each worker holds a copy made as its epoch began, a persistent one as
+    the first did). A setting the loop changed once between steps (probe 23: a dataset's augmentation turned off at a
+    step was back on in a run resumed after it, silently)."""
+    if getattr(loader, "num_workers", 0):
+        return {}
+    return {f"{path}.{name}": value for path, obj in data_objects(loader) for name, value in vars(obj).items()
+            if isinstance(value, PLAIN)}
+
+
+def _set_data_attributes(loader, values: dict) -> None:
+    """Set the attributes :func:`_data_attributes` read to ``values`` (a survivor's as it started, or a snapshot's)."""
+    objects = dict(data_objects(loader))
+    for path, value in values.items():
+        where, name = path.rsplit(".", 1)
+        if where in objects:
+            setattr(objects[where], name, value)
 
 
 def _watch_resets(position: ResumableLoader) -> None:
