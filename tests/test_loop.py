@@ -468,6 +468,26 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
     assert _site(tmp_path, resumed)[0].own_count == "", "the script's own resume sets it"
 
 
+def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path):
+    """Probe 23: a global of the script that the loop, or a function it calls, sets once (noise turned off at a step),
+    read by a layer's forward inside train_batch and nowhere in the loop: resumed after it, it was back at its first
+    value, silently. A value the loop sets for itself, read by no function it does not call, is not carried."""
+    line = STUB.count(chr(10))
+    layer = "NOISE = 0.1\nclass Noise:\n    def forward(self, x):\n        return x * NOISE\n"
+    at_top = layer + ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        NOISE = 0.0\n"
+                      "    engine.train_batch()\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, at_top)
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 7} (NOISE = 0.0)", "NOISE")], site
+    in_function = layer + ("def after(step):\n    global NOISE\n    if step == 1:\n        NOISE = 0.0\n"
+                           "while engine.global_steps < N:\n    engine.train_batch()\n    after(engine.global_steps)\n"
+                           "    engine.global_steps += 1")
+    site, script = _site(tmp_path, in_function)
+    assert [(c.key, c.module_global) for c in site.carried] == [("NOISE", True)], site
+    own = layer + ("def log(lr):\n    print(lr)\nwhile engine.global_steps < N:\n    lr = 0.1\n    engine.train_batch()\n"
+                   "    log(lr)\n    engine.global_steps += 1")
+    assert _site(tmp_path, own)[0].carried == ()
+
+
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
     """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count, a window of losses:
     resumed, each started again from its first value (a learning rate not halved at the first resumed step, and every

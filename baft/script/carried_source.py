@@ -80,12 +80,17 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
             changes.setdefault(node.func.value.id, []).append(node)
             changed.add(id(node.func.value))
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    reached = source.reached(filename, loop) if isinstance(scope, ast.Module) else ()
     found = []
     for name, assignments in stores.items():
         first = min(position(a) for a in assignments)
         read = [n for n in reads if n.id == name]
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
-        if read and (folded or any(position(n) < first for n in read)) and _started_at_a_literal(name, loop, scope):
+        # a global a function of the file reads, a layer's forward in the next call (probe 23: a noise scale the loop
+        # set to 0 once was back at its first value in a run resumed after it, silently)
+        elsewhere = isinstance(scope, ast.Module) and _read_as_global(scope, name, outside=reached)
+        if ((elsewhere or read and (folded or any(position(n) < first for n in read)))
+                and _started_at_a_literal(name, loop, scope)):
             found.append((name, min(folded or assignments, key=position)))
     for name, nodes in changes.items():
         if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
@@ -229,7 +234,8 @@ def defined_at(code: types.CodeType) -> Optional[ast.AST]:
 def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
     """The module's globals a function or method of the same file the loop calls carries from one call to the next
     (``global best`` and ``best = min(best, loss)`` in its ``after_step``, or a count it adds to that another reads
-    first), started at the module's level at nothing but a literal, in order of their lines."""
+    first, or a setting it changes that a function the loop does not call reads: a layer's forward), started at the
+    module's level at nothing but a literal, in order of their lines."""
     tree, bodies, ends = source.parsed(filename), source.reached(filename, loop), source.calls_end(loop)
     call = source.call_position(frame)
     reads = [(body, n) for body in bodies for n in ast.walk(body)
@@ -249,12 +255,32 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
                 earlier = any(source.in_iteration(loop, ends, where, n) < stored_at
                               or (where is body and (n.lineno, n.col_offset) < (node.lineno, node.col_offset))
                               for where, n in read)
-                if read and (folded or earlier) and _started_at_module_level_at_a_literal(name, tree):
+                if ((read and (folded or earlier) or _read_as_global(tree, name, outside=bodies))
+                        and _started_at_module_level_at_a_literal(name, tree)):
                     found[name] = Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
                                           read_before_call=any(source.in_iteration(loop, ends, where, n) < call
                                                                for where, n in read),
                                           module_global=True)
     return sorted(found.values(), key=lambda c: c.where)
+
+
+def _read_as_global(tree: ast.Module, name: str, outside) -> bool:
+    """Whether a function or method of ``tree`` not in ``outside`` (the loop and the functions it calls, nor inside
+    one of them) reads the global ``name``: one the loop does not call itself (a layer's forward, inside
+    ``train_batch``) reads what the loop set last."""
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    # by where they are: ``outside`` may come from another parse of the file
+    skipped = {(n.lineno, n.col_offset) for body in outside for n in ast.walk(body) if isinstance(n, functions)}
+    for function in ast.walk(tree):
+        if not isinstance(function, functions) or (function.lineno, function.col_offset) in skipped:
+            continue
+        declared = {n for node in ast.walk(function) if isinstance(node, ast.Global) for n in node.names}
+        arguments = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+        names = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name]
+        local = name in arguments or any(isinstance(n.ctx, ast.Store) for n in names)
+        if (name in declared or not local) and any(isinstance(n.ctx, ast.Load) for n in names):
+            return True
+    return False
 
 
 def _other_modules_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:

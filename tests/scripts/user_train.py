@@ -14,6 +14,9 @@ import baft
 from user_data import AverageMeter, MetricLogger, Samples, log_step
 
 
+NOISE = 0.01  # the noise's scale, a setting of the script's its loop may turn off once (--noise-off-once)
+
+
 class Noise(nn.Module):
     """Noise drawn from a generator the layer holds, in no state of torch's own."""
 
@@ -22,7 +25,7 @@ class Noise(nn.Module):
         self.gen = torch.Generator().manual_seed(7)
 
     def forward(self, x):
-        return x + 0.01 * torch.randn(x.shape, generator=self.gen) if self.training else x
+        return x + NOISE * torch.randn(x.shape, generator=self.gen) if self.training else x
 
 
 class LazyScale(nn.Module):
@@ -57,6 +60,7 @@ parser.add_argument("--stateless", choices=("scheduler", "data"), nargs="*", def
 parser.add_argument("--batch-once", type=int, default=0, help="at this step double the batch size, once")
 parser.add_argument("--freeze-once", type=int, default=0, help="at this step freeze the first layer, once")
 parser.add_argument("--dropout-off-once", type=int, default=0, help="at this step turn the dropout off, once")
+parser.add_argument("--noise-off-once", type=int, default=0, help="at this step turn the layers' noise off, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
@@ -98,6 +102,8 @@ while engine.global_steps < args.steps:
         engine.set_train_batch_size(2 * engine.train_batch_size())
     if args.freeze_once and engine.global_steps == args.freeze_once:  # nor does it freeze it again
         next(engine.module.parameters()).requires_grad_(False)
+    if args.noise_off_once and engine.global_steps == args.noise_off_once:  # a global the layers read, set once
+        NOISE = 0.0
     if args.dropout_off_once and engine.global_steps == args.dropout_off_once:  # early dropout: torch's p, once
         for module in engine.module.modules():
             if isinstance(module, nn.Dropout):
