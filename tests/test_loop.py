@@ -470,8 +470,9 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
 
 def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path):
     """Probe 23: a global of the script that the loop, or a function it calls, sets once (noise turned off at a step),
-    read by a layer's forward inside train_batch and nowhere in the loop: resumed after it, it was back at its first
-    value, silently. A value the loop sets for itself, read by no function it does not call, is not carried."""
+    read by a layer's forward inside train_batch and nowhere in the loop, or a config module's of the script's: resumed
+    after it, it was back at its first value, silently. A value the loop sets for itself, read by no function it does
+    not call, is not carried."""
     line = STUB.count(chr(10))
     layer = "NOISE = 0.1\nclass Noise:\n    def forward(self, x):\n        return x * NOISE\n"
     at_top = layer + ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        NOISE = 0.0\n"
@@ -486,6 +487,13 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
     own = layer + ("def log(lr):\n    print(lr)\nwhile engine.global_steps < N:\n    lr = 0.1\n    engine.train_batch()\n"
                    "    log(lr)\n    engine.global_steps += 1")
     assert _site(tmp_path, own)[0].carried == ()
+    # a config module of the script's that the layers read (``knobs.NOISE``), set once by the loop
+    (tmp_path / "knobs.py").write_text("NOISE = 0.1\n")
+    config = (f"sys.path.insert(0, {str(tmp_path)!r})\nimport knobs\nwhile engine.global_steps < N:\n"
+              "    if engine.global_steps == 1:\n        knobs.NOISE = 0.0\n    engine.train_batch()\n"
+              "    engine.global_steps += 1")
+    site, script = _site(tmp_path, config)
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 5} (knobs.NOISE = 0.0)", "knobs.NOISE")]
 
 
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):

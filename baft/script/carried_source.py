@@ -152,12 +152,25 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
                     folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
                 owner = source.value_in(frame, key[0])
-                if ((folded or before) and owner is not None and not any(owner is k for k in kept)
-                        and _attribute_started_at_a_literal(key[1], file, elsewhere)):
+                if owner is None or any(owner is k for k in kept):
+                    continue
+                if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere))
+                        or _scripts_module_setting(owner, key[1])):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
             for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
+
+
+def _scripts_module_setting(owner, attr: str) -> bool:
+    """Whether ``owner`` is a module of the script's (a config module it imports) whose own statements start ``attr``
+    at nothing but a literal: whatever reads it (a layer's forward) reads what the loop set last (probe 23:
+    ``settings.NOISE = 0.0`` at a step was back at its first value in a run resumed after it, silently)."""
+    filename = getattr(owner, "__file__", None) if isinstance(owner, types.ModuleType) else None
+    if filename is None or source.library(filename):
+        return False
+    tree = source.parsed(filename)
+    return tree is not None and _started_at_module_level_at_a_literal(attr, tree)
 
 
 def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:

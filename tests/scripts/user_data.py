@@ -28,6 +28,7 @@ class AverageMeter:
         self.avg = self.sum / self.count
 
 
+GAIN = 1.0  # a setting of the script's, in a module of its own, that a layer reads and the loop may change once
 logged, logged_total = 0, 0.0  # what log_step keeps between its calls
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import baft
+import user_data
 from user_data import AverageMeter, MetricLogger, Samples, log_step
 
 
@@ -35,7 +36,7 @@ class LazyScale(nn.Module):
     def forward(self, x):
         if not hasattr(self, "scale"):
             self.register_buffer("scale", torch.linspace(0.5, 1.5, x.shape[-1]), persistent=False)
-        return x * self.scale
+        return x * self.scale * user_data.GAIN
 
 
 class WarmedLoss(nn.Module):
@@ -61,6 +62,7 @@ parser.add_argument("--batch-once", type=int, default=0, help="at this step doub
 parser.add_argument("--freeze-once", type=int, default=0, help="at this step freeze the first layer, once")
 parser.add_argument("--dropout-off-once", type=int, default=0, help="at this step turn the dropout off, once")
 parser.add_argument("--noise-off-once", type=int, default=0, help="at this step turn the layers' noise off, once")
+parser.add_argument("--gain-once", type=int, default=0, help="at this step halve user_data.GAIN, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
@@ -104,6 +106,8 @@ while engine.global_steps < args.steps:
         next(engine.module.parameters()).requires_grad_(False)
     if args.noise_off_once and engine.global_steps == args.noise_off_once:  # a global the layers read, set once
         NOISE = 0.0
+    if args.gain_once and engine.global_steps == args.gain_once:  # a config module's setting, read by a layer
+        user_data.GAIN = 0.5
     if args.dropout_off_once and engine.global_steps == args.dropout_off_once:  # early dropout: torch's p, once
         for module in engine.module.modules():
             if isinstance(module, nn.Dropout):
