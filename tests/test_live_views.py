@@ -140,3 +140,26 @@ def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken
     model[0].rank, model[0].calls, model[1].p = 5, 9, 0.5  # a survivor's, changed since: taken back to the snapshot's
     attributes.restore_module_attributes(model, kept)
     assert (model[0].calls, model[0].rank, model[1].p) == (3, 3, 0.0)
+
+
+def test_a_submodule_the_script_replaced_is_said_where_a_restore_would_train_with_another(monkeypatch):
+    """Probe 23: a loss the loop swaps for another at a step (``engine.module.loss_fn = nn.SmoothL1Loss()``), resumed
+    after it, trained with the one the script makes, silently. The snapshot names the replaced submodules, and where
+    the model's are not as it had them once the loop's code before the first resumed call ran, the run stops in one
+    line; a loop that replaces it before each call does so again, and goes on."""
+    from baft.script import attributes
+
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    monkeypatch.setattr(attributes, "_CLASSES_AT_START", [])
+    model = nn.Sequential(nn.Linear(2, 2), nn.MSELoss())
+    attributes.hold_module_attributes(model)
+    assert attributes.replaced_modules(model) is None
+    model[1] = nn.SmoothL1Loss()
+    replaced = attributes.replaced_modules(model)
+    assert replaced == {"1": "torch.nn.modules.loss.SmoothL1Loss"}
+    assert attributes.not_as_replaced(model, replaced) is None  # the loop replaced it again
+    model[1] = nn.MSELoss()  # as a resumed process makes it
+    why = attributes.not_as_replaced(model, replaced)
+    assert why.startswith("the model's 1 here is MSELoss, where at the restored step it was SmoothL1Loss"), why
+    assert attributes.not_as_replaced(model, None) is None  # a snapshot from before the swap: as it started
+

@@ -20,6 +20,7 @@ PLAIN = (bool, int, float, str, type(None))
 _MODULES_OWN = frozenset(vars(torch.nn.Module()))  # what every module holds (``training``): not the script's
 _AT_START: list[dict[tuple[str, str], object]] = []  # (module path, attribute) -> value, as this process first
 # protected its model
+_CLASSES_AT_START: list[dict[str, type]] = []  # module path -> its class, as this process first protected its model
 
 
 def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
@@ -40,6 +41,7 @@ def hold_module_attributes(module: torch.nn.Module) -> None:
     first)."""
     if not _AT_START:
         _AT_START.append(_values(module))
+        _CLASSES_AT_START.append({name: type(sub) for name, sub in module.named_modules()})
 
 
 def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, object]]:
@@ -48,6 +50,37 @@ def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, obj
     changed = {f"{name}.{attr}": value for (name, attr), value in _values(module).items()
                if (name, attr) not in start or start[name, attr] != value or type(start[name, attr]) is not type(value)}
     return changed or None
+
+
+def replaced_modules(module: torch.nn.Module) -> Optional[dict[str, str]]:
+    """The submodules the script replaced by one of another class since :func:`hold_module_attributes` (a loss the loop
+    swaps for another once a warm-up ends: ``engine.module.loss_fn = nn.SmoothL1Loss()``), by path: the class now at
+    each (``torch.nn.modules.loss.SmoothL1Loss``), or None where none was."""
+    start = _CLASSES_AT_START[0] if _CLASSES_AT_START else {}
+    replaced = {name: _named(type(sub)) for name, sub in module.named_modules() if start.get(name) is not type(sub)}
+    return replaced or None
+
+
+def not_as_replaced(module: torch.nn.Module, replaced: Optional[dict[str, str]]) -> Optional[str]:
+    """Why ``module``'s submodules are not of the classes a snapshot had (``replaced``: those the script had replaced,
+    :func:`replaced_modules`; the others as this process started), or None where they are: no restore can make the
+    object the script made (probe 23: a loss the loop swapped once, resumed after it, trained with the first again,
+    silently)."""
+    start = {name: _named(cls) for name, cls in (_CLASSES_AT_START[0] if _CLASSES_AT_START else {}).items()}
+    expected = {**start, **(replaced or {})}
+    for name, sub in module.named_modules():
+        had = expected.get(name)
+        if had is not None and had != _named(type(sub)):
+            now = _named(type(sub)).rsplit(".", 1)[-1]
+            return (f"the model's {name or 'module'} here is {now}, where at the restored step it was "
+                    f"{had.rsplit('.', 1)[-1]}: the script replaced one by the other at a step, which a restore "
+                    f"cannot undo or redo (it would train on with {now}). Replace it before each call from the "
+                    f"engine's step (if engine.global_steps >= N: ...), which a resumed loop does again")
+    return None
+
+
+def _named(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def restore_module_attributes(module: torch.nn.Module, changed: Optional[dict[str, object]]) -> None:

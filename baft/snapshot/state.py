@@ -41,7 +41,8 @@ import torch
 
 from baft.errors import BaftError
 from baft.script import schedulers
-from baft.script.attributes import changed_module_attributes, restore_module_attributes
+from baft.script.attributes import (changed_module_attributes, not_as_replaced, replaced_modules,
+                                    restore_module_attributes)
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
@@ -287,6 +288,8 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
         # a count or setting the script's own modules keep in plain attributes (a loss module's calls)
         "module_attributes": changed_module_attributes(engine.module) or {},
+        # the submodules the script replaced by others (a loss swapped once): a restore cannot make them
+        "replaced_modules": replaced_modules(engine.module) or {},
         # as the script last set them: one it froze at a step, a resumed script past that step does not freeze again
         "frozen": frozen(engine.module),
         # pickled: tuples (betas), ints (a scheduler's first lr) and tensors must come back as they were
@@ -375,6 +378,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     THIS_PROCESS.restored(items.get("loop"), items["counters"],
                           _torch_unblob(items["carried"]) if "carried" in items else None, bool(items.get("at_exit")))
     restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")))
+    restore.replaced = items.get("replaced_modules", {})
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
@@ -453,6 +457,9 @@ class RngRestore(InstructionHook):
         self.added: Optional[dict] = None  # the param groups the script had added by then, by parameter names
         self.weights = None  # the module's parameters and buffers as restored (RestoredWeights)
         self.replay_from: Optional[dict] = None  # the generators as a loop that counts its calls began to replay them
+        # the submodules the script had replaced (replaced_modules): checked once the loop's code before the first
+        # resumed call has run, which may replace them again
+        self.replaced: Optional[dict] = None
 
     def replay_started(self) -> None:
         """A loop that counts its calls begins to replay them: the generators now, to tell as the replay ends which the
@@ -505,6 +512,11 @@ class RngRestore(InstructionHook):
             self.groups = self.added = None
         if self.weights is not None:
             self._weights_again(engine)
+        if self.replaced is not None:
+            why = not_as_replaced(engine.module, self.replaced)
+            self.replaced = None
+            if why is not None:
+                raise BaftError(why)
 
     def _weights_again(self, engine) -> None:
         """The module's weights as restored, where the script changed them since: the snapshot was taken as this
@@ -525,7 +537,7 @@ class RngRestore(InstructionHook):
         loaded over it)."""
         if self.weights is not None:
             self.weights.close()
-        self.rng = self.schedulers = self.groups = self.added = self.weights = None
+        self.rng = self.schedulers = self.groups = self.added = self.weights = self.replaced = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:
