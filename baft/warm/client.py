@@ -9,12 +9,14 @@ signal. Where the server does not answer it runs ``python ARGV`` in its own plac
 have, and says so.
 """
 
+import ctypes
 import json
 import os
 import signal
 import socket
 import sys
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -35,7 +37,18 @@ def forward(conn: socket.socket, pid: int, sig: int) -> None:
         pass
 
 
+def die_with_torchrun() -> None:
+    """Have a SIGTERM (passed on to the rank) end this client where torchrun dies first: torch's agent, hit by the
+    signal that stops it as it starts an attempt's ranks, can die before it tracks them, and the client would wait
+    on its rank for ever (a fresh-clone CI's leftover client)."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the signal was armed
+        sys.exit(1)
+
+
 def main(argv: list) -> None:
+    die_with_torchrun()
     path = os.environ.get("BAFT_WARM_SOCKET")
     if not path:
         cold(argv, "no warm fork server (BAFT_WARM_SOCKET is not set)")
