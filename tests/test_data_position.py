@@ -433,6 +433,43 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
 
 
+def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loaders_position():
+    """As a StatefulDataLoader's (above): DeepSpeedExamples' RepeatingLoader of torch's own loader, whose dataset and
+    collate_fn the loop changes after batch 4, restored after the change in a new process and before it in a
+    survivor."""
+    def make():
+        torch.manual_seed(0)
+        return RepeatingLoader(torch.utils.data.DataLoader(Scaled(), batch_size=BATCH, shuffle=True, drop_last=True,
+                                                           collate_fn=Shift()))
+
+    def run(restore_at=None):
+        feed = make()
+        position, out = data_position(None, feed), []
+        for i in range(10):
+            if i == 4:
+                feed.loader.dataset.scale, feed.loader.collate_fn.shift = 0.5, 2
+            if i == restore_at:
+                saved, rng = position.state_dict(), torch.get_rng_state()
+                feed = make()
+                position = data_position(None, feed)
+                position.load_state_dict(saved)
+                torch.set_rng_state(rng)  # baft's RngRestore, at the first resumed iteration
+            out.append(next(feed))
+        return torch.stack(out)
+
+    reference = run()
+    for restore_at in (2, 6, 9):
+        assert torch.equal(run(restore_at), reference), f"restored after batch {restore_at}"
+    feed = make()
+    position = data_position(None, feed)
+    next(feed)
+    before = position.state_dict()
+    feed.loader.dataset.scale, feed.loader.collate_fn.shift = 0.5, 2
+    next(feed)
+    data_position(None, feed).load_state_dict(before)
+    assert (feed.loader.dataset.scale, feed.loader.collate_fn.shift) == (1.0, 0)
+
+
 def test_a_second_repeating_loader_the_loop_reads_is_said():
     """Two tasks, each a RepeatingLoader of a plain loader, read in turn: the position kept is the first's (found at
     the first call); the second's would resume from its start."""

@@ -45,7 +45,7 @@ class ResumableLoader:
     A generator the dataset or the ``collate_fn`` holds (``np.random.default_rng(seed)``, ``random.Random(seed)``, a
     ``torch.Generator``: a random crop, BERT-style masking) draws in this process where the loader has no workers;
     no loader state holds it, so its state is kept beside the loader's (:func:`_held_generators`). So are the plain
-    values they hold as attributes that changed since (:func:`_data_attributes`): a setting the loop changes once
+    values they hold as attributes that changed since (:func:`changed_data_attributes`): a setting the loop changes once
     (``dataset.scale = 0.5``, an augmentation turned off as a warm-up ends), a count a stream keeps.
     An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
     position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
@@ -67,8 +67,7 @@ class ResumableLoader:
         self.recount = 0
         self.new_reader = False  # whether train_batch's latest call read another iterator than the call before
         self.next_epoch = False  # whether the restored position is an epoch's end the uninterrupted run left
-        # as this process first protected the loader (a survivor recovering in place makes this object again)
-        self.attributes_at_start = _ATTRIBUTES_AT_START.setdefault(loader, _data_attributes(loader))
+        data_attributes_at_start(loader)
 
     def state_dict(self) -> dict:
         if self.unread is not None:
@@ -85,9 +84,7 @@ class ResumableLoader:
         held = _held_generators(self.loader)
         if held:
             state["held"] = {name: generator_state(g) for name, g in held.items()}
-        start = self.attributes_at_start
-        changed = {path: value for path, value in _data_attributes(self.loader).items()
-                   if path not in start or start[path] != value or type(start[path]) is not type(value)}
+        changed = changed_data_attributes(self.loader)
         if changed:
             state["attributes"] = changed
         return state
@@ -117,7 +114,7 @@ class ResumableLoader:
         for name, state in saved.get("held", {}).items():  # after the restored iterator is built (a stream read again)
             if name in held:
                 set_generator_state(held[name], state)
-        _set_data_attributes(self.loader, {**self.attributes_at_start, **saved.get("attributes", {})})  # so too
+        set_data_attributes(self.loader, saved.get("attributes", {}))  # so too
         self.yielded = _yielded(kept["loader"])
         self.next_epoch = bool(saved.get("new_reader")) and self.spent()
         if self.yielded is not None:
@@ -200,10 +197,23 @@ def _data_attributes(loader) -> dict:
             if isinstance(value, PLAIN)}
 
 
-def _set_data_attributes(loader, values: dict) -> None:
-    """Set the attributes :func:`_data_attributes` read to ``values`` (a survivor's as it started, or a snapshot's)."""
+def data_attributes_at_start(loader) -> dict:
+    """:func:`_data_attributes` of ``loader`` as this process first kept its position (a survivor recovering in place
+    makes its position again)."""
+    return _ATTRIBUTES_AT_START.setdefault(loader, _data_attributes(loader))
+
+
+def changed_data_attributes(loader) -> dict:
+    """Those of :func:`_data_attributes` that changed since :func:`data_attributes_at_start`."""
+    start = data_attributes_at_start(loader)
+    return {path: value for path, value in _data_attributes(loader).items()
+            if path not in start or start[path] != value or type(start[path]) is not type(value)}
+
+
+def set_data_attributes(loader, changed: dict) -> None:
+    """Set the attributes :func:`_data_attributes` read as they started, less those ``changed`` (a snapshot's)."""
     objects = dict(data_objects(loader))
-    for path, value in values.items():
+    for path, value in {**data_attributes_at_start(loader), **changed}.items():
         where, name = path.rsplit(".", 1)
         if where in objects:
             setattr(objects[where], name, value)

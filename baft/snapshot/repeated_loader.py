@@ -12,7 +12,8 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.errors import BaftError
 from baft.script.rng import hold_loader_generators
-from baft.snapshot.data import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
+from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
+                                drawing_sampler, record_epoch_starts, set_data_attributes)
 from baft.snapshot.epoch_starts import EpochStarts
 
 
@@ -39,6 +40,7 @@ class RepeatedLoaderPosition:
         self.sampler = drawing_sampler(loader)
         record_epoch_starts(self.sampler)
         hold_loader_generators(loader)
+        data_attributes_at_start(loader)
         if loader.num_workers and engine is not None:
             from baft.script.loop import THIS_PROCESS
 
@@ -67,7 +69,8 @@ class RepeatedLoaderPosition:
         generator = self.repeating.loader.generator
         return {"epoch": self.repeating.epoch, "read": _read(self.repeating.data_iter),
                 "made_from": self.repeating.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
-                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
+                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+                "attributes": changed_data_attributes(self.loader)}
 
     def load_state_dict(self, saved: dict) -> None:
         repeating, loader = self.repeating, self.repeating.loader
@@ -85,6 +88,7 @@ class RepeatedLoaderPosition:
         repeating.epoch, repeating.made_from = saved["epoch"], saved["made_from"]
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
+        set_data_attributes(loader, saved["attributes"])  # a setting the loop changed once (dataset.scale = 0.5)
 
 
 def plain_repeating(data_iter) -> bool:
