@@ -142,6 +142,33 @@ def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken
     assert (model[0].calls, model[0].rank, model[1].p) == (3, 3, 0.0)
 
 
+class Scaled(Counted):
+    """A class attribute the script's loop may change for every instance at once (``Scaled.factor = 0.5``)."""
+
+    factor = 1.0
+
+
+def test_a_class_attribute_the_loop_changes_once_is_kept(monkeypatch):
+    """Probe 23 left it: ``Block.scale = 0.5`` at a step, resumed after it, trained with the first value, silently.
+    Kept where it changed (its class and its base of the script's own), set back as it started where not."""
+    from baft.script import attributes
+
+    for held in ("_AT_START", "_CLASSES_AT_START", "_CLASS_VALUES_AT_START"):
+        monkeypatch.setattr(attributes, held, [])
+    monkeypatch.setattr(Scaled, "factor", 1.0)
+    model = nn.Sequential(Scaled(rank=0), nn.Linear(2, 2))
+    attributes.hold_module_attributes(model)
+    assert attributes.changed_module_attributes(model) is None
+    Scaled.factor = 0.5
+    kept = attributes.changed_module_attributes(model)
+    assert kept == {f"{__name__}.Scaled:factor": 0.5}, kept
+    Scaled.factor = 1.0  # a new process's, as its script makes it
+    attributes.restore_module_attributes(model, kept)
+    assert Scaled.factor == 0.5
+    attributes.restore_module_attributes(model, None)  # a snapshot from before the change: as it started
+    assert Scaled.factor == 1.0
+
+
 def test_a_submodule_the_script_replaced_is_said_where_a_restore_would_train_with_another(monkeypatch):
     """Probe 23: a loss the loop swaps for another at a step (``engine.module.loss_fn = nn.SmoothL1Loss()``), resumed
     after it, trained with the one the script makes, silently. The snapshot names the replaced submodules, and where

@@ -1,5 +1,5 @@
 """The plain values (numbers, strings, None) the model's modules of the script's own classes and of torch's hold as
-attributes: a count a forward keeps (a loss module's ``self.calls += 1`` warming up its label smoothing), a setting
+attributes, and the script's classes hold as class attributes: a count a forward keeps (a loss module's ``self.calls += 1`` warming up its label smoothing), a setting
 the loop changes (a ``Dropout``'s ``p`` it sets to 0 once a warm-up ends), which neither a parameter nor a buffer
 holds. Those that changed since the process's first ``baft.initialize`` are kept with every snapshot and set again by
 a restore; one set once at start (a rank, a width) is not kept, and so not carried to another rank. DeepSpeed's
@@ -21,6 +21,7 @@ _MODULES_OWN = frozenset(vars(torch.nn.Module()))  # what every module holds (``
 _AT_START: list[dict[tuple[str, str], object]] = []  # (module path, attribute) -> value, as this process first
 # protected its model
 _CLASSES_AT_START: list[dict[str, type]] = []  # module path -> its class, as this process first protected its model
+_CLASS_VALUES_AT_START: list[dict[str, object]] = []  # "module.Class:attribute" -> value, then
 
 
 def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
@@ -29,6 +30,19 @@ def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     own, plain = _MODULES_OWN, PLAIN
     return {(name, attr): value for name, sub in module.named_modules() if _read(type(sub))
             for attr, value in vars(sub).items() if attr not in own and isinstance(value, plain)}
+
+
+def _script_classes(module: torch.nn.Module) -> dict[str, type]:
+    """The module classes of the script's own (not torch's) of ``module``'s submodules and their bases, by name."""
+    return {_named(cls): cls for sub in module.modules() for cls in type(sub).__mro__
+            if issubclass(cls, torch.nn.Module) and not _torchs(cls) and _read(cls)}
+
+
+def _class_values(module: torch.nn.Module) -> dict[str, object]:
+    """The plain values those classes hold as class attributes, by ``"module.Class:attribute"`` (a setting the loop
+    changes for every instance at once: ``Block.scale = 0.5`` at a step; probe 23: not kept, silently)."""
+    return {f"{name}:{attr}": value for name, cls in _script_classes(module).items()
+            for attr, value in vars(cls).items() if not attr.startswith("__") and isinstance(value, PLAIN)}
 
 
 def module_attributes(module: torch.nn.Module) -> dict[str, object]:
@@ -42,6 +56,7 @@ def hold_module_attributes(module: torch.nn.Module) -> None:
     if not _AT_START:
         _AT_START.append(_values(module))
         _CLASSES_AT_START.append({name: type(sub) for name, sub in module.named_modules()})
+        _CLASS_VALUES_AT_START.append(_class_values(module))
 
 
 def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, object]]:
@@ -49,6 +64,9 @@ def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, obj
     start = _AT_START[0] if _AT_START else {}
     changed = {f"{name}.{attr}": value for (name, attr), value in _values(module).items()
                if (name, attr) not in start or start[name, attr] != value or type(start[name, attr]) is not type(value)}
+    classes = _CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}
+    changed.update((key, value) for key, value in _class_values(module).items()
+                   if key not in classes or classes[key] != value or type(classes[key]) is not type(value))
     return changed or None
 
 
@@ -87,12 +105,23 @@ def restore_module_attributes(module: torch.nn.Module, changed: Optional[dict[st
     """Set the attributes as a snapshot had them: those it holds (``changed``), and the others as the process
     started (a survivor recovering in place may have changed them since)."""
     at_start = {f"{name}.{attr}": value for (name, attr), value in (_AT_START[0] if _AT_START else {}).items()}
-    for path, value in {**at_start, **(changed or {})}.items():
+    classes = _script_classes(module)
+    for path, value in {**at_start, **(_CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}),
+                        **(changed or {})}.items():
+        if ":" in path:  # a class attribute
+            name, attr = path.split(":")
+            if name in classes:
+                setattr(classes[name], attr, value)
+            continue
         name, attr = path.rsplit(".", 1)
         try:
             setattr(module.get_submodule(name), attr, value)
         except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
             continue
+
+
+def _torchs(cls: type) -> bool:
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +130,7 @@ def _read(cls: type) -> bool:
     once a class: a snapshot walks every module, and where a file lies takes a look at the disk). torch's own set
     their plain attributes only as they are made (probe 23: an ``nn.Dropout``'s ``p`` the loop set to 0 at a step was
     not kept, and a run resumed after it trained with dropout again, silently)."""
-    if cls.__module__ == "torch" or cls.__module__.startswith("torch."):
+    if _torchs(cls):
         return True
     filename = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return filename is not None and not source.library(filename)
