@@ -72,8 +72,7 @@ class TrainBatchReads:
         if read is None or id(read) in self._read:
             return
         self._read.add(id(read))
-        position = self.position if getattr(self.position, "loader", True) is not None else None
-        why = foreign_iterator(position, read)
+        why = foreign_iterator(None if isinstance(self.position, PositionFoundLater) else self.position, read)
         if why and self.engine.global_rank == 0:
             warn(self.engine, why)
 

@@ -11,6 +11,7 @@ import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.errors import BaftError
+from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
 from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
                                 drawing_sampler, record_epoch_starts, set_data_attributes)
@@ -42,8 +43,6 @@ class RepeatedLoaderPosition:
         hold_loader_generators(loader)
         data_attributes_at_start(loader)
         if loader.num_workers and engine is not None:
-            from baft.script.loop import THIS_PROCESS
-
             THIS_PROCESS.no_survivors(engine, "the loop repeats a DataLoader with workers through RepeatingLoader, "
                                               "whose first epoch's iterator a survivor cannot make again as it was "
                                               "made",
