@@ -6,7 +6,8 @@ resumed process runs again on the restored weights (probe 21: weight noise the l
 first resumed step, silently). The restore keeps, per parameter and buffer, the checksums of its bytes computed where
 it lives (on the device on a GPU: no copy of the weights anywhere) and the snapshot's shared-memory maps it read them
 from; as the first resumed iteration starts, the checksums are computed again and only the tensors whose differ are
-read again from those maps, their chunks checked against the snapshot's commit record.
+read again from those maps, their chunks checked against the snapshot's commit record. Of a tensor part of which a
+data-parallel replica on another node sent at the restore (not in this node's slots) a host copy is kept instead.
 
 The snapshot's slots still hold it then: no writer (a trainer's, or the manager's as it rebuilds a snapshot) begins
 one in either of its rank's two newest committed slots (:meth:`baft.snapshot.slots.SnapshotWriter.begin`), which hold
@@ -43,6 +44,11 @@ class RestoredWeights:
         # replicas (restore._views)
         self._sources = {name: source for (name, _, _), (source, _, _) in
                          zip(module_tensors(engine), module_tensors(engine, replica=0, replicas=num_shards))}
+        # those part of which a replica on another node sent at the restore, not in this node's slots: a host copy
+        here = self._chunks_by_tensor()
+        self._copies = {name: t.detach().to("cpu", copy=True) for name, _, t in module_tensors(engine)
+                        if sum(chunk.nbytes for _, _, chunk, _ in here.get(self._sources[name], ())) <
+                        byte_view(t).numel()}
 
     def _of(self, t: torch.Tensor) -> torch.Tensor:
         """The checksums of ``t``'s bytes, 1 MiB by 1 MiB, on its device."""
@@ -57,7 +63,9 @@ class RestoredWeights:
             if changed:
                 index = self._chunks_by_tensor()
                 for name, t in changed:
-                    t.copy_(self._snapshot_value(engine, name, t, index.get(self._sources[name], [])))
+                    copy = self._copies.get(name)
+                    t.copy_(copy if copy is not None else
+                            self._snapshot_value(engine, name, t, index.get(self._sources[name], [])))
             return [name for name, _ in changed]
         finally:
             self.close()
@@ -84,7 +92,6 @@ class RestoredWeights:
     def _snapshot_value(self, engine, name: str, t: torch.Tensor, chunks: list) -> torch.Tensor:
         """``t``'s value in the snapshot, read again from its shared-memory slots, in host memory."""
         value = torch.empty(byte_view(t).numel(), dtype=torch.uint8)
-        covered = 0
         for record, data, chunk, expected in chunks:
             piece = value[chunk.start:chunk.start + chunk.nbytes]
             piece.copy_(torch.frombuffer(data, dtype=torch.uint8, count=chunk.nbytes, offset=chunk.offset))
@@ -94,12 +101,6 @@ class RestoredWeights:
                                 f"{record.rank}'s shared-memory slot) no longer holds it: chunk {chunk.index} fails "
                                 f"its checksum (the slot was reused); resumed so, the run would differ from the "
                                 f"uninterrupted one")
-            covered += chunk.nbytes
-        if covered != value.numel():
-            raise BaftError(f"rank {engine.global_rank}: the script changed the model's {name} after the restore, "
-                            f"before the first resumed iteration, and part of its snapshot came from a data-parallel "
-                            f"replica on another node, which cannot be read again here; resumed so, the run would "
-                            f"differ from the uninterrupted one")
         return value.view(t.dtype).reshape(t.shape)
 
     def close(self) -> None:
