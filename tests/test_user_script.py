@@ -148,14 +148,13 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     snapshot is taken as the step starts, after it): the weights are set back as restored as that step starts. Probe
     23: the loop turns the layers' noise off at the same step (a global of the script's the layers' forward reads,
     not the loop), and halves a gain a config module of the script's holds (``user_data.GAIN``), which a run resumed
-    after it trained with as they started, silently: the loop carries them. And it sets a class attribute the layers
-    read (``LazyScale.factor``), which the snapshot keeps."""
+    after it trained with as they started, silently: the loop carries them."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
                                "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config",
                                str(config(tmp_path, period=1)), "--batch-once", "3", "--noise-off-once", "3",
-                               "--gain-once", "3", "--class-once", "3", "--perturb"],
+                               "--gain-once", "3", "--perturb"],
                               capture_output=True, text=True, env=launch_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = finals((tmp_path / name / LOG_NAME).read_text())

@@ -31,15 +31,12 @@ class Noise(nn.Module):
 
 class LazyScale(nn.Module):
     """A scale kept in a buffer the layer registers as it first runs forward (a cache, as rotary embeddings' tables
-    often are), not in ``__init__`` (probe 15: a restore, which comes before, refused every snapshot); and a factor
-    every such layer reads from its class, which the loop may change once (--class-once)."""
-
-    factor = 1.0
+    often are), not in ``__init__`` (probe 15: a restore, which comes before, refused every snapshot)."""
 
     def forward(self, x):
         if not hasattr(self, "scale"):
             self.register_buffer("scale", torch.linspace(0.5, 1.5, x.shape[-1]), persistent=False)
-        return x * self.scale * user_data.GAIN * LazyScale.factor
+        return x * self.scale * user_data.GAIN
 
 
 class WarmedLoss(nn.Module):
@@ -66,7 +63,6 @@ parser.add_argument("--freeze-once", type=int, default=0, help="at this step fre
 parser.add_argument("--dropout-off-once", type=int, default=0, help="at this step turn the dropout off, once")
 parser.add_argument("--noise-off-once", type=int, default=0, help="at this step turn the layers' noise off, once")
 parser.add_argument("--gain-once", type=int, default=0, help="at this step halve user_data.GAIN, once")
-parser.add_argument("--class-once", type=int, default=0, help="at this step set LazyScale.factor, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
@@ -112,8 +108,6 @@ while engine.global_steps < args.steps:
         NOISE = 0.0
     if args.gain_once and engine.global_steps == args.gain_once:  # a config module's setting, read by a layer
         user_data.GAIN = 0.5
-    if args.class_once and engine.global_steps == args.class_once:  # a class attribute the layers read, set once
-        LazyScale.factor = 0.75
     if args.dropout_off_once and engine.global_steps == args.dropout_off_once:  # early dropout: torch's p, once
         for module in engine.module.modules():
             if isinstance(module, nn.Dropout):
