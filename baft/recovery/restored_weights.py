@@ -44,10 +44,10 @@ class RestoredWeights:
         # replicas (restore._views)
         self._sources = {name: source for (name, _, _), (source, _, _) in
                          zip(module_tensors(engine), module_tensors(engine, replica=0, replicas=num_shards))}
+        self._index = self._chunks_by_tensor()
         # those part of which a replica on another node sent at the restore, not in this node's slots: a host copy
-        here = self._chunks_by_tensor()
         self._copies = {name: t.detach().to("cpu", copy=True) for name, _, t in module_tensors(engine)
-                        if sum(chunk.nbytes for _, _, chunk, _ in here.get(self._sources[name], ())) <
+                        if sum(chunk.nbytes for _, _, chunk, _ in self._index.get(self._sources[name], ())) <
                         byte_view(t).numel()}
 
     def _of(self, t: torch.Tensor) -> torch.Tensor:
@@ -60,12 +60,10 @@ class RestoredWeights:
         names. A ``BaftError`` where the snapshot no longer holds one of them here."""
         try:
             changed = self._changed(engine)
-            if changed:
-                index = self._chunks_by_tensor()
-                for name, t in changed:
-                    copy = self._copies.get(name)
-                    t.copy_(copy if copy is not None else
-                            self._snapshot_value(engine, name, t, index.get(self._sources[name], [])))
+            for name, t in changed:
+                copy = self._copies.get(name)
+                t.copy_(copy if copy is not None else
+                        self._snapshot_value(engine, name, t, self._index.get(self._sources[name], [])))
             return [name for name, _ in changed]
         finally:
             self.close()
@@ -108,3 +106,4 @@ class RestoredWeights:
         for _, data in self._shards:
             data.close()
         self._shards.clear()
+        self._index.clear()
