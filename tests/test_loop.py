@@ -1043,29 +1043,53 @@ def test_a_loop_that_stops_while_it_replays_its_calls_fails_the_process_saying_w
     assert [line for line in done.stderr.splitlines() if line.startswith("baft: error:")] == [f"baft: error: {why}"]
 
 
-def test_a_replay_drawing_from_a_generator_the_training_draws_from_is_said_where_the_restored_step_drew_none():
+def test_a_replay_says_the_generators_its_loop_drew_from_otherwise_than_the_uninterrupted_run_and_no_others():
     """Probe 22: minGPT's callback samples from torch's generator every few steps, which dropout draws from too.
     Resumed at a step after which the loop drew nothing, the replay's samples at the earlier steps came from the
     generator as the script had seeded it, not as the uninterrupted run's training had left it, and nothing said so (it
     was said only where the loop drew after the restored step too). A draw the replay makes as the uninterrupted run
-    did (python's, which the training leaves alone) is not said, nor a generator the replay does not draw from."""
+    did is not said: python's, which the training leaves alone; torch's where the loop seeds it from the step before
+    each call (said at every resume where the replay's end was compared with the states the restored step's dropout
+    left, h26); nor a generator the replay does not draw from, nor the draws before the first call, made as then."""
     import random
 
-    from baft.script.rng import rng_states, to_json
-    from baft.snapshot.state import RngRestore
+    from baft.script.rng import rng_states
+    from baft.snapshot.state import RngRestore, capture_rng
 
-    def resumed(draw) -> list[str]:
+    def said(before, restored: int) -> list[str]:
+        """What the replay of ``restored`` calls says, of a loop that runs ``before(step)`` before each call, under
+        dropout: the uninterrupted run's snapshot of that step taken as the policy takes it (its iteration's start,
+        its end, the next one's start), then the replay."""
         random.seed(0)
         torch.manual_seed(0)
-        random.random()  # the loop's draws up to the restored step
-        torch.rand(3)  # the training's dropout
-        restore = RngRestore(to_json(rng_states()))  # as the restored step's next iteration starts
+        for step in range(restored):
+            before(step)
+            start = rng_states()
+            torch.rand(3)  # the training's dropout
+            end = rng_states()
+        before(restored)
+        items = capture_rng(end, start)
+        restore = RngRestore(items["rng"], items.get("rng_between"), started=items.get("rng_started"))
         random.seed(0)
         torch.manual_seed(0)
-        restore.replay_started()
-        random.random()
-        draw()
+        for step in range(restored):
+            before(step)
+            if step == 0:
+                restore.replay_started()
         return restore.between_steps(replayed=True)
 
-    assert resumed(lambda: torch.multinomial(torch.ones(8), 2)) == ["torch"]
-    assert resumed(lambda: None) == []
+    def sample(step):  # minGPT's, with python's draw of a learning-rate jitter
+        random.random()
+        if step % 3 == 0:
+            torch.multinomial(torch.ones(8), 2)
+
+    def seeded(step):
+        torch.manual_seed(step)
+        torch.rand(())  # after its seed: as then
+
+    assert said(sample, 4) == ["torch"]  # drew at step 3, after the training's draws of steps 1-3 the replay misses
+    assert said(sample, 5) == ["torch"]  # and after the restored step too
+    assert said(sample, 3) == []  # drew before the first call alone, as then
+    assert said(torch.manual_seed, 4) == []
+    assert said(seeded, 4) == []
+    assert said(lambda step: None, 4) == []

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import inspect
+import json
 import pickle
 import random
 import types
@@ -224,6 +226,13 @@ def to_json(states: dict, names: Optional[list] = None) -> dict:
         else:
             out[name] = [_b64(t) for t in value]
     return out
+
+
+def fingerprints(states: dict) -> dict:
+    """A short digest of each generator's state in ``states`` (a :func:`rng_states`), by name: equal where the states
+    are, to tell later whether a generator stands where it stood."""
+    return {name: hashlib.blake2b(json.dumps(value).encode(), digest_size=8).hexdigest()
+            for name, value in to_json(states).items()}
 
 
 def from_json(items: dict) -> dict:

@@ -34,6 +34,7 @@ from typing import Optional
 
 from baft.config import DEFAULT_CHUNK_BYTES
 from baft.pipeline.hook import InstructionHook
+from baft.script.loop import THIS_PROCESS
 from baft.script.rng import rng_states
 from baft.snapshot import state
 from baft.snapshot.copiers import Copier, HostCopier
@@ -68,6 +69,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.taken_before = 0  # taken when this iteration started
         self.said_missing = False  # that the optimizer's state holds snapshots back
         self.rng_end: Optional[dict] = None  # the generators' states as the latest iteration ended
+        self.rng_start: Optional[dict] = None  # and as it started, where the loop counts its calls
         self.restored_items: Optional[tuple[int, dict]] = None  # (step, its small state) as a restore found them
 
     def due(self, engine) -> bool:
@@ -109,6 +111,10 @@ class SnapshotPolicy(InstructionHook, Periodic):
             self.stall += self.seal_wait
             self.begin(engine)
             self.started()
+        # where the snapshot of the step this iteration trains tells a replay of the loop's calls up to it whether the
+        # loop's code before the call left the generators as this run's did (RngRestore.between_steps)
+        self.rng_start = (rng_states() if THIS_PROCESS.counts_calls and self.wanted(engine.global_steps + 1)
+                          else None)
 
     def iteration_end(self, engine):
         self.at_step_boundary = True
@@ -130,7 +136,8 @@ class SnapshotPolicy(InstructionHook, Periodic):
         if self.restored_items and self.restored_items[0] == step:
             items = self.restored_items[1]
         else:
-            items = {**state.capture_items(engine, self.data_iterator), **state.capture_rng(self.rng_end),
+            items = {**state.capture_items(engine, self.data_iterator),
+                     **state.capture_rng(self.rng_end, self.rng_start),
                      "ended_at": time.time()}  # the step's end: where a recovery's lost work (T0) starts
             if self.last_step is None and self.restored_items is None:
                 items["first"] = True  # the run's first snapshot: without it every stage holds, a restart starts over

@@ -45,7 +45,7 @@ from baft.script.attributes import (changed_module_attributes, not_as_replaced, 
                                     restore_module_attributes)
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
-from baft.script.rng import drawn_between, from_json, rng_states, set_rng_states, to_json
+from baft.script.rng import drawn_between, fingerprints, from_json, rng_states, set_rng_states, to_json
 from baft.snapshot.layout import TensorEntry, model_signature
 from baft.snapshot.optimizers import adapter_for, base_optimizer, entry
 
@@ -259,15 +259,19 @@ def unblob(value):
     return _torch_unblob(value) if isinstance(value, str) else value
 
 
-def capture_rng(rng_end: Optional[dict] = None) -> dict:
-    """The generators' states now, at an iteration's start (``rng``), as JSON; and ``rng_between``: of those the
+def capture_rng(rng_end: Optional[dict] = None, rng_start: Optional[dict] = None) -> dict:
+    """The generators' states now, at an iteration's start (``rng``), as JSON; ``rng_between``: of those the
     script drew from since the previous iteration ended (``rng_end``, :func:`~baft.script.rng.rng_states`),
-    their states then, what a resumed script's first such draws come from (:class:`RngRestore`)."""
+    their states then, what a resumed script's first such draws come from (:class:`RngRestore`); and
+    ``rng_started``: the fingerprints of their states as the previous iteration started (``rng_start``), what a
+    replay of the loop's calls up to it compares its own with."""
     now = rng_states()
     items = {"rng": to_json(now)}
     drawn = drawn_between(rng_end, now) if rng_end is not None else []
     if drawn:
         items["rng_between"] = to_json(rng_end, drawn)
+    if rng_start is not None:
+        items["rng_started"] = fingerprints(rng_start)
     return items
 
 
@@ -377,7 +381,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         engine.baft.reads.restore_reader(items["reader"])
     THIS_PROCESS.restored(items.get("loop"), items["counters"],
                           _torch_unblob(items["carried"]) if "carried" in items else None, bool(items.get("at_exit")))
-    restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")))
+    restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")),
+                         started=items.get("rng_started"))
     restore.replaced = items.get("replaced_modules", {})
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
@@ -446,9 +451,13 @@ class RngRestore(InstructionHook):
     before it, the states of the generators the script draws from between its steps (``between``) as they were
     when the restored step ended: where the script's own loop draws them (:meth:`between_steps`)."""
 
-    def __init__(self, rng: dict, between: Optional[dict] = None, at_exit: bool = False):
+    def __init__(self, rng: dict, between: Optional[dict] = None, at_exit: bool = False,
+                 started: Optional[dict] = None):
         self.rng: Optional[dict] = rng
         self.between = between
+        # the fingerprints of the generators as the restored step's iteration started, after the loop's code before
+        # its call (capture_rng's rng_started), or None (a snapshot taken before baft kept them)
+        self.started = started
         # the snapshot was taken as the process ended (``rng``: the states then), not as an iteration started: the
         # generators are set once, where the loop goes on (:meth:`between_steps`), not again as the iteration starts
         self.at_exit = at_exit
@@ -479,11 +488,19 @@ class RngRestore(InstructionHook):
         between, now = from_json(self.between or {}), rng_states()
         differ = drawn_between(between, now)
         if replayed and self.replay_from is not None:
-            # drawn between replayed calls, not (or not only) after the restored step's: those the uninterrupted run
-            # left otherwise than the replay did (probe 22: minGPT's sample at a replayed step, unsaid)
+            # drawn between replayed calls (probe 22: minGPT's sample at a replayed step, unsaid where the loop drew
+            # nothing after the restored step): said where the loop's code left them otherwise than the uninterrupted
+            # run's did before the restored step's call, the training's draws the replay does not make among them. Not
+            # where it leaves them as that run's: it seeds them before its call (torch.manual_seed(step)), and what it
+            # drew after its seed came out the same (compared with the states the restored step's training left, a
+            # seed before each call was said at every resume: its dropout is in them)
             drew = drawn_between(self.replay_from, now)
-            differ += [name for name in drawn_between({**from_json(self.rng), **between}, now)
-                       if name in drew and name not in differ]
+            if self.started is not None:
+                marks = fingerprints(now)
+                differ = [name for name in drew if marks.get(name) != self.started.get(name)]
+            else:
+                differ += [name for name in drawn_between({**from_json(self.rng), **between}, now)
+                           if name in drew and name not in differ]
             self.replay_from = None
         if not (self.between or self.at_exit):
             return differ
