@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from baft.cli.launch import launch_env
+from baft.cli.runlog import LOG_NAME
 from baft.recovery.digests import DIGESTS_ENV, compare, load, processes
 from conftest import SCRIPTS
 
@@ -25,9 +26,9 @@ LINE = re.compile(rf"^(step \d+ loss|eval after step \d+ loss|call \d+ starts at
 
 def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe.py") -> subprocess.CompletedProcess:
     """``baft train`` of the example script for ``STEPS`` steps, an evaluation every 2, a learning rate drawn from
-    python's generator before each and a draw from torch's, which a Dropout layer draws from too, DeepSpeed's
-    WarmupLR, and an EMA of the weights in its ``client_state`` after each, each sample flipped at random in the
-    engine's loader workers, in ``directory``."""
+    python's generator before each and a draw from torch's, which a Dropout layer draws from too (seeded from the step
+    first, on rank 0), DeepSpeed's WarmupLR, and an EMA of the weights in its ``client_state`` after each, each sample
+    flipped at random in the engine's loader workers, in ``directory``."""
     config = directory / "ds_config.json"
     config.write_text(json.dumps({
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
@@ -37,7 +38,8 @@ def train(directory: Path, *options: str, script: Path = SCRIPTS / "example_pipe
         "baft": {"policy": "baft", "period": 1}}))
     return subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--run-dir", str(directory / "run"),
                            *options, "--", str(script), "--steps", str(STEPS), "--eval-every", "2",
-                           "--lr-jitter", "--dropout", "--ema", "--augment", "--samples", str(SAMPLES),
+                           "--lr-jitter", "--dropout", "--seed-each-step", "0", "--ema", "--augment",
+                           "--samples", str(SAMPLES),
                            "--deepspeed_config", str(config)],
                           capture_output=True, text=True, timeout=300,
                           env=launch_env({DIGESTS_ENV: str(directory / "digests")}))
@@ -52,7 +54,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
              # update after the first was lost)
              "in place": ("--in-place", "--fault", "rank=1,step=5,phase=backward,restart=0",
                           "--fault", "rank=0,step=8,phase=forward,restart=1"),
-             "relaunch": ("--fault", "rank=1,step=7,phase=forward"),
+             "relaunch": ("--fault", "rank=1,step=8,phase=forward"),
              # a collective of the script's between its calls: a replacement replaying them alone would wait there
              "in place, a collective": ("--in-place", "--fault", "rank=1,step=5,phase=backward")}
 
@@ -96,12 +98,14 @@ def test_a_loop_that_counts_its_calls_resumes_where_it_was_and_ends_where_an_uni
     assert dict(printed) == dict(expected) and printed[-1] == expected[-1], (printed, expected)
     assert "counts its calls to train_batch" in proc.stdout
     # python's draws between the replayed calls were the uninterrupted run's (compared above: probe 13's task picks
-    # differed); torch's, which stage 0's Dropout layer draws from too, could not be on rank 0, and that is said (on
-    # rank 1 too: its loader drew the second epoch's seed from torch's generator in step 5)
-    if name == "relaunch":
-        assert re.search(r"^baft: rank 0: the loop at \S+example_pipe.py:\d+ \(for step in range\(args.steps\)\) drew "
-                         r"from torch's generator between the calls it replayed \(steps 1-\d+\) other numbers",
-                         proc.stdout, re.M), proc.stdout[-3000:]
+    # differed); torch's, which stage 0's Dropout layer draws from too, were on rank 0, whose loop seeds it from the
+    # step before it draws (said at every resume where the replay's end was compared with the state the restored step's
+    # dropout left), not on rank 1's replay to step 6, whose loader drew the second epoch's seed from it in step 5:
+    # said there alone
+    said = re.findall(r"^\[(\d)\] baft: rank \1: the loop at \S+example_pipe.py:\d+ \(for step in "
+                      r"range\(args.steps\)\) drew from torch's generator between the calls it replayed "
+                      r"\(steps 1-\d+\) other numbers", (faulted / "run" / LOG_NAME).read_text(), re.M)
+    assert said == (["1"] if name == "relaunch" else []), said
     # trained to STEPS, not past it: the last step's snapshot is what the run kept
     last = [max(step for _, step in load(run / "digests")) for run in (reference, faulted)]
     assert f"step {STEPS} is kept" in proc.stdout and last[0] == last[1], last

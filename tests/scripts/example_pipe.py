@@ -24,6 +24,8 @@ parser.add_argument("--eval-every", type=int, default=0, help="eval_batch on hel
 parser.add_argument("--lr-jitter", action="store_true",
                     help="the loop sets each step's learning rate from a draw of python's, and draws from torch's")
 parser.add_argument("--dropout", action="store_true", help="a Dropout layer: the training draws from torch's generator")
+parser.add_argument("--seed-each-step", type=int, default=-1, metavar="RANK",
+                    help="on this rank the loop seeds torch's generator from the step before its draws")
 parser.add_argument("--ema", action="store_true",
                     help="the loop keeps an EMA of the stage's weights and a loss meter after each call, in client_state=")
 parser.add_argument("--samples", type=int, default=256, help="the training set's size")
@@ -95,7 +97,9 @@ held_out = deepspeed.utils.RepeatingLoader(torch.utils.data.DataLoader(
     evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
 for step in range(args.steps):  # the example's own loop: it counts its calls from 0 (baft.script.loop)
     # the script's own draws between steps: python's, which the step's training reads; torch's, which a replayed call
-    # cannot draw as the uninterrupted run did where the training draws from it too
+    # cannot draw as the uninterrupted run did where the training draws from it too, unless the loop seeds it first
+    if engine.global_rank == args.seed_each_step:
+        torch.manual_seed(1000 + step)
     jitter, noise = (random.random(), float(torch.rand(()))) if args.lr_jitter else (None, None)
     if engine.global_rank == 0:  # what the loop's code reads of the engine before each call
         drawn = f" draw {jitter!r}\ntorch draw before call {step + 1}: {noise!r}" if args.lr_jitter else ""
