@@ -8,7 +8,6 @@ import base64
 import copy
 import hashlib
 import inspect
-import json
 import pickle
 import random
 import types
@@ -231,8 +230,19 @@ def to_json(states: dict, names: Optional[list] = None) -> dict:
 def fingerprints(states: dict) -> dict:
     """A short digest of each generator's state in ``states`` (a :func:`rng_states`), by name: equal where the states
     are, to tell later whether a generator stands where it stood."""
-    return {name: hashlib.blake2b(json.dumps(value).encode(), digest_size=8).hexdigest()
-            for name, value in to_json(states).items()}
+    return {name: hashlib.blake2b(pickle.dumps(_plain(value)), digest_size=8).hexdigest()
+            for name, value in states.items()}
+
+
+def _plain(value):
+    """A state with its tensors as their bytes (a pickled tensor holds more than its values, and costs more)."""
+    if torch.is_tensor(value):
+        return value.numpy().tobytes()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):  # CUDA's, one a device (python's and numpy's are tuples of numbers)
+        return [_plain(item) for item in value]
+    return value
 
 
 def from_json(items: dict) -> dict:
