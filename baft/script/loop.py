@@ -153,7 +153,8 @@ class Loop:
                   f"loop computed from them then may differ (a count of picks, a logged value; a DataLoader's iter() "
                   f"draws its workers' base seed from torch's: where that is all it drew, only the seeds of the "
                   f"iterators it made in the replay differ); its draws from step {self.calls + 1} on are the same. Loop "
-                  f"on the engine's step (while engine.global_steps < N), which replays nothing", flush=True)
+                  f"on the engine's step (while engine.global_steps < N), which replays nothing, or seed it from the "
+                  f"step before the loop draws (torch.manual_seed(step) before each call)", flush=True)
 
     def decide(self, engine, frame, training: bool = True) -> None:
         """At each call to ``train_batch`` (``training``) or ``eval_batch`` (``frame``: its caller's): at the

@@ -488,17 +488,17 @@ class RngRestore(InstructionHook):
         between, now = from_json(self.between or {}), rng_states()
         differ = drawn_between(between, now)
         if replayed and self.replay_from is not None:
-            # drawn between replayed calls (probe 22: minGPT's sample at a replayed step, unsaid where the loop drew
-            # nothing after the restored step): said where the loop's code left them otherwise than the uninterrupted
-            # run's did before the restored step's call, the training's draws the replay does not make among them. Not
-            # where it leaves them as that run's: it seeds them before its call (torch.manual_seed(step)), and what it
-            # drew after its seed came out the same (compared with the states the restored step's training left, a
-            # seed before each call was said at every resume: its dropout is in them)
+            # drawn between the replayed calls (probe 22: minGPT's sample every few steps, unsaid where the loop drew
+            # nothing after the restored step) and left otherwise than the uninterrupted run's loop left them for the
+            # restored step's call, where the training's draws the replay does not make are in them. A loop that seeds
+            # one before its call (torch.manual_seed(step)) leaves it as then, its draws after the seed the same:
+            # compared with the states the restored step's training ended at, its dropout in them, it was said at
+            # every resume
             drew = drawn_between(self.replay_from, now)
             if self.started is not None:
                 marks = fingerprints(now)
                 differ = [name for name in drew if marks.get(name) != self.started.get(name)]
-            else:
+            else:  # a snapshot taken before baft kept the fingerprints
                 differ += [name for name in drawn_between({**from_json(self.rng), **between}, now)
                            if name in drew and name not in differ]
             self.replay_from = None
