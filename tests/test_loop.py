@@ -167,6 +167,30 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
 
 
+
+def test_a_class_attribute_of_the_models_classes_the_loop_sets_is_kept_state(tmp_path, monkeypatch):
+    """``Block.scale = 0.75`` at a step, ``Block.seen += 1``: a plain class attribute of a module class of the script's
+    that the model holds, which a snapshot keeps (:mod:`baft.script.attributes`), is not state baft does not keep
+    (session 39: read as such, every rank was replaced in place where only the killed one needed to be). One of a
+    module class the model does not hold, or of another class of the script's, is."""
+    from baft.script import attributes
+
+    for held in ("_AT_START", "_CLASSES_AT_START", "_CLASS_VALUES_AT_START"):
+        monkeypatch.setattr(attributes, held, [])
+    classes = ("import torch.nn as nn\nfrom baft.script import attributes\n"
+               "class Block(nn.Module):\n    scale, seen = 1.0, 0\n"
+               "class Head(nn.Module):  # not in the model\n    scale = 1.0\n"
+               "class Settings:\n    scale = 1.0\n"
+               "attributes.hold_module_attributes(nn.Sequential(Block()))\n")
+    kept = ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        Block.scale = 0.75\n"
+            "    Block.seen += 1\n    engine.train_batch()\n    engine.global_steps += 1\n    print(Block.seen)")
+    site, _ = _site(tmp_path, classes + kept)
+    assert site.sets_state == "", site
+    for other in ("Head", "Settings"):
+        site, script = _site(tmp_path, classes + kept.replace("Block.scale", f"{other}.scale"))
+        line = len(STUB.splitlines()) + len(classes.splitlines()) + 3
+        assert site.sets_state == f"{script}:{line} ({other}.scale = 0.75)", (other, site)
+
 DECIDED = """
 import sys
 from types import SimpleNamespace

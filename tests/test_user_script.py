@@ -39,7 +39,10 @@ def finals(output: str) -> dict[int, tuple[str, ...]]:
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     """Profiled, shown, trained beside a plain run, killed and recovered in place by a spare; each stage draws noise
     from a generator a layer of its holds, and the loop multiplies the learning rate by a factor before each call
-    (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently)."""
+    (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently). The
+    loop sets a class attribute the noise layers of both stages read (``Noise.scale``) at step 2, before the restored
+    step, which the snapshot keeps: the survivor recovers in place (session 39: read as state baft does not keep, it
+    was replaced too), and the replacement trains with it as the uninterrupted run did."""
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]
@@ -53,7 +56,8 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
 
     # no "baft" section: DeepSpeed's own engine class, nothing attached (only the clean exit); it runs beside
     # the protected run, whose restart leaves the cores idle
-    plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json"))], module=False),
+    plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json")), "--class-once",
+                                          "2"], module=False),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
     # a memory limit the running manager (baft train's) does not have: said, not silently dropped. A snapshot every
@@ -63,7 +67,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     imports = tmp_path / "imports.jsonl"  # each process that imported the script's own module user_data, and when
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--in-place", "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT),
-                             "--config", str(cfg)], capture_output=True, text=True,
+                             "--config", str(cfg), "--class-once", "2"], capture_output=True, text=True,
                             env=launch_env({DIGESTS_ENV: str(tmp_path / "digests"), "USER_DATA_IMPORTS": str(imports)}),
                             timeout=300)
     out, err = plain.communicate(timeout=300)

@@ -70,6 +70,14 @@ def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, obj
     return changed or None
 
 
+def keeps_class_attribute(cls: object, attr: str) -> bool:
+    """Whether a snapshot keeps ``cls.attr`` where the script sets it (its loop's ``Block.scale = 0.75``): a plain
+    value one of the classes of :func:`_class_values` held as this process first protected its model, which a restore
+    sets as the snapshot had it, or back as it started."""
+    held = _CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}
+    return isinstance(cls, type) and f"{_named(cls)}:{attr}" in held
+
+
 def replaced_modules(module: torch.nn.Module) -> Optional[dict[str, str]]:
     """The submodules the script replaced by one of another class since :func:`hold_module_attributes` (a loss the loop
     swaps for another once a warm-up ends: ``engine.module.loss_fn = nn.SmoothL1Loss()``), by path: the class now at

@@ -19,14 +19,17 @@ NOISE = 0.01  # the noise's scale, a setting of the script's its loop may turn o
 
 
 class Noise(nn.Module):
-    """Noise drawn from a generator the layer holds, in no state of torch's own."""
+    """Noise drawn from a generator the layer holds, in no state of torch's own; scaled by a factor every such layer
+    reads from its class (on both stages), which the loop may change once (--class-once)."""
+
+    scale = 1.0
 
     def __init__(self):
         super().__init__()
         self.gen = torch.Generator().manual_seed(7)
 
     def forward(self, x):
-        return x + NOISE * torch.randn(x.shape, generator=self.gen) if self.training else x
+        return x + NOISE * Noise.scale * torch.randn(x.shape, generator=self.gen) if self.training else x
 
 
 class LazyScale(nn.Module):
@@ -63,6 +66,7 @@ parser.add_argument("--freeze-once", type=int, default=0, help="at this step fre
 parser.add_argument("--dropout-off-once", type=int, default=0, help="at this step turn the dropout off, once")
 parser.add_argument("--noise-off-once", type=int, default=0, help="at this step turn the layers' noise off, once")
 parser.add_argument("--gain-once", type=int, default=0, help="at this step halve user_data.GAIN, once")
+parser.add_argument("--class-once", type=int, default=0, help="at this step set Noise.scale, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
@@ -108,6 +112,8 @@ while engine.global_steps < args.steps:
         NOISE = 0.0
     if args.gain_once and engine.global_steps == args.gain_once:  # a config module's setting, read by a layer
         user_data.GAIN = 0.5
+    if args.class_once and engine.global_steps == args.class_once:  # a class attribute the layers read, set once
+        Noise.scale = 0.75
     if args.dropout_off_once and engine.global_steps == args.dropout_off_once:  # early dropout: torch's p, once
         for module in engine.module.modules():
             if isinstance(module, nn.Dropout):
