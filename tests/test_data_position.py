@@ -483,14 +483,88 @@ def test_a_second_repeating_loader_the_loop_reads_is_said():
                                                          "read first")
 
 
-def test_a_plain_loader_read_otherwise_than_through_a_repeating_loader_is_said_at_the_first_call():
-    """Its iterators keep no position; the line says how to read it so that its position is kept."""
+def read_own_iterators(make, shape, workers, restore_at=None, counting=False):
+    """21 batches of a plain loader the loop takes iterators of itself (``epochs``: ``iter(loader)`` each epoch;
+    ``generator``: a generator of the script's over it), found at its first read; the position saved after
+    ``restore_at`` batches and restored into a new process's, which runs the script's code up to its loop again. A
+    ``counting`` loop replays its calls up to the restored one (its ``iter()`` of each epoch before, reading
+    nothing); one on the engine's step reads on from the iterator it takes first. Returns the batches and the position
+    as each batch is read (as a snapshot there would keep it)."""
+    def start():
+        torch.manual_seed(0)
+        loader = make(workers)
+        if shape == "generator":
+            def forever():
+                while True:
+                    yield from loader
+            reader = forever()
+        else:
+            reader = iter(loader)
+        return loader, reader, data_position(None, None)
+
+    loader, reader, position = start()
+    position.find(reader)
+    out, states, per_epoch = [], [], len(loader) if shape == "epochs" else None
+    while len(out) < 21:
+        if per_epoch and out and len(out) % per_epoch == 0:  # the loop's iter() of its next epoch
+            reader = iter(loader)
+        if len(out) == restore_at:  # saved as the next step begins, after the loop's code before its call
+            saved, rng = position.state_dict(), torch.get_rng_state()
+            loader, reader, position = start()
+            position.load_state_dict(saved)  # (before the loop's first call: kept, put back as it finds the loader)
+            position.find(reader)
+            if counting:
+                for epoch in range(1, len(out) // per_epoch + 1):  # the replay's iter() of each epoch up to its own
+                    reader = iter(loader)
+            torch.set_rng_state(rng)
+        states.append(as_values(position.state_dict()))
+        out.append(next(reader))
+    return torch.stack(out), states
+
+
+def as_values(state):
+    """``state`` with its tensors as their bytes, to compare with ``==``."""
+    if torch.is_tensor(state):
+        return state.numpy().tobytes()
+    if isinstance(state, dict):
+        return {key: as_values(value) for key, value in state.items()}
+    return [as_values(value) for value in state] if isinstance(state, (list, tuple)) else state
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shape", ["epochs", "counting epochs", "generator"])
+def test_a_plain_loader_whose_iterators_the_loop_takes_resumes_at_any_batch(shape, workers, monkeypatch):
+    """Found among the loop's variables (an iterator of it) or a generator's (over it) as the loop first reads it; its
+    later iterators' making noted. Before, a resumed run read its data from the start (said at the first call)."""
+    from baft.script.loop import THIS_PROCESS
+
+    counting = shape == "counting epochs"
+    monkeypatch.setattr(THIS_PROCESS, "counts_calls", counting)
+    for name in ("shuffle", "shuffle, generator") if not workers else ("shuffle, generator",):  # (workers: slow)
+        make = PLAIN[name]
+        reference, kept = read_own_iterators(make, shape.split()[-1], workers)
+        for restore_at in range(1, 21) if not workers else (3, 9, 14):
+            resumed, kept_resumed = read_own_iterators(make, shape.split()[-1], workers, restore_at, counting)
+            assert torch.equal(resumed, reference), f"{name}: restored after {restore_at}"
+            # kept as the uninterrupted run's from the restore on (where nothing of the restored epoch was read, the
+            # sampler's record of its epoch's start too: the restore had set it back to none)
+            assert kept_resumed[restore_at:] == kept[restore_at:], f"{name}: restored after {restore_at}"
+
+
+def test_a_plain_loader_is_found_wherever_the_script_holds_it_and_said_where_it_holds_none():
+    """An iterator does not hold its loader: found as what holds its sampler (a closure of the script's here, none of the
+    loop's variables); one made of a loader the script dropped (``iter(DataLoader(...))``) keeps no position, said
+    with how to keep one."""
+    def epochs_of(loader):
+        return lambda: iter(loader)
+
+    next_epoch = epochs_of(PLAIN["shuffle"](0))
     position = data_position(None, None)
-    plain = iter(PLAIN["shuffle"](0))
-    assert position.find(plain) is None and position.loader is None
-    assert position.caveat(plain).startswith("train_batch reads an iterator of torch's DataLoader, which keeps no "
-                                             "position: a resumed run reads its data from the start; read it through "
-                                             "deepspeed.utils.RepeatingLoader")
+    assert position.find(next_epoch()) is None and position.loader is next_epoch.__closure__[0].cell_contents
+    dropped, position = iter(PLAIN["shuffle"](0)), data_position(None, None)
+    assert position.find(dropped) is None and position.loader is None
+    assert position.caveat(dropped).startswith("train_batch reads an iterator of torch's DataLoader that the script no "
+                                               "longer holds (iter(DataLoader(...))), which baft cannot make again")
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

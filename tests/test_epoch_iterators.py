@@ -64,6 +64,15 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     assert re.findall(r"resumed from step (\d+) ", (tmp_path / "plain" / "output.log").read_text()) == ["10", "12"]
     assert losses(tmp_path, "plain") == losses(reference, "reference")
     assert "data position will not be restored" not in run.stderr
+    # the counting loop over torch's own DataLoader, not given either: found as the loop first reads it (before, its
+    # data went on from the first epoch's start, said), killed inside the first epoch and at the second's end
+    run = train(tmp_path, "plain-epochs", ("rank=1,step=4,phase=backward", "rank=0,step=12,phase=forward,restart=1"),
+                loop=("plain-epochs",))
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = (tmp_path / "plain-epochs" / "output.log").read_text()
+    assert re.findall(r"resumed from step (\d+) ", log) == ["2", "10"]
+    assert losses(tmp_path, "plain-epochs") == losses(reference, "reference")
+    assert "keeps no position" not in run.stderr and "did not find" not in run.stderr
     # a checkpoint at each step's end: killed in step 8's forward, resumed from step 7, inside the second epoch; in
     # step 11's, from step 10: a spent iterator, the next epoch's order not in the checkpoint
     disk = train(tmp_path, "torch-save", ("rank=0,step=8,phase=forward", "rank=0,step=11,phase=forward,restart=1"), "torch-save")

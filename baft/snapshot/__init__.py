@@ -6,6 +6,7 @@
 - ``repeated_loader`` the position of a plain ``DataLoader`` the loop repeats through ``RepeatingLoader``
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
 - ``found_position`` the data position where ``baft.initialize`` was given none, found as the loop first reads
+- ``plain_loader`` the position of a plain ``DataLoader`` whose iterators the loop takes itself
 - ``reads``       what ``train_batch`` reads, call by call, against the loader whose position is kept
 - ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
 - ``sizes``       how big the snapshot is and how fast it copies (for the profiler)

@@ -100,7 +100,7 @@ class ResumableLoader:
             self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
         restored = self.loader._iterator
         if live is not None and restored is not None and live is not restored:
-            _take_over(live, restored)
+            take_over(live, restored)
             self.loader._iterator = live
             self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
         self.recounted, self.recount = {}, 0
@@ -380,7 +380,8 @@ def _set_sampler_state(sampler, saved: dict) -> None:
 def as_epoch_started(sampler, saved: Optional[dict]):
     """Within: each iterator ``sampler`` makes is made as it stood when the restored iterator's epoch began (``saved``,
     :data:`EPOCH_START`'s); torch's generator is set back afterwards (a restore sets it as the next iteration
-    starts)."""
+    starts). After, the sampler's record of its epoch's start is ``saved``, as the uninterrupted run's was: a restored
+    iterator read nothing of draws its order at its first batch, from the generators as restored, as that run did."""
     if saved is None:
         yield
         return
@@ -390,13 +391,14 @@ def as_epoch_started(sampler, saved: Optional[dict]):
             yield
         finally:
             delattr(sampler, RESTORING)
+            setattr(sampler, EPOCH_START, saved)
 
 
 class _Handed:
     """What an iterator becomes once another took its state: nothing left to shut down when it is collected."""
 
 
-def _take_over(live, restored) -> None:
+def take_over(live, restored) -> None:
     """Make the iterator the script holds (``live``) the ``restored`` one: ``live``'s own loader workers shut
     down, ``restored``'s workers and queues its own (``restored``, collected, would shut them down under it)."""
     if hasattr(live, "_shutdown_workers"):

@@ -1,6 +1,7 @@
 """The data position where ``baft.initialize`` was given none (no ``data_iterator=``, no ``training_data=``): found as
 the loop's first ``train_batch`` reads its data. DeepSpeed's ``RepeatingLoader`` of a plain ``DataLoader`` is kept
-as :class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition`; a plain loader read otherwise keeps no position.
+as :class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
+itself, as :class:`~baft.snapshot.plain_loader.PlainLoaderPosition`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Optional
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from baft.snapshot.plain_loader import PlainLoaderPosition, plain_loader_read
 from baft.snapshot.repeated_loader import RepeatedLoaderPosition, plain_repeating
 
 
@@ -32,11 +34,15 @@ class PositionFoundLater:
 
     def find(self, data_iter) -> Optional[str]:
         """Become the position of what ``data_iter`` reads, where baft keeps one (a ``RepeatingLoader`` of a plain
-        ``DataLoader``); a line to say, or None: a restore whose snapshot held no data position (the data would go on
-        from its start)."""
-        if not plain_repeating(data_iter):
-            return None
-        position = RepeatedLoaderPosition(data_iter, self.engine)
+        ``DataLoader``, or an iterator of one the script holds, or a generator over one); a line to
+        say, or None: a restore whose snapshot held no data position (the data would go on from its start)."""
+        if plain_repeating(data_iter):
+            position = RepeatedLoaderPosition(data_iter, self.engine)
+        else:
+            loader = plain_loader_read(data_iter)
+            if loader is None:
+                return None
+            position = PlainLoaderPosition(loader, data_iter, self.engine)
         pending, resumed = self.pending, self.resumed
         self.__class__, self.__dict__ = type(position), position.__dict__
         if pending is not None:
@@ -56,10 +62,11 @@ class PositionFoundLater:
     def caveat(self, data_iter=None) -> str:
         """Why no data position is kept, where the loop's first call read ``data_iter``."""
         if isinstance(data_iter, _BaseDataLoaderIter) and not type(data_iter).__module__.startswith("torchdata."):
-            return ("train_batch reads an iterator of torch's DataLoader, which keeps no position: a resumed run reads "
-                    "its data from the start; read it through deepspeed.utils.RepeatingLoader, whose position baft "
-                    "keeps, or give baft.initialize torchdata's StatefulDataLoader (a drop-in) as data_iterator= "
-                    "and train on iter() of it")
+            return ("train_batch reads an iterator of torch's DataLoader that the script no longer holds (iter("
+                    "DataLoader(...))), which baft cannot make again: its position is in no snapshot, and a resumed "
+                    "run reads its data from the start; keep the loader (loader = DataLoader(...); iter(loader)), read "
+                    "it through deepspeed.utils.RepeatingLoader, or give baft.initialize torchdata's "
+                    "StatefulDataLoader (a drop-in) as data_iterator=")
         return ("the data position will not be restored after a restart (a resumed run would read its data from the "
                 "start): read a DataLoader through deepspeed.utils.RepeatingLoader, or pass data_iterator= an iterator "
                 "with state_dict() and load_state_dict(), such as torchdata's StatefulDataLoader")

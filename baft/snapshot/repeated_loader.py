@@ -66,7 +66,7 @@ class RepeatedLoaderPosition:
 
     def state_dict(self) -> dict:
         generator = self.repeating.loader.generator
-        return {"epoch": self.repeating.epoch, "read": _read(self.repeating.data_iter),
+        return {"epoch": self.repeating.epoch, "read": batches_read(self.repeating.data_iter),
                 "made_from": self.repeating.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
                 "attributes": changed_data_attributes(self.loader)}
@@ -75,7 +75,7 @@ class RepeatedLoaderPosition:
         repeating, loader = self.repeating, self.repeating.loader
         here = repeating.data_iter
         # the first epoch's iterator, as made in this process, not read past the position: read on from it
-        own = saved["epoch"] == repeating.epoch == 0 and here is repeating.first and _read(here) <= saved["read"]
+        own = saved["epoch"] == repeating.epoch == 0 and here is repeating.first and batches_read(here) <= saved["read"]
         if not own and saved["made_from"] is None and loader.num_workers:
             raise BaftError("the restored position is in the first epoch of a DataLoader with workers that "
                             "RepeatingLoader repeats, whose iterator this process cannot make again as it was "
@@ -83,7 +83,7 @@ class RepeatedLoaderPosition:
         with as_epoch_started(self.sampler, saved["sampler"]):
             if not own:
                 repeating.remake(saved["made_from"])
-            _skip(repeating.data_iter, saved["read"] - _read(repeating.data_iter), loader)
+            skip(repeating.data_iter, saved["read"] - batches_read(repeating.data_iter), loader)
         repeating.epoch, repeating.made_from = saved["epoch"], saved["made_from"]
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
@@ -97,12 +97,12 @@ def plain_repeating(data_iter) -> bool:
             and not hasattr(loader, "load_state_dict"))
 
 
-def _read(iterator) -> int:
+def batches_read(iterator) -> int:
     """The batches of its epoch a loader's iterator has given."""
     return iterator._num_yielded
 
 
-def _skip(iterator, batches: int, loader) -> None:
+def skip(iterator, batches: int, loader) -> None:
     """Read past ``batches`` batches of ``iterator``: through its sampler where the loader reads a map-style dataset
     in this process (none fetched), else by reading them."""
     if not loader.num_workers and not isinstance(loader.dataset, torch.utils.data.IterableDataset):

@@ -1,7 +1,8 @@
 """A counting loop that takes a new iterator of its loader each epoch (``it = iter(loader)`` inside ``for epoch in
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
-data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize); with ``generator``, each epoch a generator of the script's over the
+data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize;
+``plain-epochs``: the counting loop over such a loader); with ``generator``, each epoch a generator of the script's over the
 loader (``for batch in loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in
 loader: yield batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader
 the script never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
@@ -83,7 +84,12 @@ else:
         for x, y in loader:
             yield x, y
 
-    engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
+    if sys.argv[3:] == ["plain-epochs"]:  # torch's own loader over the same sampler, not given to baft.initialize
+        loader = torch.utils.data.DataLoader(Samples(), batch_size=2, drop_last=True, sampler=loader.sampler,
+                                             num_workers=loader.num_workers, generator=torch.Generator().manual_seed(4))
+        engine, *_ = baft.initialize(model=model, config=config)
+    else:
+        engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
     for epoch in range(3):
         batches = generator() if sys.argv[3:] == ["generator"] else iter(loader)
         for _ in range(len(loader) // 2):

@@ -1,0 +1,150 @@
+"""The data position of a plain ``torch.utils.data.DataLoader`` whose iterators the loop takes itself: ``it =
+iter(loader)`` each epoch or once, or a generator of the script's over it (``while True: for batch in loader: yield
+batch``), not given to ``baft.initialize``. Found as the loop's first ``train_batch`` reads it
+(:class:`~baft.snapshot.found_position.PositionFoundLater`).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import weakref
+from typing import Optional
+
+import torch
+
+from baft.errors import BaftError
+from baft.script.loop import THIS_PROCESS
+from baft.script.rng import hold_loader_generators
+from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
+                                drawing_sampler, record_epoch_starts, set_data_attributes, take_over)
+from baft.snapshot.epoch_starts import generator_states
+from baft.snapshot.repeated_loader import batches_read, skip
+
+
+class PlainLoaderPosition:
+    """Where a plain ``DataLoader`` the loop takes iterators of stands: which of them reads (:attr:`epoch`: 0 the one
+    the loop read first), the batches it has given, the generators' states it was made from, the state its sampler
+    drew its order from, the loader's ``generator`` and the settings the loop changed in its dataset.
+
+    From the loop's first call, the loader's ``iter()`` notes what each iterator is made from (its class becomes a
+    subclass that does so). A restore makes the saved epoch's iterator again and skips to the position (as
+    :class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition` does), and hands it to the loop where the loop
+    takes it: the iterator the loop reads now, where the saved one is the first (or the loop is on the engine's step
+    and takes no other until its next epoch); in a loop that counts its calls, which replays its ``iter()`` of the
+    epochs before, the ``iter()`` of the saved epoch; a generator over the loader, not yet started, its first.
+    A survivor in place cannot go back to an iterator its loop no longer holds: every rank is replaced."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, read, engine=None):
+        self.loader, self.engine = loader, engine
+        # the iterator that reads now, held weakly: one the loop drops shuts its workers down as torch's does (held,
+        # it lives on to the next collection of the loader's cycle, and its workers' forks inherit it)
+        self._latest = weakref.ref(read) if _is_iterator_of(read, loader) else None
+        self.epoch, self.made_from = 0, None  # epoch 0: the iterator the loop made before baft found the loader
+        # (the iter() that gets it, the restored iterator, the position restored) until the loop takes it
+        self.handing: Optional[tuple[int, object, dict]] = None
+        self.sampler = drawing_sampler(loader)
+        record_epoch_starts(self.sampler)
+        hold_loader_generators(loader)
+        data_attributes_at_start(loader)
+        _NOTES[type(loader)] = _NOTES.get(type(loader)) or type(type(loader).__name__, (type(loader),), {
+            "__iter__": lambda self: self._baft_position.iterator(), "__module__": type(loader).__module__,
+            "__qualname__": type(loader).__qualname__})
+        loader.__dict__["_baft_position"] = self
+        loader.__class__ = _NOTES[type(loader)]
+        if engine is not None:
+            THIS_PROCESS.no_survivors(engine, "the loop takes its own iterators of a plain DataLoader, which a "
+                                              "survivor cannot take back to the restored step's",
+                                      "Give baft.initialize torchdata's StatefulDataLoader as data_iterator= for its "
+                                      "survivors to recover in place")
+
+    def iterator(self):
+        """The loader's ``iter()``: the restored iterator where this is the ``iter()`` a restore hands it to, else a
+        new one, noting what it was made from."""
+        self.epoch += 1
+        if self.handing is not None and self.handing[0] == self.epoch:
+            restored, self.handing = self.handing[1], None
+            self._latest = weakref.ref(restored)
+            return restored
+        if self.handing is not None:  # an epoch's before the restored one, whose calls a replay reads nothing of
+            return iter(())  # (made, it would draw its order and base seed from the generators the restored reads)
+        self.made_from = generator_states(self.loader)
+        made = torch.utils.data.DataLoader.__iter__(self.loader)
+        self._latest = weakref.ref(made)
+        return made
+
+    @property
+    def latest(self):
+        """The iterator that reads now, while the loop holds it."""
+        return self._latest() if self._latest is not None else None
+
+    def state_dict(self) -> dict:
+        if self.handing is not None:  # restored, not yet handed to the loop: the position is the one restored
+            return self.handing[2]
+        generator = self.loader.generator
+        latest = self.latest
+        return {"epoch": self.epoch, "read": batches_read(latest) if latest is not None else 0,
+                "made_from": self.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
+                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+                "attributes": changed_data_attributes(self.loader)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        loader, live = self.loader, self.latest
+        own = saved["epoch"] == 0 == self.epoch and live is not None and batches_read(live) <= saved["read"]
+        with as_epoch_started(self.sampler, saved["sampler"]):
+            if own:
+                restored = live
+            elif saved["made_from"] is None and loader.num_workers:
+                raise BaftError("the restored position is in the first epoch's iterator of a DataLoader with workers, "
+                                "which this process cannot make again as it was made: give baft.initialize "
+                                "torchdata's StatefulDataLoader as data_iterator=")
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    if saved["made_from"] is not None:
+                        torch.set_rng_state(saved["made_from"]["torch"])
+                        if saved["made_from"]["generator"] is not None:
+                            loader.generator.set_state(saved["made_from"]["generator"])
+                    restored = torch.utils.data.DataLoader.__iter__(loader)
+            skip(restored, saved["read"] - batches_read(restored), loader)
+        self.made_from = saved["made_from"]
+        if saved["generator"] is not None:
+            loader.generator.set_state(saved["generator"])
+        set_data_attributes(loader, saved["attributes"])
+        if own:
+            self.epoch = 0
+        elif live is not None and not THIS_PROCESS.counts_calls:  # a loop on the engine's step reads on from it
+            take_over(live, restored)
+            self.epoch = saved["epoch"]
+        elif live is None:  # a generator's first iter(), at its first read
+            self.epoch, self.handing = saved["epoch"] - 1, (saved["epoch"], restored, saved)
+        else:  # a counting loop's iter() of the saved epoch, replaying those before
+            self.handing = (saved["epoch"], restored, saved)
+
+
+_NOTES: dict[type, type] = {}
+
+
+def _is_iterator_of(read, loader) -> bool:
+    return getattr(read, "_index_sampler", None) is loader._index_sampler
+
+
+def plain_loader_read(data_iter) -> Optional[torch.utils.data.DataLoader]:
+    """The plain ``DataLoader`` (torch's own class) ``data_iter`` reads: the loader an iterator of it was made from,
+    wherever the script holds it (a variable of the loop's, an attribute, a closure), or the one a generator of the
+    script's names, not yet started (``for batch in loader: yield batch``) or reading it (``yield from loader``)."""
+    if inspect.isgenerator(data_iter) and data_iter.gi_frame is not None:
+        if data_iter.gi_yieldfrom is not None:
+            return plain_loader_read(data_iter.gi_yieldfrom)
+        code, frame = data_iter.gi_code, data_iter.gi_frame
+        named = [*frame.f_locals.values(), *(frame.f_globals.get(n) for n in code.co_names)]
+        return next((v for v in named if type(v) is torch.utils.data.DataLoader), None)
+    sampler = getattr(data_iter, "_index_sampler", None)
+    if sampler is None or type(data_iter).__module__.startswith("torchdata."):
+        return None
+    # an iterator does not hold its loader; the loader holds the sampler the iterator reads
+    for holder in gc.get_referrers(sampler):
+        if isinstance(holder, dict):  # the loader's instance dict, where it has one of its own
+            holder = next((o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder), None)
+        if type(holder) is torch.utils.data.DataLoader and holder._index_sampler is sampler:
+            return holder
+    return None
