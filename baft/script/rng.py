@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
 
 GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
@@ -54,7 +55,7 @@ def hold_script_generators(frame, data_iterator=None) -> None:
 def hold_loader_generators(loader) -> None:
     """Count the generators ``loader``'s dataset and ``collate_fn`` hold, and the globals their code reads, among
     every generator from now on (:func:`hold_script_generators`; a loader baft finds as the loop first reads it)."""
-    if isinstance(loader, torch.utils.data.DataLoader):
+    if isinstance(loader, (torch.utils.data.DataLoader, DeepSpeedDataLoader)):
         # the loader's state keeps them as the iteration starts, but the loop may draw from them before (in this
         # process's copy, where workers draw from theirs): kept as the RNG states are, they are set as step k left them
         _name_generators(held_by(loader), "loader")

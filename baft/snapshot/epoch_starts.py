@@ -9,12 +9,15 @@ from typing import Optional
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
+from baft.snapshot.deepspeed_loader import epoch_iterator
+
 
 class EpochStarts(RepeatingLoader):
     """DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from: the states of torch's
     generator and of the loader's ``generator`` as its ``iter()`` began (:attr:`made_from`: the base seed its
     workers are seeded from is drawn there; None for the iterator it held when baft took it over), and how many it
-    has made since (:attr:`epoch`); :attr:`first` is the iterator it held then."""
+    has made since (:attr:`epoch`); :attr:`first` is the iterator it held then (of torch's loader:
+    :func:`~baft.snapshot.deepspeed_loader.epoch_iterator`)."""
 
     epoch: int
     made_from: Optional[dict]
@@ -25,7 +28,7 @@ class EpochStarts(RepeatingLoader):
         """``repeating``, made one (its class becomes this; its loader and the iterator it holds stay)."""
         if not isinstance(repeating, cls):
             repeating.__class__ = cls
-            repeating.epoch, repeating.made_from, repeating.first = 0, None, repeating.data_iter
+            repeating.epoch, repeating.made_from, repeating.first = 0, None, epoch_iterator(repeating.data_iter)
         return repeating
 
     def __next__(self):

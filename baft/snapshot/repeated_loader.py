@@ -1,6 +1,8 @@
 """The data position of a plain ``torch.utils.data.DataLoader`` that the loop reads through DeepSpeed's
 ``RepeatingLoader`` (DeepSpeedExamples' ``train_batch(data_iter=iter(RepeatingLoader(loader)))``), given to
-``baft.initialize`` or not: such a loader keeps no state of its own, so baft keeps what decides its batches.
+``baft.initialize`` or not, or of DeepSpeed's own loader made by the script (``engine.deepspeed_io(dataset)``, a torch
+``DataLoader`` made each epoch: :mod:`baft.snapshot.deepspeed_loader`): such a loader keeps no state of its own, so
+baft keeps what decides its batches.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
 from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
                                 drawing_sampler, record_epoch_starts, set_data_attributes)
+from baft.snapshot.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
 from baft.snapshot.epoch_starts import EpochStarts
 
 
 class RepeatedLoaderPosition:
-    """Where a plain ``DataLoader`` that the loop repeats through ``RepeatingLoader`` stands: which of the epochs'
-    iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the state its
+    """Where a plain ``DataLoader`` that the loop repeats through ``RepeatingLoader`` stands (or DeepSpeed's, seen as
+    the torch loader it makes each epoch: :class:`~baft.snapshot.deepspeed_loader.DeepSpeedEpochs`): which of the
+    epochs' iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the state its
     sampler drew the epoch's order from (:func:`~baft.snapshot.data.record_epoch_starts`), and the loader's
     ``generator``.
 
@@ -36,6 +40,8 @@ class RepeatedLoaderPosition:
     """
 
     def __init__(self, repeating: RepeatingLoader, engine=None):
+        if keeps_no_state(repeating.loader):
+            DeepSpeedEpochs.take_over(repeating.loader)
         self.repeating = EpochStarts.take_over(repeating)
         loader = repeating.loader
         self.sampler = drawing_sampler(loader)
@@ -51,7 +57,7 @@ class RepeatedLoaderPosition:
 
     @property
     def loader(self):
-        """The plain ``DataLoader`` this position keeps."""
+        """The plain ``DataLoader`` (or ``DeepSpeedEpochs``) this position keeps."""
         return self.repeating.loader
 
     def caveat(self) -> Optional[str]:
@@ -66,14 +72,14 @@ class RepeatedLoaderPosition:
 
     def state_dict(self) -> dict:
         generator = self.repeating.loader.generator
-        return {"epoch": self.repeating.epoch, "read": batches_read(self.repeating.data_iter),
+        return {"epoch": self.repeating.epoch, "read": batches_read(epoch_iterator(self.repeating.data_iter)),
                 "made_from": self.repeating.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
                 "attributes": changed_data_attributes(self.loader)}
 
     def load_state_dict(self, saved: dict) -> None:
         repeating, loader = self.repeating, self.repeating.loader
-        here = repeating.data_iter
+        here = epoch_iterator(repeating.data_iter)
         # the first epoch's iterator, as made in this process, not read past the position: read on from it
         own = saved["epoch"] == repeating.epoch == 0 and here is repeating.first and batches_read(here) <= saved["read"]
         if not own and saved["made_from"] is None and loader.num_workers:
@@ -83,7 +89,8 @@ class RepeatedLoaderPosition:
         with as_epoch_started(self.sampler, saved["sampler"]):
             if not own:
                 repeating.remake(saved["made_from"])
-            skip(repeating.data_iter, saved["read"] - batches_read(repeating.data_iter), loader)
+            here = epoch_iterator(repeating.data_iter)
+            skip(here, saved["read"] - batches_read(here), loader)
         repeating.epoch, repeating.made_from = saved["epoch"], saved["made_from"]
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
@@ -91,10 +98,11 @@ class RepeatedLoaderPosition:
 
 
 def plain_repeating(data_iter) -> bool:
-    """Whether ``data_iter`` is DeepSpeed's ``RepeatingLoader`` of a ``DataLoader`` with no state of its own."""
+    """Whether ``data_iter`` is DeepSpeed's ``RepeatingLoader`` of a loader with no state of its own: torch's
+    ``DataLoader``, or DeepSpeed's (:func:`~baft.snapshot.deepspeed_loader.keeps_no_state`)."""
     loader = getattr(data_iter, "loader", None)
-    return (isinstance(data_iter, RepeatingLoader) and isinstance(loader, torch.utils.data.DataLoader)
-            and not hasattr(loader, "load_state_dict"))
+    plain = isinstance(loader, torch.utils.data.DataLoader) and not hasattr(loader, "load_state_dict")
+    return isinstance(data_iter, RepeatingLoader) and (plain or keeps_no_state(loader))
 
 
 def batches_read(iterator) -> int:

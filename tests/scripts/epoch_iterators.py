@@ -72,6 +72,12 @@ elif sys.argv[3:] == ["repeating"]:
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
+elif sys.argv[3:] == ["deepspeed-io"]:  # DeepSpeed's own loader over the same sampler, made by the engine baft returns
+    engine, *_ = baft.initialize(model=model, config=config)
+    data = iter(RepeatingLoader(engine.deepspeed_io(Samples(), data_sampler=loader.sampler, pin_memory=False,
+                                                    num_local_io_workers=loader.num_workers)))
+    while engine.global_steps < 3 * len(loader) // 2:
+        report(engine.train_batch(data_iter=data))
 elif sys.argv[3:] == ["plain"]:  # torch's own loader over the same sampler, not given to baft.initialize
     plain = torch.utils.data.DataLoader(Samples(), batch_size=2, drop_last=True, sampler=loader.sampler,
                                         num_workers=loader.num_workers, generator=torch.Generator().manual_seed(4))
