@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.utils import RepeatingLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
@@ -380,14 +381,51 @@ def test_a_plain_loaders_repeating_loader_restored_at_any_batch_reads_as_the_uni
         assert torch.equal(read_repeated(make, 21, workers, restore_at), reference), f"restored after {restore_at}"
 
 
-@pytest.mark.parametrize("name", PLAIN)
+def deepspeed_io(sampler=None):
+    """DeepSpeed's own loader of ``Noisy()`` as ``engine.deepspeed_io`` makes it on a launched rank (local_rank 0):
+    over a DistributedSampler unless given ``sampler()``, with DeepSpeed's default of 2 workers where the test asks
+    for 2 (``num_local_io_workers=None``)."""
+    return lambda workers: DeepSpeedDataLoader(
+        Noisy(), batch_size=BATCH, pin_memory=False, local_rank=0, tput_timer=None,
+        num_local_io_workers=None if workers == 2 else workers, data_sampler=sampler() if sampler else None,
+        data_parallel_world_size=1, data_parallel_rank=0)
+
+
+DEEPSPEED = {  # the script's iter(RepeatingLoader(engine.deepspeed_io(dataset))): a torch DataLoader made each epoch
+    "DeepSpeed's, its DistributedSampler": deepspeed_io(),  # seeded by its epoch, which nothing sets: one order
+    "DeepSpeed's over torch's RandomSampler with its generator": deepspeed_io(
+        lambda: torch.utils.data.RandomSampler(Noisy(), generator=torch.Generator().manual_seed(5))),
+    "DeepSpeed's over torch's RandomSampler, no generator": deepspeed_io(  # it draws from torch's
+        lambda: torch.utils.data.RandomSampler(Noisy())),
+}
+REPEATED = {**PLAIN, **DEEPSPEED}  # the loaders without a state of their own that baft keeps the position of
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", DEEPSPEED)
+def test_deepspeeds_own_loader_that_the_script_repeats_restored_at_any_batch_reads_as_the_uninterrupted_one(
+        name, workers):
+    """DeepSpeed's loader the script makes itself (``engine.deepspeed_io``) and repeats, given to ``baft.initialize``
+    or found at the loop's first call, is kept as a plain loader's: each epoch's iterator of the torch loader it
+    makes, what that was made from, how far it read (before, no position: a resumed run read from the data's
+    start). Restored after every batch of three epochs, with DeepSpeed's default 2 workers after every third: every
+    later batch and the random numbers drawn for it in the workers."""
+    make = DEEPSPEED[name]
+    reference = read_repeated(make, 21, workers)
+    if "RandomSampler" in name:
+        assert not torch.equal(reference[:7, :, 0], reference[7:14, :, 0]), "each epoch in its own order"
+    for restore_at in range(1, 21, 1 if workers == 0 else 3):
+        assert torch.equal(read_repeated(make, 21, workers, restore_at), reference), f"restored after {restore_at}"
+
+
+@pytest.mark.parametrize("name", REPEATED)
 def test_a_survivors_repeating_loader_reads_again_from_the_restored_position(name):
     """In place: the survivor's repeating loader read on, into the next epoch; the restored position (by a position
     made again, as the survivor's initialize makes it) makes the restored epoch's iterator again. With workers, a
     position in the first epoch, whose iterator was made before baft found it, cannot be: an error, not another
     order."""
     torch.manual_seed(0)
-    feed = RepeatingLoader(PLAIN[name](0))
+    feed = RepeatingLoader(REPEATED[name](0))
     position = data_position(None, feed)
     for restore_at, read_on in ((3, 6), (9, 9)):  # in the first epoch, then in the second
         for _ in range(restore_at - (3 if restore_at == 9 else 0)):
@@ -398,7 +436,7 @@ def test_a_survivors_repeating_loader_reads_again_from_the_restored_position(nam
         torch.set_rng_state(rng)
         assert torch.equal(torch.stack([next(feed) for _ in range(read_on)]), reference), f"restored at {restore_at}"
     torch.manual_seed(0)
-    feed = RepeatingLoader(PLAIN[name](2))
+    feed = RepeatingLoader(REPEATED[name](2))
     position = data_position(None, feed)
     next(feed)
     saved = position.state_dict()
@@ -431,6 +469,30 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     said = not_restored(data_position(None, RepeatingLoader(persistent)))
     assert "in the loader's 2 persistent workers are in no saved state" in said, said
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_deepspeeds_own_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_before(workers):
+    """``engine.deepspeed_io`` is a method of the engine ``baft.initialize`` returns: the script makes its loader
+    after that, so baft finds the RepeatingLoader of it at the loop's first call (or as ``set_dataiterator`` gave it),
+    the restore made before put back then. Nothing is said of it (before: that the data position would not be
+    restored, though it is read through RepeatingLoader)."""
+    make = DEEPSPEED["DeepSpeed's over torch's RandomSampler with its generator"]
+    torch.manual_seed(0)
+    feed = RepeatingLoader(make(workers))
+    position = data_position(None, None)
+    assert position.find(feed) is None and not_restored(position) is None
+    for _ in range(9):
+        next(feed)
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    reference = torch.stack([next(feed) for _ in range(8)])
+    torch.manual_seed(0)
+    later = data_position(None, None)
+    later.load_state_dict(saved)
+    resumed = RepeatingLoader(make(workers))
+    assert later.find(resumed) is None and later.loader is resumed.loader
+    torch.set_rng_state(rng)
+    assert torch.equal(torch.stack([next(resumed) for _ in range(8)]), reference)
 
 
 def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loaders_position():
