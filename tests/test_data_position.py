@@ -349,17 +349,18 @@ PLAIN = {  # torch's own DataLoader, no state of its own: DeepSpeedExamples' ite
 }
 
 
-def read_repeated(make, batches, workers, restore_at=None):
+def read_repeated(make, batches, workers, restore_at=None, resumed_seed=0):
     """``batches`` batches of ``RepeatingLoader(make(workers))``, the position saved after ``restore_at`` of them
     and restored into a new process's: it runs the script's code up to its loop as the first did (its first
-    iterator made from the same generators), then baft restores, then sets the RNG states as the step starts."""
+    iterator made from the same generators; ``resumed_seed``: from others), then baft restores, then sets the RNG
+    states as the step starts."""
     torch.manual_seed(0)
     feed = RepeatingLoader(make(workers))
     position, out = data_position(None, feed), []
     for i in range(batches):
         if i == restore_at:
             saved, rng = position.state_dict(), torch.get_rng_state()
-            torch.manual_seed(0)
+            torch.manual_seed(resumed_seed)
             feed = RepeatingLoader(make(workers))
             data_position(None, feed).load_state_dict(saved)
             torch.set_rng_state(rng)
@@ -469,6 +470,26 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     said = not_restored(data_position(None, RepeatingLoader(persistent)))
     assert "in the loader's 2 persistent workers are in no saved state" in said, said
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_deepspeeds_own_loader_made_after_initialize_resumes_in_its_first_epoch_as_the_uninterrupted_one(workers):
+    """The script makes it after ``baft.initialize``, which sets the generators as the restored step's loop left them
+    between its steps (where it draws there): a new process makes the first epoch's iterator from another state of
+    torch's generator than the uninterrupted run did (its sampler's order, its workers' base seed). The engine baft
+    returns notes what each epoch's iterator, the first too, was made from (``engine.deepspeed_io``: keep_epochs),
+    and a restore in the first epoch makes it again (before, it read on from the new process's own: another order,
+    other draws in the workers, silently)."""
+    from baft.snapshot.repeated_loader import keep_epochs
+
+    make = DEEPSPEED["DeepSpeed's over torch's RandomSampler, no generator"]
+
+    def made(workers):  # by the engine baft.initialize returned
+        return keep_epochs(make(workers))
+
+    reference = read_repeated(made, 10, workers)
+    for restore_at in (2, 5, 9):
+        assert torch.equal(read_repeated(made, 10, workers, restore_at, resumed_seed=1), reference), restore_at
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -73,6 +73,17 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     assert re.findall(r"resumed from step (\d+) ", log) == ["2", "10"]
     assert losses(tmp_path, "plain-epochs") == losses(reference, "reference")
     assert "keeps no position" not in run.stderr and "did not find" not in run.stderr
+    # DeepSpeed's own loader that the script makes (engine.deepspeed_io, with 2 workers) and repeats, found at the
+    # first call (before, no position: said there, and the data went on from its start): resumed in the first epoch
+    # (its iterator, made after baft.initialize, made again as the uninterrupted run made it), at the second's end
+    # and inside the third
+    run = train(tmp_path, "deepspeed-io", ("rank=1,step=4,phase=backward", "rank=0,step=12,phase=forward,restart=1",
+                                           "rank=1,step=14,phase=backward,restart=2"), loop=("deepspeed-io",))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"resumed from step (\d+) ", (tmp_path / "deepspeed-io" / "output.log").read_text()) == [
+        "2", "10", "12"]
+    assert losses(tmp_path, "deepspeed-io") == losses(reference, "reference")
+    assert "data position will not be restored" not in run.stdout + run.stderr
     # a checkpoint at each step's end: killed in step 8's forward, resumed from step 7, inside the second epoch; in
     # step 11's, from step 10: a spent iterator, the next epoch's order not in the checkpoint
     disk = train(tmp_path, "torch-save", ("rank=0,step=8,phase=forward", "rank=0,step=11,phase=forward,restart=1"), "torch-save")

@@ -43,6 +43,9 @@ BubbleWork = Callable[[threading.Event], None]
 class Reads(Protocol):
     """What is told of the data each call reads (:class:`baft.snapshot.reads.TrainBatchReads`)."""
 
+    def made(self, loader) -> None:
+        """The engine made ``loader`` for the script (``deepspeed_io``)."""
+
     def call(self, data_iter) -> None: ...
 
     def evaluated(self, data_iter) -> None: ...
@@ -126,6 +129,11 @@ class BaftPipelineEngine(PipelineEngine):
     def _train_schedule(self):
         return make_schedule(self.baft.schedule, micro_batches=self.micro_batches, stages=self.num_stages,
                              stage_id=self.stage_id)
+
+    def deepspeed_io(self, *args, **kwargs):
+        loader = super().deepspeed_io(*args, **kwargs)
+        self.baft.reads.made(loader)
+        return loader
 
     def train_batch(self, data_iter=None):
         loop = THIS_PROCESS

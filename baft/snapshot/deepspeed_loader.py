@@ -6,18 +6,23 @@ its position is kept as a plain ``DataLoader``'s (:mod:`baft.snapshot.repeated_l
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
+import torch
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
 
 class DeepSpeedEpochs(DeepSpeedDataLoader):
     """A ``DeepSpeedDataLoader`` that answers to the names of torch's ``DataLoader`` for what its epochs are made
     from (``sampler``, ``num_workers``, ``generator``...), and holds each epoch's iterator of the torch loader it
-    made as its ``data`` (DeepSpeed's is a generator over it, which hides how far it has read)."""
+    made as its ``data`` (DeepSpeed's is a generator over it, which hides how far it has read). :attr:`made_from`: the
+    state of torch's generator its latest ``iter()`` began from (its iterator's base seed is drawn from it, and the
+    order of a sampler without a generator), None where that ``iter()`` came before it was made one."""
 
     batch_sampler = None
     generator = None  # the loaders it makes have none: each iterator draws its base seed from torch's
     persistent_workers = False
+    made_from: Optional[dict] = None  # (as EpochStarts.made_from)
 
     @classmethod
     def take_over(cls, loader: DeepSpeedDataLoader) -> "DeepSpeedEpochs":
@@ -34,6 +39,10 @@ class DeepSpeedEpochs(DeepSpeedDataLoader):
     @property
     def num_workers(self) -> int:
         return self.num_local_io_workers
+
+    def __iter__(self):
+        self.made_from = {"torch": torch.get_rng_state(), "generator": None}
+        return super().__iter__()
 
     def _create_dataloader(self):
         made = super()._create_dataloader()

@@ -19,6 +19,7 @@ from baft.script.source import library
 from baft.snapshot.build import warn
 from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator, not_restored
 from baft.snapshot.found_position import PositionFoundLater
+from baft.snapshot.repeated_loader import keep_epochs
 
 
 class TrainBatchReads:
@@ -37,6 +38,12 @@ class TrainBatchReads:
         self._last_evaluated = (None, 0)  # the iterator eval_batch last read, and the step it was called after
         self._said_evaluated = False
         self._reader_restored: Optional[dict] = None  # a wrapper's counts a restore set, until train_batch reads it
+
+    def made(self, loader) -> None:
+        """The engine made ``loader`` for the script (``engine.deepspeed_io``), before its first ``iter()``: what each
+        of its epochs is made from is noted (:func:`~baft.snapshot.repeated_loader.keep_epochs`), for its position
+        where the loop repeats it."""
+        keep_epochs(loader)
 
     def call(self, data_iter) -> None:
         """``train_batch`` reads ``data_iter``: said once where it would not resume with the data position kept;

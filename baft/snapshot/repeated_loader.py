@@ -36,7 +36,8 @@ class RepeatedLoaderPosition:
     generators then stand as the uninterrupted run's; a restore's time grows with the batches read into the epoch, as
     for the engine's own loader). The first epoch's iterator was made before baft could note
     what from; a new process holds it as the uninterrupted run made it (the script's code up to its loop runs the
-    same), a survivor in place does not: with workers, where it cannot be made again, every rank is replaced.
+    same), a survivor in place does not: with workers, where it cannot be made again, every rank is replaced. Not so
+    a loader ``engine.deepspeed_io`` made (:func:`keep_epochs`): its first epoch's is noted, and made again.
     """
 
     def __init__(self, repeating: RepeatingLoader, engine=None):
@@ -48,7 +49,7 @@ class RepeatedLoaderPosition:
         record_epoch_starts(self.sampler)
         hold_loader_generators(loader)
         data_attributes_at_start(loader)
-        if loader.num_workers and engine is not None:
+        if loader.num_workers and engine is not None and self.repeating.made_from is None:
             THIS_PROCESS.no_survivors(engine, "the loop repeats a DataLoader with workers through RepeatingLoader, "
                                               "whose first epoch's iterator a survivor cannot make again as it was "
                                               "made",
@@ -81,7 +82,8 @@ class RepeatedLoaderPosition:
         repeating, loader = self.repeating, self.repeating.loader
         here = epoch_iterator(repeating.data_iter)
         # the first epoch's iterator, as made in this process, not read past the position: read on from it
-        own = saved["epoch"] == repeating.epoch == 0 and here is repeating.first and batches_read(here) <= saved["read"]
+        own = (saved["made_from"] is None and saved["epoch"] == repeating.epoch == 0 and here is repeating.first
+               and batches_read(here) <= saved["read"])
         if not own and saved["made_from"] is None and loader.num_workers:
             raise BaftError("the restored position is in the first epoch of a DataLoader with workers that "
                             "RepeatingLoader repeats, whose iterator this process cannot make again as it was "
@@ -95,6 +97,17 @@ class RepeatedLoaderPosition:
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
         set_data_attributes(loader, saved["attributes"])  # a setting the loop changed once (dataset.scale = 0.5)
+
+
+def keep_epochs(loader):
+    """``loader``, made by ``engine.deepspeed_io`` for the script: where it keeps no state of its own, a
+    :class:`~baft.snapshot.deepspeed_loader.DeepSpeedEpochs` before its first ``iter()``, so that what each epoch's
+    iterator is made from is noted, the first's too. The script makes it after ``baft.initialize``, which sets the
+    generators as the restored step's loop left them between its steps: a new process's first epoch is made from
+    other states than the uninterrupted run's, and is made again as that one was."""
+    if keeps_no_state(loader):
+        record_epoch_starts(drawing_sampler(DeepSpeedEpochs.take_over(loader)))
+    return loader
 
 
 def plain_repeating(data_iter) -> bool:

@@ -2,10 +2,11 @@
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
 data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize;
-``plain-epochs``: the counting loop over such a loader); with ``generator``, each epoch a generator of the script's over the
-loader (``for batch in loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in
-loader: yield batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader
-the script never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
+``plain-epochs``: the counting loop over such a loader; ``deepspeed-io``: of DeepSpeed's own, made by the engine
+baft.initialize returned); with ``generator``, each epoch a generator of the script's over the loader (``for batch in
+loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in loader: yield
+batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader the script
+never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
 Either loop prints the same steps."""
 
 import random
@@ -72,7 +73,7 @@ elif sys.argv[3:] == ["repeating"]:
     engine, *_ = baft.initialize(model=model, config=config, data_iterator=data)
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
-elif sys.argv[3:] == ["deepspeed-io"]:  # DeepSpeed's own loader over the same sampler, made by the engine baft returns
+elif sys.argv[3:] == ["deepspeed-io"]:  # DeepSpeed's own loader over the same sampler: made after baft.initialize
     engine, *_ = baft.initialize(model=model, config=config)
     data = iter(RepeatingLoader(engine.deepspeed_io(Samples(), data_sampler=loader.sampler, pin_memory=False,
                                                     num_local_io_workers=loader.num_workers)))
