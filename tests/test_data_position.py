@@ -479,7 +479,7 @@ def test_deepspeeds_own_loader_made_after_initialize_resumes_in_its_first_epoch_
     torch's generator than the uninterrupted run did (its sampler's order, its workers' base seed). The engine baft
     returns notes what each epoch's iterator, the first too, was made from (``engine.deepspeed_io``: keep_epochs),
     and a restore in the first epoch makes it again (before, it read on from the new process's own: another order,
-    other draws in the workers, silently)."""
+    other draws in the workers, silently), a survivor's in place too."""
     from baft.snapshot.repeated_loader import keep_epochs
 
     make = DEEPSPEED["DeepSpeed's over torch's RandomSampler, no generator"]
@@ -490,6 +490,15 @@ def test_deepspeeds_own_loader_made_after_initialize_resumes_in_its_first_epoch_
     reference = read_repeated(made, 10, workers)
     for restore_at in (2, 5, 9):
         assert torch.equal(read_repeated(made, 10, workers, restore_at, resumed_seed=1), reference), restore_at
+    # so can a survivor's in place, with workers too (a torch DataLoader's cannot: every rank is replaced)
+    feed = RepeatingLoader(made(workers))
+    position = data_position(None, feed)
+    next(feed)
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    read_on = torch.stack([next(feed) for _ in range(3)])
+    data_position(None, feed).load_state_dict(saved)
+    torch.set_rng_state(rng)
+    assert torch.equal(torch.stack([next(feed) for _ in range(3)]), read_on)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
