@@ -4,6 +4,7 @@
 - ``data``        the data position a snapshot saves and a restore puts back (a resumable loader)
 - ``engine_loader`` the position of the engine's own loader (``training_data=``) and its workers' seeds
 - ``repeated_loader`` the position of a plain ``DataLoader`` the loop repeats through ``RepeatingLoader``
+- ``deepspeed_loader`` DeepSpeed's own loader that the script makes (``engine.deepspeed_io``), seen as a plain one
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
 - ``found_position`` the data position where ``baft.initialize`` was given none, found as the loop first reads
 - ``plain_loader`` the position of a plain ``DataLoader`` whose iterators the loop takes itself

@@ -2,7 +2,9 @@
 
 :func:`data_position` gives the object whose ``state_dict()``/``load_state_dict()`` baft uses: the
 ``data_iterator`` a script passed to ``baft.initialize``, a torchdata ``StatefulDataLoader`` with
-its ``generator`` beside it, or the engine's own loader (``training_data=``: :mod:`baft.snapshot.engine_loader`).
+its ``generator`` beside it, DeepSpeed's ``RepeatingLoader`` of a loader with no state of its own
+(:mod:`baft.snapshot.repeated_loader`), or the engine's own loader (``training_data=``:
+:mod:`baft.snapshot.engine_loader`).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ class EpochStarts(RepeatingLoader):
         """``repeating``, made one (its class becomes this; its loader and the iterator it holds stay)."""
         if not isinstance(repeating, cls):
             repeating.__class__ = cls
-            # a DeepSpeedEpochs notes what its iterators were made from itself, from the first where it was made one
-            # before it (engine.deepspeed_io's)
+            # a DeepSpeedEpochs notes what its latest iterator was made from: the first's too, where
+            # engine.deepspeed_io made it one
             made_from = getattr(repeating.loader, "made_from", None)
             repeating.epoch, repeating.made_from, repeating.first = 0, made_from, epoch_iterator(repeating.data_iter)
         return repeating

@@ -1,6 +1,7 @@
 """The data position where ``baft.initialize`` was given none (no ``data_iterator=``, no ``training_data=``): found as
-the loop's first ``train_batch`` reads its data. DeepSpeed's ``RepeatingLoader`` of a plain ``DataLoader`` is kept
-as :class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
+the loop's first ``train_batch`` reads its data. DeepSpeed's ``RepeatingLoader`` of a plain ``DataLoader`` (or of
+DeepSpeed's own that the script made, ``engine.deepspeed_io``'s) is kept as
+:class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
 itself, as :class:`~baft.snapshot.plain_loader.PlainLoaderPosition`.
 """
 
@@ -34,8 +35,8 @@ class PositionFoundLater:
 
     def find(self, data_iter) -> Optional[str]:
         """Become the position of what ``data_iter`` reads, where baft keeps one (a ``RepeatingLoader`` of a plain
-        ``DataLoader``, or an iterator of one the script holds, or a generator over one); a line to
-        say, or None: a restore whose snapshot held no data position (the data would go on from its start)."""
+        ``DataLoader`` or of DeepSpeed's, or an iterator of a plain one the script holds, or a generator over one); a line
+        to say, or None: a restore whose snapshot held no data position (the data would go on from its start)."""
         if plain_repeating(data_iter):
             position = RepeatedLoaderPosition(data_iter, self.engine)
         else:

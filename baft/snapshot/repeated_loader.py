@@ -24,9 +24,9 @@ from baft.snapshot.epoch_starts import EpochStarts
 class RepeatedLoaderPosition:
     """Where a plain ``DataLoader`` that the loop repeats through ``RepeatingLoader`` stands (or DeepSpeed's, seen as
     the torch loader it makes each epoch: :class:`~baft.snapshot.deepspeed_loader.DeepSpeedEpochs`): which of the
-    epochs' iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the state its
-    sampler drew the epoch's order from (:func:`~baft.snapshot.data.record_epoch_starts`), and the loader's
-    ``generator``.
+    epochs' iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the
+    state its sampler drew the epoch's order from (:func:`~baft.snapshot.data.record_epoch_starts`), and the
+    loader's ``generator``.
 
     Given to ``baft.initialize``, or found as the loop's first ``train_batch`` reads it
     (:class:`~baft.snapshot.found_position.PositionFoundLater`). A restore makes the epoch's
