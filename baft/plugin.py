@@ -153,8 +153,8 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         return engine, optimizer, loader, scheduler
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
-    from baft.snapshot.data import data_position, not_restored, open_file_stream
-    from baft.snapshot.found_position import PositionFoundLater
+    from baft.position.kept import data_position, not_restored, open_file_stream
+    from baft.position.found_position import PositionFoundLater
 
     data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
     protection.client_state = ClientState(client_state) if client_state is not None else None

@@ -21,7 +21,7 @@ from baft.pipeline.engine import attach, detach
 from baft.script.loop import THIS_PROCESS
 from baft.recovery.record import Restored
 from baft.snapshot.build import make_policy, rank_node_root, warn
-from baft.snapshot.reads import TrainBatchReads
+from baft.position.reads import TrainBatchReads
 
 
 class Protection:
@@ -44,7 +44,7 @@ class Protection:
 
     @property
     def data_position(self):
-        """What the data position is saved and restored with (:func:`baft.snapshot.data.data_position`), or None."""
+        """What the data position is saved and restored with (:func:`baft.position.kept.data_position`), or None."""
         return self.reads.position
 
     @data_position.setter
@@ -110,7 +110,7 @@ class Protection:
         position is a spent epoch's (a disk checkpoint taken as the step ended, before the loop's next
         ``iter()``), a ``BaftError`` says why it cannot."""
         from baft.snapshot import state
-        from baft.snapshot.data import ResumableLoader
+        from baft.position.resumable import ResumableLoader
 
         position = self.data_position
         again = position if isinstance(position, ResumableLoader) and position.taken_since_restore() else None

@@ -2,7 +2,7 @@
 
 torchdata 0.11's ``StatefulDataLoader`` alone does not: given ``shuffle=True, generator=g`` its
 state misses the base seed each iterator draws from ``g``, so every epoch after a restored one comes
-out in another order. The position baft saves (:func:`baft.snapshot.data.data_position`) keeps the
+out in another order. The position baft saves (:func:`baft.position.kept.data_position`) keeps the
 generator beside the loader's state; these tests restore it at every batch of three epochs.
 """
 
@@ -23,7 +23,8 @@ from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistrib
 from baft.cli.launch import launch_env
 from baft.errors import BaftError
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
-from baft.snapshot.data import ResumableLoader, data_position, not_restored
+from baft.position.resumable import ResumableLoader
+from baft.position.kept import data_position, not_restored
 
 SAMPLES, BATCH = 14, 2  # 7 batches an epoch
 
@@ -480,7 +481,7 @@ def test_deepspeeds_own_loader_made_after_initialize_resumes_in_its_first_epoch_
     returns notes what each epoch's iterator, the first too, was made from (``engine.deepspeed_io``: keep_epochs),
     and a restore in the first epoch makes it again (before, it read on from the new process's own: another order,
     other draws in the workers, silently), a survivor's in place too."""
-    from baft.snapshot.repeated_loader import keep_epochs
+    from baft.position.repeated_loader import keep_epochs
 
     make = DEEPSPEED["DeepSpeed's over torch's RandomSampler, no generator"]
 
@@ -565,7 +566,7 @@ def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loade
 def test_a_second_repeating_loader_the_loop_reads_is_said():
     """Two tasks, each a RepeatingLoader of a plain loader, read in turn: the position kept is the first's (found at
     the first call); the second's would resume from its start."""
-    from baft.snapshot.data import foreign_iterator
+    from baft.position.kept import foreign_iterator
 
     first, second = RepeatingLoader(PLAIN["shuffle"](0)), RepeatingLoader(PLAIN["in order"](0))
     position = data_position(None, None)
@@ -664,7 +665,7 @@ def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had()
     the micro-batches of now; a restore goes on counting from it."""
     from types import SimpleNamespace
 
-    from baft.snapshot.engine_loader import EngineLoaderPosition
+    from baft.position.engine_loader import EngineLoaderPosition
 
     engine = SimpleNamespace(global_steps=0, micro_batches=2, training_dataloader=None)
     position = EngineLoaderPosition(engine)
@@ -683,7 +684,7 @@ def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
     its own start. The given loader's iterators, a RepeatingLoader of it and iterators of no loader pass."""
     import itertools
 
-    from baft.snapshot.data import foreign_iterator
+    from baft.position.kept import foreign_iterator
 
     given = StatefulDataLoader(list(range(8)), batch_size=2)
     other = StatefulDataLoader(list(range(6)), batch_size=2)
@@ -720,7 +721,7 @@ def test_a_resumable_iterator_of_the_scripts_that_baft_was_not_given_is_named():
     """Task mixing: each step the loop picks one of two data iterators with state_dict(), and gives baft.initialize
     the first. The second's position is in no snapshot: resumed, it read its batches from the start again, silently
     (probe 13). One the given data_iterator holds (a mixer whose state_dict() keeps each one's) passes."""
-    from baft.snapshot.data import foreign_iterator
+    from baft.position.kept import foreign_iterator
 
     class Mixer(Task):
         def __init__(self, tasks):
@@ -741,7 +742,7 @@ def test_an_iterator_of_the_scripts_given_by_set_dataiterator_is_checked_as_trai
     from its start, silently (probe 13)."""
     from types import SimpleNamespace
 
-    from baft.snapshot.reads import TrainBatchReads
+    from baft.position.reads import TrainBatchReads
 
     phase1, phase2 = Task(), Task()
     engine = SimpleNamespace(global_steps=0, global_rank=0, data_iterator=phase1)
@@ -863,7 +864,7 @@ def test_a_loop_that_takes_its_batches_from_the_kept_loader_itself_is_said_to_sk
     from deepspeed.utils import RepeatingLoader
     from types import SimpleNamespace
 
-    from baft.snapshot.reads import TrainBatchReads
+    from baft.position.reads import TrainBatchReads
 
     def calls(feed) -> str:
         engine = SimpleNamespace(global_steps=0, global_rank=0)
@@ -933,7 +934,7 @@ def test_the_counts_of_a_wrapper_of_the_script_around_the_loader_come_back_where
     a library's wrapper (DeepSpeed's ``RepeatingLoader``) or the loader's own iterator keeps nothing of its own."""
     from types import SimpleNamespace
 
-    from baft.snapshot.reads import TrainBatchReads
+    from baft.position.reads import TrainBatchReads
 
     def reads_of(loader):
         reads = TrainBatchReads(SimpleNamespace(global_steps=0, global_rank=0))
@@ -973,7 +974,7 @@ def test_with_persistent_workers_an_iter_that_resets_the_restored_iterator_reads
     epoch's reset iterator was not told from the last (probe 11: in place, a survivor that took it trained on)."""
     from types import SimpleNamespace
 
-    from baft.snapshot.reads import TrainBatchReads
+    from baft.position.reads import TrainBatchReads
 
     def make():
         return StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=2,
@@ -1056,7 +1057,7 @@ def test_a_stream_that_reads_a_file_it_holds_open_is_named_for_its_survivors(tmp
     """Probe 16: an ``IterableDataset`` that opens its file once (in ``__init__``) and reads it in ``__iter__`` was
     restored in a survivor by reading on from where that file stood, not from its start: other batches, silently.
     Every rank is replaced in place instead; a stream that opens its file in ``__iter__`` is not named."""
-    from baft.snapshot.data import open_file_stream
+    from baft.position.kept import open_file_stream
 
     path = tmp_path / "lines.txt"
     path.write_text("".join(f"{i}\n" for i in range(8)))

@@ -7,7 +7,7 @@ import baft
 
 PACKAGE = Path(baft.__file__).parent
 BASE = {"errors", "jsonfile", "config", "teardown", "accelerator", "background", "faults"}
-LAYERS = ["script", "pipeline", "snapshot", "manager", "recovery"]  # bottom to top; cli, simulate, examples, plugin on top
+LAYERS = ["script", "pipeline", "snapshot", "position", "manager", "recovery"]  # bottom to top; cli, simulate, examples, plugin on top
 
 
 def imported_packages(path: Path) -> set[str]:

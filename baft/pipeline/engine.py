@@ -41,7 +41,7 @@ BubbleWork = Callable[[threading.Event], None]
 
 
 class Reads(Protocol):
-    """What is told of the data each call reads (:class:`baft.snapshot.reads.TrainBatchReads`)."""
+    """What is told of the data each call reads (:class:`baft.position.reads.TrainBatchReads`)."""
 
     def made(self, loader) -> None:
         """The engine made ``loader`` for the script (``deepspeed_io``)."""
@@ -59,7 +59,7 @@ class Owner(Protocol):
     schedule: str  # a schedule's name (baft.pipeline.schedules)
     hooks: Hooks  # called around each instruction
     reads: Reads
-    data_position: Any  # the position baft keeps of the data (baft.snapshot.data), or None
+    data_position: Any  # the position baft keeps of the data (baft.position), or None
     load_guard: Optional[Callable]  # what the engine's load_checkpoint calls once the run restored, or None
 
     def replayed(self) -> None:

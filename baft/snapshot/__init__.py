@@ -1,14 +1,6 @@
 """One snapshot of a rank's state: what it is, where it goes, when it is copied.
 
-- ``state``       what a rank's state is (tensors and small items: RNG, data position)
-- ``data``        the data position a snapshot saves and a restore puts back (a resumable loader)
-- ``engine_loader`` the position of the engine's own loader (``training_data=``) and its workers' seeds
-- ``repeated_loader`` the position of a plain ``DataLoader`` the loop repeats through ``RepeatingLoader``
-- ``deepspeed_loader`` DeepSpeed's own loader that the script makes (``engine.deepspeed_io``), seen as a plain one
-- ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
-- ``found_position`` the data position where ``baft.initialize`` was given none, found as the loop first reads
-- ``plain_loader`` the position of a plain ``DataLoader`` whose iterators the loop takes itself
-- ``reads``       what ``train_batch`` reads, call by call, against the loader whose position is kept
+- ``state``       what a rank's state is (tensors and small items: RNG, the data position of ``baft.position``)
 - ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
 - ``sizes``       how big the snapshot is and how fast it copies (for the profiler)
 - ``layout``      the state's byte layout in a host buffer, chunked, and its commit record

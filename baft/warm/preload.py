@@ -26,7 +26,7 @@ TORCH = ("torch", "torch._dynamo", "torch.optim", "torch.distributed")
 PRELOAD = (*TORCH, "deepspeed", "deepspeed.pipe",
            # what baft.initialize imports (a replacement's imports would be on its survivors' wait otherwise)
            "baft.plugin", "baft.protection", "baft.recovery.digests", "baft.recovery.script_checkpoint",
-           "baft.snapshot.data")
+           "baft.position.kept")
 # What DeepSpeed imports as it configures a bf16 or ZeRO optimizer (torch._inductor with it): ~1.8 s of a
 # rank's T2 on a 2-core VM; where this DeepSpeed has no such module, nothing is lost but the time.
 PRELOAD_LATER = ("deepspeed.runtime.zero.muon.muon_optimizer",)

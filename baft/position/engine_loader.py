@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.dataloader import RepeatingLoader
 
-from baft.snapshot.epoch_starts import EpochStarts, generator_states
+from baft.position.epoch_starts import EpochStarts, generator_states
 
 
 class EngineLoaderPosition:
@@ -17,7 +17,7 @@ class EngineLoaderPosition:
     ``micro_batches`` of it (``set_train_batch_size`` changes how many: :meth:`batch_size_changes`). A
     restore makes the epoch's iterator again and skips as far into it (reading the skipped batches). That
     iterator's loader workers draw from generators seeded by a base seed it drew from torch's as it was made (a
-    random crop of torchvision's in the dataset): :class:`~baft.snapshot.epoch_starts.EpochStarts` keeps the state it
+    random crop of torchvision's in the dataset): :class:`~baft.position.epoch_starts.EpochStarts` keeps the state it
     was drawn from (without it a restore inside a later epoch read on from an iterator made at ``initialize``, whose
     workers drew other random numbers: probe 16, a dataset's ``torch.rand`` augmentation; an in-place survivor's,
     made from its generator as it stood, in the first epoch too).

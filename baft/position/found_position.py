@@ -1,8 +1,8 @@
 """The data position where ``baft.initialize`` was given none (no ``data_iterator=``, no ``training_data=``): found as
 the loop's first ``train_batch`` reads its data. DeepSpeed's ``RepeatingLoader`` of a plain ``DataLoader`` (or of
 DeepSpeed's own that the script made, ``engine.deepspeed_io``'s) is kept as
-:class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
-itself, as :class:`~baft.snapshot.plain_loader.PlainLoaderPosition`.
+:class:`~baft.position.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
+itself, as :class:`~baft.position.plain_loader.PlainLoaderPosition`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Optional
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from baft.snapshot.plain_loader import PlainLoaderPosition, plain_loader_read
-from baft.snapshot.repeated_loader import RepeatedLoaderPosition, plain_repeating
+from baft.position.plain_loader import PlainLoaderPosition, plain_loader_read
+from baft.position.repeated_loader import RepeatedLoaderPosition, plain_repeating
 
 
 class PositionFoundLater:

@@ -1,7 +1,7 @@
 """The data position of a plain ``torch.utils.data.DataLoader`` that the loop reads through DeepSpeed's
 ``RepeatingLoader`` (DeepSpeedExamples' ``train_batch(data_iter=iter(RepeatingLoader(loader)))``), given to
 ``baft.initialize`` or not, or of DeepSpeed's own loader made by the script (``engine.deepspeed_io(dataset)``, a torch
-``DataLoader`` made each epoch: :mod:`baft.snapshot.deepspeed_loader`): such a loader keeps no state of its own, so
+``DataLoader`` made each epoch: :mod:`baft.position.deepspeed_loader`): such a loader keeps no state of its own, so
 baft keeps what decides its batches.
 """
 
@@ -15,21 +15,21 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from baft.errors import BaftError
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
-from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
-                                drawing_sampler, record_epoch_starts, set_data_attributes)
-from baft.snapshot.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
-from baft.snapshot.epoch_starts import EpochStarts
+from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
+from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
+from baft.position.epoch_starts import EpochStarts
 
 
 class RepeatedLoaderPosition:
     """Where a plain ``DataLoader`` that the loop repeats through ``RepeatingLoader`` stands (or DeepSpeed's, seen as
-    the torch loader it makes each epoch: :class:`~baft.snapshot.deepspeed_loader.DeepSpeedEpochs`): which of the
+    the torch loader it makes each epoch: :class:`~baft.position.deepspeed_loader.DeepSpeedEpochs`): which of the
     epochs' iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the
-    state its sampler drew the epoch's order from (:func:`~baft.snapshot.data.record_epoch_starts`), and the
+    state its sampler drew the epoch's order from (:func:`~baft.position.samplers.record_epoch_starts`), and the
     loader's ``generator``.
 
     Given to ``baft.initialize``, or found as the loop's first ``train_batch`` reads it
-    (:class:`~baft.snapshot.found_position.PositionFoundLater`). A restore makes the epoch's
+    (:class:`~baft.position.found_position.PositionFoundLater`). A restore makes the epoch's
     iterator again from what it was made from, its sampler's order drawn as it was, and skips the batches read:
     through the sampler where the loader reads in this process (nothing fetched: a skipped sample's random draws
     come again from the generators as a resumed step sets them), by reading them with workers (each worker's
@@ -101,7 +101,7 @@ class RepeatedLoaderPosition:
 
 def keep_epochs(loader):
     """``loader``, made by ``engine.deepspeed_io`` for the script: where it keeps no state of its own, a
-    :class:`~baft.snapshot.deepspeed_loader.DeepSpeedEpochs` before its first ``iter()``, so that what each epoch's
+    :class:`~baft.position.deepspeed_loader.DeepSpeedEpochs` before its first ``iter()``, so that what each epoch's
     iterator is made from is noted, the first's too. The script makes it after ``baft.initialize``, which sets the
     generators as the restored step's loop left them between its steps: a new process's first epoch is made from
     other states than the uninterrupted run's, and is made again as that one was."""
@@ -112,7 +112,7 @@ def keep_epochs(loader):
 
 def plain_repeating(data_iter) -> bool:
     """Whether ``data_iter`` is DeepSpeed's ``RepeatingLoader`` of a loader with no state of its own: torch's
-    ``DataLoader``, or DeepSpeed's (:func:`~baft.snapshot.deepspeed_loader.keeps_no_state`)."""
+    ``DataLoader``, or DeepSpeed's (:func:`~baft.position.deepspeed_loader.keeps_no_state`)."""
     loader = getattr(data_iter, "loader", None)
     plain = isinstance(loader, torch.utils.data.DataLoader) and not hasattr(loader, "load_state_dict")
     return isinstance(data_iter, RepeatingLoader) and (plain or keeps_no_state(loader))

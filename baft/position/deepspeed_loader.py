@@ -1,6 +1,6 @@
 """DeepSpeed's ``DeepSpeedDataLoader`` (what ``engine.deepspeed_io(dataset)`` makes) read by the script itself through
 ``RepeatingLoader``: each ``iter()`` of it makes a torch ``DataLoader`` over its ``data_sampler`` and reads that, so
-its position is kept as a plain ``DataLoader``'s (:mod:`baft.snapshot.repeated_loader`).
+its position is kept as a plain ``DataLoader``'s (:mod:`baft.position.repeated_loader`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DeepSpeed's ``RepeatingLoader`` of a loader, noting what each epoch's iterator was made from: the engine's own
-loader (:mod:`baft.snapshot.engine_loader`) and a script's plain ``DataLoader`` (:mod:`baft.snapshot.repeated_loader`)
+loader (:mod:`baft.position.engine_loader`) and a script's plain ``DataLoader`` (:mod:`baft.position.repeated_loader`)
 are repeated through it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
-from baft.snapshot.deepspeed_loader import epoch_iterator
+from baft.position.deepspeed_loader import epoch_iterator
 
 
 class EpochStarts(RepeatingLoader):
@@ -17,7 +17,7 @@ class EpochStarts(RepeatingLoader):
     generator and of the loader's ``generator`` as its ``iter()`` began (:attr:`made_from`: the base seed its
     workers are seeded from is drawn there; None for the iterator it held when baft took it over), and how many it
     has made since (:attr:`epoch`); :attr:`first` is the iterator it held then (of torch's loader:
-    :func:`~baft.snapshot.deepspeed_loader.epoch_iterator`)."""
+    :func:`~baft.position.deepspeed_loader.epoch_iterator`)."""
 
     epoch: int
     made_from: Optional[dict]

@@ -1,7 +1,7 @@
 """The data position of a plain ``torch.utils.data.DataLoader`` whose iterators the loop takes itself: ``it =
 iter(loader)`` each epoch or once, or a generator of the script's over it (``while True: for batch in loader: yield
 batch``), not given to ``baft.initialize``. Found as the loop's first ``train_batch`` reads it
-(:class:`~baft.snapshot.found_position.PositionFoundLater`).
+(:class:`~baft.position.found_position.PositionFoundLater`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 from baft.errors import BaftError
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
-from baft.snapshot.data import (EPOCH_START, as_epoch_started, changed_data_attributes, data_attributes_at_start,
-                                drawing_sampler, record_epoch_starts, set_data_attributes, take_over)
-from baft.snapshot.epoch_starts import generator_states
-from baft.snapshot.repeated_loader import batches_read, skip
+from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
+from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.iterators import take_over
+from baft.position.epoch_starts import generator_states
+from baft.position.repeated_loader import batches_read, skip
 
 
 class PlainLoaderPosition:
@@ -29,7 +30,7 @@ class PlainLoaderPosition:
 
     From the loop's first call, the loader's ``iter()`` notes what each iterator is made from (its class becomes a
     subclass that does so). A restore makes the saved epoch's iterator again and skips to the position (as
-    :class:`~baft.snapshot.repeated_loader.RepeatedLoaderPosition` does), and hands it to the loop where the loop
+    :class:`~baft.position.repeated_loader.RepeatedLoaderPosition` does), and hands it to the loop where the loop
     takes it: the iterator the loop reads now, where the saved one is the first (or the loop is on the engine's step
     and takes no other until its next epoch); in a loop that counts its calls, which replays its ``iter()`` of the
     epochs before, the ``iter()`` of the saved epoch; a generator over the loader, not yet started, its first.

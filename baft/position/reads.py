@@ -1,6 +1,6 @@
 """What ``train_batch`` reads, call by call, against the loader baft keeps the position of.
 
-baft saves a data position as each step begins (:mod:`baft.snapshot.data`). The loop's way of giving
+baft saves a data position as each step begins (:mod:`baft.position`). The loop's way of giving
 ``train_batch`` its data decides whether that position is where a resumed run must read on from:
 :class:`TrainBatchReads` watches each call's iterator and says, once and in one line, where it is not (an
 iterator baft keeps no position of; batches the loop took from the loader itself between the calls), notes the
@@ -17,14 +17,16 @@ from typing import Optional
 from baft.script.loop import THIS_PROCESS
 from baft.script.source import library
 from baft.snapshot.build import warn
-from baft.snapshot.data import ResumableLoader, epoch_mark, foreign_iterator, not_restored
-from baft.snapshot.found_position import PositionFoundLater
-from baft.snapshot.repeated_loader import keep_epochs
+from baft.position.resumable import ResumableLoader
+from baft.position.iterators import epoch_mark
+from baft.position.kept import foreign_iterator, not_restored
+from baft.position.found_position import PositionFoundLater
+from baft.position.repeated_loader import keep_epochs
 
 
 class TrainBatchReads:
     """The iterators ``engine.train_batch`` was given; :attr:`position`: the data position baft keeps (what
-    :func:`baft.snapshot.data.data_position` gave), or None."""
+    :func:`baft.position.kept.data_position` gave), or None."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -41,7 +43,7 @@ class TrainBatchReads:
 
     def made(self, loader) -> None:
         """The engine made ``loader`` for the script (``engine.deepspeed_io``), before its first ``iter()``: what each
-        of its epochs is made from is noted (:func:`~baft.snapshot.repeated_loader.keep_epochs`), for its position
+        of its epochs is made from is noted (:func:`~baft.position.repeated_loader.keep_epochs`), for its position
         where the loop repeats it."""
         keep_epochs(loader)
 

@@ -1,0 +1,18 @@
+"""The data position: which batch a resumed run reads next, kept with every snapshot and put back by a restore.
+
+- ``kept``        which position baft keeps of what the script reads, and what it says where one cannot bring the
+                  data back as it was
+- ``resumable``   a resumable loader's (torchdata's ``StatefulDataLoader``), and what baft keeps beside its state
+- ``engine_loader`` the engine's own loader (``training_data=``) and its workers' seeds
+- ``repeated_loader`` a plain ``DataLoader`` the loop repeats through ``RepeatingLoader``
+- ``deepspeed_loader`` DeepSpeed's own loader that the script makes (``engine.deepspeed_io``), seen as a plain one
+- ``plain_loader`` a plain ``DataLoader`` whose iterators the loop takes itself
+- ``found_position`` the position where ``baft.initialize`` was given none, found as the loop first reads
+- ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
+- ``samplers``    a sampler's own state as it draws each epoch's order
+- ``settings``    the plain settings a loop changes in its dataset or ``collate_fn``
+- ``iterators``   a loader's iterator as the loop holds it: its epoch's mark, a restored one's state moved into it
+- ``reads``       what ``train_batch`` reads, call by call, against the loader whose position is kept
+
+May import ``script``, ``pipeline`` and ``snapshot``; never ``manager``, ``recovery`` or anything above.
+"""

@@ -1,0 +1,162 @@
+"""Which data position baft keeps of what the script reads (:func:`data_position`), and what it says where a position
+cannot bring the data back as it was."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from typing import Iterator, Optional
+
+import torch
+from deepspeed.runtime.dataloader import RepeatingLoader
+from torchdata.stateful_dataloader import Stateful
+
+from baft.position.engine_loader import EngineLoaderPosition
+from baft.position.resumable import ResumableLoader
+
+
+def data_position(engine, data_iterator=None, training_data=None):
+    """What baft saves and restores the data position with."""
+    from baft.position.found_position import PositionFoundLater
+    from baft.position.repeated_loader import RepeatedLoaderPosition, plain_repeating
+
+    if plain_repeating(data_iterator):  # a plain DataLoader's: what its iterators were made from, kept by baft
+        return RepeatedLoaderPosition(data_iterator, engine)
+    if isinstance(data_iterator, RepeatingLoader):  # DeepSpeed's: each epoch an iter() of the loader it wraps
+        return data_position(engine, data_iterator.loader, training_data)
+    if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
+        return ResumableLoader(data_iterator)
+    if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
+        return EngineLoaderPosition(engine)
+    if data_iterator is None:  # found as the loop first reads it
+        return PositionFoundLater(engine)
+    return data_iterator
+
+
+def not_restored(position) -> Optional[str]:
+    """What a restore from ``position`` does not bring back, to say once at initialize; None when nothing."""
+    from baft.position.found_position import PositionFoundLater
+    from baft.position.repeated_loader import RepeatedLoaderPosition
+
+    if isinstance(position, (RepeatedLoaderPosition, PositionFoundLater)):
+        return position.caveat()
+    held = _held_loaders(position)
+    if held:
+        return (f"the data iterator {type(position).__name__} holds torchdata loaders ({', '.join(held)}) whose "
+                f"state_dict() leaves out the generator each of their iterators draws from (torchdata 0.11): a resumed "
+                f"run reads their epochs after the restored one in another order; keep each one's generator state in "
+                f"your state_dict() (loader.generator.get_state(), set again after its iter()), or give "
+                f"baft.initialize one loader, which baft keeps whole")
+    loader = getattr(position, "loader", position)
+    workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) and not isinstance(dataset, Stateful):
+        # torchdata's restore of such a stream: the batches up to the position read again from its start
+        return (f"the {type(dataset).__name__} the loader streams has no state_dict(): a restore reads it again from "
+                f"its start up to the saved position, and what it draws from generators of its own (not torch's "
+                f"global one) comes out anew; give it state_dict() and load_state_dict() (its position in the "
+                f"stream, its generators') to resume it exactly and at once")
+    if workers:  # each worker's generators are seeded from the loader's base seed as the workers start
+        where = ("anywhere: its persistent workers are seeded once, as they start" if
+                 getattr(loader, "persistent_workers", False) else "inside an epoch")
+        return (f"random numbers your dataset or collate_fn draws in the loader's {workers} workers are in no saved "
+                f"state: a resume {where}, draws others (the samples and their order resume exactly); draw them "
+                f"from a generator seeded by the sample index to make them resume too")
+    return None
+
+
+def open_file_stream(position) -> Optional[str]:
+    """Where the loader of ``position`` streams an ``IterableDataset`` with no state of its own that reads a file it
+    holds open (``self.f = open(path)`` in its ``__init__``): why a survivor's restore would read it wrongly. torchdata
+    restores such a stream by reading it again through a new ``iter()`` from its start, and that reads on from where
+    the file stands: a new process's at its start, a survivor's past what it read. None otherwise."""
+    loader = getattr(position, "loader", position)
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, torch.utils.data.IterableDataset) or isinstance(dataset, Stateful):
+        return None
+    held = next((name for name, value in vars(dataset).items() if isinstance(value, io.IOBase) and not value.closed),
+                None)
+    if held is None:
+        return None
+    return (f"the {type(dataset).__name__} the loader streams reads a file it holds open (dataset.{held}): a "
+            f"survivor's restore reads the stream again from where that file stands, past what it read, not from its "
+            f"start")
+
+
+def _held_loaders(position) -> list[str]:
+    """Where a data iterator of the script's own (not one baft keeps whole) holds torchdata loaders that shuffle
+    with a generator (``self.loaders[0]``): their ``state_dict()`` leaves that generator out."""
+    if position is None or isinstance(position, (ResumableLoader, EngineLoaderPosition, torch.utils.data.DataLoader)):
+        return []
+    found = []
+    for name, value in getattr(position, "__dict__", {}).items():
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        else:
+            items = [(None, value)]
+        for key, item in items:
+            if (isinstance(item, torch.utils.data.DataLoader) and hasattr(item, "load_state_dict")
+                    and isinstance(item.generator, torch.Generator)):
+                found.append((name if key is None else f"{name}[{key!r}]", item.generator.get_state()))
+    if not found:
+        return []
+    kept = list(_tensors(position.state_dict()))  # a script's that keeps each generator's state is not said
+    return [name for name, state in found if not any(t.shape == state.shape and torch.equal(t, state) for t in kept)]
+
+
+def _tensors(state) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested state."""
+    if torch.is_tensor(state):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
+
+
+def foreign_iterator(position, data_iter) -> Optional[str]:
+    """Why the iterator ``train_batch`` reads would not resume with the data position baft keeps (``position``,
+    :func:`data_position`'s), where that can be told; None otherwise."""
+    if isinstance(data_iter, itertools.cycle):
+        return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
+                "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
+                "new iterator of the loader each epoch")
+    repeated = getattr(position, "repeating", None)  # a RepeatedLoaderPosition's: the loader found at the first call
+    if repeated is not None and isinstance(data_iter, RepeatingLoader) and data_iter is not repeated:
+        return ("train_batch reads another RepeatingLoader than the one it read first, whose position baft keeps: "
+                "this one's is in no snapshot, and a resumed run reads it from its start; give baft.initialize one "
+                "data_iterator whose state_dict() keeps each one's position")
+    given = getattr(getattr(position, "loader", position), "dataset", None)
+    read = getattr(data_iter, "_dataset", None)  # a DataLoader's iterator
+    if given is not None and read is not None and read is not given:
+        return (f"train_batch reads an iterator of another loader than the data_iterator given to baft.initialize "
+                f"(over another {type(read).__name__}): its position is in no snapshot, and a resumed run reads it "
+                f"from its start")
+    if (position is not None and read is None and callable(getattr(data_iter, "state_dict", None))
+            and callable(getattr(data_iter, "load_state_dict", None)) and not _holds(position, data_iter)):
+        return (f"train_batch reads a {type(data_iter).__name__} that is not the data_iterator given to "
+                f"baft.initialize, nor held by it: its position is in no snapshot, so a resumed run reads it from where "
+                f"the script starts it, not where the uninterrupted run had it (a second task's data?). Give "
+                f"baft.initialize one data_iterator whose state_dict() holds the position of every iterator "
+                f"train_batch reads")
+    return None
+
+
+def _holds(holder, obj, depth: int = 2) -> bool:
+    """Whether ``obj`` is ``holder``, or what its attributes, or their items, hold, ``depth`` levels down (a mixer
+    of the script's given to ``baft.initialize`` whose ``state_dict()`` keeps each of its iterators' positions)."""
+    if obj is holder:
+        return True
+    if depth == 0:
+        return False
+    if isinstance(holder, dict):
+        items = list(holder.values())
+    elif isinstance(holder, (list, tuple)):
+        items = list(holder)
+    else:
+        items = list(vars(holder).values()) if hasattr(holder, "__dict__") and not isinstance(holder, type) else []
+    return any(_holds(item, obj, depth - 1) for item in items)
