@@ -624,6 +624,80 @@ def as_values(state):
     return [as_values(value) for value in state] if isinstance(state, (list, tuple)) else state
 
 
+def test_a_stateful_loader_given_after_the_script_took_an_iterator_with_workers_restores_its_first_epoch():
+    """``RepeatingLoader(loader)`` taken before ``baft.initialize`` (its iterator drew the first epoch's order through
+    two workers as it was made, before baft recorded the sampler's state): restored inside that epoch, the samples
+    come in the uninterrupted order (before: another, from where that draw left the sampler's generator, silently)."""
+    def start():
+        torch.manual_seed(0)
+        loader = LOADERS["torch's RandomSampler with its generator"](2)
+        feed = RepeatingLoader(loader)
+        return feed, data_position(None, loader)
+
+    feed, position = start()
+    reference = torch.stack([next(feed) for _ in range(10)])
+    feed, position = start()
+    read = [next(feed) for _ in range(3)]
+    saved, rng = position.state_dict(), torch.get_rng_state()
+    feed, later = start()
+    later.load_state_dict(saved)
+    torch.set_rng_state(rng)
+    read += [next(feed) for _ in range(7)]
+    assert torch.equal(torch.stack(read)[:, :, 0], reference[:, :, 0])  # (what workers draw: from an epoch's start)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shape", ["repeating", "generator"])
+def test_a_stateful_loader_not_given_is_found_as_the_loop_first_reads_it_and_restored_there(shape, workers):
+    """torchdata's ``StatefulDataLoader`` read through ``RepeatingLoader`` or a generator of the script's over it
+    (``iter()`` each epoch), not given to ``baft.initialize``: found at the loop's first read (before: no position,
+    said, and the data from its start), a restore made before put back then; each later batch as the uninterrupted
+    loader's. With workers, an iterator taken before draws its epoch's order as it is made, before baft found the
+    loader: a restore in that epoch reads on from the new process's own (before, rebuilt, it drew another order from
+    where that draw left the sampler's generator, silently; given to ``baft.initialize`` after such an iterator too).
+    What cannot come back is said."""
+    def feed(loader):
+        if shape == "repeating":
+            return RepeatingLoader(loader)
+
+        def epochs():
+            while True:
+                yield from loader
+        return epochs()
+
+    drawing = ("torch's RandomSampler, no generator", "a batch sampler of the script's, no generator")
+    names = ("shuffle, generator", "torch's RandomSampler with its generator",
+             "a dataset and collate_fn with generators of their own", *(drawing if shape == "generator" else ()))
+    for name in names if not workers else names[:2]:  # (workers: slow)
+        torch.manual_seed(0)
+        position, reader = data_position(None, None), feed(LOADERS[name](workers))
+        assert position.find(reader) is None and isinstance(position, ResumableLoader), name
+        reference = [next(reader) for _ in range(21)]
+        for restore_at in (1, 6, 7, 12) if not workers else (3, 12):
+            torch.manual_seed(0)
+            position, reader = data_position(None, None), feed(LOADERS[name](workers))
+            position.find(reader)
+            read = [next(reader) for _ in range(restore_at)]
+            saved, rng = position.state_dict(), torch.get_rng_state()
+            torch.manual_seed(0)  # a new process runs the script's code up to its loop as the uninterrupted run did
+            later, reader = data_position(None, None), feed(LOADERS[name](workers))
+            later.load_state_dict(saved)
+            assert later.find(reader) is None
+            torch.set_rng_state(rng)
+            read += [next(reader) for _ in range(21 - restore_at)]
+            # (with workers, the samples: what the dataset draws there resumes from an epoch boundary only)
+            assert all(torch.equal(a[:, 0], b[:, 0]) if workers else torch.equal(a, b)
+                       for a, b in zip(read, reference, strict=True)), f"{name}, {restore_at}"
+    # one whose sampler draws from torch's generator, its first iterator taken before baft found it (a generator's is
+    # taken as it first reads, after), drew that epoch's order unrecorded: said
+    for name in drawing if shape == "repeating" and not workers else ():
+        position = data_position(None, None)
+        position.find(feed(LOADERS[name](0)))
+        assert not_restored(position).startswith("the loader's sampler draws each epoch's order from torch's "
+                                                 "generator, and the script took the first epoch's iterator before "
+                                                 "baft kept the loader's position"), name
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("shape", ["epochs", "counting epochs", "generator"])
 def test_a_plain_loader_whose_iterators_the_loop_takes_resumes_at_any_batch(shape, workers, monkeypatch):

@@ -73,6 +73,15 @@ def test_a_new_iterator_each_epoch_resumes_inside_any_epoch_and_at_an_epochs_end
     assert re.findall(r"resumed from step (\d+) ", log) == ["2", "10"]
     assert losses(tmp_path, "plain-epochs") == losses(reference, "reference")
     assert "keeps no position" not in run.stderr and "did not find" not in run.stderr
+    # the counting loop over torchdata's StatefulDataLoader, not given to baft.initialize: found as the loop first
+    # reads it (before: no position, said, and the data from the first epoch's start), killed in the first epoch and
+    # inside the third
+    run = train(tmp_path, "found", ("rank=1,step=4,phase=backward", "rank=0,step=14,phase=forward,restart=1"),
+                loop=("found",))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"resumed from step (\d+) ", (tmp_path / "found" / "output.log").read_text()) == ["2", "12"]
+    assert losses(tmp_path, "found") == losses(reference, "reference")
+    assert "data position will not be restored" not in run.stdout + run.stderr
     # DeepSpeed's own loader that the script makes (engine.deepspeed_io, with 2 workers) and repeats, found at the
     # first call (before, no position: said there, and the data went on from its start): resumed in the first epoch
     # (its iterator, made after baft.initialize, made again as the uninterrupted run made it), at the second's end

@@ -2,17 +2,21 @@
 the loop's first ``train_batch`` reads its data. DeepSpeed's ``RepeatingLoader`` of a plain ``DataLoader`` (or of
 DeepSpeed's own that the script made, ``engine.deepspeed_io``'s) is kept as
 :class:`~baft.position.repeated_loader.RepeatedLoaderPosition`; a plain loader whose iterators the loop takes
-itself, as :class:`~baft.position.plain_loader.PlainLoaderPosition`.
+itself, as :class:`~baft.position.plain_loader.PlainLoaderPosition`; torchdata's ``StatefulDataLoader`` not given to
+``baft.initialize``, as :class:`~baft.position.resumable.ResumableLoader`.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from baft.position.plain_loader import PlainLoaderPosition, plain_loader_read
+from baft.position.iterators import loader_read
+from baft.position.plain_loader import PlainLoaderPosition
 from baft.position.repeated_loader import RepeatedLoaderPosition, plain_repeating
+from baft.position.resumable import ResumableLoader
 
 
 class PositionFoundLater:
@@ -34,16 +38,20 @@ class PositionFoundLater:
         self.pending = saved
 
     def find(self, data_iter) -> Optional[str]:
-        """Become the position of what ``data_iter`` reads, where baft keeps one (a ``RepeatingLoader`` of a plain
-        ``DataLoader`` or of DeepSpeed's, or an iterator of a plain one the script holds, or a generator over one); a line
-        to say, or None: a restore whose snapshot held no data position (the data would go on from its start)."""
+        """Become the position of what ``data_iter`` reads, where baft keeps one: a ``RepeatingLoader`` of a plain
+        ``DataLoader`` or of DeepSpeed's, an iterator of a plain one the script holds or a generator over one, or
+        torchdata's ``StatefulDataLoader`` read either way; a line to say, or None: a restore whose snapshot held no
+        data position (the data would go on from its start)."""
         if plain_repeating(data_iter):
-            position = RepeatedLoaderPosition(data_iter, self.engine)
-        else:
-            loader = plain_loader_read(data_iter)
-            if loader is None:
-                return None
-            position = PlainLoaderPosition(loader, data_iter, self.engine)
+            return self._become(RepeatedLoaderPosition(data_iter, self.engine))
+        loader = loader_read(data_iter)
+        if hasattr(loader, "load_state_dict"):
+            return self._become(ResumableLoader(loader, self.engine))
+        if type(loader) is torch.utils.data.DataLoader:
+            return self._become(PlainLoaderPosition(loader, data_iter, self.engine))
+        return None
+
+    def _become(self, position) -> Optional[str]:
         pending, resumed = self.pending, self.resumed
         self.__class__, self.__dict__ = type(position), position.__dict__
         if pending is not None:
@@ -59,6 +67,8 @@ class PositionFoundLater:
         again."""
         if isinstance(before, RepeatedLoaderPosition):
             self.find(before.repeating)
+        elif isinstance(before, ResumableLoader):
+            self._become(ResumableLoader(before.loader, self.engine))
 
     def caveat(self, data_iter=None) -> str:
         """Why no data position is kept, where the loop's first call read ``data_iter``."""

@@ -1,9 +1,40 @@
-"""A loader's iterator as the loop holds it: what marks its epoch, and a restored iterator's state moved into the
-one the loop holds."""
+"""A loader's iterator as the loop holds it: the loader it reads, what marks its epoch, and a restored iterator's
+state moved into the one the loop holds."""
 
 from __future__ import annotations
 
+import gc
+import inspect
+from typing import Optional
+
+import torch
+from deepspeed.runtime.dataloader import RepeatingLoader
 from torch.utils.data._utils import signal_handling
+
+
+def loader_read(data_iter) -> Optional[torch.utils.data.DataLoader]:
+    """The ``DataLoader`` (torch's, torchdata's) ``data_iter`` reads: the loader an iterator of it was made from,
+    wherever the script holds it (a variable of the loop's, an attribute, a closure), that a ``RepeatingLoader``
+    repeats, or that a generator of the script's names, not yet started (``for batch in loader: yield batch``) or
+    reading it (``yield from loader``); None where the script dropped it (``iter(DataLoader(...))``)."""
+    if isinstance(data_iter, RepeatingLoader):
+        return loader_read(data_iter.data_iter)
+    if inspect.isgenerator(data_iter) and data_iter.gi_frame is not None:
+        if data_iter.gi_yieldfrom is not None:
+            return loader_read(data_iter.gi_yieldfrom)
+        code, frame = data_iter.gi_code, data_iter.gi_frame
+        named = [*frame.f_locals.values(), *(frame.f_globals.get(n) for n in code.co_names)]
+        return next((v for v in named if isinstance(v, torch.utils.data.DataLoader)), None)
+    sampler = getattr(data_iter, "_index_sampler", None)
+    if sampler is None:
+        return None
+    # an iterator does not hold its loader; the loader holds the sampler the iterator reads
+    for holder in gc.get_referrers(sampler):
+        if isinstance(holder, dict):  # the loader's instance dict, where it has one of its own
+            holder = next((o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder), None)
+        if isinstance(holder, torch.utils.data.DataLoader) and holder._index_sampler is sampler:
+            return holder
+    return None
 
 
 def epoch_mark(iterator):

@@ -25,7 +25,7 @@ def data_position(engine, data_iterator=None, training_data=None):
     if isinstance(data_iterator, RepeatingLoader):  # DeepSpeed's: each epoch an iter() of the loader it wraps
         return data_position(engine, data_iterator.loader, training_data)
     if isinstance(data_iterator, torch.utils.data.DataLoader) and hasattr(data_iterator, "load_state_dict"):
-        return ResumableLoader(data_iterator)
+        return ResumableLoader(data_iterator, engine)
     if data_iterator is None and training_data is not None:  # train_batch() reads the engine's loader
         return EngineLoaderPosition(engine)
     if data_iterator is None:  # found as the loop first reads it
@@ -47,6 +47,11 @@ def not_restored(position) -> Optional[str]:
                 f"run reads their epochs after the restored one in another order; keep each one's generator state in "
                 f"your state_dict() (loader.generator.get_state(), set again after its iter()), or give "
                 f"baft.initialize one loader, which baft keeps whole")
+    if isinstance(position, ResumableLoader) and position.first_epoch_unrecorded():
+        return ("the loader's sampler draws each epoch's order from torch's generator, and the script took the first "
+                "epoch's iterator before baft kept the loader's position: a run resumed in that epoch reads the rest "
+                "of it in another order; give the sampler a generator of its own (generator=torch.Generator()."
+                "manual_seed(seed)), or give baft.initialize the loader as data_iterator= before taking an iterator")
     loader = getattr(position, "loader", position)
     workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
     dataset = getattr(loader, "dataset", None)

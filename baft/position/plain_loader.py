@@ -6,8 +6,6 @@ batch``), not given to ``baft.initialize``. Found as the loop's first ``train_ba
 
 from __future__ import annotations
 
-import gc
-import inspect
 import weakref
 from typing import Optional
 
@@ -127,25 +125,3 @@ _NOTES: dict[type, type] = {}
 
 def _is_iterator_of(read, loader) -> bool:
     return getattr(read, "_index_sampler", None) is loader._index_sampler
-
-
-def plain_loader_read(data_iter) -> Optional[torch.utils.data.DataLoader]:
-    """The plain ``DataLoader`` (torch's own class) ``data_iter`` reads: the loader an iterator of it was made from,
-    wherever the script holds it (a variable of the loop's, an attribute, a closure), or the one a generator of the
-    script's names, not yet started (``for batch in loader: yield batch``) or reading it (``yield from loader``)."""
-    if inspect.isgenerator(data_iter) and data_iter.gi_frame is not None:
-        if data_iter.gi_yieldfrom is not None:
-            return plain_loader_read(data_iter.gi_yieldfrom)
-        code, frame = data_iter.gi_code, data_iter.gi_frame
-        named = [*frame.f_locals.values(), *(frame.f_globals.get(n) for n in code.co_names)]
-        return next((v for v in named if type(v) is torch.utils.data.DataLoader), None)
-    sampler = getattr(data_iter, "_index_sampler", None)
-    if sampler is None or type(data_iter).__module__.startswith("torchdata."):
-        return None
-    # an iterator does not hold its loader; the loader holds the sampler the iterator reads
-    for holder in gc.get_referrers(sampler):
-        if isinstance(holder, dict):  # the loader's instance dict, where it has one of its own
-            holder = next((o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder), None)
-        if type(holder) is torch.utils.data.DataLoader and holder._index_sampler is sampler:
-            return holder
-    return None

@@ -10,8 +10,10 @@ from typing import Optional
 import torch
 
 from baft.position.iterators import take_over
-from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
+from baft.position.samplers import (EPOCH_START, as_epoch_started, draws_from_torch, drawing_sampler,
+                                    record_epoch_starts, records)
 from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.script.loop import THIS_PROCESS
 from baft.script.rng import generator_state, held_by, set_generator_state
 
 
@@ -43,10 +45,14 @@ class ResumableLoader:
     are given less what the fast-forward added.
     """
 
-    def __init__(self, loader):
+    def __init__(self, loader, engine=None):
         self.loader = loader
         self.sampler = drawing_sampler(loader)
         record_epoch_starts(self.sampler)
+        if engine is not None and self._first_epoch_drawn_unrecorded():
+            THIS_PROCESS.no_survivors(engine, "the script took an iterator of its StatefulDataLoader with workers "
+                                              "before baft kept the loader, whose first epoch's order a survivor "
+                                              "cannot draw again", "Take iter(loader) after baft.initialize")
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         # what it had read when an iter() of the loader reset it (persistent workers: the next epoch's), or None
@@ -85,14 +91,21 @@ class ResumableLoader:
             return
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
-        self.loader.load_state_dict(saved["loader"])
-        with as_epoch_started(self.sampler, saved.get("sampler")):
-            self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
-        restored = self.loader._iterator
-        if live is not None and restored is not None and live is not restored:
-            take_over(live, restored)
-            self.loader._iterator = live
-            self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
+        if saved.get("sampler") is None and self._first_epoch_drawn_unrecorded() and live._num_yielded == 0:
+            # in the first epoch, whose order the sampler drew unrecorded as the script took this process's own
+            # iterator, made by the same code as the uninterrupted run's: it holds that order (rebuilt, the sampler
+            # would draw another from where that draw left its generator), read on to the position
+            for _ in range(_yielded(saved["loader"]) or 0):
+                next(live)
+        else:
+            self.loader.load_state_dict(saved["loader"])
+            with as_epoch_started(self.sampler, saved.get("sampler")):
+                self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
+            restored = self.loader._iterator
+            if live is not None and restored is not None and live is not restored:
+                take_over(live, restored)
+                self.loader._iterator = live
+                self.loader._initial_iter_for_state_dict = False  # the script's next iter() is for its next epoch
         self.recounted, self.recount = {}, 0
         if isinstance(self.loader.dataset, torch.utils.data.IterableDataset):
             built = self.loader.state_dict()
@@ -147,6 +160,20 @@ class ResumableLoader:
         """The loader's state, less what torchdata's fast-forward of the restored iterator added to its counters."""
         state = self.loader.state_dict()
         return _less(state, self.recounted) if self.recounted and self._is_restored(self.loader._iterator) else state
+
+    def _first_epoch_drawn_unrecorded(self) -> bool:
+        """Whether the script took an iterator of the loader before baft kept its position, which with workers drew
+        the epoch's order as it was made, before its sampler recorded its state."""
+        return (self.loader.num_workers > 0 and self.loader._iterator is not None and records(self.sampler)
+                and getattr(self.sampler, EPOCH_START, None) is None)
+
+    def first_epoch_unrecorded(self) -> bool:
+        """Whether the script took an iterator of the loader before baft kept its position (before
+        ``baft.initialize``, or a loader baft found as the loop first read it) whose sampler draws the epoch's order
+        from torch's generator: that draw was not recorded, and a new process restored in that epoch draws it
+        from the generator as it then stands."""
+        return (self.loader._iterator is not None and getattr(self.sampler, EPOCH_START, None) is None
+                and draws_from_torch(self.sampler))
 
     def _yielded_by(self, iterator) -> int:
         """The batches of its epoch ``iterator`` has given, those of a restore's fast-forward not counted twice."""

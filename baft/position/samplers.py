@@ -54,6 +54,16 @@ _RECORDING: dict[type, type] = {}
 _END = object()
 
 
+def records(sampler) -> bool:
+    """Whether ``sampler`` records its epochs' starts (:func:`record_epoch_starts` made it)."""
+    return bool(type(sampler).__dict__.get("_baft_records_epoch_starts"))
+
+
+def draws_from_torch(sampler) -> bool:
+    """Whether ``sampler`` draws each epoch's order from torch's generator (one of its own it has none)."""
+    return sampler is not None and _draws(_inner(sampler)) and _generator(_inner(sampler)) is None
+
+
 def drawing_sampler(loader):
     """The sampler of ``loader`` whose state :func:`record_epoch_starts` keeps: the loader's ``sampler``, or where
     a script gave a ``batch_sampler=`` instead (the loader's sampler then a sequential one that draws nothing), that
