@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from baft.cli.launch import launch_env
-from baft.recovery.digests import DIGESTS_ENV, compare
+from baft.recovery.digests import DIGESTS_ENV, compare, redone_differ
 
 SCRIPT = Path(__file__).parent / "scripts" / "epoch_iterators.py"
 
@@ -168,3 +168,24 @@ def test_a_survivors_next_epoch_reader_is_another_reader_in_its_snapshots_too(tm
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.findall(r"resumed from step (\d+) ", (tmp_path / "survivor" / "output.log").read_text()) == ["3", "5"]
     assert losses(tmp_path, "survivor") == losses(reference, "reference")
+    # torchdata's loader not given to baft.initialize, found as the loop first read it, its first epoch's iterator
+    # taken before (the order its sampler drew then unrecorded): a survivor, its sampler's generator drawn on, rebuilt
+    # the restored epoch in another order (the steps it trained again differed from their first training); it is
+    # replaced now
+    run = train(tmp_path, "found-survivor", ("rank=1,step=4,phase=backward",), in_place=True, loop=("found",),
+                workers=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("baft: rank 0 lost a peer and cannot recover in place (the script took an iterator of its "
+            "StatefulDataLoader before baft kept the loader") in (tmp_path / "found-survivor" / "output.log").read_text()
+    assert redone_differ(tmp_path / "found-survivor-digests") == []  # (the reference reads through 2 workers)
+    # one shuffled by torchdata's own sampler, whose state its loader keeps: the survivor recovers in place, and its
+    # new engine, which found the loader only after it had told which iterator read last, no longer says in its
+    # snapshot of the step it trains again that another reader came (a state digest differed from the uninterrupted
+    # run's)
+    assert train(tmp_path, "shuffled-reference", loop=("found-shuffled",), workers=0).returncode == 0
+    run = train(tmp_path, "found-shuffled", ("rank=1,step=3,phase=forward",), in_place=True,
+                loop=("found-shuffled",), workers=0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "found-shuffled" / "recovery.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["in place"]
+    assert compare(tmp_path / "shuffled-reference-digests", tmp_path / "found-shuffled-digests") == []

@@ -47,7 +47,7 @@ def not_restored(position) -> Optional[str]:
                 f"run reads their epochs after the restored one in another order; keep each one's generator state in "
                 f"your state_dict() (loader.generator.get_state(), set again after its iter()), or give "
                 f"baft.initialize one loader, which baft keeps whole")
-    if isinstance(position, ResumableLoader) and position.first_epoch_unrecorded():
+    if isinstance(position, ResumableLoader) and position.draws_first_epoch_from_torch():
         return ("the loader's sampler draws each epoch's order from torch's generator, and the script took the first "
                 "epoch's iterator before baft kept the loader's position: a run resumed in that epoch reads the rest "
                 "of it in another order; give the sampler a generator of its own (generator=torch.Generator()."

@@ -104,13 +104,13 @@ class TrainBatchReads:
                                                                           before._last_read, before._last_mark)
         self._said_pulled, self._last_evaluated, self._said_evaluated = (before._said_pulled, before._last_evaluated,
                                                                          before._said_evaluated)
+        if isinstance(self.position, PositionFoundLater):  # (first: the loader it keeps, to tell what is its epoch's)
+            self.position.carry_on(before.position)
         kept = self.kept_iterator()
         if kept is not None and self._last_read is kept:
             # the one it read last, made the restored one (another epoch mark): read on, not another reader (probe 19:
             # the snapshots of the step the survivor trained again said one came, unlike the uninterrupted run's)
             self._last_mark = epoch_mark(kept)
-        if isinstance(self.position, PositionFoundLater):
-            self.position.carry_on(before.position)
         self._put_reader_back(self._last_read)  # before its call trains the steps since the restored one again
 
     def reader_state(self) -> Optional[dict]:

@@ -49,10 +49,10 @@ class ResumableLoader:
         self.loader = loader
         self.sampler = drawing_sampler(loader)
         record_epoch_starts(self.sampler)
-        if engine is not None and self._first_epoch_drawn_unrecorded():
-            THIS_PROCESS.no_survivors(engine, "the script took an iterator of its StatefulDataLoader with workers "
-                                              "before baft kept the loader, whose first epoch's order a survivor "
-                                              "cannot draw again", "Take iter(loader) after baft.initialize")
+        if engine is not None and self._first_epoch_unrecorded():
+            THIS_PROCESS.no_survivors(engine, "the script took an iterator of its StatefulDataLoader before baft kept "
+                                              "the loader, whose first epoch's order a survivor cannot draw again",
+                                      "Take iter(loader) after baft.initialize")
         self.unread: Optional[tuple] = None  # (what was restored, the iterator it built) until that iterator reads
         self.restored = None  # the iterator the latest restore built
         # what it had read when an iter() of the loader reset it (persistent workers: the next epoch's), or None
@@ -91,10 +91,10 @@ class ResumableLoader:
             return
         live = self.loader._iterator  # the script's, where this process recovers in place: it goes on reading it
         kept = copy.deepcopy(saved)  # torchdata's samplers consume the state they load
-        if saved.get("sampler") is None and self._first_epoch_drawn_unrecorded() and live._num_yielded == 0:
-            # in the first epoch, whose order the sampler drew unrecorded as the script took this process's own
-            # iterator, made by the same code as the uninterrupted run's: it holds that order (rebuilt, the sampler
-            # would draw another from where that draw left its generator), read on to the position
+        if saved.get("sampler") is None and self._first_epoch_unrecorded() and live._num_yielded == 0:
+            # in the first epoch, whose order the sampler drew unrecorded from this process's own iterator, made by
+            # the same code as the uninterrupted run's: it holds that order (rebuilt, the sampler would draw another
+            # from where that draw left its generator), read on to the position
             for _ in range(_yielded(saved["loader"]) or 0):
                 next(live)
         else:
@@ -161,19 +161,16 @@ class ResumableLoader:
         state = self.loader.state_dict()
         return _less(state, self.recounted) if self.recounted and self._is_restored(self.loader._iterator) else state
 
-    def _first_epoch_drawn_unrecorded(self) -> bool:
-        """Whether the script took an iterator of the loader before baft kept its position, which with workers drew
-        the epoch's order as it was made, before its sampler recorded its state."""
-        return (self.loader.num_workers > 0 and self.loader._iterator is not None and records(self.sampler)
+    def _first_epoch_unrecorded(self) -> bool:
+        """Whether the script took an iterator of the loader before baft kept its position: its sampler drew that
+        epoch's order unrecorded (with workers as the iterator was made, else at its first batch, as it was made)."""
+        return (self.loader._iterator is not None and records(self.sampler)
                 and getattr(self.sampler, EPOCH_START, None) is None)
 
-    def first_epoch_unrecorded(self) -> bool:
-        """Whether the script took an iterator of the loader before baft kept its position (before
-        ``baft.initialize``, or a loader baft found as the loop first read it) whose sampler draws the epoch's order
-        from torch's generator: that draw was not recorded, and a new process restored in that epoch draws it
-        from the generator as it then stands."""
-        return (self.loader._iterator is not None and getattr(self.sampler, EPOCH_START, None) is None
-                and draws_from_torch(self.sampler))
+    def draws_first_epoch_from_torch(self) -> bool:
+        """Whether that unrecorded draw was from torch's generator: a new process restored in that epoch draws it from
+        the generator as it then stands."""
+        return self._first_epoch_unrecorded() and draws_from_torch(self.sampler)
 
     def _yielded_by(self, iterator) -> int:
         """The batches of its epoch ``iterator`` has given, those of a restore's fast-forward not counted twice."""

@@ -2,7 +2,7 @@
 range(3)``), resumed inside an epoch and at an epoch's end by tests/test_epoch_iterators.py; or, with a third
 argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes those iterators as each epoch ends) as the
 data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize;
-``plain-epochs``: the counting loop over such a loader; ``found``: over torchdata's, not given either;
+``plain-epochs``: the counting loop over such a loader; ``found``: over torchdata's, not given either (``found-shuffled``: shuffled by its own sampler);
 ``deepspeed-io``: of DeepSpeed's own, made by the engine
 baft.initialize returned); with ``generator``, each epoch a generator of the script's over the loader (``for batch in
 loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in loader: yield
@@ -97,6 +97,10 @@ else:
                                              num_workers=loader.num_workers, generator=torch.Generator().manual_seed(4))
         engine, *_ = baft.initialize(model=model, config=config)
     elif sys.argv[3:] == ["found"]:  # torchdata's loader, not given to baft.initialize: found as the loop first reads
+        engine, *_ = baft.initialize(model=model, config=config)
+    elif sys.argv[3:] == ["found-shuffled"]:  # so, shuffled by torchdata's own sampler (which keeps its state)
+        loader = StatefulDataLoader(Samples(), batch_size=2, drop_last=True, shuffle=True, num_workers=loader.num_workers,
+                                    generator=torch.Generator().manual_seed(3))
         engine, *_ = baft.initialize(model=model, config=config)
     else:
         engine, *_ = baft.initialize(model=model, config=config, data_iterator=loader)
