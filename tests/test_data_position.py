@@ -721,7 +721,7 @@ def test_a_plain_loader_whose_iterators_the_loop_takes_resumes_at_any_batch(shap
 def test_a_plain_loader_is_found_wherever_the_script_holds_it_and_said_where_it_holds_none():
     """An iterator does not hold its loader: found as what holds its sampler (a closure of the script's here, none of the
     loop's variables); one made of a loader the script dropped (``iter(DataLoader(...))``) keeps no position, said
-    with how to keep one."""
+    with how to keep one; so is a subclass's with an ``__iter__`` of its own."""
     def epochs_of(loader):
         return lambda: iter(loader)
 
@@ -732,6 +732,24 @@ def test_a_plain_loader_is_found_wherever_the_script_holds_it_and_said_where_it_
     assert position.find(dropped) is None and position.loader is None
     assert position.caveat(dropped).startswith("train_batch reads an iterator of torch's DataLoader that the script no "
                                                "longer holds (iter(DataLoader(...))), which baft cannot make again")
+    # a subclass of the script's that keeps torch's __iter__ is kept as torch's own (restored exactly); one with an
+    # __iter__ of its own is said by its name
+    class Batches(torch.utils.data.DataLoader):
+        description = "a subclass that adds an attribute"
+
+    class Own(torch.utils.data.DataLoader):
+        def __iter__(self):
+            return super().__iter__()
+
+    def make(workers):
+        return Batches(Noisy(), batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3))
+
+    reference, _ = read_own_iterators(make, "epochs", 0)
+    assert torch.equal(read_own_iterators(make, "epochs", 0, restore_at=9)[0], reference)
+    own, position = Own(Noisy(), batch_size=BATCH), data_position(None, None)
+    assert position.find(iter(own)) is None and position.loader is None
+    assert position.caveat(iter(own)).startswith("train_batch reads an iterator of Own, whose own __iter__ baft does "
+                                                 "not follow")
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

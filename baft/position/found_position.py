@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from baft.position.iterators import loader_read
-from baft.position.plain_loader import PlainLoaderPosition
+from baft.position.plain_loader import PlainLoaderPosition, notes_its_iterators
 from baft.position.repeated_loader import RepeatedLoaderPosition, plain_repeating
 from baft.position.resumable import ResumableLoader
 
@@ -47,7 +46,7 @@ class PositionFoundLater:
         loader = loader_read(data_iter)
         if hasattr(loader, "load_state_dict"):
             return self._become(ResumableLoader(loader, self.engine))
-        if type(loader) is torch.utils.data.DataLoader:
+        if notes_its_iterators(loader):
             return self._become(PlainLoaderPosition(loader, data_iter, self.engine))
         return None
 
@@ -72,6 +71,12 @@ class PositionFoundLater:
 
     def caveat(self, data_iter=None) -> str:
         """Why no data position is kept, where the loop's first call read ``data_iter``."""
+        loader = loader_read(data_iter)
+        if loader is not None and not hasattr(loader, "load_state_dict"):  # a subclass with an __iter__ of its own
+            return (f"train_batch reads an iterator of {type(loader).__name__}, whose own __iter__ baft does not "
+                    f"follow: its position is in no snapshot, and a resumed run reads its data from the start; read "
+                    f"it through deepspeed.utils.RepeatingLoader, or give baft.initialize torchdata's "
+                    f"StatefulDataLoader (a drop-in) as data_iterator=")
         if isinstance(data_iter, _BaseDataLoaderIter) and not type(data_iter).__module__.startswith("torchdata."):
             return ("train_batch reads an iterator of torch's DataLoader that the script no longer holds (iter("
                     "DataLoader(...))), which baft cannot make again: its position is in no snapshot, and a resumed "

@@ -125,3 +125,11 @@ _NOTES: dict[type, type] = {}
 
 def _is_iterator_of(read, loader) -> bool:
     return getattr(read, "_index_sampler", None) is loader._index_sampler
+
+
+def notes_its_iterators(loader) -> bool:
+    """Whether ``loader`` is a plain ``DataLoader`` whose iterators :class:`PlainLoaderPosition` can note: torch's own
+    class, or a subclass of the script's that keeps torch's ``__iter__`` (one with its own ``__iter__`` makes its
+    iterators otherwise); not one with a state of its own (torchdata's)."""
+    return (isinstance(loader, torch.utils.data.DataLoader) and not hasattr(loader, "load_state_dict")
+            and type(loader).__iter__ is torch.utils.data.DataLoader.__iter__)
