@@ -6,6 +6,7 @@ out in another order. The position baft saves (:func:`baft.position.kept.data_po
 generator beside the loader's state; these tests restore it at every batch of three epochs.
 """
 
+import functools
 import json
 import random
 import subprocess
@@ -561,6 +562,59 @@ def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loade
     next(feed)
     data_position(None, feed).load_state_dict(before)
     assert (feed.loader.dataset.scale, feed.loader.collate_fn.shift) == (1.0, 0)
+
+
+class Jitter:
+    """A transform object of the script's (torchvision's style) drawing from a generator it holds."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, sample):
+        return sample + float(self.rng.normal())
+
+
+class Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, sample):
+        for transform in self.transforms:
+            sample = transform(sample)
+        return sample
+
+
+class Transformed(Noisy):
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __getitem__(self, i):
+        return self.transform(torch.tensor([float(i), 0.0]))
+
+
+def mask(samples, rng):
+    batch = torch.utils.data.default_collate(samples)
+    batch[:, 1] += torch.from_numpy(rng.random(len(batch)))
+    return batch
+
+
+def test_generators_a_datasets_transforms_and_a_partial_collate_fn_hold_resume_with_the_position():
+    """Probe 25: a generator held by a transform object of the dataset (``Compose([Jitter(seed)])``) or bound by a
+    ``functools.partial`` collate_fn drew anew after a restore, silently (baft read only datasets' attributes and a
+    collate object's own): they are among the generators kept now, beside a StatefulDataLoader's state (restored at
+    any batch as the uninterrupted loader reads) and among the script's for a plain loader."""
+    from baft.script.rng import held_by
+
+    def make(workers, kind=StatefulDataLoader):
+        return kind(Transformed(Compose([Jitter(1)])), batch_size=BATCH, shuffle=True, drop_last=True,
+                    generator=torch.Generator().manual_seed(2),
+                    collate_fn=functools.partial(mask, rng=np.random.default_rng(3)))
+
+    assert set(held_by(make(0, torch.utils.data.DataLoader))) == {"dataset.transform.transforms[0].rng",
+                                                                  "collate_fn.keywords.rng"}
+    reference = read(make, 16)
+    for restore_at in (3, 7, 10):
+        assert torch.equal(read(make, 16, restore_at), reference), restore_at
 
 
 def test_a_second_repeating_loader_the_loop_reads_is_said():

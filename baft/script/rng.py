@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import hashlib
 import inspect
 import pickle
@@ -78,26 +79,49 @@ def held_by(loader) -> dict:
 
 def data_objects(loader) -> Iterator[tuple[str, object]]:
     """The dataset of ``loader``, the datasets it wraps and its ``collate_fn`` where that is an object (not a
-    function), by where they are (``dataset``, ``dataset.dataset``, ``dataset.datasets[0]``, ``collate_fn``)."""
+    function), and the objects of the script's they hold (a torchvision-style ``transform``, the transforms a
+    ``Compose`` lists, the arguments a ``functools.partial`` binds), by where they are (``dataset``,
+    ``dataset.dataset``, ``dataset.datasets[0]``, ``dataset.transform.transforms[0]``, ``collate_fn``)."""
     seen = set()
 
     def walk(obj, path: str, depth: int) -> Iterator[tuple[str, object]]:
-        if id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__") or isinstance(obj, type):
+        if isinstance(obj, functools.partial):  # its bound arguments, as attributes of one object
+            obj, path = _Bound(obj), f"{path}.keywords"
+        if id(obj) in seen or depth > 3 or not _of_the_script(obj):
             return
         seen.add(id(obj))
         yield path, obj
         for name, value in vars(obj).items():
-            if isinstance(value, torch.utils.data.Dataset):
+            if _of_the_script(value) or isinstance(value, functools.partial):
                 yield from walk(value, f"{path}.{name}", depth + 1)
             elif isinstance(value, (list, tuple)) and len(value) <= 64:  # a ConcatDataset's, not a list of samples
                 for i, item in enumerate(value):
-                    if isinstance(item, torch.utils.data.Dataset):
+                    if _of_the_script(item):
                         yield from walk(item, f"{path}.{name}[{i}]", depth + 1)
 
     yield from walk(getattr(loader, "dataset", None), "dataset", 0)
     collate = getattr(loader, "collate_fn", None)
     if collate is not None and not inspect.isfunction(collate) and not inspect.ismethod(collate):
         yield from walk(collate, "collate_fn", 0)
+
+
+class _Bound:
+    """A ``functools.partial``'s keyword arguments as the attributes of an object (the same dict: set here, set
+    there)."""
+
+    def __init__(self, bound: functools.partial):
+        self.__dict__ = bound.keywords
+
+
+def _of_the_script(obj) -> bool:
+    """Whether ``obj`` is an object of the data pipeline whose attributes baft reads: a dataset, or an instance of a
+    class with attributes of its own (a transform), not a module, class, function, tensor, model or generator."""
+    if isinstance(obj, torch.utils.data.Dataset):
+        return True
+    return (hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, types.FunctionType,
+                                                              types.MethodType, torch.Tensor, torch.nn.Module,
+                                                              *GENERATORS))
+            and not type(obj).__module__.startswith(("torch.", "numpy", "builtins")))
 
 
 def _name_generators(scope: dict, where: str) -> None:
