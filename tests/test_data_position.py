@@ -361,11 +361,13 @@ def read_repeated(make, batches, workers, restore_at=None, resumed_seed=0):
     position, out = data_position(None, feed), []
     for i in range(batches):
         if i == restore_at:
-            saved, rng = position.state_dict(), torch.get_rng_state()
+            saved, rng = position.state_dict(), (torch.get_rng_state(), random.getstate(), np.random.get_state())
             torch.manual_seed(resumed_seed)
             feed = RepeatingLoader(make(workers))
             data_position(None, feed).load_state_dict(saved)
-            torch.set_rng_state(rng)
+            torch.set_rng_state(rng[0])  # (python's and numpy's too, as baft sets every generator)
+            random.setstate(rng[1])
+            np.random.set_state(rng[2])
         out.append(next(feed))
     return torch.stack(out)
 
@@ -615,6 +617,42 @@ def test_generators_a_datasets_transforms_and_a_partial_collate_fn_hold_resume_w
     reference = read(make, 16)
     for restore_at in (3, 7, 10):
         assert torch.equal(read(make, 16, restore_at), reference), restore_at
+
+
+class OwnOrder(torch.utils.data.Sampler):
+    """A sampler of the script's that shuffles from state it keeps itself: a numpy ``RandomState`` of its own,
+    python's global generator, or a count of its passes it seeds a generator from."""
+
+    def __init__(self, kind):
+        self.kind, self.rng, self.passes = kind, np.random.RandomState(0), 0
+
+    def __len__(self):
+        return SAMPLES
+
+    def __iter__(self):
+        if self.kind == "numpy":
+            return iter(self.rng.permutation(SAMPLES).tolist())
+        if self.kind == "python":
+            order = list(range(SAMPLES))
+            random.shuffle(order)
+            return iter(order)
+        self.passes += 1
+        return iter(torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + self.passes)).tolist())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "python", "passes"])
+def test_a_sampler_of_the_scripts_that_shuffles_from_its_own_state_resumes_at_any_batch(kind):
+    """Probe 25: such a sampler's state was not recorded as each epoch began (only a ``torch.Generator`` it holds,
+    else torch's generator): torch's loader makes the sampler's iterator at the first batch, so a new process's restore
+    made its first, epoch 1's order, for the restored epoch, silently. Its generators of any kind, its plain values and
+    (holding no ``torch.Generator``) python's and numpy's global generators are recorded now."""
+    def make(workers):
+        random.seed(0)  # the script seeds python's generator at its top
+        return torch.utils.data.DataLoader(Noisy(), batch_size=BATCH, sampler=OwnOrder(kind), drop_last=True)
+
+    reference = read_repeated(make, 21, 0)
+    for restore_at in (3, 9, 16):
+        assert torch.equal(read_repeated(make, 21, 0, restore_at)[:, :, 0], reference[:, :, 0]), restore_at
 
 
 def test_a_second_repeating_loader_the_loop_reads_is_said():

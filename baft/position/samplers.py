@@ -4,11 +4,16 @@ restored epoch's iterator made as that epoch began."""
 from __future__ import annotations
 
 import itertools
+import random
 from contextlib import contextmanager
 from typing import Optional
 
+import numpy as np
 import torch
 from torchdata.stateful_dataloader import Stateful
+
+from baft.script.attributes import PLAIN
+from baft.script.rng import GENERATORS, generator_state, set_generator_state
 
 
 EPOCH_START = "_baft_epoch_start"  # a sampler's own state as it made its latest iterator
@@ -105,9 +110,27 @@ def _generator(sampler):
 def _sampler_state(sampler) -> dict:
     sampler = _inner(sampler)
     generator = _generator(sampler)
-    return {"generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-            "torch": torch.get_rng_state() if generator is None else None,
-            "epoch": getattr(sampler, "epoch", None)}
+    state = {"generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+             "torch": torch.get_rng_state() if generator is None else None,
+             "epoch": getattr(sampler, "epoch", None)}
+    if not type(sampler).__module__.startswith(LIBRARIES):  # one of the script's: what else decides its order
+        state["own"] = _own_state(sampler)
+    return state
+
+
+def _own_state(sampler) -> dict:
+    """What a sampler of the script's own holds that may decide its order, by attribute: its generators of any kind
+    and its plain values (a count of its passes), and where it holds no ``torch.Generator``, python's and numpy's
+    global generators (``random.shuffle``) as ``"random"`` and ``"numpy.random"``."""
+    own = {name: (generator_state(value) if isinstance(value, GENERATORS) else value)
+           for name, value in vars(sampler).items() if isinstance(value, (*GENERATORS, *PLAIN))}
+    if _generator(sampler) is None:
+        own.update({"random": generator_state(_GLOBAL["random"]), "numpy.random": generator_state(_GLOBAL["numpy"])})
+    return own
+
+
+_GLOBAL = {"random": random._inst, "numpy": np.random.mtrand._rand}  # python's and numpy's global generators
+LIBRARIES = ("torch.", "torchdata.", "deepspeed.")  # whose samplers keep (or draw from) nothing else
 
 
 def _set_sampler_state(sampler, saved: dict) -> None:
@@ -118,17 +141,26 @@ def _set_sampler_state(sampler, saved: dict) -> None:
         torch.set_rng_state(saved["torch"])
     if saved["epoch"] is not None:
         sampler.epoch = saved["epoch"]
+    for name, value in saved.get("own", {}).items():
+        held = _GLOBAL["random"] if name == "random" else _GLOBAL["numpy"] if name == "numpy.random" else \
+            getattr(sampler, name, None)
+        if isinstance(held, GENERATORS):
+            set_generator_state(held, value)
+        elif name in vars(sampler):
+            setattr(sampler, name, value)
 
 
 @contextmanager
 def as_epoch_started(sampler, saved: Optional[dict]):
     """Within: each iterator ``sampler`` makes is made as it stood when the restored iterator's epoch began (``saved``,
-    :data:`EPOCH_START`'s); torch's generator is set back afterwards (a restore sets it as the next iteration
-    starts). After, the sampler's record of its epoch's start is ``saved``, as the uninterrupted run's was: a restored
-    iterator read nothing of draws its order at its first batch, from the generators as restored, as that run did."""
+    :data:`EPOCH_START`'s); torch's, python's and numpy's global generators are set back afterwards (a restore sets
+    them as the next iteration starts). After, the sampler's record of its epoch's start is ``saved``, as the
+    uninterrupted run's was: a restored iterator read nothing of draws its order at its first batch, from the
+    generators as restored, as that run did."""
     if saved is None:
         yield
         return
+    globals_before = {name: generator_state(generator) for name, generator in _GLOBAL.items()}
     with torch.random.fork_rng(devices=[]):
         setattr(sampler, RESTORING, saved)
         try:
@@ -136,3 +168,5 @@ def as_epoch_started(sampler, saved: Optional[dict]):
         finally:
             delattr(sampler, RESTORING)
             setattr(sampler, EPOCH_START, saved)
+            for name, state in globals_before.items():
+                set_generator_state(_GLOBAL[name], state)
