@@ -655,6 +655,40 @@ def test_a_sampler_of_the_scripts_that_shuffles_from_its_own_state_resumes_at_an
         assert torch.equal(read_repeated(make, 21, 0, restore_at)[:, :, 0], reference[:, :, 0]), restore_at
 
 
+def test_a_generator_over_the_loader_that_counts_in_its_own_variables_is_said():
+    """Probe 25: DDP's ``epoch = 0; while True: sampler.set_epoch(epoch); yield from loader; epoch += 1`` in a
+    generator of the script's: its variables are in no snapshot, and a resumed run set an epoch of its first values
+    again, silently. Said now, by name; one that counts in nothing of its own (its loop's variables aside) is not."""
+    from baft.position.kept import foreign_iterator
+
+    loader = PLAIN["shuffle"](0)
+
+    def batches():
+        epoch = 0
+        while True:
+            loader.sampler.epoch = epoch
+            yield from loader
+            epoch += 1
+
+    def warmed():
+        n = 0
+        for batch in loader:
+            n = n + 1
+            yield batch * min(1.0, n / 20)
+
+    def cast():
+        while True:
+            for batch in loader:
+                batch = batch.double()
+                yield batch
+
+    said = foreign_iterator(None, batches())
+    assert said.startswith("train_batch reads a generator of the script's, batches(), that counts in its own "
+                           "variables (epoch): no snapshot holds a generator's variables"), said
+    assert "(n)" in foreign_iterator(None, warmed())
+    assert foreign_iterator(None, cast()) is None
+
+
 def test_a_second_repeating_loader_the_loop_reads_is_said():
     """Two tasks, each a RepeatingLoader of a plain loader, read in turn: the position kept is the first's (found at
     the first call); the second's would resume from its start."""

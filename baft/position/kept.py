@@ -3,8 +3,11 @@ cannot bring the data back as it was."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import io
 import itertools
+import textwrap
 from typing import Iterator, Optional
 
 import torch
@@ -126,6 +129,13 @@ def _tensors(state) -> Iterator[torch.Tensor]:
 def foreign_iterator(position, data_iter) -> Optional[str]:
     """Why the iterator ``train_batch`` reads would not resume with the data position baft keeps (``position``,
     :func:`data_position`'s), where that can be told; None otherwise."""
+    counted = _counted_in_locals(data_iter)
+    if counted:
+        return (f"train_batch reads a generator of the script's, {data_iter.__name__}(), that counts in its own "
+                f"variables ({', '.join(counted)}): no snapshot holds a generator's variables, so a resumed run starts "
+                f"them again from their first values (a DistributedSampler's set_epoch(epoch) from epoch 0: the "
+                f"orders of earlier epochs again); derive them from the engine's step (epoch = engine.global_steps "
+                f"// steps_per_epoch) or keep them in the loop, whose counts baft keeps")
     if isinstance(data_iter, itertools.cycle):
         return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
                 "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
@@ -149,6 +159,27 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
                 f"baft.initialize one data_iterator whose state_dict() holds the position of every iterator "
                 f"train_batch reads")
     return None
+
+
+def _counted_in_locals(data_iter) -> list[str]:
+    """The variables a generator of the script's counts in, as its source reads (``epoch += 1``, ``n = n + 1``), its
+    loops' own variables aside; empty where it counts in none or its source cannot be read."""
+    if not inspect.isgenerator(data_iter):
+        return []
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(data_iter.gi_code)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    looped = {n.id for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.comprehension))
+              for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    counted = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            counted.append(node.target.id)
+        elif isinstance(node, ast.Assign):
+            read = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            counted += [t.id for t in node.targets if isinstance(t, ast.Name) and t.id in read]
+    return sorted(set(counted) - looped)
 
 
 def _holds(holder, obj, depth: int = 2) -> bool:
