@@ -49,12 +49,7 @@ class EpochStarts(RepeatingLoader):
 
     def remake(self, made_from: Optional[dict]) -> None:
         """Make the iterator of an epoch again, from the generators as ``made_from`` says (torch's left as it was)."""
-        with torch.random.fork_rng(devices=[]):
-            if made_from is not None:
-                torch.set_rng_state(made_from["torch"])
-                if made_from["generator"] is not None:
-                    self.loader.generator.set_state(made_from["generator"])
-            self.data_iter = iter(self.loader)
+        self.data_iter = made_again(self.loader, made_from)
         self.made_from = made_from
 
 
@@ -63,3 +58,14 @@ def generator_states(loader) -> dict:
     generator = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(),
             "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
+
+
+def made_again(loader, made_from: Optional[dict], make=iter):
+    """An iterator of ``loader`` made again by ``make`` from the generators as :func:`generator_states` gave them
+    (``made_from``; None: as they stand), torch's left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        if made_from is not None:
+            torch.set_rng_state(made_from["torch"])
+            if made_from["generator"] is not None:
+                loader.generator.set_state(made_from["generator"])
+        return make(loader)

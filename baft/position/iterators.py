@@ -37,6 +37,24 @@ def loader_read(data_iter) -> Optional[torch.utils.data.DataLoader]:
     return None
 
 
+def batches_read(iterator) -> int:
+    """The batches of its epoch a loader's iterator has given."""
+    return iterator._num_yielded
+
+
+def read_to(iterator, read: int, loader) -> None:
+    """Read ``iterator`` on to the ``read``-th batch of its epoch: through its sampler where the loader reads a
+    map-style dataset in this process (none fetched), else by reading the batches."""
+    batches = read - batches_read(iterator)
+    if not loader.num_workers and not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        for _ in range(batches):
+            next(iterator._sampler_iter)
+        iterator._num_yielded += batches
+        return
+    for _ in range(batches):
+        next(iterator)
+
+
 def epoch_mark(iterator):
     """What changes as ``iterator`` begins another epoch: the iterator of its sampler (with ``persistent_workers`` a
     loader's ``iter()`` resets the one iterator it keeps, with a new one)."""

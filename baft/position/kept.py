@@ -7,7 +7,6 @@ import ast
 import inspect
 import io
 import itertools
-import textwrap
 from typing import Iterator, Optional
 
 import torch
@@ -16,6 +15,7 @@ from torchdata.stateful_dataloader import Stateful
 
 from baft.position.engine_loader import EngineLoaderPosition
 from baft.position.resumable import ResumableLoader
+from baft.script.carried_source import defined_at
 
 
 def data_position(engine, data_iterator=None, training_data=None):
@@ -164,11 +164,8 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
 def _counted_in_locals(data_iter) -> list[str]:
     """The variables a generator of the script's counts in, as its source reads (``epoch += 1``, ``n = n + 1``), its
     loops' own variables aside; empty where it counts in none or its source cannot be read."""
-    if not inspect.isgenerator(data_iter):
-        return []
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(data_iter.gi_code)))
-    except (OSError, TypeError, SyntaxError):
+    tree = defined_at(data_iter.gi_code) if inspect.isgenerator(data_iter) else None
+    if tree is None:
         return []
     looped = {n.id for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.comprehension))
               for n in ast.walk(loop.target) if isinstance(n, ast.Name)}

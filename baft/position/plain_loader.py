@@ -12,13 +12,12 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
-from baft.script.loop import THIS_PROCESS
-from baft.script.rng import hold_loader_generators
+from baft.position.epoch_starts import generator_states, made_again
+from baft.position.iterators import batches_read, read_to, take_over
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
 from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
-from baft.position.iterators import take_over
-from baft.position.epoch_starts import generator_states
-from baft.position.repeated_loader import batches_read, skip
+from baft.script.loop import THIS_PROCESS
+from baft.script.rng import hold_loader_generators
 
 
 class PlainLoaderPosition:
@@ -98,13 +97,8 @@ class PlainLoaderPosition:
                                 "which this process cannot make again as it was made: give baft.initialize "
                                 "torchdata's StatefulDataLoader as data_iterator=")
             else:
-                with torch.random.fork_rng(devices=[]):
-                    if saved["made_from"] is not None:
-                        torch.set_rng_state(saved["made_from"]["torch"])
-                        if saved["made_from"]["generator"] is not None:
-                            loader.generator.set_state(saved["made_from"]["generator"])
-                    restored = torch.utils.data.DataLoader.__iter__(loader)
-            skip(restored, saved["read"] - batches_read(restored), loader)
+                restored = made_again(loader, saved["made_from"], torch.utils.data.DataLoader.__iter__)
+            read_to(restored, saved["read"], loader)
         self.made_from = saved["made_from"]
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])

@@ -14,14 +14,14 @@ import numbers
 import sys
 from typing import Optional
 
+from baft.position.found_position import PositionFoundLater
+from baft.position.iterators import epoch_mark
+from baft.position.kept import foreign_iterator, not_restored
+from baft.position.repeated_loader import keep_epochs
+from baft.position.resumable import ResumableLoader
 from baft.script.loop import THIS_PROCESS
 from baft.script.source import library
 from baft.snapshot.build import warn
-from baft.position.resumable import ResumableLoader
-from baft.position.iterators import epoch_mark
-from baft.position.kept import foreign_iterator, not_restored
-from baft.position.found_position import PositionFoundLater
-from baft.position.repeated_loader import keep_epochs
 
 
 class TrainBatchReads:

@@ -13,12 +13,13 @@ import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.errors import BaftError
-from baft.script.loop import THIS_PROCESS
-from baft.script.rng import hold_loader_generators
-from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
-from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
 from baft.position.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
 from baft.position.epoch_starts import EpochStarts
+from baft.position.iterators import batches_read, read_to
+from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
+from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.script.loop import THIS_PROCESS
+from baft.script.rng import hold_loader_generators
 
 
 class RepeatedLoaderPosition:
@@ -92,7 +93,7 @@ class RepeatedLoaderPosition:
             if not own:
                 repeating.remake(saved["made_from"])
             here = epoch_iterator(repeating.data_iter)
-            skip(here, saved["read"] - batches_read(here), loader)
+            read_to(here, saved["read"], loader)
         repeating.epoch, repeating.made_from = saved["epoch"], saved["made_from"]
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
@@ -116,20 +117,3 @@ def plain_repeating(data_iter) -> bool:
     loader = getattr(data_iter, "loader", None)
     plain = isinstance(loader, torch.utils.data.DataLoader) and not hasattr(loader, "load_state_dict")
     return isinstance(data_iter, RepeatingLoader) and (plain or keeps_no_state(loader))
-
-
-def batches_read(iterator) -> int:
-    """The batches of its epoch a loader's iterator has given."""
-    return iterator._num_yielded
-
-
-def skip(iterator, batches: int, loader) -> None:
-    """Read past ``batches`` batches of ``iterator``: through its sampler where the loader reads a map-style dataset
-    in this process (none fetched), else by reading them."""
-    if not loader.num_workers and not isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        for _ in range(batches):
-            next(iterator._sampler_iter)
-        iterator._num_yielded += batches
-        return
-    for _ in range(batches):
-        next(iterator)
