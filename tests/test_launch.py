@@ -226,13 +226,44 @@ def test_a_rank_that_ends_its_script_early_twice_in_a_row_ends_the_run_naming_it
         assert "ended its script" not in (watch.outcome(1).exception or ""), others
 
 
+# A torchrun that does not end when stopped: a rank's baft error, then SIGTERM ignored; a process it started (its
+# pid into argv[1]) holds its output open after it is gone.
+UNSTOPPABLE = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+holder = subprocess.Popen(["sleep", "60"])
+open(sys.argv[1], "w").write(str(holder.pid))
+print("[0] baft: error: step 2: the plan names a stage this run lacks", file=sys.stderr, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_torchrun_that_does_not_end_when_stopped_is_killed_and_the_run_ends(tmp_path, monkeypatch, capsys):
+    """``baft train`` stops torchrun (SIGTERM) at a rank's baft error and waited for its end, and for the end of its
+    output, unbounded: a torchrun left waiting at its exit (torch's agent signalled as it starts an attempt's ranks)
+    hung ``baft train`` until its test's timeout. Killed after its grace, the run ends with the rank's error, and what
+    still holds its output is said."""
+    from baft.cli import runlog
+
+    monkeypatch.setattr(runlog, "READERS_GRACE", 0.5)
+    holder = tmp_path / "holder"
+    outcome = runlog.run_logged([sys.executable, "-c", UNSTOPPABLE, str(holder)], dict(os.environ),
+                                tmp_path / "output.log", announce=False, stop_grace=1.0)
+    os.kill(int(holder.read_text()), 9)
+    assert outcome.code == -9 and outcome.error == "step 2: the plan names a stage this run lacks", outcome
+    assert capsys.readouterr().err.splitlines() == [
+        "baft: torchrun did not end within 1 s of being stopped; killed it",
+        f"baft: a process of the run that outlived torchrun holds its output open; what it writes now is not in "
+        f"{tmp_path / 'output.log'}"]
+
+
 def put_back_torchruns_agent(monkeypatch) -> None:
     """After the test, torch's agent and its signal handler as they were (``baft.cli.torchrun.main`` changes them)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
 
     for owner, name in ((api, "_terminate_process_handler"), (LocalElasticAgent, "_initialize_workers"),
-                        (LocalElasticAgent, "_monitor_workers")):
+                        (LocalElasticAgent, "_monitor_workers"), (LocalElasticAgent, "_start_workers")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
 
 
@@ -330,7 +361,9 @@ def test_torchrun_as_baft_runs_it_stops_on_a_death_signal_caught_on_the_way(monk
     """``baft train`` stops a run no restart can get past (SIGTERM) as it reads torchrun's line that an attempt failed:
     torch's handler raised its exception while the agent's ``logging`` still wrote that line, which caught it, and
     the agent restarted the ranks (a fresh-clone CI: 3 restarts where 1 is right). It is raised again as the agent
-    next starts or watches its ranks."""
+    next starts or watches its ranks. One that comes while the agent starts them waits until it tracks them: raised
+    there, the agent stopped none of them, nor the threads tailing their files, at whose end its exit waited for ever
+    (a fresh-clone CI's ``baft train``, until its test's timeout)."""
     import io
     import logging
     import signal
@@ -340,20 +373,35 @@ def test_torchrun_as_baft_runs_it_stops_on_a_death_signal_caught_on_the_way(monk
 
     from baft.cli import torchrun
 
-    class Agent:
-        def _initialize_workers(self, group):
-            return "started"
+    def agent_kept() -> type:
+        """A stand-in of torch's agent, its signals kept; torch's handler as it was."""
+        class Agent:
+            def _initialize_workers(self, group):
+                return "started"
 
-        def _monitor_workers(self, group):
-            return "watched"
+            def _monitor_workers(self, group):
+                return "watched"
+
+            def _start_workers(self, group):
+                api._terminate_process_handler(signal.SIGTERM, None)  # once its ranks' processes run, not yet tracked
+                return {0: 42}
+
+        monkeypatch.setattr(api, "_terminate_process_handler", torchs_handler)
+        assert torchrun._death_signal_kept(api, Agent)
+        return Agent
 
     class SignalledAsItWrites(logging.StreamHandler):
         def flush(self):
             api._terminate_process_handler(signal.SIGTERM, None)
 
     put_back_torchruns_agent(monkeypatch)
-    assert torchrun._death_signal_kept(api, Agent)
+    torchs_handler = api._terminate_process_handler
+    Agent = agent_kept()
     assert Agent()._initialize_workers(None) == "started" and Agent()._monitor_workers(None) == "watched"
+    assert Agent()._start_workers(None) == {0: 42}  # tracked, then stopped as the agent next watches them
+    with pytest.raises(api.SignalException, match="got signal"):
+        Agent()._monitor_workers(None)
+    Agent = agent_kept()
     monkeypatch.setattr(logging, "raiseExceptions", False)  # what logging caught, unprinted
     agent_log = logging.getLogger("baft.test.agent")
     agent_log.propagate, handler = False, SignalledAsItWrites(io.StringIO())

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ _USAGE = re.compile(r"[Uu]sage: ")  # argparse's usage (click's), which its erro
 _USAGE_ERROR = re.compile(r"(?:\S.*: )?[Ee]rror: \S")  # argparse's ``prog: error: ...``, click's ``Error: ...``
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TERMINATED_GRACE = 2.0  # seconds torchrun has to end on a SIGTERM of its own before baft train sends one
+# seconds torchrun has to end once stopped before baft train kills it: its ranks' shutdown (30 s, then SIGKILL), and more
+STOP_GRACE = 45.0
+READERS_GRACE = 5.0  # seconds torchrun's output has to reach its end once torchrun has
 RANKS, LAUNCHER = "the ranks' output", "torchrun's output"  # the two tails a failed run prints
 
 # What DeepSpeed prints while it sets up, as rank 0 prints it (in the log, not on the screen).
@@ -126,39 +130,76 @@ class Outcome:
 
 
 def run_logged(cmd: list[str], env: dict, log_path: Path, rank_lines: int = 20, launcher_lines: int = 12,
-               announce: bool = True) -> Outcome:
+               announce: bool = True, stop_grace: float = STOP_GRACE) -> Outcome:
     """Run torchrun's ``cmd`` (with :func:`torchrun_options`): its whole output appended to ``log_path``
     (said first, with ``announce``), :func:`on_screen`'s lines on the screen; on failure, the ranks' and
     torchrun's last lines too, unless a rank's :func:`baft_error` (which stops torchrun) or the exception a
-    rank died of says why (:class:`Outcome`, for the caller to say)."""
+    rank died of says why (:class:`Outcome`, for the caller to say). A torchrun still running ``stop_grace`` seconds
+    after it was stopped is killed."""
     if announce:
         click.echo(f"baft: every rank's output goes to {log_path}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env={**env, PREFIX_ENV: PREFIX_TEMPLATE}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=_dies_with(os.getpid()))
-        watch = _Watch(log, proc.terminate, rank_lines, launcher_lines,  # torchrun stops its ranks on SIGTERM
+        torchrun = _Torchrun(proc, stop_grace)
+        watch = _Watch(log, torchrun.stop, rank_lines, launcher_lines,
                        restarts=next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-restarts=")), None))
         readers = [threading.Thread(target=watch.pump, args=(pipe, name), daemon=True)
                    for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
             reader.start()
         try:
-            code = proc.wait()
+            code = torchrun.wait()
         except Terminated:
+            torchrun.stop(signalled=False)
             try:  # a signal to the whole process group reached torchrun too: a second would cut its shutdown short
                 proc.wait(TERMINATED_GRACE)
             except subprocess.TimeoutExpired:
-                proc.terminate()  # torchrun stops its ranks on SIGTERM
+                torchrun.stop()
+            raise
+        except KeyboardInterrupt:  # Ctrl-C reached torchrun too
+            torchrun.stop(signalled=False)
             raise
         finally:  # on Ctrl-C torchrun got the signal too: let it stop its ranks
-            proc.wait()
-            for reader in readers:
-                reader.join()
+            torchrun.wait()
+            watch.finish(readers)
     outcome = watch.outcome(code)
     if code != 0 and not (outcome.error or outcome.exception):
         watch.print_tails()
     return outcome
+
+
+class _Torchrun:
+    """The torchrun process :func:`run_logged` watches: stopped by SIGTERM (it stops its ranks), killed where it has not
+    ended ``grace`` seconds later. torch's agent, hit by the signal as it starts an attempt's ranks, can track neither
+    them nor the threads that tail their output, and then waits for those at its exit for ever (a fresh-clone CI's
+    ``baft train`` hung so until its test's timeout)."""
+
+    def __init__(self, proc: subprocess.Popen, grace: float):
+        self.proc, self.grace = proc, grace
+        self.deadline: Optional[threading.Timer] = None
+
+    def stop(self, signalled: bool = True) -> None:
+        """SIGTERM torchrun (unless ``signalled``: it has had one from elsewhere), the first time with a deadline."""
+        if signalled:
+            self.proc.terminate()
+        if self.deadline is None:
+            self.deadline = threading.Timer(self.grace, self._kill)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+    def wait(self) -> int:
+        """Its exit code, once it has ended or been killed."""
+        code = self.proc.wait()
+        if self.deadline is not None:
+            self.deadline.cancel()
+        return code
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            click.echo(f"baft: torchrun did not end within {self.grace:g} s of being stopped; killed it", err=True)
+            self.proc.kill()
 
 
 class Terminated(Exception):
@@ -271,11 +312,26 @@ class _Watch:
         self.failing: set[str] = set()
         self.left: dict[str, int] = {}
         self.left_before: Optional[tuple[str, int]] = None
+        self.finished = False  # no more of torchrun's output is read
+
+    def finish(self, readers: list[threading.Thread]) -> None:
+        """Once torchrun has ended: wait for its output's end, which a process of the run that outlives it holds back;
+        after :data:`READERS_GRACE` seconds, read no more of it."""
+        deadline = time.monotonic() + READERS_GRACE
+        for reader in readers:
+            reader.join(max(deadline - time.monotonic(), 0.0))
+        with self.lock:
+            self.finished = True
+        if any(reader.is_alive() for reader in readers):
+            click.echo(f"baft: a process of the run that outlived torchrun holds its output open; what it writes now "
+                       f"is not in {self.log.name}", err=True)
 
     def pump(self, pipe: IO[str], stream: str) -> None:
         """Copy ``pipe``, torchrun's ``stream``, into the log and its :func:`on_screen` lines onto the screen."""
         for line in pipe:
             with self.lock:
+                if self.finished:
+                    return
                 self.log.write(line)
                 self.log.flush()
                 text = self._read(line, stream)

@@ -22,7 +22,7 @@ its way from an attempt's failure to the next attempt catch and log (``logging``
 signal came as the agent wrote a line, and its wait for the tails of the ranks' files): the agent then restarted the
 ranks as if no signal had come. That is where ``baft train`` stops a run no restart can get past, as it reads the
 agent's line that the attempt failed (:mod:`baft.cli.runlog`); here the agent raises it again before it starts or
-watches the ranks next (:func:`_death_signal_kept`).
+watches the ranks next, and not while it starts them (:func:`_death_signal_kept`).
 
 Where torch no longer has what this replaces, torchrun runs as it is (the store unshared).
 
@@ -101,16 +101,20 @@ def _each_round(handler: type, poll: float) -> bool:
 def _death_signal_kept(launcher_api, agent: type) -> bool:
     """Have ``agent`` (torch's agent class) raise the exception of a death signal that ``launcher_api``'s handler
     (``torch.distributed.elastic.multiprocessing.api``) raised and something caught on the way, as it would next start
-    or watch its ranks; whether it could."""
+    or watch its ranks; and hold a signal that comes while it starts an attempt's ranks until it tracks them (raised
+    there, the agent stopped the ranks of the attempt before, not these, and waited at its exit for ever for the
+    threads that tail their output: a fresh-clone CI's ``baft train`` hung so); whether it could."""
     handler = getattr(launcher_api, "_terminate_process_handler", None)
-    methods = ("_initialize_workers", "_monitor_workers")
+    methods = ("_initialize_workers", "_monitor_workers", "_start_workers")
     if handler is None or not hasattr(launcher_api, "SignalException") or not all(hasattr(agent, m) for m in methods):
         return False
     received: list[signal.Signals] = []
+    starting: list[bool] = []  # not empty while the agent starts the ranks
 
     def terminate(signum, frame) -> None:
         received.append(signal.Signals(signum))
-        handler(signum, frame)
+        if not starting:
+            handler(signum, frame)
 
     def signal_first(method):
         @functools.wraps(method)
@@ -121,9 +125,20 @@ def _death_signal_kept(launcher_api, agent: type) -> bool:
             return method(self, *args, **kwargs)
         return unless_signalled
 
+    def tracked_first(method):
+        @functools.wraps(method)
+        def start_unsignalled(self, *args, **kwargs):
+            starting.append(True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                starting.clear()
+        return start_unsignalled
+
     launcher_api._terminate_process_handler = terminate  # looked up as the agent starts its ranks and registers it
-    for name in methods:
+    for name in methods[:2]:
         setattr(agent, name, signal_first(getattr(agent, name)))
+    agent._start_workers = tracked_first(agent._start_workers)
     return True
 
 
