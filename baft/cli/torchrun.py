@@ -17,12 +17,13 @@ elastic agent, unchanged) less four costs its rendezvous adds to every restart o
   it listens waits out torch's connect backoff: 0.1-0.7 s of about half the warm relaunches. Here the agent serves
   a new one each rendezvous round, listening before any rank starts, holding no earlier attempt's keys.
 
-It also keeps a death signal torch's agent lost: its handler raises an exception in the agent, which two places on
-its way from an attempt's failure to the next attempt catch and log (``logging``'s own error handling, where the
-signal came as the agent wrote a line, and its wait for the tails of the ranks' files): the agent then restarted the
-ranks as if no signal had come. That is where ``baft train`` stops a run no restart can get past, as it reads the
-agent's line that the attempt failed (:mod:`baft.cli.runlog`); here the agent raises it again before it starts or
-watches the ranks next, and not while it starts them (:func:`_death_signal_kept`).
+It also keeps a death signal from leaving the agent hung or unheard. torch's handler raises its exception wherever
+the agent is as it comes: inside ``logging``, which caught it (the agent then restarted the ranks as if no signal had
+come: three restarts where ``baft train``, which stops a run no restart can get past as it reads the agent's line
+that an attempt failed, asked for none), or as the agent stopped an attempt's ranks, between a lock's acquiring and
+its ``with`` block (the agent's shutdown then waited for that lock for ever: a fresh-clone CI's ``baft train`` hung
+until its test's timeout). Here the signal is held, and raised where the agent next starts or watches its ranks (every
+``--monitor-interval``) or waits in a rendezvous (:func:`_death_signal_held`).
 
 Where torch no longer has what this replaces, torchrun runs as it is (the store unshared).
 
@@ -37,6 +38,7 @@ import functools
 import os
 import signal
 import sys
+from typing import Callable, Optional
 
 from baft.config import ROUND_ENV
 
@@ -49,11 +51,12 @@ def poll_seconds(nodes: int) -> float:
     return min(1.0, max(0.05, nodes / 500))
 
 
-def _shorter_waits(delay, nodes: int, poll: float):
+def _shorter_waits(delay, nodes: int, poll: float, first: Callable[[], None] = lambda: None):
     """``dynamic_rendezvous._delay`` for a job on at most ``nodes`` nodes: a poll's wait of ``poll`` seconds at most,
-    and the first round's skew between nodes only where there are several."""
+    and the first round's skew between nodes only where there are several; ``first`` called before each."""
 
     def _delay(seconds) -> None:
+        first()
         if isinstance(seconds, tuple):  # the random skew of the first round
             if nodes > 1:
                 delay(seconds)
@@ -98,48 +101,35 @@ def _each_round(handler: type, poll: float) -> bool:
     return new_store
 
 
-def _death_signal_kept(launcher_api, agent: type) -> bool:
-    """Have ``agent`` (torch's agent class) raise the exception of a death signal that ``launcher_api``'s handler
-    (``torch.distributed.elastic.multiprocessing.api``) raised and something caught on the way, as it would next start
-    or watch its ranks; and hold a signal that comes while it starts an attempt's ranks until it tracks them (raised
-    there, the agent stopped the ranks of the attempt before, not these, and waited at its exit for ever for the
-    threads that tail their output: a fresh-clone CI's ``baft train`` hung so); whether it could."""
-    handler = getattr(launcher_api, "_terminate_process_handler", None)
-    methods = ("_initialize_workers", "_monitor_workers", "_start_workers")
-    if handler is None or not hasattr(launcher_api, "SignalException") or not all(hasattr(agent, m) for m in methods):
-        return False
+def _death_signal_held(launcher_api, agent: type) -> Optional[Callable[[], None]]:
+    """Have ``agent`` (torch's agent class) raise the exception of a death signal, which ``launcher_api``'s handler
+    (``torch.distributed.elastic.multiprocessing.api``) raises wherever the agent is as the signal comes, where the
+    agent next starts or watches its ranks, or calls the function returned (None where it could not)."""
+    methods = ("_initialize_workers", "_monitor_workers")
+    if not hasattr(launcher_api, "_terminate_process_handler") or not hasattr(launcher_api, "SignalException") \
+            or not all(hasattr(agent, m) for m in methods):
+        return None
     received: list[signal.Signals] = []
-    starting: list[bool] = []  # not empty while the agent starts the ranks
 
-    def terminate(signum, frame) -> None:
+    def hold(signum, frame) -> None:
         received.append(signal.Signals(signum))
-        if not starting:
-            handler(signum, frame)
+
+    def raise_held() -> None:
+        if received:
+            said = f"Process {os.getpid()} got signal: {received[0]}"  # as torch's handler says it
+            raise launcher_api.SignalException(said, sigval=received[0])
 
     def signal_first(method):
         @functools.wraps(method)
         def unless_signalled(self, *args, **kwargs):
-            if received:
-                said = f"Process {os.getpid()} got signal: {received[0]}"  # as torch's handler says it
-                raise launcher_api.SignalException(said, sigval=received[0])
+            raise_held()
             return method(self, *args, **kwargs)
         return unless_signalled
 
-    def tracked_first(method):
-        @functools.wraps(method)
-        def start_unsignalled(self, *args, **kwargs):
-            starting.append(True)
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                starting.clear()
-        return start_unsignalled
-
-    launcher_api._terminate_process_handler = terminate  # looked up as the agent starts its ranks and registers it
-    for name in methods[:2]:
+    launcher_api._terminate_process_handler = hold  # looked up as the agent starts its ranks and registers it
+    for name in methods:
         setattr(agent, name, signal_first(getattr(agent, name)))
-    agent._start_workers = tracked_first(agent._start_workers)
-    return True
+    return raise_held
 
 
 def _ranks_warm(run_module, servers: list) -> None:
@@ -182,12 +172,12 @@ def main(argv: list[str], warm: bool = False) -> None:
     args = run_module.parse_args(argv)
     nodes = 1 if args.standalone else run_module.parse_min_max_nnodes(args.nnodes)[1]
     poll = poll_seconds(nodes)
+    raise_held = _death_signal_held(launcher_api, LocalElasticAgent)
     delay = getattr(dynamic_rendezvous, "_delay", None)
     if delay is not None:
-        dynamic_rendezvous._delay = _shorter_waits(delay, nodes, poll)
+        dynamic_rendezvous._delay = _shorter_waits(delay, nodes, poll, first=raise_held or (lambda: None))
     if not _each_round(dynamic_rendezvous.DynamicRendezvousHandler, poll):
         os.environ.setdefault(UNSHARED_STORE_ENV, "1")
-    _death_signal_kept(launcher_api, LocalElasticAgent)
     servers: list = []
     if warm:
         _ranks_warm(run_module, servers)
