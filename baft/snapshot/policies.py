@@ -103,18 +103,19 @@ class SnapshotPolicy(InstructionHook, Periodic):
         self.stall = self.seal_wait = 0.0
         self.taken_before = self.taken
         self.engine, self.at_step_boundary = engine, False
+        # where the snapshot of the step this iteration trains tells a replay of the loop's calls up to it whether the
+        # loop's code before the call left the generators as this run's did (RngRestore.between_steps)
+        counted = THIS_PROCESS.counts_calls and self.wanted(engine.global_steps + 1)
+        rng_now = rng_states() if counted else None  # no draw comes before the snapshot's: taken once for both
         if self.due(engine):
             self.prepare(engine)
             start = time.perf_counter()
             self.sealer.wait(leave=self.writer.in_flight - 1)  # a slot for this snapshot, beside those sealing
             self.seal_wait = time.perf_counter() - start
             self.stall += self.seal_wait
-            self.begin(engine)
+            self.begin(engine, rng_now=rng_now)
             self.started()
-        # where the snapshot of the step this iteration trains tells a replay of the loop's calls up to it whether the
-        # loop's code before the call left the generators as this run's did (RngRestore.between_steps)
-        self.rng_start = (rng_states() if THIS_PROCESS.counts_calls and self.wanted(engine.global_steps + 1)
-                          else None)
+        self.rng_start = rng_now
 
     def iteration_end(self, engine):
         self.at_step_boundary = True
@@ -126,10 +127,11 @@ class SnapshotPolicy(InstructionHook, Periodic):
         first resumed iteration, holds what the first one held."""
         self.restored_items = (step, items)
 
-    def begin(self, engine, at_exit: bool = False) -> None:
+    def begin(self, engine, at_exit: bool = False, rng_now: Optional[dict] = None) -> None:
         """Start the snapshot of the engine's current step: of the tensors the engine holds now, the module's
         buffers copied here, before a forward changes them (their time counted as stall); the rest follow.
-        ``at_exit``: taken as the process ends (:meth:`snapshot_final`), not as an iteration starts."""
+        ``at_exit``: taken as the process ends (:meth:`snapshot_final`), not as an iteration starts. ``rng_now``: the
+        generators' states now, where already taken."""
         self.prepare(engine)
         self.source.refresh()
         step = engine.global_steps
@@ -137,7 +139,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
             items = self.restored_items[1]
         else:
             items = {**state.capture_items(engine, self.data_iterator),
-                     **state.capture_rng(self.rng_end, self.rng_start),
+                     **state.capture_rng(self.rng_end, self.rng_start, rng_now),
                      "ended_at": time.time()}  # the step's end: where a recovery's lost work (T0) starts
             if self.last_step is None and self.restored_items is None:
                 items["first"] = True  # the run's first snapshot: without it every stage holds, a restart starts over

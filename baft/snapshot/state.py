@@ -259,13 +259,13 @@ def unblob(value):
     return _torch_unblob(value) if isinstance(value, str) else value
 
 
-def capture_rng(rng_end: Optional[dict] = None, rng_start: Optional[dict] = None) -> dict:
-    """The generators' states now, at an iteration's start (``rng``), as JSON; ``rng_between``: of those the
-    script drew from since the previous iteration ended (``rng_end``, :func:`~baft.script.rng.rng_states`),
-    their states then, what a resumed script's first such draws come from (:class:`RngRestore`); and
+def capture_rng(rng_end: Optional[dict] = None, rng_start: Optional[dict] = None, now: Optional[dict] = None) -> dict:
+    """The generators' states now (``now``, where taken already), at an iteration's start (``rng``), as JSON;
+    ``rng_between``: of those the script drew from since the previous iteration ended (``rng_end``,
+    :func:`~baft.script.rng.rng_states`), their states then, what a resumed script's first such draws come from (:class:`RngRestore`); and
     ``rng_started``: the fingerprints of their states as the previous iteration started (``rng_start``), what a
     replay of the loop's calls up to it compares its own with."""
-    now = rng_states()
+    now = rng_states() if now is None else now
     items = {"rng": to_json(now)}
     drawn = drawn_between(rng_end, now) if rng_end is not None else []
     if drawn:
