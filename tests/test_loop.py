@@ -860,6 +860,15 @@ def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
                       "    engine.global_steps += 1\n")
     runpy.run_path(str(script), run_name="__main__")
     assert "(the loop reads it before it calls train_batch" in capfd.readouterr().err
+    # probe 26's g3: a count of the script's own read before the call (a warm-up by hand) was neither line: the count's
+    # deferred to the carried value's, and that one to the count's
+    script.write_text(header.replace("prev = None", "count = 0") + "while engine.global_steps < 3:\n"
+                      "    lr = min(1.0, (count + 1) / 10)\n    engine.train_batch()\n    count += 1\n"
+                      "    LOOP.carried_values(engine)\n    engine.global_steps += 1\n")
+    runpy.run_path(str(script), run_name="__main__")
+    err = capfd.readouterr().err
+    assert err.count("baft:") == 1 and (f"adds to a count of the script's own, {script}:{header.count(chr(10)) + 4} "
+                                        f"(count += 1), which no snapshot holds") in err, err
 
 
 def test_the_loop_key_is_validated():

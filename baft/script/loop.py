@@ -79,6 +79,7 @@ class Loop:
         self.site_at_train_batch = False  # whether the site was read at a train_batch call (not eval_batch's)
         self.carried_restored: Optional[dict] = None  # their values the restored snapshot holds (key -> value)
         self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
+        self.said_own_count = ""  # where the loop adds to a count of the script's own, once said at its first call
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
         self.restored_count: Optional[int] = None  # the engine's scheduler's count as restored, before a replay
         self.restored_at_exit = False  # the restored snapshot was taken as the process that trained it ended
@@ -197,7 +198,8 @@ class Loop:
             self._weights_not_kept(engine)
             if self.site is not None and training:
                 self._client_set_before_call(engine, frame)
-            if self.site is not None and self.site.own_count not in ("", *(c.where for c in self.site.carried)):
+            if self.site is not None and self.site.own_count:
+                self.said_own_count = self.site.own_count
                 self._say(engine, f"adds to a count of the script's own, {self.site.own_count}, which no snapshot "
                                   f"holds: resumed after a fault it starts again from its first value, not where the "
                                   f"uninterrupted run had it. Count with the engine's step (engine.global_steps), or "
@@ -296,7 +298,7 @@ class Loop:
                 kept[value_of.key] = value
             elif value_of.key not in self.said_not_kept:
                 self.said_not_kept.add(value_of.key)
-                if value_of.where != getattr(self.site, "own_count", ""):  # said at the first call already
+                if value_of.where != self.said_own_count:
                     self._say(engine, f"carries a value of the script's own from one iteration to the next, "
                                       f"{value_of.where}, which no snapshot holds ({why}): resumed after a fault it "
                                       f"starts again from its first value, not where the uninterrupted run had it, "
