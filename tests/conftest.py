@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from baft.cli.launch import launch_env, torchrun
+from baft.cli.launch import clear_stale_build_locks, launch_env, torchrun
 from baft.warm import SOCKET_ENV, WarmServer
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -51,6 +51,7 @@ def deepspeed_ops(request):
     if not any(item.get_closest_marker("slow") for item in request.session.items):
         yield
         return
+    clear_stale_build_locks()  # one a killed session left would hold the suite still
     build = subprocess.Popen([sys.executable, "-c", BUILD_OPS], env=launch_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
     yield

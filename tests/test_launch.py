@@ -5,6 +5,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -224,6 +225,31 @@ def test_a_rank_that_ends_its_script_early_twice_in_a_row_ends_the_run_naming_it
         for line in [*others, *others]:
             watch._read(line, "stderr")
         assert "ended its script" not in (watch.outcome(1).exception or ""), others
+
+
+def test_a_build_lock_a_stopped_build_left_is_removed_and_said(tmp_path, capfd):
+    """A run killed as DeepSpeed built its op left torch's lock (a bare file), and every later run's ranks waited on it
+    for ever, silently (by hand, this session: a suite held still 15 min). One over two minutes old with no process
+    working in its directory is removed and said; a fresh one, or one a build (its ninja, here a sleep) works beside,
+    stays."""
+    from baft.cli.launch import STALE_BUILD_LOCK, clear_stale_build_locks
+
+    stale, fresh, building = (tmp_path / op / "lock" for op in ("deepspeed_shm_comm", "fused_adam", "cpu_adam"))
+    for lock in (stale, fresh, building):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK - 60
+    for lock in (stale, building):
+        os.utime(lock, (old, old))
+    ninja = subprocess.Popen(["sleep", "60"], cwd=building.parent)
+    try:
+        assert clear_stale_build_locks(str(tmp_path)) == [stale]
+    finally:
+        ninja.kill()
+    assert not stale.exists() and fresh.exists() and building.exists()
+    assert capfd.readouterr().err == (f"baft: removed {stale}, left 3 min ago by a build of DeepSpeed's "
+                                      f"deepspeed_shm_comm op stopped halfway (no process builds there): every rank "
+                                      f"would have waited on it for ever\n")
 
 
 # A torchrun that does not end when stopped: a rank's baft error, then SIGTERM ignored; a process it started (its

@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,11 +27,44 @@ LOCK_NAME = "train.lock"  # in a run directory: held by the ``baft train`` using
 # ``BAFT_KEEP_FREED_MEMORY=0`` leaves glibc's own behaviour.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 KEEP_FREED_MEMORY_ENV = "BAFT_KEEP_FREED_MEMORY"
+STALE_BUILD_LOCK = 120.0  # seconds: a build's lock this old, with no process building beside it, outlived its build
 
 
 def extensions_dir() -> str:
     """Where DeepSpeed's JIT-built ops are cached between runs (the first build takes ~40 s)."""
     return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "baft" / "torch_extensions")
+
+
+def clear_stale_build_locks(root: str | None = None) -> list[Path]:
+    """Remove the locks of DeepSpeed's op builds under ``root`` (:func:`extensions_dir`) that a build stopped halfway
+    left, saying each; those removed. torch takes the lock as a build starts (``FileBaton``: a file, no process named in
+    it) and removes it as the build ends: one left makes every later load of the op wait for ever, silently, the
+    ranks before their first step (a run stopped during its first minute, as the ops built). Stale: over
+    :data:`STALE_BUILD_LOCK` seconds old, with no process (ninja, a compiler) working in the op's directory."""
+    removed = []
+    for lock in Path(root or extensions_dir()).glob("*/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # its build just ended
+            continue
+        if age > STALE_BUILD_LOCK and not _working_in(lock.parent):
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+            print(f"baft: removed {lock}, left {age / 60:.0f} min ago by a build of DeepSpeed's {lock.parent.name} op "
+                  f"stopped halfway (no process builds there): every rank would have waited on it for ever",
+                  file=sys.stderr, flush=True)
+    return removed
+
+
+def _working_in(directory: Path) -> bool:
+    """Whether a process (this user's: another's cannot be read) has ``directory`` as its working directory."""
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)) == directory.resolve():
+                return True
+        except OSError:  # gone, or another user's
+            continue
+    return False
 
 
 def launch_env(extra: dict | None = None) -> dict:

@@ -240,8 +240,9 @@ def run_example_logged(nprocs: int, module_args: list[str], env: dict, log_path:
                        announce: bool = True) -> Outcome:
     """Run ``python -m <module_args>`` on ``nprocs`` ranks through torchrun as :func:`run_logged` does
     (torchrun's per-rank files in a temporary directory, the whole output in ``log_path``); how it ended."""
-    from baft.cli.launch import torchrun
+    from baft.cli.launch import clear_stale_build_locks, torchrun
 
+    clear_stale_build_locks(env.get("TORCH_EXTENSIONS_DIR"))
     with tempfile.TemporaryDirectory(prefix="baft-torchrun-") as files:
         return run_logged(torchrun(nprocs, module_args, options=torchrun_options(Path(files))), env, log_path,
                           announce=announce)

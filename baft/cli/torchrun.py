@@ -137,7 +137,7 @@ def _ranks_warm(run_module, servers: list) -> None:
     (``python -u CLIENT [-m] PROGRAM ARGS``), the server started here as torchrun reads its program; any other
     program (``--no-python``, ``--run-path``, another Python named by ``PYTHON_EXEC``) as it is. ``servers`` gets
     the server, to stop once torchrun ends."""
-    from baft.cli.launch import launch_env
+    from baft.cli.launch import clear_stale_build_locks, launch_env
     from baft.cli.preflight import later_imports
     from baft.warm import CLIENT, WarmServer
 
@@ -148,6 +148,7 @@ def _ranks_warm(run_module, servers: list) -> None:
         if cmd != sys.executable or cmd_args[:1] != ["-u"]:  # another program, or Python (PYTHON_EXEC)
             return config, cmd, cmd_args
         env = launch_env()
+        clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
         server = WarmServer.running(env)
         if server is None:
             program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]

@@ -145,7 +145,7 @@ def _unread_by_scripts(context) -> str:
 def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tuple[Path, str, dict]:
     """The run directory (made here, unless shared memory keeps an earlier run's snapshots of it), its run id,
     and the environment every rank is launched with."""
-    from baft.cli.launch import launch_env
+    from baft.cli.launch import clear_stale_build_locks, launch_env
     from baft.cli.launch import run_id as launch_run_id
     from baft.config import TRACE_DIR_ENV
     from baft.recovery import chaos
@@ -161,6 +161,7 @@ def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tupl
                       LAUNCHER_ENV["run_dir"]: str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
+    clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
     return run, run_id, env
 
 
