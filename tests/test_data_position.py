@@ -170,16 +170,17 @@ def test_a_position_saved_again_before_the_restored_loader_reads_restores_it_too
 
 
 class Scaled(torch.utils.data.Dataset):
-    """A dataset with a setting the loop changes once (an augmentation's strength, turned down as a warm-up ends)."""
+    """A dataset with settings the loop changes once (an augmentation's strength, turned down as a warm-up ends; an
+    option in a dict of them) or before each batch (a curriculum's noise)."""
 
     def __init__(self):
-        self.scale = 1.0
+        self.scale, self.noise, self.opts = 1.0, 0.0, {"half": False}
 
     def __len__(self):
         return SAMPLES
 
     def __getitem__(self, i):
-        return torch.tensor([float(i), self.scale])
+        return torch.tensor([float(i), self.scale * (0.5 if self.opts["half"] else 1.0) + self.noise])
 
 
 class Shift:
@@ -529,24 +530,30 @@ def test_deepspeeds_own_loader_found_as_the_loop_first_reads_it_takes_a_restore_
     assert torch.equal(torch.stack([next(resumed) for _ in range(8)]), reference)
 
 
-def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loaders_position():
-    """As a StatefulDataLoader's (above): DeepSpeedExamples' RepeatingLoader of torch's own loader, whose dataset and
-    collate_fn the loop changes after batch 4, restored after the change in a new process and before it in a
-    survivor."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_settings_a_loop_changes_come_back_with_a_plain_repeating_loaders_position(workers, capsys):
+    """As a StatefulDataLoader's (above): DeepSpeedExamples' RepeatingLoader of torch's own loader, whose dataset's
+    settings and collate_fn's the loop changes after batch 4 and whose dataset's noise it sets before each batch,
+    restored after the change in a new process and before it in a survivor. With workers an epoch's reads the
+    settings its iterator was made with (probe 25: a restored one was made with those the resumed loop had set, and a
+    dict's item was not kept, silently). An object the loop replaces is said once."""
     def make():
         torch.manual_seed(0)
         return RepeatingLoader(torch.utils.data.DataLoader(Scaled(), batch_size=BATCH, shuffle=True, drop_last=True,
-                                                           collate_fn=Shift()))
+                                                           collate_fn=Shift(), num_workers=workers))
 
     def run(restore_at=None):
         feed = make()
         position, out = data_position(None, feed), []
         for i in range(10):
+            feed.loader.dataset.noise = 0.01 * i
             if i == 4:
                 feed.loader.dataset.scale, feed.loader.collate_fn.shift = 0.5, 2
+                feed.loader.dataset.opts["half"] = True
             if i == restore_at:
                 saved, rng = position.state_dict(), torch.get_rng_state()
                 feed = make()
+                feed.loader.dataset.noise = 0.01 * i  # the resumed loop's, before the call that restores
                 position = data_position(None, feed)
                 position.load_state_dict(saved)
                 torch.set_rng_state(rng)  # baft's RngRestore, at the first resumed iteration
@@ -558,12 +565,22 @@ def test_the_settings_a_loop_changes_once_come_back_with_a_plain_repeating_loade
         assert torch.equal(run(restore_at), reference), f"restored after batch {restore_at}"
     feed = make()
     position = data_position(None, feed)
-    next(feed)
+    for _ in range(8):  # into the second epoch, whose iterator a survivor with workers can make again
+        next(feed)
     before = position.state_dict()
-    feed.loader.dataset.scale, feed.loader.collate_fn.shift = 0.5, 2
+    feed.loader.dataset.scale, feed.loader.collate_fn.shift, feed.loader.dataset.opts["half"] = 0.5, 2, True
     next(feed)
     data_position(None, feed).load_state_dict(before)
-    assert (feed.loader.dataset.scale, feed.loader.collate_fn.shift) == (1.0, 0)
+    assert (feed.loader.dataset.scale, feed.loader.collate_fn.shift, feed.loader.dataset.opts) == (1.0, 0, {
+        "half": False})
+    capsys.readouterr()
+    feed.loader.collate_fn, feed.loader.dataset.scale = functools.partial(mask, rng=None), torch.tensor(0.5)
+    position.state_dict()
+    position.state_dict()
+    said = capsys.readouterr().err.splitlines()
+    assert sorted(line.split(":")[1] for line in said) == [
+        " the loop replaced the data loader's collate_fn (now a partial)",
+        " the loop replaced the data loader's dataset.scale (now a Tensor)"]
 
 
 class Jitter:
@@ -1269,6 +1286,25 @@ def test_the_scripts_own_generators_resume_where_its_loop_its_collate_function_a
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from step 4" in run.stdout + run.stderr, run.stdout[-3000:]
     assert redone_differ(digests) == []
+
+
+@pytest.mark.slow
+def test_settings_the_loop_changes_resume_in_the_workers_of_the_restored_epoch_and_a_replaced_collate_fn_is_said(
+        tmp_path):
+    """Probe 25: a curriculum's noise the loop sets on its dataset before each call and a dict's item it sets once,
+    read in a plain DataLoader's workers: the restored epoch's iterator was made with the dataset as the resumed loop
+    had it (the restored step's noise, the dict's first item), not as that epoch began, silently; a collate_fn the
+    loop replaced was in no snapshot, silently. Killed inside the second epoch: its steps trained again are the same
+    as first trained, and the collate_fn is said."""
+    digests = tmp_path / "digests"
+    run = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
+                          "--run-dir", str(tmp_path / "run"), "--fault", "rank=1,step=7,phase=backward", "--",
+                          str(Path(__file__).parent / "scripts" / "data_settings.py")],
+                         capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from step 5" in run.stdout + run.stderr, run.stdout[-3000:]
+    assert redone_differ(digests) == []
+    assert "baft: the loop replaced the data loader's collate_fn (now a partial)" in run.stderr, run.stderr[-3000:]
 
 
 def test_a_stream_that_reads_a_file_it_holds_open_is_named_for_its_survivors(tmp_path):

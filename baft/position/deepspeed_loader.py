@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
+from baft.position.settings import data_attributes
+
 
 class DeepSpeedEpochs(DeepSpeedDataLoader):
     """A ``DeepSpeedDataLoader`` that answers to the names of torch's ``DataLoader`` for what its epochs are made
@@ -41,7 +43,7 @@ class DeepSpeedEpochs(DeepSpeedDataLoader):
         return self.num_local_io_workers
 
     def __iter__(self):
-        self.made_from = {"torch": torch.get_rng_state(), "generator": None}
+        self.made_from = {"torch": torch.get_rng_state(), "generator": None, "attributes": data_attributes(self)}
         return super().__iter__()
 
     def _create_dataloader(self):

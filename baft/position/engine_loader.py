@@ -1,12 +1,13 @@
 """The data position of the engine's own loader (``training_data=`` given to ``initialize``): how far into its epoch
-DeepSpeed's repeating loader has read, and the state of torch's generator each epoch's iterator drew its workers'
-seeds from."""
+DeepSpeed's repeating loader has read, the state of torch's generator each epoch's iterator drew its workers'
+seeds from, and the settings of its dataset."""
 
 from __future__ import annotations
 
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.position.epoch_starts import EpochStarts, generator_states
+from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
 
 
 class EngineLoaderPosition:
@@ -20,7 +21,9 @@ class EngineLoaderPosition:
     random crop of torchvision's in the dataset): :class:`~baft.position.epoch_starts.EpochStarts` keeps the state it
     was drawn from (without it a restore inside a later epoch read on from an iterator made at ``initialize``, whose
     workers drew other random numbers: probe 16, a dataset's ``torch.rand`` augmentation; an in-place survivor's,
-    made from its generator as it stood, in the first epoch too).
+    made from its generator as it stood, in the first epoch too), and the settings its dataset held then, which its
+    workers copied (probe 25: made with those the resumed loop had set, they read a curriculum's later value). The
+    settings the loop changed are kept as a plain loader's (:mod:`baft.position.settings`).
     """
 
     def __init__(self, engine):
@@ -31,6 +34,7 @@ class EngineLoaderPosition:
         if isinstance(self.repeating, RepeatingLoader):
             self.repeating = EpochStarts.take_over(self.repeating)
             self.repeating.remake(generator_states(self.repeating.loader))  # deepspeed.initialize's: not kept
+            data_attributes_at_start(self.repeating.loader)
 
     def read(self) -> int:
         """The micro-batches the loader has given by the engine's step."""
@@ -43,7 +47,10 @@ class EngineLoaderPosition:
     def state_dict(self) -> dict:
         if not isinstance(self.repeating, EpochStarts):
             return {"micro_batches": self.read()}
-        return {"micro_batches": self.read(), "epoch_rng": self.repeating.made_from["torch"]}
+        made_from = self.repeating.made_from
+        return {"micro_batches": self.read(), "epoch_rng": made_from["torch"],
+                "epoch_attributes": made_from["attributes"],
+                "attributes": changed_data_attributes(self.repeating.loader)}
 
     def load_state_dict(self, saved: dict) -> None:
         """Make the saved epoch's iterator again, its base seed drawn as it was, and skip it to the saved position.
@@ -55,7 +62,9 @@ class EngineLoaderPosition:
         if self.repeating is None:
             return
         if "epoch_rng" in saved:
-            self.repeating.remake({"torch": saved["epoch_rng"], "generator": None})
+            self.repeating.remake({"torch": saved["epoch_rng"], "generator": None,
+                                   "attributes": saved.get("epoch_attributes")})
         position, epoch = saved["micro_batches"], len(self.repeating.loader)
         for _ in range(position % epoch or (epoch if position else 0)):
             next(self.repeating)
+        set_data_attributes(self.repeating.loader, saved.get("attributes", {}))

@@ -10,14 +10,15 @@ import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.position.deepspeed_loader import epoch_iterator
+from baft.position.settings import as_made, data_attributes
 
 
 class EpochStarts(RepeatingLoader):
     """DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from: the states of torch's
-    generator and of the loader's ``generator`` as its ``iter()`` began (:attr:`made_from`: the base seed its
-    workers are seeded from is drawn there; None for the iterator it held when baft took it over), and how many it
-    has made since (:attr:`epoch`); :attr:`first` is the iterator it held then (of torch's loader:
-    :func:`~baft.position.deepspeed_loader.epoch_iterator`)."""
+    generator and of the loader's ``generator`` as its ``iter()`` began, and the settings its dataset held then,
+    which its workers copy (:attr:`made_from`: the base seed its workers are seeded from is drawn there; None for the
+    iterator it held when baft took it over), and how many it has made since (:attr:`epoch`); :attr:`first` is the
+    iterator it held then (of torch's loader: :func:`~baft.position.deepspeed_loader.epoch_iterator`)."""
 
     epoch: int
     made_from: Optional[dict]
@@ -54,16 +55,21 @@ class EpochStarts(RepeatingLoader):
 
 
 def generator_states(loader) -> dict:
-    """The states of torch's generator and of ``loader``'s ``generator`` (None where it has none)."""
+    """The states of torch's generator and of ``loader``'s ``generator`` (None where it has none), and the settings
+    its dataset and ``collate_fn`` hold (:func:`~baft.position.settings.data_attributes`: its workers copy them as
+    the iterator is made)."""
     generator = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(),
-            "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
+            "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+            "attributes": data_attributes(loader)}
 
 
 def made_again(loader, made_from: Optional[dict], make=iter):
-    """An iterator of ``loader`` made again by ``make`` from the generators as :func:`generator_states` gave them
-    (``made_from``; None: as they stand), torch's left as it was."""
-    with torch.random.fork_rng(devices=[]):
+    """An iterator of ``loader`` made again by ``make`` from the generators and settings as :func:`generator_states`
+    gave them (``made_from``; None: as they stand), torch's generator and the settings left as they were (probe 25:
+    made with the settings as the resumed loop left them, its workers read a curriculum's later value the whole
+    epoch, silently)."""
+    with torch.random.fork_rng(devices=[]), as_made(loader, (made_from or {}).get("attributes")):
         if made_from is not None:
             torch.set_rng_state(made_from["torch"])
             if made_from["generator"] is not None:

@@ -1,46 +1,126 @@
-"""The plain settings a loop changes in its dataset or ``collate_fn`` (``dataset.scale = 0.5`` once a warm-up ends),
-kept with the data position: no loader state holds them."""
+"""The plain settings a loop changes in its dataset or ``collate_fn`` (``dataset.scale = 0.5`` once a warm-up ends,
+``dataset.noise`` set before each call), kept with the data position: no loader state holds them. And the other
+objects of the data pipeline the loop may replace (``loader.collate_fn = partial(...)``), which no restore can make
+again: said once, where a snapshot sees one replaced."""
 
 from __future__ import annotations
 
+import sys
 import weakref
+from contextlib import contextmanager
+from typing import Optional
 
-from baft.script.attributes import PLAIN
-from baft.script.rng import data_objects
+import torch
+
+from baft.script.attributes import setting
+from baft.script.rng import GENERATORS, data_objects
 
 
-_ATTRIBUTES_AT_START: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> _data_attributes
+_AT_START: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> _read(loader), as first kept
+_SAID: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> the paths said replaced
 
 
-def _data_attributes(loader) -> dict:
-    """The plain values (numbers, strings, None) that the dataset of ``loader`` or its ``collate_fn`` hold as
-    attributes (:func:`~baft.script.rng.data_objects`), by where they are (``dataset.scale``), where they are read in
-    this process: the loader has no workers (each worker holds a copy made as its epoch began, a persistent one as
-    the first did). A setting the loop changed once between steps (probe 23: a dataset's augmentation turned off at a
-    step was back on in a run resumed after it, silently)."""
-    if getattr(loader, "num_workers", 0):
-        return {}
-    return {f"{path}.{name}": value for path, obj in data_objects(loader) for name, value in vars(obj).items()
-            if isinstance(value, PLAIN)}
+def data_attributes(loader) -> dict:
+    """The plain values (numbers, strings, None) and small dicts of them (``dataset.opts = {"half": False}``) that
+    the dataset of ``loader``, its ``collate_fn`` and the objects they hold (:func:`~baft.script.rng.data_objects`)
+    hold as attributes, by where they are (``dataset.scale``, ``dataset.opts``): a setting the loop changed once
+    between steps (probe 23: a dataset's augmentation turned off at a step was back on in a run resumed after it,
+    silently), or sets before each call. Read in this process where the loader has no workers; each worker reads
+    the copy made as its epoch's iterator was made (a persistent one's, as the first was)."""
+    return _read(loader)[0]
+
+
+def _read(loader) -> tuple[dict, dict]:
+    """:func:`data_attributes`, and what else the data pipeline holds (a transform object, a tensor, the loader's
+    ``collate_fn``, a sampler's ``weights``), by path: its identity and type (not its contents: a table of samples
+    may be large; a snapshot reads them all). Its generators are kept otherwise (:func:`~baft.script.rng.held_by`).
+    One walk of the objects, each snapshot."""
+    values, held = {}, {}
+    for path, obj in data_objects(loader):
+        for name, value in vars(obj).items():
+            if setting(value):
+                values[f"{path}.{name}"] = dict(value) if isinstance(value, dict) else value
+            elif not isinstance(value, GENERATORS):
+                held[f"{path}.{name}"] = (id(value), type(value))
+    for name in ("collate_fn", "worker_init_fn"):  # the loader's others torch does not let a script set once made
+        value = vars(loader).get(name)
+        if value is not None:
+            held[name] = (id(value), type(value))
+    sampler = getattr(loader, "sampler", None)
+    for name, value in getattr(sampler, "__dict__", {}).items():
+        if not setting(value) and not isinstance(value, GENERATORS) and not name.startswith("_baft"):
+            held[f"sampler.{name}"] = (id(value), type(value))
+    return values, held
 
 
 def data_attributes_at_start(loader) -> dict:
-    """:func:`_data_attributes` of ``loader`` as this process first kept its position (a survivor recovering in place
-    makes its position again)."""
-    return _ATTRIBUTES_AT_START.setdefault(loader, _data_attributes(loader))
+    """:func:`data_attributes` of ``loader`` as this process first kept its position (a survivor recovering in
+    place makes its position again)."""
+    if loader not in _AT_START:
+        _AT_START[loader] = _read(loader)
+    return _AT_START[loader][0]
 
 
 def changed_data_attributes(loader) -> dict:
-    """Those of :func:`_data_attributes` that changed since :func:`data_attributes_at_start`."""
+    """Those of :func:`data_attributes` that changed since :func:`data_attributes_at_start`. An object of the data
+    pipeline the loop replaced since (``loader.collate_fn = partial(...)``, ``dataset.transform = Scale(0.5)``,
+    ``sampler.weights = ...``) is said once, on stderr: no snapshot holds it, so a run restored after the change
+    reads with the script's first (probe 25, silently)."""
     start = data_attributes_at_start(loader)
-    return {path: value for path, value in _data_attributes(loader).items()
+    values, held = _read(loader)
+    _say_replaced(loader, held)
+    return {path: value for path, value in values.items()
             if path not in start or start[path] != value or type(start[path]) is not type(value)}
 
 
+def _say_replaced(loader, held: dict) -> None:
+    plain, start = _AT_START[loader]
+    said = _SAID.setdefault(loader, set())
+    for path, (identity, kind) in held.items():
+        # one made since that held no value then (a cache a dataset makes as it first reads) was not replaced
+        if path in said or start.get(path, (identity, kind) if path not in plain else None) == (identity, kind):
+            continue
+        said.add(path)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"baft: the loop replaced the data loader's {path} (now a {kind.__name__}): no snapshot holds "
+                  f"that object, so a run restored past this step reads with the one the script first made; set it "
+                  f"before each call from the engine's step (if engine.global_steps >= N: ...), which a resumed loop "
+                  f"does again", file=sys.stderr, flush=True)
+
+
 def set_data_attributes(loader, changed: dict) -> None:
-    """Set the attributes :func:`_data_attributes` read as they started, less those ``changed`` (a snapshot's)."""
+    """Set the attributes :func:`data_attributes` read as they started, less those ``changed`` (a snapshot's)."""
+    _set(loader, {**data_attributes_at_start(loader), **changed})
+
+
+def _set(loader, values: dict) -> None:
+    """Set the attributes ``values`` holds by path (a dict's items into the dict the object holds)."""
     objects = dict(data_objects(loader))
-    for path, value in {**data_attributes_at_start(loader), **changed}.items():
+    for path, value in values.items():
         where, name = path.rsplit(".", 1)
-        if where in objects:
-            setattr(objects[where], name, value)
+        if where not in objects:
+            continue
+        held = vars(objects[where]).get(name)
+        if isinstance(value, dict) and isinstance(held, dict):
+            held.clear()
+            held.update(value)
+        else:
+            setattr(objects[where], name, dict(value) if isinstance(value, dict) else value)
+
+
+@contextmanager
+def as_made(loader, values: Optional[dict]):
+    """Within: the attributes of :func:`data_attributes` as ``values`` (those an epoch's iterator was made with,
+    which its workers copied); after, as they were before."""
+    objects = dict(data_objects(loader)) if values else {}
+    before = {}
+    for path in values or ():
+        where, name = path.rsplit(".", 1)
+        held = vars(objects[where]) if where in objects else {}
+        if name in held:
+            before[path] = dict(held[name]) if isinstance(held[name], dict) else held[name]
+    _set(loader, {path: values[path] for path in before})
+    try:
+        yield
+    finally:
+        _set(loader, before)

@@ -105,6 +105,20 @@ def not_as_replaced(module: torch.nn.Module, replaced: Optional[dict[str, str]])
     return None
 
 
+def setting(value) -> bool:
+    """Whether ``value`` is a setting a snapshot keeps by value where the data pipeline holds it: a plain value or a
+    small dict of them (``dataset.opts = {"half": False}``; not a table of samples)."""
+    return isinstance(value, PLAIN) or (isinstance(value, dict) and len(value) <= 64 and all(
+        isinstance(k, PLAIN) and isinstance(v, PLAIN) for k, v in value.items()))
+
+
+def keeps_data_attribute(obj: object, attr: str) -> bool:
+    """Whether a snapshot keeps ``obj.attr`` where the loop sets it (``dataset.noise = 0.05 * engine.global_steps``):
+    a :func:`setting` a dataset holds, which the data position of the loader reading it keeps and a restore sets again,
+    in the workers of the restored epoch's iterator as that epoch began (:mod:`baft.position.settings`)."""
+    return isinstance(obj, torch.utils.data.Dataset) and setting(vars(obj).get(attr))
+
+
 def _named(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 

@@ -523,8 +523,9 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
 
 def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
     """The first assignment in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
-    ``self.step += 1``), but of a module, one of ``kept``, or a class of the model's whose plain class attribute a
-    snapshot keeps (``Block.scale = 0.75``: :func:`attributes.keeps_class_attribute`), as ``file:line (text)``; ""
+    ``self.step += 1``), but of a module, one of ``kept``, a class of the model's whose plain class attribute a
+    snapshot keeps (``Block.scale = 0.75``: :func:`attributes.keeps_class_attribute`), or a dataset's setting
+    (``dataset.noise = ...``: :func:`attributes.keeps_data_attribute`), as ``file:line (text)``; ""
     where none is. An ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is not state: which iterator
     ``train_batch`` reads is checked at every call (:meth:`baft.protection.Protection.reads`)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -540,7 +541,8 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
                 continue
             value = source.value_in(frame, base.id)
             if (not isinstance(value, types.ModuleType) and not any(value is k for k in kept)
-                    and not (target.value is base and attributes.keeps_class_attribute(value, target.attr))):
+                    and not (target.value is base and (attributes.keeps_class_attribute(value, target.attr)
+                                                       or attributes.keeps_data_attribute(value, target.attr)))):
                 found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
     return min(found)[1] if found else ""
 
