@@ -193,23 +193,29 @@ class Shift:
         return torch.utils.data.default_collate(samples) + self.shift
 
 
-def test_the_settings_a_loop_changes_once_in_its_dataset_and_collate_fn_come_back_with_the_position():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_settings_a_loop_changes_once_in_its_dataset_and_collate_fn_come_back_with_the_position(workers):
     """Probe 23: the loop sets ``dataset.scale`` and ``collate_fn.shift`` once, after batch 4; a loader restored after
     it (a new process's, made with the first values) read on with those, silently. The position keeps the plain
-    values they hold that changed since, and a survivor restored to before the change gets the first ones back."""
+    values they hold that changed since, and a survivor restored to before the change gets the first ones back. With
+    workers, the restored iterator is built with the settings its epoch's was (probe 25: with those the resumed loop
+    had set before each batch, and without a dict's item, silently)."""
     def make():
         return StatefulDataLoader(Scaled(), batch_size=BATCH, shuffle=True, drop_last=True, collate_fn=Shift(),
-                                  generator=torch.Generator().manual_seed(3))
+                                  generator=torch.Generator().manual_seed(3), num_workers=workers)
 
     def run(restore_at=None):
         loader = make()
         position, feed, out = data_position(None, loader), RepeatingLoader(loader), []
         for i in range(10):
+            loader.dataset.noise = 0.01 * i
             if i == 4:
                 loader.dataset.scale, loader.collate_fn.shift = 0.5, 2
+                loader.dataset.opts["half"] = True
             if i == restore_at:
                 saved = position.state_dict()
                 loader = make()
+                loader.dataset.noise = 0.01 * i  # the resumed loop's, before the call that restores
                 position = data_position(None, loader)
                 position.load_state_dict(saved)
                 feed = RepeatingLoader(loader)

@@ -12,7 +12,8 @@ import torch
 from baft.position.iterators import take_over
 from baft.position.samplers import (EPOCH_START, as_epoch_started, draws_from_torch, drawing_sampler,
                                     record_epoch_starts, records)
-from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.settings import (as_made, changed_data_attributes, data_attributes, data_attributes_at_start,
+                                    set_data_attributes)
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import generator_state, held_by, set_generator_state
 
@@ -38,7 +39,9 @@ class ResumableLoader:
     ``torch.Generator``: a random crop, BERT-style masking) draws in this process where the loader has no workers;
     no loader state holds it, so its state is kept beside the loader's (:func:`_held_generators`). So are the plain
     values they hold as attributes that changed since (:func:`changed_data_attributes`): a setting the loop changes once
-    (``dataset.scale = 0.5``, an augmentation turned off as a warm-up ends), a count a stream keeps.
+    (``dataset.scale = 0.5``, an augmentation turned off as a warm-up ends), a count a stream keeps. The restored
+    iterator's workers copy the dataset with the settings it held as the loader made that iterator
+    (:func:`_note_settings`).
     An ``IterableDataset`` without state of its own torchdata restores by reading its stream again up to the
     position, and counts those batches a second time (0.11, with or without workers): the state this iterator then
     gives says twice the position, and a second restore in the same epoch would skip as many batches; those counters
@@ -49,6 +52,7 @@ class ResumableLoader:
         self.loader = loader
         self.sampler = drawing_sampler(loader)
         record_epoch_starts(self.sampler)
+        _note_settings(loader)
         if engine is not None and self._first_epoch_unrecorded():
             THIS_PROCESS.no_survivors(engine, "the script took an iterator of its StatefulDataLoader before baft kept "
                                               "the loader, whose first epoch's order a survivor cannot draw again",
@@ -83,6 +87,9 @@ class ResumableLoader:
         changed = changed_data_attributes(self.loader)
         if changed:
             state["attributes"] = changed
+        made_with = vars(self.loader).get(MADE_WITH)
+        if made_with:
+            state["epoch_attributes"] = made_with
         return state
 
     def load_state_dict(self, saved: dict) -> None:
@@ -99,7 +106,8 @@ class ResumableLoader:
                 next(live)
         else:
             self.loader.load_state_dict(saved["loader"])
-            with as_epoch_started(self.sampler, saved.get("sampler")):
+            with as_epoch_started(self.sampler, saved.get("sampler")), as_made(self.loader,
+                                                                                saved.get("epoch_attributes")):
                 self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
             restored = self.loader._iterator
             if live is not None and restored is not None and live is not restored:
@@ -188,6 +196,27 @@ class ResumableLoader:
         """Whether the position restored last is an epoch's end: every batch read, the next ``iter()`` not yet
         taken (a snapshot taken as a step ended; baft's own are taken as the next begins, past that ``iter()``)."""
         return (self.yielded or 0) >= len(self.loader)
+
+
+MADE_WITH = "_baft_made_with"  # the settings of a loader's dataset as its latest iterator was made
+_NOTING: dict[type, type] = {}
+
+
+def _note_settings(loader) -> None:
+    """Make ``loader`` note the settings of its dataset and ``collate_fn`` (:func:`data_attributes`) as it makes each
+    iterator (:data:`MADE_WITH`), which that iterator's workers copy: a restore builds the restored one with them
+    (probe 25: built with the resumed loop's, its workers read a curriculum's later value, silently). Its class
+    becomes a subclass that notes them and is otherwise its own."""
+    own = type(loader)
+    if own.__dict__.get("_baft_notes_settings"):
+        return
+    if own not in _NOTING:
+        def _get_iterator(self):
+            self.__dict__[MADE_WITH] = data_attributes(self)
+            return own._get_iterator(self)
+        _NOTING[own] = type(own.__name__, (own,), {"_get_iterator": _get_iterator, "__module__": own.__module__,
+                                                   "__qualname__": own.__qualname__, "_baft_notes_settings": True})
+    loader.__class__ = _NOTING[own]
 
 
 def _held_generators(loader) -> dict:
