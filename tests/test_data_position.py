@@ -174,13 +174,14 @@ class Scaled(torch.utils.data.Dataset):
     option in a dict of them) or before each batch (a curriculum's noise)."""
 
     def __init__(self):
-        self.scale, self.noise, self.opts = 1.0, 0.0, {"half": False}
+        self.scale, self.noise, self.opts, self.transform = 1.0, 0.0, {"half": False}, None
 
     def __len__(self):
         return SAMPLES
 
     def __getitem__(self, i):
-        return torch.tensor([float(i), self.scale * (0.5 if self.opts["half"] else 1.0) + self.noise])
+        sample = torch.tensor([float(i), self.scale * (0.5 if self.opts["half"] else 1.0) + self.noise])
+        return sample if self.transform is None else self.transform(sample)
 
 
 class Shift:
@@ -539,13 +540,15 @@ def test_deepspeeds_own_loader_found_as_the_loop_first_reads_it_takes_a_restore_
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_settings_a_loop_changes_come_back_with_a_plain_repeating_loaders_position(workers, capsys):
     """As a StatefulDataLoader's (above): DeepSpeedExamples' RepeatingLoader of torch's own loader, whose dataset's
-    settings and collate_fn's the loop changes after batch 4 and whose dataset's noise it sets before each batch,
-    restored after the change in a new process and before it in a survivor. With workers an epoch's reads the
-    settings its iterator was made with (probe 25: a restored one was made with those the resumed loop had set, and a
-    dict's item was not kept, silently). An object the loop replaces is said once."""
+    settings, collate_fn's and sampler's weights the loop changes after batch 4 and whose dataset's noise it sets
+    before each batch, restored after the change in a new process and before it in a survivor. With workers an
+    epoch's reads the settings its iterator was made with, and each epoch's order is drawn from the weights it began
+    with (probe 25: a restored one was made with those the resumed loop had set; a dict's item and the weights were not
+    kept, silently). Another object the loop puts in place of one is said once."""
     def make():
-        torch.manual_seed(0)
-        return RepeatingLoader(torch.utils.data.DataLoader(Scaled(), batch_size=BATCH, shuffle=True, drop_last=True,
+        weights = torch.ones(SAMPLES, dtype=torch.double)
+        sampler = torch.utils.data.WeightedRandomSampler(weights, SAMPLES, generator=torch.Generator().manual_seed(3))
+        return RepeatingLoader(torch.utils.data.DataLoader(Scaled(), batch_size=BATCH, sampler=sampler, drop_last=True,
                                                            collate_fn=Shift(), num_workers=workers))
 
     def run(restore_at=None):
@@ -556,13 +559,13 @@ def test_the_settings_a_loop_changes_come_back_with_a_plain_repeating_loaders_po
             if i == 4:
                 feed.loader.dataset.scale, feed.loader.collate_fn.shift = 0.5, 2
                 feed.loader.dataset.opts["half"] = True
+                feed.loader.sampler.weights = torch.linspace(0.1, 1.0, SAMPLES, dtype=torch.double)
             if i == restore_at:
-                saved, rng = position.state_dict(), torch.get_rng_state()
+                saved = position.state_dict()
                 feed = make()
                 feed.loader.dataset.noise = 0.01 * i  # the resumed loop's, before the call that restores
                 position = data_position(None, feed)
                 position.load_state_dict(saved)
-                torch.set_rng_state(rng)  # baft's RngRestore, at the first resumed iteration
             out.append(next(feed))
         return torch.stack(out)
 
@@ -570,23 +573,25 @@ def test_the_settings_a_loop_changes_come_back_with_a_plain_repeating_loaders_po
     for restore_at in (2, 6, 9):
         assert torch.equal(run(restore_at), reference), f"restored after batch {restore_at}"
     feed = make()
-    position = data_position(None, feed)
+    position, weights = data_position(None, feed), feed.loader.sampler.weights
     for _ in range(8):  # into the second epoch, whose iterator a survivor with workers can make again
         next(feed)
     before = position.state_dict()
     feed.loader.dataset.scale, feed.loader.collate_fn.shift, feed.loader.dataset.opts["half"] = 0.5, 2, True
+    feed.loader.sampler.weights = torch.linspace(0.1, 1.0, SAMPLES, dtype=torch.double)
     next(feed)
     data_position(None, feed).load_state_dict(before)
     assert (feed.loader.dataset.scale, feed.loader.collate_fn.shift, feed.loader.dataset.opts) == (1.0, 0, {
         "half": False})
+    assert feed.loader.sampler.weights is weights
     capsys.readouterr()
-    feed.loader.collate_fn, feed.loader.dataset.scale = functools.partial(mask, rng=None), torch.tensor(0.5)
+    feed.loader.collate_fn, feed.loader.dataset.transform = functools.partial(mask, rng=None), Jitter(0)
     position.state_dict()
     position.state_dict()
     said = capsys.readouterr().err.splitlines()
     assert sorted(line.split(":")[1] for line in said) == [
         " the loop replaced the data loader's collate_fn (now a partial)",
-        " the loop replaced the data loader's dataset.scale (now a Tensor)"]
+        " the loop replaced the data loader's dataset.transform (now a Jitter)"]
 
 
 class Jitter:

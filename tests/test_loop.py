@@ -165,15 +165,17 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
             "    seen = _\n    args.batches = iter(loader)\n    engine.train_batch()")
     assert _site(tmp_path, kept)[0].sets_state == ""
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
-    # a dataset's setting (a number, a dict of them), which the data position keeps (probe 25: said "not kept", every
-    # rank was replaced in place); one it holds as another object (a transform) is not kept
+    # a dataset's setting (a number, a dict of them), a sampler's weights, which the data position keeps (probe 25:
+    # said "not kept", every rank was replaced in place); an object a dataset holds (a transform) is not kept
     data = ("import torch\nclass Samples(torch.utils.data.Dataset):\n    def __init__(self):\n"
             "        self.noise, self.opts, self.transform = 0.0, {'half': False}, object()\n"
-            "ds = Samples()\nwhile engine.global_steps < N:\n    ds.noise = 0.05 * engine.global_steps\n"
-            "    ds.opts = {'half': True}\n    engine.train_batch()\n    engine.global_steps += 1\n")
+            "ds, sampler = Samples(), torch.utils.data.WeightedRandomSampler(torch.ones(4), 4)\n"
+            "while engine.global_steps < N:\n    ds.noise = 0.05 * engine.global_steps\n"
+            "    ds.opts = {'half': True}\n    sampler.weights = torch.rand(4)\n    engine.train_batch()\n"
+            "    engine.global_steps += 1\n")
     assert _site(tmp_path, data)[0].sets_state == ""
     site, script = _site(tmp_path, data + "    ds.transform = object()\n")
-    assert site.sets_state == f"{script}:{len(STUB.splitlines()) + 11} (ds.transform = object())", site
+    assert site.sets_state == f"{script}:{len(STUB.splitlines()) + 12} (ds.transform = object())", site
 
 
 

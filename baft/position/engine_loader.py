@@ -7,7 +7,7 @@ from __future__ import annotations
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.position.epoch_starts import EpochStarts, generator_states
-from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
 
 
 class EngineLoaderPosition:
@@ -49,7 +49,7 @@ class EngineLoaderPosition:
             return {"micro_batches": self.read()}
         made_from = self.repeating.made_from
         return {"micro_batches": self.read(), "epoch_rng": made_from["torch"],
-                "epoch_attributes": made_from["attributes"],
+                "epoch_attributes": made_from.get("attributes"),
                 "attributes": changed_data_attributes(self.repeating.loader)}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -61,10 +61,11 @@ class EngineLoaderPosition:
         self.read_before, self.since_step = saved["micro_batches"], self.engine.global_steps
         if self.repeating is None:
             return
-        if "epoch_rng" in saved:
-            self.repeating.remake({"torch": saved["epoch_rng"], "generator": None,
-                                   "attributes": saved.get("epoch_attributes")})
         position, epoch = saved["micro_batches"], len(self.repeating.loader)
-        for _ in range(position % epoch or (epoch if position else 0)):
-            next(self.repeating)
+        with as_made(self.repeating.loader, saved.get("epoch_attributes")):  # its workers copy them
+            if "epoch_rng" in saved:
+                self.repeating.remake({"torch": saved["epoch_rng"], "generator": None,
+                                       "attributes": saved.get("epoch_attributes")})
+            for _ in range(position % epoch or (epoch if position else 0)):
+                next(self.repeating)
         set_data_attributes(self.repeating.loader, saved.get("attributes", {}))

@@ -10,7 +10,7 @@ import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.position.deepspeed_loader import epoch_iterator
-from baft.position.settings import as_made, data_attributes
+from baft.position.settings import data_attributes
 
 
 class EpochStarts(RepeatingLoader):
@@ -65,11 +65,10 @@ def generator_states(loader) -> dict:
 
 
 def made_again(loader, made_from: Optional[dict], make=iter):
-    """An iterator of ``loader`` made again by ``make`` from the generators and settings as :func:`generator_states`
-    gave them (``made_from``; None: as they stand), torch's generator and the settings left as they were (probe 25:
-    made with the settings as the resumed loop left them, its workers read a curriculum's later value the whole
-    epoch, silently)."""
-    with torch.random.fork_rng(devices=[]), as_made(loader, (made_from or {}).get("attributes")):
+    """An iterator of ``loader`` made again by ``make`` from the generators as :func:`generator_states` gave them
+    (``made_from``; None: as they stand), torch's left as it was. Its settings are the caller's to set
+    (:func:`~baft.position.settings.as_made`): its sampler draws the epoch's order at its first batch."""
+    with torch.random.fork_rng(devices=[]):
         if made_from is not None:
             torch.set_rng_state(made_from["torch"])
             if made_from["generator"] is not None:

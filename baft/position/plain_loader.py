@@ -15,7 +15,7 @@ from baft.errors import BaftError
 from baft.position.epoch_starts import generator_states, made_again
 from baft.position.iterators import batches_read, read_to, take_over
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
-from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
 
@@ -89,7 +89,9 @@ class PlainLoaderPosition:
     def load_state_dict(self, saved: dict) -> None:
         loader, live = self.loader, self.latest
         own = saved["epoch"] == 0 == self.epoch and live is not None and batches_read(live) <= saved["read"]
-        with as_epoch_started(self.sampler, saved["sampler"]):
+        # the settings that epoch began with, which its workers copy and its sampler draws from
+        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, (saved["made_from"] or {}).get(
+                "attributes")):
             if own:
                 restored = live
             elif saved["made_from"] is None and loader.num_workers:

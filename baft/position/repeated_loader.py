@@ -17,7 +17,7 @@ from baft.position.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keep
 from baft.position.epoch_starts import EpochStarts
 from baft.position.iterators import batches_read, read_to
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
-from baft.position.settings import changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import hold_loader_generators
 
@@ -89,7 +89,9 @@ class RepeatedLoaderPosition:
             raise BaftError("the restored position is in the first epoch of a DataLoader with workers that "
                             "RepeatingLoader repeats, whose iterator this process cannot make again as it was "
                             "made: give baft.initialize torchdata's StatefulDataLoader as data_iterator=")
-        with as_epoch_started(self.sampler, saved["sampler"]):
+        # the settings that epoch began with, which its workers copy and its sampler draws from
+        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, (saved["made_from"] or {}).get(
+                "attributes")):
             if not own:
                 repeating.remake(saved["made_from"])
             here = epoch_iterator(repeating.data_iter)

@@ -1,7 +1,8 @@
 """The plain settings a loop changes in its dataset or ``collate_fn`` (``dataset.scale = 0.5`` once a warm-up ends,
-``dataset.noise`` set before each call), kept with the data position: no loader state holds them. And the other
-objects of the data pipeline the loop may replace (``loader.collate_fn = partial(...)``), which no restore can make
-again: said once, where a snapshot sees one replaced."""
+``dataset.noise`` set before each call) and the tensors it replaces in the loader's sampler (``sampler.weights``),
+kept with the data position: no loader state holds them. And the other objects of the data pipeline the loop may
+replace (``loader.collate_fn = partial(...)``), which no restore can make again: said once, where a snapshot sees one
+replaced."""
 
 from __future__ import annotations
 
@@ -26,51 +27,66 @@ def data_attributes(loader) -> dict:
     hold as attributes, by where they are (``dataset.scale``, ``dataset.opts``): a setting the loop changed once
     between steps (probe 23: a dataset's augmentation turned off at a step was back on in a run resumed after it,
     silently), or sets before each call. Read in this process where the loader has no workers; each worker reads
-    the copy made as its epoch's iterator was made (a persistent one's, as the first was)."""
-    return _read(loader)[0]
+    the copy made as its epoch's iterator was made (a persistent one's, as the first was). And the tensors the
+    loader's sampler holds that the loop replaced since :func:`data_attributes_at_start` (``sampler.weights = ...``,
+    hard-example mining), as they are: not copied, nor compared by their contents (as long as the dataset, they are
+    in every snapshot only once replaced; a dataset's may be its samples, and are not kept)."""
+    start = data_attributes_at_start(loader)
+    return {path: value for path, value in _read(loader)[0].items()
+            if not isinstance(value, torch.Tensor) or (path in start and value is not start[path])}
 
 
 def _read(loader) -> tuple[dict, dict]:
-    """:func:`data_attributes`, and what else the data pipeline holds (a transform object, a tensor, the loader's
-    ``collate_fn``, a sampler's ``weights``), by path: its identity and type (not its contents: a table of samples
-    may be large; a snapshot reads them all). Its generators are kept otherwise (:func:`~baft.script.rng.held_by`).
-    One walk of the objects, each snapshot."""
+    """The settings and tensors of :func:`data_attributes` (every tensor of the sampler's), and what else the data
+    pipeline holds (a transform object, a dataset's tensor, the loader's ``collate_fn``), by path: its identity and
+    type (not its contents: a table of samples may be large). Its generators are kept otherwise
+    (:func:`~baft.script.rng.held_by`). One walk of the objects, each snapshot."""
     values, held = {}, {}
-    for path, obj in data_objects(loader):
+    for path, obj in _holders(loader).items():
         for name, value in vars(obj).items():
-            if setting(value):
+            # a sampler's plain values are its own state's (baft.position.samplers)
+            if isinstance(value, torch.Tensor) if path == "sampler" else setting(value):
                 values[f"{path}.{name}"] = dict(value) if isinstance(value, dict) else value
-            elif not isinstance(value, GENERATORS):
+            elif not setting(value) and not isinstance(value, GENERATORS) and not name.startswith("_baft"):
                 held[f"{path}.{name}"] = (id(value), type(value))
     for name in ("collate_fn", "worker_init_fn"):  # the loader's others torch does not let a script set once made
         value = vars(loader).get(name)
         if value is not None:
             held[name] = (id(value), type(value))
-    sampler = getattr(loader, "sampler", None)
-    for name, value in getattr(sampler, "__dict__", {}).items():
-        if not setting(value) and not isinstance(value, GENERATORS) and not name.startswith("_baft"):
-            held[f"sampler.{name}"] = (id(value), type(value))
     return values, held
 
 
+def _holders(loader) -> dict:
+    """The objects whose attributes :func:`_read` reads, by path: :func:`~baft.script.rng.data_objects`, and the
+    loader's sampler."""
+    sampler = getattr(loader, "sampler", None)
+    return {**dict(data_objects(loader)), **({"sampler": sampler} if hasattr(sampler, "__dict__") else {})}
+
+
 def data_attributes_at_start(loader) -> dict:
-    """:func:`data_attributes` of ``loader`` as this process first kept its position (a survivor recovering in
-    place makes its position again)."""
+    """:func:`data_attributes` of ``loader`` as this process first kept its position, every tensor (a survivor
+    recovering in place makes its position again)."""
     if loader not in _AT_START:
         _AT_START[loader] = _read(loader)
     return _AT_START[loader][0]
 
 
 def changed_data_attributes(loader) -> dict:
-    """Those of :func:`data_attributes` that changed since :func:`data_attributes_at_start`. An object of the data
-    pipeline the loop replaced since (``loader.collate_fn = partial(...)``, ``dataset.transform = Scale(0.5)``,
-    ``sampler.weights = ...``) is said once, on stderr: no snapshot holds it, so a run restored after the change
-    reads with the script's first (probe 25, silently)."""
+    """Those of :func:`data_attributes` that changed since :func:`data_attributes_at_start`. Another object of the
+    data pipeline the loop replaced since (``loader.collate_fn = partial(...)``, ``dataset.transform = Scale(0.5)``)
+    is said once, on stderr: no snapshot holds it, so a run restored after the
+    change reads with the script's first (probe 25, silently)."""
     start = data_attributes_at_start(loader)
     values, held = _read(loader)
     _say_replaced(loader, held)
-    return {path: value for path, value in values.items()
-            if path not in start or start[path] != value or type(start[path]) is not type(value)}
+    return {path: value for path, value in values.items() if path in start and not _same(start[path], value)
+            or path not in start and not isinstance(value, torch.Tensor)}
+
+
+def _same(kept, value) -> bool:
+    if isinstance(kept, torch.Tensor) or isinstance(value, torch.Tensor):
+        return kept is value
+    return kept == value and type(kept) is type(value)
 
 
 def _say_replaced(loader, held: dict) -> None:
@@ -95,7 +111,7 @@ def set_data_attributes(loader, changed: dict) -> None:
 
 def _set(loader, values: dict) -> None:
     """Set the attributes ``values`` holds by path (a dict's items into the dict the object holds)."""
-    objects = dict(data_objects(loader))
+    objects = _holders(loader)
     for path, value in values.items():
         where, name = path.rsplit(".", 1)
         if where not in objects:
@@ -111,8 +127,12 @@ def _set(loader, values: dict) -> None:
 @contextmanager
 def as_made(loader, values: Optional[dict]):
     """Within: the attributes of :func:`data_attributes` as ``values`` (those an epoch's iterator was made with,
-    which its workers copied); after, as they were before."""
-    objects = dict(data_objects(loader)) if values else {}
+    which its workers copied and its sampler drew from; a tensor not among them, as it started); after, as they were
+    before."""
+    if values is not None:
+        values = {**{path: value for path, value in data_attributes_at_start(loader).items()
+                     if isinstance(value, torch.Tensor)}, **values}
+    objects = _holders(loader) if values else {}
     before = {}
     for path in values or ():
         where, name = path.rsplit(".", 1)

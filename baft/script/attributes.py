@@ -113,10 +113,14 @@ def setting(value) -> bool:
 
 
 def keeps_data_attribute(obj: object, attr: str) -> bool:
-    """Whether a snapshot keeps ``obj.attr`` where the loop sets it (``dataset.noise = 0.05 * engine.global_steps``):
-    a :func:`setting` a dataset holds, which the data position of the loader reading it keeps and a restore sets again,
-    in the workers of the restored epoch's iterator as that epoch began (:mod:`baft.position.settings`)."""
-    return isinstance(obj, torch.utils.data.Dataset) and setting(vars(obj).get(attr))
+    """Whether a snapshot keeps ``obj.attr`` where the loop sets it (``dataset.noise = 0.05 * engine.global_steps``,
+    ``sampler.weights = ...``): a :func:`setting` a dataset holds, or a tensor a sampler holds, which the data
+    position of the loader reading them keeps and a restore sets again, in the workers of the restored epoch's
+    iterator and its sampler's draw as that epoch began (:mod:`baft.position.settings`)."""
+    value = vars(obj).get(attr) if hasattr(obj, "__dict__") else None
+    if isinstance(obj, torch.utils.data.Sampler):
+        return isinstance(value, torch.Tensor)
+    return isinstance(obj, torch.utils.data.Dataset) and setting(value)
 
 
 def _named(cls: type) -> str:
