@@ -89,9 +89,8 @@ class PlainLoaderPosition:
     def load_state_dict(self, saved: dict) -> None:
         loader, live = self.loader, self.latest
         own = saved["epoch"] == 0 == self.epoch and live is not None and batches_read(live) <= saved["read"]
-        # the settings that epoch began with, which its workers copy and its sampler draws from
-        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, (saved["made_from"] or {}).get(
-                "attributes")):
+        began = (saved["made_from"] or {}).get("attributes")  # which its workers copy and its sampler draws from
+        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
             if own:
                 restored = live
             elif saved["made_from"] is None and loader.num_workers:

@@ -89,9 +89,8 @@ class RepeatedLoaderPosition:
             raise BaftError("the restored position is in the first epoch of a DataLoader with workers that "
                             "RepeatingLoader repeats, whose iterator this process cannot make again as it was "
                             "made: give baft.initialize torchdata's StatefulDataLoader as data_iterator=")
-        # the settings that epoch began with, which its workers copy and its sampler draws from
-        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, (saved["made_from"] or {}).get(
-                "attributes")):
+        began = (saved["made_from"] or {}).get("attributes")  # which its workers copy and its sampler draws from
+        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
             if not own:
                 repeating.remake(saved["made_from"])
             here = epoch_iterator(repeating.data_iter)
