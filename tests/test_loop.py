@@ -157,13 +157,13 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
                                     6, "self.step += 1")}
     for name, (body, line, text) in sets.items():
         site, script = _site(tmp_path, body)
-        assert site.sets_state == f"{script}:{len(STUB.splitlines()) + line} ({text})", (name, site)
+        assert site.sets_state[0] == f"{script}:{len(STUB.splitlines()) + line} ({text})", (name, site)
     # the engine's (kept), a module's, one the loop made, an item, a plain name, an epoch's iterator (which one
     # train_batch reads is checked at each call): none of them
     kept = ("import torch\nfor _ in range(N):\n    engine.global_steps += 1\n    torch.backends.mkldnn.enabled = True\n"
             "    for group in [type('G', (), {})()]:\n        group.lr = 0.1\n    losses = {}\n    losses[_] = 1.0\n"
             "    seen = _\n    args.batches = iter(loader)\n    engine.train_batch()")
-    assert _site(tmp_path, kept)[0].sets_state == ""
+    assert _site(tmp_path, kept)[0].sets_state == ()
     assert not any(_site(tmp_path, body)[0].sets_state for body in [*STEPS.values(), *COUNTS.values()])
     # a dataset's setting (a number, a dict of them), a sampler's weights, which the data position keeps (probe 25:
     # said "not kept", every rank was replaced in place); an object a dataset holds (a transform) is not kept
@@ -173,9 +173,9 @@ def test_a_loop_that_sets_an_attribute_of_an_object_it_did_not_make_is_read_as_s
             "while engine.global_steps < N:\n    ds.noise = 0.05 * engine.global_steps\n"
             "    ds.opts = {'half': True}\n    sampler.weights = torch.rand(4)\n    engine.train_batch()\n"
             "    engine.global_steps += 1\n")
-    assert _site(tmp_path, data)[0].sets_state == ""
+    assert _site(tmp_path, data)[0].sets_state == ()
     site, script = _site(tmp_path, data + "    ds.transform = object()\n")
-    assert site.sets_state == f"{script}:{len(STUB.splitlines()) + 12} (ds.transform = object())", site
+    assert site.sets_state == (f"{script}:{len(STUB.splitlines()) + 12} (ds.transform = object())",), site
 
 
 
@@ -196,11 +196,11 @@ def test_a_class_attribute_of_the_models_classes_the_loop_sets_is_kept_state(tmp
     kept = ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        Block.scale = 0.75\n"
             "    Block.seen += 1\n    engine.train_batch()\n    engine.global_steps += 1\n    print(Block.seen)")
     site, _ = _site(tmp_path, classes + kept)
-    assert site.sets_state == "", site
+    assert site.sets_state == (), site
     for other in ("Head", "Settings"):
         site, script = _site(tmp_path, classes + kept.replace("Block.scale", f"{other}.scale"))
         line = len(STUB.splitlines()) + len(classes.splitlines()) + 3
-        assert site.sets_state == f"{script}:{line} ({other}.scale = 0.75)", (other, site)
+        assert site.sets_state == (f"{script}:{line} ({other}.scale = 0.75)",), (other, site)
 
 DECIDED = """
 import sys
@@ -880,6 +880,22 @@ def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
     err = capfd.readouterr().err
     assert err.count("baft:") == 1 and (f"adds to a count of the script's own, {script}:{header.count(chr(10)) + 4} "
                                         f"(count += 1), which no snapshot holds") in err, err
+
+
+def test_an_attribute_the_loop_carries_and_a_snapshot_keeps_leaves_survivors_in_place(tmp_path):
+    """Probe 26: a loop on the engine's step that counts in an object's attribute (``ts.seen += 8``) was said to carry it,
+    set as it was at the restored step, and then to set state baft does not keep: every rank was replaced in place.
+    Kept, it leaves survivors in place; in a loop that counts its calls (whose carried values no snapshot keeps: its
+    replay computes them again), it does not."""
+    header = PHASES.split("LOOP.restored")[0] + "engine = Engine(0)\nclass Seen:\n    def __init__(self):\n" \
+                                                "        self.seen = 0\nts = Seen()\n"
+    script = tmp_path / "seen.py"
+    for loop, step, in_place in (("while engine.global_steps < 3:\n", "    engine.global_steps += 1\n", True),
+                                 ("for _ in range(3):\n", "", False)):
+        script.write_text(header + loop + "    engine.train_batch()\n    ts.seen += 8\n    print(ts.seen)\n" + step)
+        ran = runpy.run_path(str(script), run_name="__main__")
+        why = ran["LOOP"].not_in_place
+        assert (why == "") == in_place and (in_place or "(ts.seen += 8) between its calls" in why), (loop, why)
 
 
 def test_the_loop_key_is_validated():

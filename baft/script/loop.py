@@ -183,11 +183,11 @@ class Loop:
         mode = engine.baft.config.loop
         self.site = loop_around(frame, kept=self._kept(engine), training=training) if mode == "auto" else None
         self.site_at_train_batch = training
-        if self.site is not None and self.site.sets_state:
-            self._sets_state(engine, self.site)
         # a range from a start read at the call counts from 0, unless the script resumed itself to that start
         self.counts_calls = mode == "calls" or (mode == "auto" and self.site is not None and self.site.counts_calls
                                                 and not (self.site.start_read and self.script_resumed))
+        if self.site is not None:
+            self._sets_state(engine, self.site, carried_kept=not self.counts_calls)
         if self.site is not None and self.site.unread:
             self._say(engine, "around train_batch does not read the engine's step, and baft cannot read what it "
                               "counts: resumed after a fault it would run as many steps again as it ran from the "
@@ -331,11 +331,17 @@ class Loop:
         if engine.global_rank == 0:
             print(f"baft: {self.site.named} {what}", file=sys.stderr, flush=True)
 
-    def _sets_state(self, engine, site: LoopSite) -> None:
-        """The loop sets state baft does not keep: in place, a survivor's call trains the steps since the restored
-        one (two at a snapshot every step: the latest is committed as the next step ends) with its latest value, as
-        the loop left it; a new process runs the loop again."""
-        self.no_survivors(engine, f"its loop sets {site.sets_state} between its calls to train_batch, which "
+    def _sets_state(self, engine, site: LoopSite, carried_kept: bool = False) -> None:
+        """Where the loop sets state baft does not keep: in place, a survivor's call trains the steps since the
+        restored one (two at a snapshot every step: the latest is committed as the next step ends) with its latest
+        value, as the loop left it; a new process runs the loop again. ``carried_kept``: the values the loop carries
+        are kept with every snapshot (one that cannot be is said by :meth:`carried_values`), as a count of a
+        trainer's (probe 26: said kept and restored, then every rank replaced for it)."""
+        kept = {c.where for c in site.carried if not c.read_before_call} if carried_kept else set()
+        where = next((where for where in site.sets_state if where not in kept), None)
+        if where is None:
+            return
+        self.no_survivors(engine, f"its loop sets {where} between its calls to train_batch, which "
                                   f"baft does not keep: a survivor would train the steps since the restored one with "
                                   f"its latest value",
                           "Keep it in a state baft saves (client_state= of baft.initialize, or the data iterator's "
@@ -364,7 +370,7 @@ class Loop:
         if engine.baft.config.loop != "auto" or self.site is None:
             return
         other = loop_around(frame, kept=self._kept(engine))
-        if other is not None and other.sets_state:
+        if other is not None:
             self._sets_state(engine, other)
         if other is None or other.counts_calls == self.counts_calls or engine.global_rank != 0:
             return

@@ -40,7 +40,7 @@ class LoopSite:
     # a ``for`` over a range from the engine's step: a fixed number of calls from where the process started
     from_step: bool = False
     # where the loops set an attribute of an object from outside them (``data.active = ...``), file:line and text
-    sets_state: str = ""
+    sets_state: tuple[str, ...] = ()
     # where the loops (or what they call) add a number to a count of the script's own, file:line and text
     # (``iteration += 1``, a trainer's ``self.global_step += 1``)
     own_count: str = ""
@@ -101,8 +101,8 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
                         for count, (_, loop, scope, frame) in zip(counts, loops))),
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
-                    sets_state=next(filter(None, (_sets_state(file, loop, frame, kept)
-                                                  for file, loop, _, frame in loops)), ""),
+                    sets_state=tuple(where for file, loop, _, frame in loops
+                                     for where in _sets_state(file, loop, frame, kept)),
                     own_count=next((count for file, loop, scope, frame in loops
                                     for count in _own_count(file, loop, scope, frame, kept)
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
@@ -521,12 +521,12 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     return bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
 
 
-def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
-    """The first assignment in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
+def _sets_state(filename: str, loop: ast.AST, frame, kept) -> list[str]:
+    """The assignments in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
     ``self.step += 1``), but of a module, one of ``kept``, a class of the model's whose plain class attribute a
     snapshot keeps (``Block.scale = 0.75``: :func:`attributes.keeps_class_attribute`), or a dataset's setting
-    (``dataset.noise = ...``: :func:`attributes.keeps_data_attribute`), as ``file:line (text)``; ""
-    where none is. An ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is not state: which iterator
+    (``dataset.noise = ...``: :func:`attributes.keeps_data_attribute`), each as ``file:line (text)``, in their
+    lines' order. An ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is not state: which iterator
     ``train_batch`` reads is checked at every call (:meth:`baft.protection.Protection.reads`)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     found = []
@@ -544,7 +544,7 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept) -> str:
                     and not (target.value is base and (attributes.keeps_class_attribute(value, target.attr)
                                                        or attributes.keeps_data_attribute(value, target.attr)))):
                 found.append((node.lineno, f"{filename}:{node.lineno} ({ast.unparse(node)})"))
-    return min(found)[1] if found else ""
+    return [where for _, where in sorted(found)]
 
 
 def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[str]:
