@@ -107,7 +107,7 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, 
     if frozen_first is not None:
         set_frozen(model, frozen_first)
     world.regroup(model, tied)
-    fresh = _initialize(args, kwargs, data_iterator, client_state)
+    fresh = _initialize(args, kwargs, data_iterator, client_state, again=True)
     held_engine = first[0]
     if getattr(held_engine, "training_dataloader", None) is None and fresh[0].data_iterator is None:
         fresh[0].data_iterator = held_engine.data_iterator  # the script's, given by set_dataiterator()
@@ -126,7 +126,8 @@ def _frozen(model) -> Optional[list]:
     return frozen(model) if isinstance(model, torch.nn.Module) else None
 
 
-def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
+def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) -> tuple:
+    """``initialize``'s work; ``again``: a survivor's, in the new world, whose loop is past its first call."""
     from baft.recovery.record import mark
     mark("init_start")
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
@@ -154,6 +155,7 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
     from baft.position.kept import data_position, not_restored, open_file_stream
+    from baft.position.first_iterators import note_until_first_call
     from baft.position.found_position import PositionFoundLater
 
     data_iterator = protection.data_position = data_position(engine, data_iterator, given.get("training_data"))
@@ -177,8 +179,12 @@ def _initialize(args, kwargs, data_iterator, client_state) -> tuple:
         guard_load_checkpoint(engine, protection.client_state)
         THIS_PROCESS.before_first_call(engine)
         # the script's loop goes on from the restored step; one that replays its calls draws as it did, from the start
-        if protection.hooks.rng is not None and not THIS_PROCESS.replaying:
-            protection.hooks.rng.between_steps()
+        rng = protection.hooks.rng if not THIS_PROCESS.replaying else None
+        set_between = rng is not None and rng.sets_between
+        if rng is not None:
+            rng.between_steps()
+        if found_later and not again:  # a loader the script makes now is found at the loop's first call
+            note_until_first_call(set_between)
     if os.environ.get(TRACE_DIR_ENV):
         from baft.snapshot.trace import start_trace
 

@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistrib
 from baft.cli.launch import launch_env
 from baft.errors import BaftError
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
+from baft.position.first_iterators import note_until_first_call, stop_noting
 from baft.position.resumable import ResumableLoader
 from baft.position.kept import data_position, not_restored
 
@@ -511,6 +512,50 @@ def test_deepspeeds_own_loader_made_after_initialize_resumes_in_its_first_epoch_
     data_position(None, feed).load_state_dict(saved)
     torch.set_rng_state(rng)
     assert torch.equal(torch.stack([next(feed) for _ in range(3)]), read_on)
+
+
+def read_made_after_initialize(make, workers, restore_at=None):
+    """10 batches of ``RepeatingLoader(loader)``, a shuffled torch loader whose first iterator the script takes after
+    ``baft.initialize`` returns (noted, until the loop's first call); the position saved after ``restore_at`` batches
+    and restored into a new process's, whose ``baft.initialize`` set torch's generator as the restored step's loop
+    left it (another state than the first process's there); the state it set must come out of the ``iter()`` as it
+    went in (the loop draws from it before its first call)."""
+    def first_iterator(resumed):
+        note_until_first_call(set_between=resumed)
+        try:
+            return RepeatingLoader(make(workers))
+        finally:
+            stop_noting()
+
+    torch.manual_seed(0)
+    feed = first_iterator(resumed=False)
+    position, out = data_position(None, feed), []
+    for i in range(10):
+        if i == restore_at:
+            saved, rng = position.state_dict(), torch.get_rng_state()
+            set_by_initialize = torch.manual_seed(1).get_state()
+            feed = first_iterator(resumed=True)
+            assert torch.equal(torch.get_rng_state(), set_by_initialize)
+            data_position(None, feed).load_state_dict(saved)
+            torch.set_rng_state(rng)
+        out.append(next(feed))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_loader_made_after_initialize_resumes_in_its_first_epoch_as_the_uninterrupted_one(workers):
+    """Its first iterator made after ``baft.initialize``, from the generators as it set them in a resumed process (the
+    loop's between its steps, where it draws there): noted as made, and made again by a restore in that epoch (before,
+    with workers, read on from the new process's own: another order and other draws in the workers, silently); so is
+    its sampler's state where it draws from a generator of its own, which that process's iterator drew on."""
+    def own(workers):
+        return torch.utils.data.DataLoader(Noisy(), batch_size=BATCH, drop_last=True, num_workers=workers, sampler=(
+            torch.utils.data.RandomSampler(Noisy(), generator=torch.Generator().manual_seed(3))))
+
+    for make in (PLAIN["shuffle"], own):
+        reference = read_made_after_initialize(make, workers)
+        for restore_at in (2, 5, 9):
+            assert torch.equal(read_made_after_initialize(make, workers, restore_at), reference), restore_at
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -9,6 +9,8 @@
 - ``plain_loader`` a plain ``DataLoader`` whose iterators the loop takes itself
 - ``found_position`` the position where ``baft.initialize`` was given none, found as the loop first reads
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
+- ``first_iterators`` what the iterators the script makes between ``baft.initialize`` and its loop's first call were
+                  made from
 - ``samplers``    a sampler's own state as it draws each epoch's order
 - ``settings``    the plain settings a loop changes in its dataset or ``collate_fn``
 - ``iterators``   a loader's iterator as the loop holds it: its epoch's mark, a restored one's state moved into it

@@ -27,11 +27,13 @@ class EpochStarts(RepeatingLoader):
     @classmethod
     def take_over(cls, repeating: RepeatingLoader) -> "EpochStarts":
         """``repeating``, made one (its class becomes this; its loader and the iterator it holds stay)."""
+        from baft.position.first_iterators import made_from as noted
+
         if not isinstance(repeating, cls):
             repeating.__class__ = cls
             # a DeepSpeedEpochs notes what its latest iterator was made from: the first's too, where
-            # engine.deepspeed_io made it one
-            made_from = getattr(repeating.loader, "made_from", None)
+            # engine.deepspeed_io made it one; a torch loader's, where made after baft.initialize
+            made_from = getattr(repeating.loader, "made_from", None) or noted(repeating.data_iter)
             repeating.epoch, repeating.made_from, repeating.first = 0, made_from, epoch_iterator(repeating.data_iter)
         return repeating
 

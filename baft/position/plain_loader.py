@@ -13,6 +13,7 @@ import torch
 
 from baft.errors import BaftError
 from baft.position.epoch_starts import generator_states, made_again
+from baft.position.first_iterators import made_from
 from baft.position.iterators import batches_read, read_to, take_over
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
 from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
@@ -38,7 +39,8 @@ class PlainLoaderPosition:
         # the iterator that reads now, held weakly: one the loop drops shuts its workers down as torch's does (held,
         # it lives on to the next collection of the loader's cycle, and its workers' forks inherit it)
         self._latest = weakref.ref(read) if _is_iterator_of(read, loader) else None
-        self.epoch, self.made_from = 0, None  # epoch 0: the iterator the loop made before baft found the loader
+        # epoch 0: the iterator the loop made before baft found the loader, noted where made after baft.initialize
+        self.epoch, self.made_from = 0, made_from(read) if self._latest is not None else None
         # (the iter() that gets it, the restored iterator, the position restored) until the loop takes it
         self.handing: Optional[tuple[int, object, dict]] = None
         self.sampler = drawing_sampler(loader)
@@ -88,7 +90,9 @@ class PlainLoaderPosition:
 
     def load_state_dict(self, saved: dict) -> None:
         loader, live = self.loader, self.latest
-        own = saved["epoch"] == 0 == self.epoch and live is not None and batches_read(live) <= saved["read"]
+        # the first epoch's iterator, made before baft.initialize returned, as this process made it
+        own = (saved["epoch"] == 0 == self.epoch and saved["made_from"] is None and live is not None
+               and batches_read(live) <= saved["read"])
         began = (saved["made_from"] or {}).get("attributes")  # which its workers copy and its sampler draws from
         with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
             if own:
@@ -106,7 +110,8 @@ class PlainLoaderPosition:
         set_data_attributes(loader, saved["attributes"])
         if own:
             self.epoch = 0
-        elif live is not None and not THIS_PROCESS.counts_calls:  # a loop on the engine's step reads on from it
+        elif live is not None and (saved["epoch"] == self.epoch or not THIS_PROCESS.counts_calls):
+            # the loop reads on from the iterator it holds: of the saved epoch, or on the engine's step
             take_over(live, restored)
             self.epoch = saved["epoch"]
         elif live is None:  # a generator's first iter(), at its first read

@@ -14,6 +14,7 @@ import numbers
 import sys
 from typing import Optional
 
+from baft.position.first_iterators import stop_noting
 from baft.position.found_position import PositionFoundLater
 from baft.position.iterators import epoch_mark
 from baft.position.kept import foreign_iterator, not_restored
@@ -52,6 +53,7 @@ class TrainBatchReads:
         where it is another iterator than at the last call, and not one of the loader baft keeps (an epoch's), the
         call's own (``train_batch(iter(batches))``): a survivor in place would train the steps since the restored
         one from it, so a fault replaces every rank."""
+        stop_noting()
         if isinstance(self.position, PositionFoundLater) and self._last_read is None:
             self._find_position(data_iter if data_iter is not None else getattr(self.engine, "data_iterator", None))
         if isinstance(self.position, ResumableLoader):

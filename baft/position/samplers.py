@@ -157,8 +157,12 @@ def as_epoch_started(sampler, saved: Optional[dict]):
     them as the next iteration starts). After, the sampler's record of its epoch's start is ``saved``, as the
     uninterrupted run's was: a restored iterator read nothing of draws its order at its first batch, from the
     generators as restored, as that run did."""
-    if saved is None:
-        yield
+    if saved is None:  # the epoch began before the sampler recorded it (an iterator made before baft found it)
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                sampler.__dict__.pop(EPOCH_START, None)
         return
     globals_before = {name: generator_state(generator) for name, generator in _GLOBAL.items()}
     with torch.random.fork_rng(devices=[]):

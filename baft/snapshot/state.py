@@ -24,7 +24,9 @@ When each part is captured and restored (the rule a bit-identical resume rests o
   loaders and take iterators (a ``DataLoader`` iterator draws its base seed from torch's
   generator), and the restore itself re-positions the data. The generators the script's loop drew
   from between steps k and k+1 are kept too as they stood when step k ended, and set at
-  ``baft.initialize``'s return, so the loop's own draws come out as they did;
+  ``baft.initialize``'s return, so the loop's own draws come out as they did (a ``DataLoader`` iterator the script
+  makes before the loop's first call is noted and made again from what it was made from, and leaves them as set:
+  :mod:`baft.position.first_iterators`);
 * every value goes back with the type and bits it was captured with, never cast to the type
   the fresh engine holds (DeepSpeed's warmup schedulers start ``lr`` at an int 0, which a cast
   would keep at 0 for the first resumed step).
@@ -475,6 +477,12 @@ class RngRestore(InstructionHook):
         loop's code between the calls drew from (:meth:`between_steps`)."""
         if self.rng is not None:
             self.replay_from = rng_states()
+
+    @property
+    def sets_between(self) -> bool:
+        """Whether :meth:`between_steps` sets generators (those the loop drew from between its steps, or every one
+        where the snapshot was taken as the process ended)."""
+        return self.rng is not None and bool(self.between or self.at_exit)
 
     def between_steps(self, replayed: bool = False) -> list[str]:
         """The script's loop goes on after the restored step: at ``baft.initialize``'s return, or after the last

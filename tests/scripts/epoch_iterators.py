@@ -4,7 +4,8 @@ argument ``repeating``, DeepSpeed's RepeatingLoader of the loader (it takes thos
 data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoader, not given to baft.initialize;
 ``plain-epochs``: the counting loop over such a loader; ``found``: over torchdata's, not given either (``found-shuffled``: shuffled by its own sampler);
 ``deepspeed-io``: of DeepSpeed's own, made by the engine
-baft.initialize returned); with ``generator``, each epoch a generator of the script's over the loader (``for batch in
+baft.initialize returned; ``plain-after``: a shuffled torch DataLoader made after baft.initialize, an iter() of it
+each epoch, the loop drawing from torch's generator between its steps: its own steps); with ``generator``, each epoch a generator of the script's over the loader (``for batch in
 loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in loader: yield
 batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader the script
 never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
@@ -87,6 +88,17 @@ elif sys.argv[3:] == ["plain"]:  # torch's own loader over the same sampler, not
     engine, *_ = baft.initialize(model=model, config=config)
     while engine.global_steps < 3 * len(loader) // 2:
         report(engine.train_batch(data_iter=data))
+elif sys.argv[3:] == ["plain-after"]:  # torch's own loader made after baft.initialize, its order drawn from torch's
+    # generator, an iter() of it each epoch in a loop on the engine's step that draws from torch's between its steps
+    engine, *_ = baft.initialize(model=model, config=config)
+    plain = torch.utils.data.DataLoader(Samples(), batch_size=2, drop_last=True, shuffle=True,
+                                        num_workers=loader.num_workers)
+    batches = iter(plain)
+    while engine.global_steps < 3 * len(loader) // 2:
+        if engine.global_steps and engine.global_steps % (len(plain) // 2) == 0:
+            batches = iter(plain)
+        noise = torch.rand(1)
+        report(engine.train_batch(data_iter=batches))
 else:
     def generator():  # with ``generator``: a generator of the script's over the loader, its iter() at the first read
         for x, y in loader:
