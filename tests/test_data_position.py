@@ -558,6 +558,69 @@ def test_a_plain_loader_made_after_initialize_resumes_in_its_first_epoch_as_the_
             assert torch.equal(read_made_after_initialize(make, workers, restore_at), reference), restore_at
 
 
+class Cast:
+    """The usual cast of a loop's batches (to bf16 for a bf16 pipeline; to float64 here) around the iterator it reads,
+    with attributes of its own where given."""
+
+    def __init__(self, batches, **own):
+        self.batches = batches
+        self.__dict__.update(own)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.batches).double()
+
+
+def cast_each(batches):
+    for batch in batches:
+        yield batch.double()
+
+
+def test_a_wrapper_of_the_scripts_around_the_iterator_baft_keeps_is_read_through_and_its_own_state_said():
+    """A cast the loop wraps its ``RepeatingLoader`` in (a class of its own, ``map``, a generator) hid it: no position,
+    and the line said to read the loader through ``RepeatingLoader``, as the script did. Now the position of what it
+    wraps is kept, restored through the wrapper as read (a plain loader's iterator too); a wrapper with attributes of
+    its own, which no snapshot holds, is said; one holding several iterators is not read through, said so."""
+    wrappers = {"class": Cast, "map": lambda batches: map(torch.Tensor.double, batches), "generator": cast_each,
+                "class with a count": functools.partial(Cast, count=0)}
+    for name, wrap in wrappers.items():
+        torch.manual_seed(0)
+        feed = RepeatingLoader(PLAIN["shuffle"](0))
+        position, reads = data_position(None, None), wrap(feed)
+        said = position.find(reads)
+        assert position.loader is feed.loader, name
+        if name == "class with a count":
+            assert said.startswith("train_batch reads a Cast, a wrapper of the script's around the RepeatingLoader "
+                                   "whose position baft keeps, and its own attributes (count) are in no snapshot"), said
+        else:
+            assert said is None, name
+        for _ in range(9):
+            next(reads)
+        saved, rng = position.state_dict(), torch.get_rng_state()
+        reference = [next(reads) for _ in range(5)]
+        torch.manual_seed(0)
+        later = data_position(None, None)
+        later.load_state_dict(saved)
+        resumed = wrap(RepeatingLoader(PLAIN["shuffle"](0)))
+        later.find(resumed)
+        torch.set_rng_state(rng)
+        assert all(torch.equal(next(resumed), batch) for batch in reference), name
+    loader = PLAIN["shuffle"](0)
+    position = data_position(None, None)
+    assert position.find(Cast(iter(loader), loader=loader)) is None and position.loader is loader  # (its own loader)
+
+    class Mix(Cast):
+        def __init__(self, batches, other):
+            self.batches, self.other = batches, other
+
+    position, mix = data_position(None, None), Mix(RepeatingLoader(PLAIN["shuffle"](0)), iter(range(3)))
+    assert position.find(mix) is None
+    assert position.caveat(mix).startswith("train_batch reads a Mix, an iterator of the script's that hides from baft "
+                                           "the iterator whose position it would keep (self.batches) among others")
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_deepspeeds_own_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_before(workers):
     """``engine.deepspeed_io`` is a method of the engine ``baft.initialize`` returns: the script makes its loader

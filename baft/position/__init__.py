@@ -8,6 +8,7 @@
 - ``deepspeed_loader`` DeepSpeed's own loader that the script makes (``engine.deepspeed_io``), seen as a plain one
 - ``plain_loader`` a plain ``DataLoader`` whose iterators the loop takes itself
 - ``found_position`` the position where ``baft.initialize`` was given none, found as the loop first reads
+- ``wrappers``    a wrapper of the script's around the iterator ``train_batch`` reads (a cast), read through
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
 - ``first_iterators`` what the iterators the script makes between ``baft.initialize`` and its loop's first call were
                   made from

@@ -16,6 +16,7 @@ from baft.position.iterators import loader_read
 from baft.position.plain_loader import PlainLoaderPosition, notes_its_iterators
 from baft.position.repeated_loader import RepeatedLoaderPosition, plain_repeating
 from baft.position.resumable import ResumableLoader
+from baft.position.wrappers import held_iterators, wrapped
 
 
 class PositionFoundLater:
@@ -39,8 +40,21 @@ class PositionFoundLater:
     def find(self, data_iter) -> Optional[str]:
         """Become the position of what ``data_iter`` reads, where baft keeps one: a ``RepeatingLoader`` of a plain
         ``DataLoader`` or of DeepSpeed's, an iterator of a plain one the script holds or a generator over one, or
-        torchdata's ``StatefulDataLoader`` read either way; a line to say, or None: a restore whose snapshot held no
-        data position (the data would go on from its start)."""
+        torchdata's ``StatefulDataLoader`` read either way, or any of these read through a wrapper of the script's
+        (:func:`~baft.position.wrappers.wrapped`); a line to say, or None: a restore whose snapshot held no data
+        position (the data would go on from its start), a wrapper's own attributes, which no snapshot holds."""
+        through = wrapped(data_iter)
+        if through is not None:  # a wrapper of the script's (a cast): the position of the iterator it reads
+            inner, attributes = through
+            what = "DataLoader's iterator" if isinstance(inner, _BaseDataLoaderIter) else type(inner).__name__
+            said = self.find(inner)
+            own = [name for name in attributes if getattr(data_iter, name) is not self.loader]  # (not: the loader)
+            if said or not own or isinstance(self, PositionFoundLater):
+                return said
+            return (f"train_batch reads a {type(data_iter).__name__}, a wrapper of the script's around the {what} whose "
+                    f"position baft keeps, and its own attributes ({', '.join(own)}) are in no snapshot: a resumed run "
+                    f"has them as the script makes them, not as at the restored step; keep in the wrapper only the "
+                    f"iterator it reads, or do what it does in the dataset or collate_fn")
         if plain_repeating(data_iter):
             return self._become(RepeatedLoaderPosition(data_iter, self.engine))
         loader = loader_read(data_iter)
@@ -71,6 +85,16 @@ class PositionFoundLater:
 
     def caveat(self, data_iter=None) -> str:
         """Why no data position is kept, where the loop's first call read ``data_iter``."""
+        through = wrapped(data_iter)
+        if through is not None:
+            return self.caveat(through[0])
+        hidden = [name for name in held_iterators(data_iter) if _kept(getattr(data_iter, name))]
+        if hidden:
+            return (f"train_batch reads a {type(data_iter).__name__}, an iterator of the script's that hides from baft "
+                    f"the iterator whose position it would keep ({', '.join('self.' + n for n in hidden)}) among "
+                    f"others it holds: its position is in no snapshot, and a resumed run reads its data from the "
+                    f"start; do what it does in the dataset or collate_fn, so that train_batch reads that iterator, "
+                    f"or give baft.initialize a data_iterator= whose state_dict() keeps each one's position")
         loader = loader_read(data_iter)
         if loader is not None and not hasattr(loader, "load_state_dict"):  # a subclass with an __iter__ of its own
             return (f"train_batch reads an iterator of {type(loader).__name__}, whose own __iter__ baft does not "
@@ -86,3 +110,9 @@ class PositionFoundLater:
         return ("the data position will not be restored after a restart (a resumed run would read its data from the "
                 "start): read a DataLoader through deepspeed.utils.RepeatingLoader, or pass data_iterator= an iterator "
                 "with state_dict() and load_state_dict(), such as torchdata's StatefulDataLoader")
+
+
+def _kept(data_iter) -> bool:
+    """Whether baft keeps the position of ``data_iter`` where ``train_batch`` reads it."""
+    loader = loader_read(data_iter)
+    return plain_repeating(data_iter) or hasattr(loader, "load_state_dict") or notes_its_iterators(loader)
