@@ -483,6 +483,11 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     said = not_restored(data_position(None, RepeatingLoader(persistent)))
     assert "in the loader's 2 persistent workers are in no saved state" in said, said
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
+    # so for one whose iterators the loop takes: its restore reads to the position through its workers (before: said
+    # that their draws were in no saved state, which they resume from)
+    loader, found = PLAIN["shuffle"](2), data_position(None, None)
+    batches = iter(loader)
+    assert found.find(batches) is None and not_restored(found) is None
 
 
 @pytest.mark.parametrize("workers", [0, 2])

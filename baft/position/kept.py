@@ -39,9 +39,10 @@ def data_position(engine, data_iterator=None, training_data=None):
 def not_restored(position) -> Optional[str]:
     """What a restore from ``position`` does not bring back, to say once at initialize; None when nothing."""
     from baft.position.found_position import PositionFoundLater
+    from baft.position.plain_loader import PlainLoaderPosition
     from baft.position.repeated_loader import RepeatedLoaderPosition
 
-    if isinstance(position, (RepeatedLoaderPosition, PositionFoundLater)):
+    if isinstance(position, (RepeatedLoaderPosition, PlainLoaderPosition, PositionFoundLater)):
         return position.caveat()
     held = _held_loaders(position)
     if held:

@@ -15,6 +15,7 @@ from baft.errors import BaftError
 from baft.position.epoch_starts import generator_states, made_again
 from baft.position.first_iterators import made_from
 from baft.position.iterators import batches_read, read_to, take_over
+from baft.position.repeated_loader import workers_caveat
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
 from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
 from baft.script.loop import THIS_PROCESS
@@ -72,6 +73,10 @@ class PlainLoaderPosition:
         made = torch.utils.data.DataLoader.__iter__(self.loader)
         self._latest = weakref.ref(made)
         return made
+
+    def caveat(self) -> Optional[str]:
+        """What a restore of the loader does not bring back, or None."""
+        return workers_caveat(self.loader)
 
     @property
     def latest(self):

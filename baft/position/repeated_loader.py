@@ -64,13 +64,7 @@ class RepeatedLoaderPosition:
 
     def caveat(self) -> Optional[str]:
         """What a restore of the loader kept does not bring back, or None."""
-        loader = self.loader
-        if loader.num_workers and loader.persistent_workers:
-            return (f"random numbers your dataset or collate_fn draws in the loader's {loader.num_workers} "
-                    f"persistent workers are in no saved state: they are seeded once, as they start, so a resume "
-                    f"draws others (the samples and their order resume exactly); draw them from a generator seeded "
-                    f"by the sample index to make them resume too")
-        return None
+        return workers_caveat(self.loader)
 
     def state_dict(self) -> dict:
         generator = self.repeating.loader.generator
@@ -99,6 +93,17 @@ class RepeatedLoaderPosition:
         if saved["generator"] is not None:
             loader.generator.set_state(saved["generator"])
         set_data_attributes(loader, saved["attributes"])  # a setting the loop changed once (dataset.scale = 0.5)
+
+
+def workers_caveat(loader) -> Optional[str]:
+    """What a restore of a plain ``loader`` whose epoch's iterator it makes again (and reads to the position through
+    its workers) does not bring back: its persistent workers' draws; None otherwise."""
+    if loader.num_workers and loader.persistent_workers:
+        return (f"random numbers your dataset or collate_fn draws in the loader's {loader.num_workers} persistent "
+                f"workers are in no saved state: they are seeded once, as they start, so a resume draws others (the "
+                f"samples and their order resume exactly); draw them from a generator seeded by the sample index to "
+                f"make them resume too")
+    return None
 
 
 def keep_epochs(loader):
