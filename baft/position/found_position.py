@@ -51,10 +51,10 @@ class PositionFoundLater:
             own = [name for name in attributes if getattr(data_iter, name) is not self.loader]  # (not: the loader)
             if said or not own or isinstance(self, PositionFoundLater):
                 return said
-            return (f"train_batch reads a {type(data_iter).__name__}, a wrapper of the script's around the {what} whose "
-                    f"position baft keeps, and its own attributes ({', '.join(own)}) are in no snapshot: a resumed run "
-                    f"has them as the script makes them, not as at the restored step; keep in the wrapper only the "
-                    f"iterator it reads, or do what it does in the dataset or collate_fn")
+            return (f"train_batch reads a {type(data_iter).__name__}, a wrapper of the script's around the {what} "
+                    f"whose position baft keeps, and its own attributes ({', '.join(own)}) are in no snapshot: a "
+                    f"resumed run has them as the script makes them, not as at the restored step; keep in the wrapper "
+                    f"only the iterator it reads, or do what it does in the dataset or collate_fn")
         if plain_repeating(data_iter):
             return self._become(RepeatedLoaderPosition(data_iter, self.engine))
         loader = loader_read(data_iter)

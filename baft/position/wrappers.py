@@ -1,8 +1,7 @@
 """A wrapper of the script's around the iterator ``train_batch`` reads (the usual cast to bf16, ``class Cast: def
 __next__(self): return tuple(t.bfloat16() for t in next(self.it))``, ``map(cast, batches)``, a generator ``for batch
-in batches: yield cast(batch)``): the iterator it
-wraps, whose position baft keeps as if ``train_batch`` read it, and what else the wrapper holds, which no snapshot
-does."""
+in batches: yield cast(batch)``): the iterator it wraps, whose position baft keeps as if ``train_batch`` read it, and
+what else the wrapper holds, which no snapshot does."""
 
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ def wrapped(data_iter) -> Optional[tuple[object, list[str]]]:
         iterators = data_iter.__reduce__()[1][1:]  # (function, *iterators)
         return (iterators[0], []) if len(iterators) == 1 else None
     if inspect.isgenerator(data_iter):  # over a RepeatingLoader (one over a DataLoader is found as such: loader_read)
-        frame = data_iter.gi_frame
-        repeating = [v for v in (frame.f_locals.values() if frame is not None else ()) if isinstance(v, RepeatingLoader)]
+        named = data_iter.gi_frame.f_locals.values() if data_iter.gi_frame is not None else ()
+        repeating = [value for value in named if isinstance(value, RepeatingLoader)]
         return (repeating[0], []) if len(repeating) == 1 else None
     module = sys.modules.get(type(data_iter).__module__)
     if (not hasattr(type(data_iter), "__next__") or not hasattr(data_iter, "__dict__")

@@ -5,11 +5,11 @@ data iterator, in a loop on the engine's step (``plain``: of torch's own DataLoa
 ``plain-epochs``: the counting loop over such a loader; ``found``: over torchdata's, not given either (``found-shuffled``: shuffled by its own sampler);
 ``deepspeed-io``: of DeepSpeed's own, made by the engine
 baft.initialize returned; ``plain-after``: a shuffled torch DataLoader made after baft.initialize, an iter() of it
-each epoch, the loop drawing from torch's generator between its steps: its own steps); with ``generator``, each epoch a generator of the script's over the loader (``for batch in
-loader: yield batch``); with ``forever``, one such generator across epochs (``while True: for batch in loader: yield
-batch``) in a loop on the engine's step (``forever-after-iter``: made after an ``iter()`` of the loader the script
-never reads). Arguments: the policy (baft), the loader's workers (0), the loop.
-Either loop prints the same steps."""
+each epoch, the loop drawing from torch's generator between its steps: its own steps); with ``generator``, each
+epoch a generator of the script's over the loader (``for batch in loader: yield batch``); with ``forever``, one such
+generator across epochs (``while True: for batch in loader: yield batch``) in a loop on the engine's step
+(``forever-after-iter``: made after an ``iter()`` of the loader the script never reads). Arguments: the policy
+(baft), the loader's workers (0), the loop. Either loop prints the same steps."""
 
 import random
 import sys
