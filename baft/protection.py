@@ -62,13 +62,16 @@ class Protection:
     def attach(self) -> "Protection":
         """The engine runs baft's schedule and calls :attr:`hooks` around every instruction; the generators its
         modules hold are among the RNG states baft keeps, and the plain values the script's own modules hold as
-        attributes are noted as they start (those that change are kept)."""
+        attributes, and the tensors the script's main file holds in globals, are noted as they start (those that change
+        are kept)."""
         from baft.script.attributes import hold_module_attributes
+        from baft.script.main_globals import hold_globals
         from baft.script.rng import hold_module_generators
 
         attach(self.engine, self)
         hold_module_generators(self.engine.module)
         hold_module_attributes(self.engine.module)
+        hold_globals(self.engine.module)
         return self
 
     def restore(self, data_iterator=None) -> Optional[Restored]:

@@ -142,6 +142,91 @@ def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken
     assert (model[0].calls, model[0].rank, model[1].p) == (3, 3, 0.0)
 
 
+class Running(nn.Module):
+    """A running mean a forward keeps in a plain tensor attribute (not a buffer: probe 26), a list it appends to, a
+    table too large to keep in a plain attribute, and the same table registered as a buffer, as the size line says."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.running, self.seen, self.table = nn.Linear(2, 2), torch.zeros(2), [], torch.zeros(1 << 17)
+        self.register_buffer("kept", torch.zeros(1 << 17), persistent=False)
+
+    def forward(self, x):
+        self.running = 0.9 * self.running + 0.1 * x.mean(0)
+        self.seen.append(len(self.seen))
+        self.table.add_(1)
+        self.kept.add_(1)
+        return self.linear(x)
+
+
+def test_tensor_and_list_attributes_a_forward_changes_are_kept_and_one_too_large_is_said_once(monkeypatch, capsys):
+    """Probe 26: a running mean in ``self.running = 0.9 * self.running + ...`` and a list appended to were in no
+    snapshot, resumed from their first values, silently. Kept where they changed (a tensor by its identity and version,
+    on CPU; the list by a copy taken at start), set back into the tensor the module holds; a changed tensor over
+    the size limit is said once, naming it and the buffer that would be kept (the snapshot's: ``persistent=False``)."""
+    from baft.script import attributes, held
+    from baft.snapshot.state import _module_tensors
+
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    monkeypatch.setattr(held, "_SAID", set())
+    model = nn.Sequential(Running())
+    attributes.hold_module_attributes(model)
+    assert attributes.changed_module_attributes(model) is None
+    for _ in range(2):
+        model(torch.ones(1, 2))
+    kept = attributes.changed_module_attributes(model, rank=1)
+    assert set(kept) == {"0.running", "0.seen"} and kept["0.seen"] == [0, 1], kept
+    assert torch.equal(kept["0.running"], torch.full((2,), 0.19)) and kept["0.running"] is not model[0].running
+    assert attributes.changed_module_attributes(model, rank=1).keys() == kept.keys()
+    said = capsys.readouterr().out
+    assert said.count("baft: rank 1: the model's 0.table (a plain attribute, not a buffer) is a tensor of 0.5 MiB that "
+                      "changed since start: no snapshot keeps one over 256 KiB") == 1, said
+    assert said.count('self.register_buffer("table", tensor, persistent=False)') == 1, said
+    assert "buffer/0.kept" in [key for key, *_ in _module_tensors(model, 0, 1)]
+    model(torch.ones(1, 2))  # a survivor's, moved past the snapshot's step: taken back, into the tensor it holds
+    now = model[0].running
+    attributes.restore_module_attributes(model, kept)
+    assert model[0].running is now and torch.equal(now, kept["0.running"]) and model[0].seen == [0, 1]
+    attributes.restore_module_attributes(model, None)  # a snapshot from before the forwards: as they started
+    assert torch.equal(model[0].running, torch.zeros(2)) and model[0].seen == []
+
+
+def test_a_global_tensor_of_the_script_the_loop_updates_is_kept(monkeypatch, capsys):
+    """Probe 26: class weights the loss reads from a global of the script's (``W = torch.ones(4)``), which the loop
+    updates in place (``W.mul_(0.9).add_(...)``) or rebinds (``W = 0.9 * W + ...``), were in no snapshot. Kept where
+    changed, set by a restore into the tensor the global holds; the others back as they started; a parameter the
+    script also holds in a global is the snapshot's, not looked at; one too large is said once."""
+    import sys
+    import types
+
+    from baft.script import held, main_globals
+
+    model = nn.Linear(2, 2)
+    main = types.ModuleType("__main__")
+    main.W, main.V, main.P, main.BIG = torch.ones(4), torch.zeros(2), model.weight, torch.zeros(1 << 17)
+    main.BIAS = model.bias.data  # the model's state, under another name
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(main_globals, "_AT_START", [])
+    monkeypatch.setattr(held, "_SAID", set())
+    main_globals.hold_globals(model)
+    assert set(main_globals._AT_START[0]) == {"W", "V", "BIG"} and main_globals.changed_globals() is None
+    w = main.W
+    main.W.mul_(0.5)
+    main.V = 0.9 * main.V + 1
+    main.BIG.add_(1)
+    with torch.no_grad():
+        model.weight.add_(1)
+    kept = main_globals.changed_globals(rank=0)
+    assert set(kept) == {"W", "V"} and torch.equal(kept["W"], torch.full((4,), 0.5)), kept
+    assert capsys.readouterr().out.count("baft: rank 0: the script's global BIG is a tensor of 0.5 MiB") == 1
+    main.W, main.V = torch.ones(4), torch.zeros(2)  # a new process's, as its script makes them
+    made = main.W
+    main_globals.restore_globals(kept)
+    assert main.W is made and torch.equal(main.W, kept["W"]) and torch.equal(main.V, kept["V"])
+    main_globals.restore_globals(None)  # a snapshot from before the updates: as they started
+    assert torch.equal(main.W, torch.ones(4)) and torch.equal(main.V, torch.zeros(2)) and w is not main.W
+
+
 class Scaled(Counted):
     """A class attribute the script's loop may change for every instance at once (``Scaled.factor = 0.5``)."""
 

@@ -36,6 +36,7 @@ from deepspeed.runtime.pipe.schedule import LoadMicroBatch
 from baft.pipeline.hook import InstructionHook
 from baft.script.attributes import module_attributes
 from baft.script.loop import THIS_PROCESS
+from baft.script.main_globals import globals_now
 from baft.script.rng import rng_states
 from baft.script.schedulers import script_schedulers
 from baft.recovery.record import restart_count
@@ -108,6 +109,9 @@ def state_parts(engine, data_iterator=None) -> dict[str, str]:
     attributes = module_attributes(engine.module)
     if attributes:
         nested["module_attributes"] = attributes
+    script_globals = globals_now()
+    if script_globals:
+        nested["script_globals"] = script_globals
     weights = (("weights", data) for _, data in _leaves(engine.module.state_dict(), ""))
     return (_digest_parts(weights) | _digest_parts(generators)
             | _digest_parts((path.lstrip("."), data) for path, data in _leaves(nested, "")))

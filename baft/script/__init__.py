@@ -7,7 +7,11 @@ the uninterrupted one did.
 - ``carried_source``  the values of its own a loop carries from one iteration to the next, read from the source
 - ``source``          what both read of the source: syntax trees, assignments, the functions a loop reaches
 - ``carry``           those values, kept with every snapshot and set again in a resumed loop
-- ``attributes``      the plain values the script's own modules hold as attributes (a count): those that change, kept
+- ``attributes``      the plain values, tensors and lists the script's own modules hold as attributes (a count, a
+                      running mean not in a buffer): those that change, kept
+- ``main_globals``    the tensors the script's main file holds in globals (class weights the loss reads): those that
+                      change, kept
+- ``held``            how both tell a value changed since start, and what a snapshot keeps of it
 - ``rng``             every random generator a step draws from: its state, and as JSON
 - ``schedulers``      the learning-rate schedulers a script makes on the engine's optimizer itself
 

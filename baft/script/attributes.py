@@ -1,7 +1,9 @@
 """The plain values (numbers, strings, None) the model's modules of the script's own classes and of torch's hold as
 attributes, and the script's classes hold as class attributes: a count a forward keeps (a loss module's ``self.calls += 1`` warming up its label smoothing), a setting
 the loop changes (a ``Dropout``'s ``p`` it sets to 0 once a warm-up ends), which neither a parameter nor a buffer
-holds. Those that changed since the process's first ``baft.initialize`` are kept with every snapshot and set again by
+holds; and the tensors and the lists, tuples and dicts of plain values such modules hold as plain attributes (a
+running mean a forward updates in ``self.running``, not a registered buffer; a list it appends to: probe 26, resumed
+from their first values, silently), as :mod:`baft.script.held` compares and keeps them. Those that changed since the process's first ``baft.initialize`` are kept with every snapshot and set again by
 a restore; one set once at start (a rank, a width) is not kept, and so not carried to another rank. DeepSpeed's
 modules keep theirs in what baft keeps otherwise (the pipeline's ``micro_offset``); another library's are not read:
 one may set a flag as it first runs forward, which a new process's restore must not set before it has."""
@@ -9,17 +11,17 @@ one may set a flag as it first runs forward, which a new process's restore must 
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from typing import Optional
 
 import torch
 
-from baft.script import source
-
-PLAIN = (bool, int, float, str, type(None))
+from baft.script import held, source
+from baft.script.held import PLAIN
 _MODULES_OWN = frozenset(vars(torch.nn.Module()))  # what every module holds (``training``): not the script's
-_AT_START: list[dict[tuple[str, str], object]] = []  # (module path, attribute) -> value, as this process first
-# protected its model
+_AT_START: list[dict[tuple[str, str], object]] = []  # (module path, attribute) -> value (held.hold's), as this
+# process first protected its model
 _CLASSES_AT_START: list[dict[str, type]] = []  # module path -> its class, as this process first protected its model
 _CLASS_VALUES_AT_START: list[dict[str, object]] = []  # "module.Class:attribute" -> value, then
 
@@ -27,9 +29,9 @@ _CLASS_VALUES_AT_START: list[dict[str, object]] = []  # "module.Class:attribute"
 def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     """Every such attribute of ``module`` and its submodules by (module path, attribute): a snapshot reads them all,
     and the paths are joined only for those it keeps (a model of torch's layers has thousands)."""
-    own, plain = _MODULES_OWN, PLAIN
+    own, kinds = _MODULES_OWN, held.KINDS
     return {(name, attr): value for name, sub in module.named_modules() if _read(type(sub))
-            for attr, value in vars(sub).items() if attr not in own and isinstance(value, plain)}
+            for attr, value in vars(sub).items() if attr not in own and isinstance(value, kinds)}
 
 
 def _script_classes(module: torch.nn.Module) -> dict[str, type]:
@@ -47,23 +49,34 @@ def _class_values(module: torch.nn.Module) -> dict[str, object]:
 
 def module_attributes(module: torch.nn.Module) -> dict[str, object]:
     """Every such attribute of ``module`` and its submodules, by path (``loss_fn.calls``; ``.calls`` of ``module``)."""
-    return {f"{name}.{attr}": value for (name, attr), value in _values(module).items()}
+    return {f"{name}.{attr}": value for (name, attr), value in _values(module).items() if held.data(value)}
 
 
 def hold_module_attributes(module: torch.nn.Module) -> None:
     """Note the attributes as the process first protects ``module`` (a survivor recovering in place keeps its
     first)."""
     if not _AT_START:
-        _AT_START.append(_values(module))
+        _AT_START.append({key: held.hold(value) for key, value in _values(module).items()})
         _CLASSES_AT_START.append({name: type(sub) for name, sub in module.named_modules()})
         _CLASS_VALUES_AT_START.append(_class_values(module))
 
 
-def changed_module_attributes(module: torch.nn.Module) -> Optional[dict[str, object]]:
-    """Those that changed since :func:`hold_module_attributes`, by path, or None where none did."""
+def changed_module_attributes(module: torch.nn.Module, rank: int = 0) -> Optional[dict[str, object]]:
+    """Those that changed since :func:`hold_module_attributes`, by path (a tensor's value, a container's copy), or None
+    where none did; a tensor over :data:`~baft.script.held.MOST_BYTES` is not kept, and said once by ``rank``."""
     start = _AT_START[0] if _AT_START else {}
-    changed = {f"{name}.{attr}": value for (name, attr), value in _values(module).items()
-               if (name, attr) not in start or start[name, attr] != value or type(start[name, attr]) is not type(value)}
+    changed = {}
+    for (name, attr), value in _values(module).items():
+        was = start.get((name, attr), held.NOT_KEPT)
+        if was is value or was is not held.NOT_KEPT and not held.differs(was, value):  # the first: most, at no call
+            continue
+        if not isinstance(value, PLAIN):
+            value = held.kept(value, rank, f"the model's {name}.{attr} (a plain attribute, not a buffer)",
+                              f"Register it as a buffer in its module's __init__: self.register_buffer(\"{attr}\", "
+                              f"tensor, persistent=False)")
+            if value is held.NOT_KEPT:
+                continue
+        changed[f"{name}.{attr}"] = value
     classes = _CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}
     changed.update((key, value) for key, value in _class_values(module).items()
                    if key not in classes or classes[key] != value or type(classes[key]) is not type(value))
@@ -74,8 +87,8 @@ def keeps_class_attribute(cls: object, attr: str) -> bool:
     """Whether a snapshot keeps ``cls.attr`` where the script sets it (its loop's ``Block.scale = 0.75``): a plain
     value one of the classes of :func:`_class_values` held as this process first protected its model, which a restore
     sets as the snapshot had it, or back as it started."""
-    held = _CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}
-    return isinstance(cls, type) and f"{_named(cls)}:{attr}" in held
+    values = _CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}
+    return isinstance(cls, type) and f"{_named(cls)}:{attr}" in values
 
 
 def replaced_modules(module: torch.nn.Module) -> Optional[dict[str, str]]:
@@ -128,22 +141,44 @@ def _named(cls: type) -> str:
 
 
 def restore_module_attributes(module: torch.nn.Module, changed: Optional[dict[str, object]]) -> None:
-    """Set the attributes as a snapshot had them: those it holds (``changed``), and the others as the process
-    started (a survivor recovering in place may have changed them since)."""
-    at_start = {f"{name}.{attr}": value for (name, attr), value in (_AT_START[0] if _AT_START else {}).items()}
+    """Set the attributes as a snapshot had them: those it holds (``changed``; a tensor copied into the one the module
+    holds, where of its shape and dtype), and the others as the process started (a survivor recovering in place may
+    have changed them since)."""
+    changed = changed or {}
     classes = _script_classes(module)
-    for path, value in {**at_start, **(_CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}),
-                        **(changed or {})}.items():
+    for path, value in {**(_CLASS_VALUES_AT_START[0] if _CLASS_VALUES_AT_START else {}), **changed}.items():
         if ":" in path:  # a class attribute
             name, attr = path.split(":")
             if name in classes:
                 setattr(classes[name], attr, value)
-            continue
-        name, attr = path.rsplit(".", 1)
-        try:
-            setattr(module.get_submodule(name), attr, value)
-        except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
-            continue
+    start = _AT_START[0] if _AT_START else {}
+    for (name, attr), was in start.items():
+        if f"{name}.{attr}" not in changed:
+            _set(module, name, attr, held.as_started, was)
+    for path, value in changed.items():
+        if ":" not in path:
+            name, attr = path.rsplit(".", 1)
+            _set(module, name, attr, held.put, value)
+
+
+def _set(module: torch.nn.Module, name: str, attr: str, value_for, given) -> None:
+    """Set ``attr`` of ``module``'s submodule ``name`` to ``value_for(given, its value now, the submodule's device)``
+    (:func:`~baft.script.held.put`, :func:`~baft.script.held.as_started`), where that is not
+    :data:`~baft.script.held.NOT_KEPT`."""
+    try:
+        sub = module.get_submodule(name)
+    except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
+        return
+    current = getattr(sub, attr, None)
+    value = value_for(given, current, _device(sub))
+    if value is not held.NOT_KEPT and value is not current:
+        setattr(sub, attr, value)
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s tensors are: a tensor attribute it had not yet is set there."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _torchs(cls: type) -> bool:

@@ -45,6 +45,8 @@ from baft.errors import BaftError
 from baft.script import schedulers
 from baft.script.attributes import (changed_module_attributes, not_as_replaced, replaced_modules,
                                     restore_module_attributes)
+from baft.script.held import PLAIN
+from baft.script.main_globals import changed_globals, restore_globals
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import drawn_between, fingerprints, from_json, rng_states, set_rng_states, to_json
@@ -292,8 +294,9 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         "configured_batch_size": getattr(getattr(engine, "baft", None), "configured_batch_size", None),
         # the forwards run so far: a PipelineModule with seed_layers seeds every layer's forward from it
         "micro_offset": int(getattr(engine.module, "micro_offset", 0)),
-        # a count or setting the script's own modules keep in plain attributes (a loss module's calls)
-        "module_attributes": changed_module_attributes(engine.module) or {},
+        # a count or setting the script's own modules keep in plain attributes (a loss module's calls), a running
+        # statistic in a tensor attribute: pickled where one is not a plain value
+        "module_attributes": _json_or_blob(changed_module_attributes(engine.module, engine.global_rank) or {}),
         # the submodules the script replaced by others (a loss swapped once): a restore cannot make them
         "replaced_modules": replaced_modules(engine.module) or {},
         # as the script last set them: one it froze at a step, a resumed script past that step does not freeze again
@@ -329,7 +332,15 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
     values = THIS_PROCESS.carried_values(engine) if carried else None
     if values is not None:
         items["carried"] = _torch_blob(values)
+    tensors = changed_globals(engine.global_rank)
+    if tensors is not None:  # the tensors of the script's globals that changed (class weights the loss reads)
+        items["script_globals"] = _torch_blob(tensors)
     return items
+
+
+def _json_or_blob(values: dict):
+    """``values`` as they are where all are plain (JSON), else pickled."""
+    return values if all(isinstance(v, PLAIN) for v in values.values()) else _torch_blob(values)
 
 
 def loss_scaler(optimizer):
@@ -356,7 +367,9 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
     if "module_attributes" in items:
-        restore_module_attributes(engine.module, items["module_attributes"])
+        restore_module_attributes(engine.module, unblob(items["module_attributes"]))
+    script_globals = _torch_unblob(items["script_globals"]) if "script_globals" in items else None
+    restore_globals(script_globals)
     if "frozen" in items:
         _freeze(engine, items["frozen"])
     groups = items["param_groups"]
@@ -386,6 +399,9 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")),
                          started=items.get("rng_started"))
     restore.replaced = items.get("replaced_modules", {})
+    # taken as an iteration started: set again as the first resumed one starts; as the process ended: the loop's code
+    # before the next call runs on what is set now, once
+    restore.script_globals = None if items.get("at_exit") else script_globals or {}
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
@@ -471,6 +487,9 @@ class RngRestore(InstructionHook):
         # the submodules the script had replaced (replaced_modules): checked once the loop's code before the first
         # resumed call has run, which may replace them again
         self.replaced: Optional[dict] = None
+        # the script's globals as restored (main_globals): set again, the script's code since the restore may have
+        # updated one again (an in-place update of the loop's before its call, a normalization before its loop)
+        self.script_globals: Optional[dict] = None
 
     def replay_started(self) -> None:
         """A loop that counts its calls begins to replay them: the generators now, to tell as the replay ends which the
@@ -537,6 +556,9 @@ class RngRestore(InstructionHook):
             self.groups = self.added = None
         if self.weights is not None:
             self._weights_again(engine)
+        if self.script_globals is not None:
+            restore_globals(self.script_globals)
+            self.script_globals = None
         if self.replaced is not None:
             why = not_as_replaced(engine.module, self.replaced)
             self.replaced = None
@@ -563,6 +585,7 @@ class RngRestore(InstructionHook):
         if self.weights is not None:
             self.weights.close()
         self.rng = self.schedulers = self.groups = self.added = self.weights = self.replaced = None
+        self.script_globals = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:
