@@ -42,7 +42,10 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently). The
     loop sets a class attribute the noise layers of both stages read (``Noise.scale``) at step 2, before the restored
     step, which the snapshot keeps: the survivor recovers in place (session 39: read as state baft does not keep, it
-    was replaced too), and the replacement trains with it as the uninterrupted run did."""
+    was replaced too), and the replacement trains with it as the uninterrupted run did. Probe 26, in place: the
+    survivor's running mean in a plain tensor attribute of its noise layer, the list it appends to, and the script's
+    global tensors its loss and layers read, which its loop updates in place or rebinds, had moved past the restored
+    step: set back as the snapshot had them."""
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]
@@ -57,7 +60,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     # no "baft" section: DeepSpeed's own engine class, nothing attached (only the clean exit); it runs beside
     # the protected run, whose restart leaves the cores idle
     plain = subprocess.Popen(torchrun(2, [str(SCRIPT), "--config", str(config(tmp_path, "plain.json")), "--class-once",
-                                          "2"], module=False),
+                                          "2", "--statistics"], module=False),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     run_dir = tmp_path / "run"
     # a memory limit the running manager (baft train's) does not have: said, not silently dropped. A snapshot every
@@ -67,7 +70,7 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     imports = tmp_path / "imports.jsonl"  # each process that imported the script's own module user_data, and when
     faulty = subprocess.run([*cli, "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                              "--in-place", "--fault", "rank=0,step=5,phase=forward", "--", str(SCRIPT),
-                             "--config", str(cfg), "--class-once", "2"], capture_output=True, text=True,
+                             "--config", str(cfg), "--class-once", "2", "--statistics"], capture_output=True, text=True,
                             env=launch_env({DIGESTS_ENV: str(tmp_path / "digests"), "USER_DATA_IMPORTS": str(imports)}),
                             timeout=300)
     out, err = plain.communicate(timeout=300)
@@ -152,13 +155,15 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     snapshot is taken as the step starts, after it): the weights are set back as restored as that step starts. Probe
     23: the loop turns the layers' noise off at the same step (a global of the script's the layers' forward reads,
     not the loop), and halves a gain a config module of the script's holds (``user_data.GAIN``), which a run resumed
-    after it trained with as they started, silently: the loop carries them."""
+    after it trained with as they started, silently: the loop carries them. Probe 26: a running mean in a plain tensor
+    attribute of the noise layers, a list they append to, a global tensor the loss reads that the loop updates in
+    place and one the layers read that it rebinds, resumed from their first values, silently: kept."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
                                "--run-dir", str(tmp_path / name), *fault, "--", str(SCRIPT), "--config",
                                str(config(tmp_path, period=1)), "--batch-once", "3", "--noise-off-once", "3",
-                               "--gain-once", "3", "--perturb"],
+                               "--gain-once", "3", "--perturb", "--statistics"],
                               capture_output=True, text=True, env=launch_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = finals((tmp_path / name / LOG_NAME).read_text())

@@ -73,7 +73,9 @@ def changed_module_attributes(module: torch.nn.Module, rank: int = 0) -> Optiona
         if not isinstance(value, PLAIN):
             value = held.kept(value, rank, f"the model's {name}.{attr} (a plain attribute, not a buffer)",
                               f"Register it as a buffer in its module's __init__: self.register_buffer(\"{attr}\", "
-                              f"tensor, persistent=False)")
+                              f"tensor, persistent=False)" if isinstance(value, torch.Tensor) else
+                              "Keep it in client_state= of baft.initialize (an object with state_dict() and "
+                              "load_state_dict())")
             if value is held.NOT_KEPT:
                 continue
         changed[f"{name}.{attr}"] = value

@@ -1,7 +1,7 @@
 """What a snapshot keeps of a value the script holds outside the model's state, where it changed since the process
 first protected its model: a plain value (a number, a string, None), a tensor (changed where it is another object or
 its version moved: holding the one it started with costs nothing) and a list, tuple or dict of plain values (changed
-where it differs from a copy taken then). For :mod:`baft.script.attributes` (a layer's running mean in a plain
+where it differs from a copy taken then; up to :data:`~baft.script.carry.MOST_ITEMS`). For :mod:`baft.script.attributes` (a layer's running mean in a plain
 tensor attribute, not a buffer) and :mod:`baft.script.main_globals` (class weights the loss reads from a global of
 the script's, which its loop updates in place).
 
@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from baft.script.carry import MOST_ITEMS
+
 PLAIN = (bool, int, float, str, type(None))
 CONTAINERS = (list, tuple, dict)
 KINDS = PLAIN + (torch.Tensor,) + CONTAINERS  # what a holder's values are looked at as
@@ -24,7 +26,7 @@ KINDS = PLAIN + (torch.Tensor,) + CONTAINERS  # what a holder's values are looke
 # ms at 256 KiB, ~8 ms at 1 MiB), where a buffer's bytes are copied in the bubbles. A running statistic is far smaller
 MOST_BYTES = 1 << 18
 NOT_KEPT = object()  # what :func:`kept` gives where a snapshot keeps nothing
-_SAID: set = set()  # the tensors said to be over MOST_BYTES, by what names them
+_SAID: set = set()  # the values said to be too large to keep, by what names them
 
 
 @dataclass
@@ -44,8 +46,9 @@ def hold(value):
     if isinstance(value, torch.Tensor):
         small = _nbytes(value) <= MOST_BYTES
         return Held(value, value._version, value.detach().to("cpu", copy=True) if small else None)
-    if isinstance(value, CONTAINERS):
-        return Held(value, copy=copy.copy(value)) if plain_container(value) else Held(value, ours=False)
+    if isinstance(value, CONTAINERS):  # one too large to compare at every snapshot is not ours
+        ours = len(value) <= MOST_ITEMS and plain_container(value)
+        return Held(value, copy=copy.copy(value)) if ours else Held(value, ours=False)
     return value
 
 
@@ -73,20 +76,30 @@ def data(value) -> bool:
 
 def kept(value, rank: int, named: str, way_out: str):
     """What a snapshot keeps of ``value``, which changed: a tensor's value on CPU, a copy of a plain container, a plain
-    value itself; :data:`NOT_KEPT` for another container, and for a tensor over :data:`MOST_BYTES`, said once by
-    ``rank`` (``named``: what it is, ``the model's 1.running``; ``way_out``: how to have it kept)."""
+    value itself; :data:`NOT_KEPT` for another container, and for a tensor over :data:`MOST_BYTES` or a container of
+    over :data:`~baft.script.carry.MOST_ITEMS`, said once by ``rank`` (``named``: what it is, ``the model's
+    1.running``; ``way_out``: how to have it kept)."""
+    if isinstance(value, CONTAINERS) and not plain_container(value):
+        return NOT_KEPT
+    large = _too_large(value)
+    if large:
+        if named not in _SAID:
+            _SAID.add(named)
+            print(f"baft: rank {rank}: {named} is {large} that changed since start: no snapshot keeps one so large, so "
+                  f"a run resumed after a fault would start it again as the script makes it. {way_out}", flush=True)
+        return NOT_KEPT
     if isinstance(value, torch.Tensor):
-        if _nbytes(value) > MOST_BYTES:
-            if named not in _SAID:
-                _SAID.add(named)
-                print(f"baft: rank {rank}: {named} is a tensor of {_nbytes(value) / 2 ** 20:.1f} MiB that changed since "
-                      f"start: no snapshot keeps one over {MOST_BYTES >> 10} KiB, so a run resumed after a fault would "
-                      f"start it again as the script makes it. {way_out}", flush=True)
-            return NOT_KEPT
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, CONTAINERS):
-        return copy.copy(value) if plain_container(value) else NOT_KEPT
-    return value
+    return copy.copy(value) if isinstance(value, CONTAINERS) else value
+
+
+def _too_large(value) -> str:
+    """What ``value`` is where a snapshot does not keep one so large, else ""."""
+    if isinstance(value, torch.Tensor) and _nbytes(value) > MOST_BYTES:
+        return f"a tensor of {_nbytes(value) / 2 ** 20:.1f} MiB (over {MOST_BYTES >> 10} KiB)"
+    if isinstance(value, CONTAINERS) and len(value) > MOST_ITEMS:
+        return f"a {type(value).__name__} of {len(value)} items (over {MOST_ITEMS:,})"
+    return ""
 
 
 def as_started(held, current, device: Optional[torch.device] = None):

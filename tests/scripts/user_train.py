@@ -16,6 +16,10 @@ from user_data import AverageMeter, MetricLogger, Samples, log_step
 
 
 NOISE = 0.01  # the noise's scale, a setting of the script's its loop may turn off once (--noise-off-once)
+# with --statistics: a shift the loss reads, which the loop updates in place after each call, and a tilt the noise
+# layers read, which it rebinds (probe 26: neither in a snapshot, each resumed from its first value, silently)
+SHIFT = torch.zeros(())
+TILT = torch.zeros(())
 
 
 class Noise(nn.Module):
@@ -27,8 +31,15 @@ class Noise(nn.Module):
     def __init__(self):
         super().__init__()
         self.gen = torch.Generator().manual_seed(7)
+        # with --statistics, a running mean kept in a plain tensor attribute, not a buffer, and a list the forward
+        # appends to (probe 26: neither in a snapshot, each resumed from its first value, silently)
+        self.running, self.seen = torch.zeros(()), []
 
     def forward(self, x):
+        if args.statistics and self.training:
+            self.running = 0.9 * self.running + 0.1 * x.detach().mean()
+            self.seen.append(round(float(self.running), 4))
+            x = (x - self.running + TILT) * (1 + 0.01 * len(self.seen))
         return x + NOISE * Noise.scale * torch.randn(x.shape, generator=self.gen) if self.training else x
 
 
@@ -52,7 +63,7 @@ class WarmedLoss(nn.Module):
 
     def forward(self, output, target):
         self.calls += 1
-        return min(1.0, self.calls / self.warmup) * nn.functional.mse_loss(output, target)
+        return min(1.0, self.calls / self.warmup) * nn.functional.mse_loss(output + SHIFT, target)
 
 
 parser = argparse.ArgumentParser()
@@ -68,6 +79,8 @@ parser.add_argument("--noise-off-once", type=int, default=0, help="at this step 
 parser.add_argument("--gain-once", type=int, default=0, help="at this step halve user_data.GAIN, once")
 parser.add_argument("--class-once", type=int, default=0, help="at this step set Noise.scale, once")
 parser.add_argument("--perturb", action="store_true", help="add noise to the weights before each call")
+parser.add_argument("--statistics", action="store_true",
+                    help="running statistics in plain attributes of the noise layers and in globals the loop updates")
 parser.add_argument("--evaluate", choices=("kept", "anew"),
                     help="eval_batch every 2 steps, from one held-out iterator kept across evaluations, or a new one")
 args = parser.parse_args()
@@ -133,6 +146,9 @@ while engine.global_steps < args.steps:
     losses.update(float(loss))
     metrics.update(loss=float(loss), lr=engine.get_lr()[0])
     mean = log_step(float(loss))
+    if args.statistics:
+        SHIFT.mul_(0.5).add_(0.1 * float(loss))
+        TILT = 0.5 * TILT + 0.1 * float(loss)
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
