@@ -179,8 +179,8 @@ def test_tensor_and_list_attributes_a_forward_changes_are_kept_and_one_too_large
     assert torch.equal(kept["0.running"], torch.full((2,), 0.19)) and kept["0.running"] is not model[0].running
     assert attributes.changed_module_attributes(model, rank=1).keys() == kept.keys()
     said = capsys.readouterr().out
-    assert said.count("baft: rank 1: the model's 0.table (a plain attribute, not a buffer) is a tensor of 0.5 MiB (over "
-                      "256 KiB) that changed since start: no snapshot keeps one so large") == 1, said
+    assert said.count("baft: rank 1: the model's 0.table (a plain attribute, not a buffer) is a tensor of 0.5 MiB "
+                      "(over 256 KiB) that changed since start: no snapshot keeps one so large") == 1, said
     assert said.count('self.register_buffer("table", tensor, persistent=False)') == 1, said
     assert "buffer/0.kept" in [key for key, *_ in _module_tensors(model, 0, 1)]
     model(torch.ones(1, 2))  # a survivor's, moved past the snapshot's step: taken back, into the tensor it holds

@@ -1,9 +1,10 @@
 """What a snapshot keeps of a value the script holds outside the model's state, where it changed since the process
 first protected its model: a plain value (a number, a string, None), a tensor (changed where it is another object or
 its version moved: holding the one it started with costs nothing) and a list, tuple or dict of plain values (changed
-where it differs from a copy taken then; up to :data:`~baft.script.carry.MOST_ITEMS`). For :mod:`baft.script.attributes` (a layer's running mean in a plain
-tensor attribute, not a buffer) and :mod:`baft.script.main_globals` (class weights the loss reads from a global of
-the script's, which its loop updates in place).
+where it differs from a copy taken then; up to :data:`~baft.script.carry.MOST_ITEMS`). For
+:mod:`baft.script.attributes` (a layer's running mean in a plain tensor attribute, not a buffer) and
+:mod:`baft.script.main_globals` (class weights the loss reads from a global of the script's, which its loop updates
+in place).
 
 A changed tensor is kept by value, on CPU, up to :data:`MOST_BYTES`; a restore copies it into the tensor the holder
 has where shape and dtype match, so that whatever else holds that tensor sees it."""
