@@ -30,9 +30,13 @@ _CLASS_VALUES_AT_START: list[dict[str, object]] = []  # "module.Class:attribute"
 def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     """Every such attribute of ``module`` and its submodules by (module path, attribute): a snapshot reads them all,
     and the paths are joined only for those it keeps (a model of torch's layers has thousands)."""
-    own, kinds = _MODULES_OWN, held.KINDS
-    return {(name, attr): value for name, sub in module.named_modules() if _read(type(sub))
-            for attr, value in vars(sub).items() if attr not in own and isinstance(value, kinds)}
+    own, values = _MODULES_OWN, {}
+    for name, sub in module.named_modules():
+        kinds = _kinds(type(sub))
+        if kinds:
+            values.update(((name, attr), value) for attr, value in vars(sub).items()
+                          if attr not in own and isinstance(value, kinds))
+    return values
 
 
 def _script_classes(module: torch.nn.Module) -> dict[str, type]:
@@ -182,6 +186,16 @@ def _device(module: torch.nn.Module) -> torch.device:
     """Where ``module``'s tensors are: a tensor attribute it had not yet is set there."""
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _kinds(cls: type) -> tuple:
+    """The kinds of attributes read of a module of ``cls``: a script's class's plain values, tensors and containers
+    (:data:`~baft.script.held.KINDS`), torch's plain values (its tensors and tuples are set as a module is made: a
+    ``Conv2d``'s padding, compared at every snapshot, would cost ~2 us a layer), or none (:func:`_read`)."""
+    if not _read(cls):
+        return ()
+    return PLAIN if _torchs(cls) else held.KINDS
 
 
 def _torchs(cls: type) -> bool:
