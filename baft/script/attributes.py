@@ -1,9 +1,9 @@
 """The plain values (numbers, strings, None) the model's modules of the script's own classes and of torch's hold as
 attributes, and the script's classes hold as class attributes: a count a forward keeps (a loss module's ``self.calls += 1`` warming up its label smoothing), a setting
 the loop changes (a ``Dropout``'s ``p`` it sets to 0 once a warm-up ends), which neither a parameter nor a buffer
-holds; and the tensors and the lists, tuples and dicts of plain values such modules hold as plain attributes (a
-running mean a forward updates in ``self.running``, not a registered buffer; a list it appends to: probe 26, resumed
-from their first values, silently), as :mod:`baft.script.held` compares and keeps them. Those that changed since the
+holds; and the tensors and the lists, tuples and dicts of plain values the script's own modules hold as plain
+attributes (a running mean a forward updates in ``self.running``, not a registered buffer; a list it appends to: probe
+26, resumed from their first values, silently), as :mod:`baft.script.held` compares and keeps them. Those that changed since the
 process's first ``baft.initialize`` are kept with every snapshot and set again by a restore; one set once at start
 (a rank, a width) is not kept, and so not carried to another rank. DeepSpeed's modules keep theirs in what baft keeps
 otherwise (the pipeline's ``micro_offset``); another library's are not read: one may set a flag as it first runs

@@ -61,7 +61,7 @@ def differs(held, value) -> bool:
         return False
     if isinstance(value, torch.Tensor):
         return value is not held.value or value._version != held.version
-    if value is held.value and type(value) is tuple:  # of plain values: as it was (a Conv2d's padding)
+    if value is held.value and type(value) is tuple:  # of plain values: as it was
         return False
     return type(value) is not type(held.copy) or value != held.copy
 
