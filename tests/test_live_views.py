@@ -142,6 +142,30 @@ def test_the_plain_attributes_a_forward_changes_are_kept_and_a_survivor_is_taken
     assert (model[0].calls, model[0].rank, model[1].p) == (3, 3, 0.0)
 
 
+def test_the_models_submodules_are_walked_again_only_where_they_changed(monkeypatch):
+    """Every snapshot reads the submodules' attributes: the walk (``named_modules``, the classes' MROs: 2-3 ms at 480
+    modules) is kept while no submodule was replaced, added or given another class, each of which a snapshot sees."""
+    from baft.script import attributes
+
+    for held in ("_AT_START", "_CLASSES_AT_START", "_CLASS_VALUES_AT_START", "_LAST_WALK"):
+        monkeypatch.setattr(attributes, held, [])
+    model = nn.Sequential(Counted(rank=0), nn.Dropout(0.1))
+    attributes.hold_module_attributes(model)
+    walk = attributes._walked(model)
+    assert attributes._walked(model) is walk and attributes.replaced_modules(model) is None
+    model[1] = nn.Identity()
+    assert attributes.replaced_modules(model) == {"1": "torch.nn.modules.linear.Identity"}
+    model[1].extra = nn.ReLU(inplace=True)  # a child of a module that held none
+    assert attributes.module_attributes(model)["1.extra.inplace"] is True
+
+    class Other(Counted):
+        pass
+
+    model[0].__class__ = Other
+    assert attributes.replaced_modules(model)["0"].endswith(".Other")
+    assert attributes._walked(nn.Sequential()) is not attributes._walked(model)  # another model
+
+
 class Running(nn.Module):
     """A running mean a forward keeps in a plain tensor attribute (not a buffer: probe 26), a list it appends to, a
     table too large to keep in a plain attribute, and the same table registered as a buffer, as the size line says."""

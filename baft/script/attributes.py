@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,11 +29,50 @@ _CLASSES_AT_START: list[dict[str, type]] = []  # module path -> its class, as th
 _CLASS_VALUES_AT_START: list[dict[str, object]] = []  # "module.Class:attribute" -> value, then
 
 
+@dataclass
+class _Walk:
+    """``module``'s submodules as last walked (:func:`_walked`): by path, with what each held as its children and the
+    classes of the script's among them."""
+
+    module: weakref.ref
+    named: list[tuple[str, torch.nn.Module]]
+    modules: list[torch.nn.Module]
+    leaves: list[dict]  # the ``_modules`` of those that held no children
+    parents: list[tuple[dict, list]]  # those of the others, and their items then
+    types: list[type]
+    classes: dict[str, type]
+
+    def same(self, module: torch.nn.Module) -> bool:
+        return (self.module() is module and not any(map(len, self.leaves))
+                and all(list(held.items()) == items for held, items in self.parents)
+                and list(map(type, self.modules)) == self.types)
+
+
+_LAST_WALK: list[_Walk] = []
+
+
+def _walked(module: torch.nn.Module) -> _Walk:
+    """``module``'s submodules, walked again only where one was replaced, added or removed since the last walk: every
+    snapshot reads their attributes, and ``named_modules`` with the classes' MROs took 2-3 ms a snapshot of a model of
+    480 modules (the lists of children compared here, ~0.1 ms)."""
+    if _LAST_WALK and _LAST_WALK[0].same(module):
+        return _LAST_WALK[0]
+    named = list(module.named_modules())
+    classes = {_named(cls): cls for _, sub in named for cls in type(sub).__mro__
+               if issubclass(cls, torch.nn.Module) and not _torchs(cls) and _read(cls)}
+    subs = [sub for _, sub in named]
+    walk = _Walk(weakref.ref(module), named, subs, [sub._modules for sub in subs if not sub._modules],
+                 [(sub._modules, list(sub._modules.items())) for sub in subs if sub._modules], list(map(type, subs)),
+                 classes)
+    _LAST_WALK[:] = [walk]
+    return walk
+
+
 def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     """Every such attribute of ``module`` and its submodules by (module path, attribute): a snapshot reads them all,
     and the paths are joined only for those it keeps (a model of torch's layers has thousands)."""
     own, values = _MODULES_OWN, {}
-    for name, sub in module.named_modules():
+    for name, sub in _walked(module).named:
         kinds = _kinds(type(sub))
         if kinds:
             values.update(((name, attr), value) for attr, value in vars(sub).items()
@@ -41,8 +82,7 @@ def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
 
 def _script_classes(module: torch.nn.Module) -> dict[str, type]:
     """The module classes of the script's own (not torch's) of ``module``'s submodules and their bases, by name."""
-    return {_named(cls): cls for sub in module.modules() for cls in type(sub).__mro__
-            if issubclass(cls, torch.nn.Module) and not _torchs(cls) and _read(cls)}
+    return _walked(module).classes
 
 
 def _class_values(module: torch.nn.Module) -> dict[str, object]:
@@ -103,7 +143,7 @@ def replaced_modules(module: torch.nn.Module) -> Optional[dict[str, str]]:
     swaps for another once a warm-up ends: ``engine.module.loss_fn = nn.SmoothL1Loss()``), by path: the class now at
     each (``torch.nn.modules.loss.SmoothL1Loss``), or None where none was."""
     start = _CLASSES_AT_START[0] if _CLASSES_AT_START else {}
-    replaced = {name: _named(type(sub)) for name, sub in module.named_modules() if start.get(name) is not type(sub)}
+    replaced = {name: _named(type(sub)) for name, sub in _walked(module).named if start.get(name) is not type(sub)}
     return replaced or None
 
 
