@@ -366,8 +366,9 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         PipelineEngine.set_train_batch_size(engine, items["train_batch_size"])  # DeepSpeed's: no step read yet
     if "micro_offset" in items:
         engine.module.micro_offset = items["micro_offset"]
-    if "module_attributes" in items:
-        restore_module_attributes(engine.module, unblob(items["module_attributes"]))
+    module_attributes = unblob(items["module_attributes"]) if "module_attributes" in items else None
+    if module_attributes is not None:
+        restore_module_attributes(engine.module, module_attributes)
     script_globals = _torch_unblob(items["script_globals"]) if "script_globals" in items else None
     restore_globals(script_globals)
     if "frozen" in items:
@@ -402,6 +403,7 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
     # taken as an iteration started: set again as the first resumed one starts; as the process ended: the loop's code
     # before the next call runs on what is set now, once
     restore.script_globals = None if items.get("at_exit") else script_globals or {}
+    restore.module_attributes = None if items.get("at_exit") else module_attributes
     # a survivor whose loop counts its calls is not taken back: its call trains to its step, each step from the
     # schedulers' states and learning rates as it first started (baft.script.loop); they are where its loop is
     survivor = THIS_PROCESS.counts_calls and THIS_PROCESS.calls > THIS_PROCESS.to_replay
@@ -487,9 +489,11 @@ class RngRestore(InstructionHook):
         # the submodules the script had replaced (replaced_modules): checked once the loop's code before the first
         # resumed call has run, which may replace them again
         self.replaced: Optional[dict] = None
-        # the script's globals as restored (main_globals): set again, the script's code since the restore may have
-        # updated one again (an in-place update of the loop's before its call, a normalization before its loop)
+        # the script's globals and the model's attributes as restored (main_globals, attributes): set again, the
+        # script's code since the restore may have updated one again (an in-place update of the loop's before its
+        # call, a normalization before its loop)
         self.script_globals: Optional[dict] = None
+        self.module_attributes: Optional[dict] = None
 
     def replay_started(self) -> None:
         """A loop that counts its calls begins to replay them: the generators now, to tell as the replay ends which the
@@ -559,6 +563,9 @@ class RngRestore(InstructionHook):
         if self.script_globals is not None:
             restore_globals(self.script_globals)
             self.script_globals = None
+        if self.module_attributes is not None:
+            restore_module_attributes(engine.module, self.module_attributes)
+            self.module_attributes = None
         if self.replaced is not None:
             why = not_as_replaced(engine.module, self.replaced)
             self.replaced = None
@@ -585,7 +592,7 @@ class RngRestore(InstructionHook):
         if self.weights is not None:
             self.weights.close()
         self.rng = self.schedulers = self.groups = self.added = self.weights = self.replaced = None
-        self.script_globals = None
+        self.script_globals = self.module_attributes = None
 
 
 def optimizer_state_missing(engine) -> Optional[str]:

@@ -135,6 +135,10 @@ while engine.global_steps < args.steps:
         with torch.no_grad():
             for p in engine.module.parameters():
                 p.add_(torch.randn_like(p) * 1e-3)
+    if args.statistics:  # the layers' running means damped in place before each call: set again as it started
+        for module in engine.module.modules():
+            if isinstance(module, Noise):
+                module.running.mul_(0.99)
     factor = 0.97 + 0.02 * factors.random()  # a decay of the script's own, by a factor drawn before each call
     for group in engine.optimizer.param_groups:
         group["lr"] *= factor
