@@ -23,6 +23,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 def cold(argv: list, why: str) -> None:
     print(f"baft: {why}; this rank starts without it", file=sys.stderr, flush=True)
     os.environ.pop("BAFT_WARM_RANK", None)  # a warm torchrun's, which its ranks inherit: this one is not
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # (a signal held meanwhile ends this process, as it would)
     os.execv(sys.executable, [sys.executable, *argv])
 
 
@@ -48,6 +49,10 @@ def die_with_torchrun() -> None:
 
 
 def main(argv: list) -> None:
+    # a signal that comes before the rank's pid does waits for it, then passes on: the rank had already started and
+    # printed, and torchrun's SIGTERM then ended this client by default, the rank killed by the server without its
+    # own handler (a test's, under load)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     die_with_torchrun()
     path = os.environ.get("BAFT_WARM_SOCKET")
     if not path:
@@ -67,6 +72,7 @@ def main(argv: list) -> None:
     rank = [json.loads(started)["pid"]]
     for sig in FORWARDED:
         signal.signal(sig, lambda sig, _: forward(conn, rank[0], sig))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     while True:  # a "pid" line: the rank died and the server forked its replacement, which this client now is
         reply = json.loads(replies.readline() or b'{"exit": -9, "server_died": true}')  # the rank died with it
         if "pid" not in reply:
