@@ -360,18 +360,25 @@ PLAIN = {  # torch's own DataLoader, no state of its own: DeepSpeedExamples' ite
 }
 
 
+def seed_all(seed):
+    """Torch's, python's and numpy's global generators seeded, as a script does at its top."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def read_repeated(make, batches, workers, restore_at=None, resumed_seed=0):
     """``batches`` batches of ``RepeatingLoader(make(workers))``, the position saved after ``restore_at`` of them
     and restored into a new process's: it runs the script's code up to its loop as the first did (its first
     iterator made from the same generators; ``resumed_seed``: from others), then baft restores, then sets the RNG
     states as the step starts."""
-    torch.manual_seed(0)
+    seed_all(0)
     feed = RepeatingLoader(make(workers))
     position, out = data_position(None, feed), []
     for i in range(batches):
         if i == restore_at:
             saved, rng = position.state_dict(), (torch.get_rng_state(), random.getstate(), np.random.get_state())
-            torch.manual_seed(resumed_seed)
+            seed_all(resumed_seed)
             feed = RepeatingLoader(make(workers))
             data_position(None, feed).load_state_dict(saved)
             torch.set_rng_state(rng[0])  # (python's and numpy's too, as baft sets every generator)
@@ -393,6 +400,37 @@ def test_a_plain_loaders_repeating_loader_restored_at_any_batch_reads_as_the_uni
         assert not torch.equal(reference[:7, :, 0], reference[7:14, :, 0]), "each epoch in its own order"
     for restore_at in range(1, 21, 1 if workers == 0 else 3):
         assert torch.equal(read_repeated(make, 21, workers, restore_at), reference), f"restored after {restore_at}"
+
+
+class Shuffled(torch.utils.data.IterableDataset):
+    """A stream of 8 samples a pass in an order it draws as each pass begins: from python's and numpy's global
+    generators, or from a count of its passes it keeps itself."""
+
+    def __init__(self, order):
+        self.order, self.passes = order, 0
+
+    def __iter__(self):
+        order = list(range(8))
+        if self.order == "global":
+            random.shuffle(order)
+            order = [order[i] for i in np.random.permutation(8)]
+        else:
+            random.Random(self.passes).shuffle(order)
+        self.passes += 1
+        yield from (torch.tensor(float(i)) for i in order)
+
+
+@pytest.mark.parametrize("order", ["global", "counted"])
+def test_a_stream_that_draws_each_pass_order_itself_restored_at_any_batch_reads_as_the_uninterrupted_one(order):
+    """Probe 26 G5 and G4: a stream read in this process (no workers) that shuffles each pass with python's global
+    generator, or from its own count of passes: a restore reads the restored pass again, which drew its order from
+    the generators (its count) as the new process held them, not as that pass began; the order resumed was
+    another, silently. Restored after every batch of three passes."""
+    make = lambda workers: torch.utils.data.DataLoader(Shuffled(order), batch_size=BATCH, num_workers=workers)
+    reference = read_repeated(make, 12, 0)
+    assert not torch.equal(reference[:4].sort().values, reference[:4]), "each pass in an order of its own"
+    for restore_at in range(1, 12):
+        assert torch.equal(read_repeated(make, 12, 0, restore_at), reference), f"restored after {restore_at}"
 
 
 def deepspeed_io(sampler=None):

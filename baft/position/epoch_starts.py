@@ -4,13 +4,16 @@ are repeated through it."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
 from baft.position.deepspeed_loader import epoch_iterator
+from baft.position.samplers import GLOBALS
 from baft.position.settings import data_attributes
+from baft.script.rng import generator_state, set_generator_state
 
 
 class EpochStarts(RepeatingLoader):
@@ -59,20 +62,54 @@ class EpochStarts(RepeatingLoader):
 def generator_states(loader) -> dict:
     """The states of torch's generator and of ``loader``'s ``generator`` (None where it has none), and the settings
     its dataset and ``collate_fn`` hold (:func:`~baft.position.settings.data_attributes`: its workers copy them as
-    the iterator is made)."""
+    the iterator is made). Of a stream read in this process, python's and numpy's global generators too
+    (``"globals"``): its ``__iter__`` may draw its order from them (``random.shuffle``), as a sampler of the
+    script's may (:mod:`baft.position.samplers`)."""
     generator = getattr(loader, "generator", None)
-    return {"torch": torch.get_rng_state(),
-            "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-            "attributes": data_attributes(loader)}
+    states = {"torch": torch.get_rng_state(),
+              "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+              "attributes": data_attributes(loader)}
+    if _streamed_here(loader):
+        states["globals"] = {name: generator_state(held) for name, held in GLOBALS.items()}
+    return states
 
 
 def made_again(loader, made_from: Optional[dict], make=iter):
     """An iterator of ``loader`` made again by ``make`` from the generators as :func:`generator_states` gave them
     (``made_from``; None: as they stand), torch's left as it was. Its settings are the caller's to set
-    (:func:`~baft.position.settings.as_made`): its sampler draws the epoch's order at its first batch."""
+    (:func:`~baft.position.settings.as_made`): its sampler draws the epoch's order at its first batch. A stream
+    read in this process begins its ``__iter__`` here, from the generators as its epoch began: the uninterrupted
+    run's began it at once, the restore reads it later (python's and numpy's set back after)."""
+    globals_before = {name: generator_state(held) for name, held in GLOBALS.items()}
     with torch.random.fork_rng(devices=[]):
         if made_from is not None:
             torch.set_rng_state(made_from["torch"])
             if made_from["generator"] is not None:
                 loader.generator.set_state(made_from["generator"])
-        return make(loader)
+            for name, state in made_from.get("globals", {}).items():
+                set_generator_state(GLOBALS[name], state)
+        made = make(loader)
+        if made_from is not None and "globals" in made_from:
+            _begin_stream(made)
+    for name, state in globals_before.items():
+        set_generator_state(GLOBALS[name], state)
+    return made
+
+
+def _streamed_here(loader) -> bool:
+    """Whether ``loader`` reads an ``IterableDataset`` in this process (no workers)."""
+    return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+            and not getattr(loader, "num_workers", 0))
+
+
+def _begin_stream(iterator) -> None:
+    """Run the ``__iter__`` of the stream ``iterator`` reads to its first sample (a generator function's body runs
+    at its first ``next()``), that sample given first again."""
+    fetcher = getattr(iterator, "_dataset_fetcher", None)
+    if fetcher is None:
+        return
+    first = next(fetcher.dataset_iter, _END)
+    fetcher.dataset_iter = itertools.chain(() if first is _END else (first,), fetcher.dataset_iter)
+
+
+_END = object()

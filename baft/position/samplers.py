@@ -125,11 +125,11 @@ def _own_state(sampler) -> dict:
     own = {name: (generator_state(value) if isinstance(value, GENERATORS) else value)
            for name, value in vars(sampler).items() if isinstance(value, (*GENERATORS, *PLAIN))}
     if _generator(sampler) is None:
-        own.update({"random": generator_state(_GLOBAL["random"]), "numpy.random": generator_state(_GLOBAL["numpy"])})
+        own.update({"random": generator_state(GLOBALS["random"]), "numpy.random": generator_state(GLOBALS["numpy"])})
     return own
 
 
-_GLOBAL = {"random": random._inst, "numpy": np.random.mtrand._rand}  # python's and numpy's global generators
+GLOBALS = {"random": random._inst, "numpy": np.random.mtrand._rand}  # python's and numpy's global generators
 LIBRARIES = ("torch.", "torchdata.", "deepspeed.")  # whose samplers keep (or draw from) nothing else
 
 
@@ -142,7 +142,7 @@ def _set_sampler_state(sampler, saved: dict) -> None:
     if saved["epoch"] is not None:
         sampler.epoch = saved["epoch"]
     for name, value in saved.get("own", {}).items():
-        held = _GLOBAL["random"] if name == "random" else _GLOBAL["numpy"] if name == "numpy.random" else \
+        held = GLOBALS["random"] if name == "random" else GLOBALS["numpy"] if name == "numpy.random" else \
             getattr(sampler, name, None)
         if isinstance(held, GENERATORS):
             set_generator_state(held, value)
@@ -164,7 +164,7 @@ def as_epoch_started(sampler, saved: Optional[dict]):
             if sampler is not None:
                 sampler.__dict__.pop(EPOCH_START, None)
         return
-    globals_before = {name: generator_state(generator) for name, generator in _GLOBAL.items()}
+    globals_before = {name: generator_state(generator) for name, generator in GLOBALS.items()}
     with torch.random.fork_rng(devices=[]):
         setattr(sampler, RESTORING, saved)
         try:
@@ -173,4 +173,4 @@ def as_epoch_started(sampler, saved: Optional[dict]):
             delattr(sampler, RESTORING)
             setattr(sampler, EPOCH_START, saved)
             for name, state in globals_before.items():
-                set_generator_state(_GLOBAL[name], state)
+                set_generator_state(GLOBALS[name], state)
