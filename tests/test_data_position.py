@@ -868,6 +868,33 @@ def test_a_generator_over_the_loader_that_counts_in_its_own_variables_is_said():
     assert foreign_iterator(None, cast()) is None
 
 
+def test_a_generator_over_the_loader_that_holds_a_batch_back_is_said():
+    """Probe 26 G8: a prefetcher of the script's (``yield prev`` before ``prev = batch``) holds the batch the data
+    position counts read while train_batch trains the one before: a resumed run skipped it, silently (relaunched and
+    in place). Said now, by name; one that yields what it makes of each batch as it reads it is not."""
+    from baft.position.kept import foreign_iterator
+
+    loader = PLAIN["shuffle"](0)
+
+    def prefetched():
+        prev = None
+        while True:
+            for batch in loader:
+                if prev is not None:
+                    yield prev
+                prev = batch
+
+    def moved():
+        for batch in loader:
+            moved = batch.double()
+            yield moved
+
+    said = foreign_iterator(None, prefetched())
+    assert said.startswith("train_batch reads a generator of the script's, prefetched(), that holds a batch back in "
+                           "its own variables (prev)"), said
+    assert foreign_iterator(None, moved()) is None
+
+
 def test_a_second_repeating_loader_the_loop_reads_is_said():
     """Two tasks, each a RepeatingLoader of a plain loader, read in turn: the position kept is the first's (found at
     the first call); the second's would resume from its start."""
@@ -1092,6 +1119,23 @@ def test_an_iterator_that_would_not_resume_with_the_kept_position_is_named():
     for fine in (iter(given), RepeatingLoader(given), iter([1, 2]), None):
         assert foreign_iterator(position, fine) is None
     assert foreign_iterator(None, iter(other)) is None  # nothing given: said once at initialize
+
+
+def test_an_iterator_of_a_new_loader_over_the_kept_loaders_dataset_is_named():
+    """Probe 26 G17: a loop that makes a new DataLoader each epoch (over the same dataset) read batches the position
+    of the first one's did not bring back; it was said only as a count it carries (the epoch), as a risk to a
+    learning rate. Said now as what differs, the data; the kept loader's own iterators pass."""
+    from baft.position.kept import foreign_iterator
+    from baft.position.plain_loader import PlainLoaderPosition
+
+    dataset = Noisy()
+    first = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    position = PlainLoaderPosition(first, iter(first))
+    said = foreign_iterator(position, iter(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True)))
+    assert said.startswith("train_batch reads an iterator of another DataLoader over the Noisy than the one whose "
+                           "position baft keeps (a new DataLoader each epoch?)"), said
+    assert "a resumed run reads other batches" in said
+    assert foreign_iterator(position, iter(first)) is None
 
 
 class Task:

@@ -137,6 +137,13 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
                 f"them again from their first values (a DistributedSampler's set_epoch(epoch) from epoch 0: the "
                 f"orders of earlier epochs again); derive them from the engine's step (epoch = engine.global_steps "
                 f"// steps_per_epoch) or keep them in the loop, whose counts baft keeps")
+    held = _held_back(data_iter)
+    if held:
+        return (f"train_batch reads a generator of the script's, {data_iter.__name__}(), that holds a batch back in its "
+                f"own variables ({', '.join(held)}) while train_batch trains the one before: the data position counts "
+                f"that batch read, and no snapshot holds it, so a resumed run skips it and reads each later batch one "
+                f"step early; yield each batch as the loader gives it (for batch in loader: yield batch), or prefetch "
+                f"in the loader (num_workers=, prefetch_factor=)")
     if isinstance(data_iter, itertools.cycle):
         return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
                 "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
@@ -152,6 +159,13 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
         return (f"train_batch reads an iterator of another loader than the data_iterator given to baft.initialize "
                 f"(over another {type(read).__name__}): its position is in no snapshot, and a resumed run reads it "
                 f"from its start")
+    kept = getattr(position, "loader", None)
+    if (read is not None and read is given and isinstance(kept, torch.utils.data.DataLoader)
+            and getattr(data_iter, "_index_sampler", None) is not kept._index_sampler):
+        return (f"train_batch reads an iterator of another DataLoader over the {type(read).__name__} than the one "
+                f"whose position baft keeps (a new DataLoader each epoch?): its position is in no snapshot, so a "
+                f"resumed run reads other batches from the restored step on; make the DataLoader once, before the "
+                f"loop, and take a new iter() of it each epoch")
     if (position is not None and read is None and callable(getattr(data_iter, "state_dict", None))
             and callable(getattr(data_iter, "load_state_dict", None)) and not _holds(position, data_iter)):
         return (f"train_batch reads a {type(data_iter).__name__} that is not the data_iterator given to "
@@ -178,6 +192,27 @@ def _counted_in_locals(data_iter) -> list[str]:
             read = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
             counted += [t.id for t in node.targets if isinstance(t, ast.Name) and t.id in read]
     return sorted(set(counted) - looped)
+
+
+def _held_back(data_iter) -> list[str]:
+    """The variables a generator of the script's holds a batch back in, as its source reads: yielded inside a loop
+    over the loader before that loop sets them from its batch (``yield prev`` ... ``prev = batch``: a prefetcher);
+    empty where it holds none or its source cannot be read."""
+    tree = defined_at(data_iter.gi_code) if inspect.isgenerator(data_iter) else None
+    if tree is None:
+        return []
+    held = set()
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For):
+            continue
+        batch = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+        yielded = {n.id: node.lineno for node in ast.walk(loop) if isinstance(node, (ast.Yield, ast.YieldFrom))
+                   for n in ast.walk(node) if isinstance(n, ast.Name)}
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Assign) and batch & {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}:
+                held |= {t.id for t in node.targets if isinstance(t, ast.Name) and t.id not in batch
+                         and yielded.get(t.id, node.lineno) < node.lineno}
+    return sorted(held)
 
 
 def _holds(holder, obj, depth: int = 2) -> bool:

@@ -38,6 +38,7 @@ class TrainBatchReads:
         self._last_mark = None  # and its epoch_mark where it was the kept loader's
         self._kept_at_last_read = (None, 0)  # the loader's iterator as train_batch last returned, and what it had read
         self._said_pulled = False
+        self._said_foreign: set[str] = set()  # what foreign_iterator said of the iterators read
         self._last_evaluated = (None, 0)  # the iterator eval_batch last read, and the step it was called after
         self._said_evaluated = False
         self._reader_restored: Optional[dict] = None  # a wrapper's counts a restore set, until train_batch reads it
@@ -84,7 +85,8 @@ class TrainBatchReads:
             return
         self._read.add(id(read))
         why = foreign_iterator(None if isinstance(self.position, PositionFoundLater) else self.position, read)
-        if why and self.engine.global_rank == 0:
+        if why and why not in self._said_foreign and self.engine.global_rank == 0:
+            self._said_foreign.add(why)  # (one loop may read a new such iterator each epoch)
             warn(self.engine, why)
 
     def _find_position(self, read) -> None:
@@ -106,6 +108,7 @@ class TrainBatchReads:
                                                                           before._last_read, before._last_mark)
         self._said_pulled, self._last_evaluated, self._said_evaluated = (before._said_pulled, before._last_evaluated,
                                                                          before._said_evaluated)
+        self._said_foreign = before._said_foreign
         if isinstance(self.position, PositionFoundLater):  # (first: the loader it keeps, to tell what is its epoch's)
             self.position.carry_on(before.position)
         kept = self.kept_iterator()
