@@ -139,11 +139,11 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
                 f"// steps_per_epoch) or keep them in the loop, whose counts baft keeps")
     held = _held_back(data_iter)
     if held:
-        return (f"train_batch reads a generator of the script's, {data_iter.__name__}(), that holds a batch back in its "
-                f"own variables ({', '.join(held)}) while train_batch trains the one before: the data position counts "
-                f"that batch read, and no snapshot holds it, so a resumed run skips it and reads each later batch one "
-                f"step early; yield each batch as the loader gives it (for batch in loader: yield batch), or prefetch "
-                f"in the loader (num_workers=, prefetch_factor=)")
+        return (f"train_batch reads a generator of the script's, {data_iter.__name__}(), that holds a batch back in "
+                f"its own variables ({', '.join(held)}) while train_batch trains the one before: the data position "
+                f"counts that batch read, and no snapshot holds it, so a resumed run skips it and reads each later "
+                f"batch one step early; yield each batch as the loader gives it (for batch in loader: yield batch), "
+                f"or prefetch in the loader (num_workers=, prefetch_factor=)")
     if isinstance(data_iter, itertools.cycle):
         return ("train_batch reads an itertools.cycle: after its first pass it repeats the batches it cached, which "
                 "no snapshot holds, so a resumed run reads others; use deepspeed.utils.RepeatingLoader, which takes a "
@@ -159,8 +159,9 @@ def foreign_iterator(position, data_iter) -> Optional[str]:
         return (f"train_batch reads an iterator of another loader than the data_iterator given to baft.initialize "
                 f"(over another {type(read).__name__}): its position is in no snapshot, and a resumed run reads it "
                 f"from its start")
-    kept = getattr(position, "loader", None)
+    kept = getattr(position, "loader", None)  # a plain one's: torchdata's iterator may hold a restored sampler
     if (read is not None and read is given and isinstance(kept, torch.utils.data.DataLoader)
+            and not hasattr(kept, "load_state_dict")
             and getattr(data_iter, "_index_sampler", None) is not kept._index_sampler):
         return (f"train_batch reads an iterator of another DataLoader over the {type(read).__name__} than the one "
                 f"whose position baft keeps (a new DataLoader each epoch?): its position is in no snapshot, so a "
