@@ -1,5 +1,6 @@
 """Which training loops count their calls to ``train_batch`` (:mod:`baft.script.loop`), read from their source."""
 
+import collections
 import json
 import re
 import runpy
@@ -562,6 +563,18 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     site = _site(tmp_path, window)[0]
     assert site.carried[0].where.endswith("(losses.append(engine.train_batch() or 1.0))")
     assert not site.carried[0].read_before_call, "refilled in place: the list its append was looked up on"
+    # an empty container made by a call is a literal start (probe 26's g14: a deque's window was neither kept nor said)
+    deque = ("import collections\nrecent = collections.deque(maxlen=4)\nwhile engine.global_steps < N:\n"
+             "    recent.append(engine.train_batch() or 1.0)\n    if len(recent) == 4 and recent[-1] > sum(recent) / 4:\n"
+             "        break\n    engine.global_steps += 1")
+    assert [c.key for c in _site(tmp_path, deque)[0].carried] == ["recent"]
+    seen = ("from collections import Counter, defaultdict\nseen = START\nwhile engine.global_steps < N:\n"
+            "    loss = engine.train_batch() or 1.0\n    seen[loss] = seen.get(loss, 0) + 1\n"
+            "    if max(seen.values()) > 3:\n        break\n    engine.global_steps += 1")
+    for start in ("defaultdict(int)", "Counter()", "dict()"):
+        assert [c.key for c in _site(tmp_path, seen.replace("START", start))[0].carried] == ["seen"], start
+    assert [c.key for c in _site(tmp_path, window.replace("[]", "list()"))[0].carried] == ["losses"]
+    assert _site(tmp_path, window.replace("[]", "list([args.steps])"))[0].carried == (), "the script's own resume"
     kept_only = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch())\n"
                  "    engine.global_steps += 1")
     assert _site(tmp_path, kept_only)[0].carried == (), "changed, never read in the loop"
@@ -819,6 +832,16 @@ for _ in iter(int, 1):  # at module level, on the engine's step
     engine.global_steps += 1
 """
 
+WINDOW = """
+import collections
+recent = collections.deque(maxlen=2)
+while engine.global_steps < 3:
+    recent.append(engine.train_batch())
+    if len(recent) == 2 and recent[-1] > sum(recent) / 2:
+        pass
+    engine.global_steps += 1
+"""
+
 
 def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_its_first_call(tmp_path, capsys):
     """A function's local variables (rebound; a list refilled in place), a module's: a resumed process sets them at its
@@ -842,6 +865,11 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
                                                "they were at step 2" in out, out
     at_module = run(0, None, AT_MODULE)
     assert at_module["best"] == 1.0 and at_module["KEPT"][-1] == {"best": 1.0}
+    # probe 26's g14: a window of the last losses in a deque made by a call was neither kept nor said
+    whole = run(0, None, WINDOW)
+    assert whole["KEPT"][2] == {"recent": collections.deque([3.0, 1.0], maxlen=2)}, whole["KEPT"]
+    resumed = run(2, whole["KEPT"][2], WINDOW)["recent"]
+    assert resumed == whole["recent"] == collections.deque([1.0, 2.0]) and resumed.maxlen == 2, resumed
     assert run(2, {"best": 1.0}, AT_MODULE)["best"] == 1.0, "the module's variable, set as the first call started"
     assert run(2, None, AT_MODULE)["best"] == 2.0, "not kept: started again from its first value"
 

@@ -355,13 +355,17 @@ def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bo
 
 
 EMPTY = {"list", "dict", "set", "tuple", "deque", "OrderedDict", "defaultdict", "Counter"}  # made empty by a call
+FACTORIES = EMPTY | {"int", "float", "str", "bool"}  # what a defaultdict makes its missing items with
 
 
 def _literal(value: ast.AST) -> bool:
-    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set, and a
-    dataclass field of one (``field(default=0)``, ``field(default_factory=list)``)."""
+    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set, one made by
+    a call (``deque(maxlen=4)``, ``defaultdict(int)``, ``Counter()``, ``dict()``), and a dataclass field of one
+    (``field(default=0)``, ``field(default_factory=list)``)."""
     if isinstance(value, ast.Call) and source.called_name(value.func) in ("float", "int") and not value.keywords:
         return all(_literal(arg) for arg in value.args)
+    if isinstance(value, ast.Call) and source.called_name(value.func) in EMPTY:
+        return _made_empty(value)
     if isinstance(value, ast.Call) and source.called_name(value.func) == "field" and not value.args:
         given = {k.arg: k.value for k in value.keywords}
         factory = given.get("default_factory")
@@ -372,6 +376,20 @@ def _literal(value: ast.AST) -> bool:
         return True
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
+
+
+def _made_empty(call: ast.Call) -> bool:
+    """Whether ``call`` (of a container type, :data:`EMPTY`) makes one of literals: ``deque(maxlen=n)`` of any size,
+    ``defaultdict(int)`` of a plain factory; not one of what a variable holds (``list(state["losses"])``: the script's
+    own resume)."""
+    args = list(call.args)
+    if source.called_name(call.func) == "defaultdict" and args:
+        factory = args.pop(0)
+        if not (isinstance(factory, (ast.Name, ast.Attribute)) and source.called_name(factory) in FACTORIES
+                or isinstance(factory, ast.Lambda) and _literal(factory.body)):
+            return False
+    keywords = [k.value for k in call.keywords if not (k.arg == "maxlen" and source.called_name(call.func) == "deque")]
+    return all(_literal(value) for value in args + keywords)
 
 
 def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
