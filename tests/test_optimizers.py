@@ -254,3 +254,13 @@ def test_a_scheduler_of_a_class_neither_torchs_nor_deepspeeds_is_kept_and_a_trai
                                            "trainer_or_wrapper_is_not.<locals>.Warmup", {"t": 1})]
     made[0].t = 5
     assert schedulers.restore(engine, [(type(made[0]).__qualname__, {"t": 1})]) is None and made[0].t == 1
+
+    class HeldAsOpt(Warmup):  # probe 26's g15: held under another name, it was not found (its count began again)
+        def __init__(self, optimizer):
+            super().__init__(None)
+            del self.optimizer
+            self.opt = optimizer
+
+    engine = SimpleNamespace(optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+    held = HeldAsOpt(engine.optimizer)
+    assert schedulers.script_schedulers(engine) == [held]

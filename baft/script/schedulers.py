@@ -101,6 +101,7 @@ def _look(engine) -> list:
     groups = engine.optimizer.param_groups  # one list: DeepSpeed's wrappers give their torch optimizer's
     # an object recovery in place gave another's state (baft.plugin) is that one: the engines' own among them
     known = {id(vars(scheduler)) for scheduler in _ENGINES}
+    optimizers = _optimizers(engine.optimizer)
     found = []
     kinds = _scheduler_kinds()
     looks: dict[type, int] = {}  # each type's: 0 no scheduler, 1 torch's or DeepSpeed's, 2 perhaps one of another's
@@ -111,7 +112,8 @@ def _look(engine) -> list:
         look = looks.get(kind)
         if look is None:
             look = looks[kind] = 1 if issubclass(kind, kinds) else 2 if _scheduler_like_kind(kind) else 0
-        if (look and getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups
+        if (look and (getattr(getattr(obj, "optimizer", None), "param_groups", None) is groups
+                      or look == 2 and _holds_any(obj, optimizers))
                 and (look == 1 or _holds_no_module(obj)) and id(vars(obj)) not in known):
             known.add(id(vars(obj)))
             found.append(obj)
@@ -119,11 +121,27 @@ def _look(engine) -> list:
     return [obj for obj in found if id(obj) not in inner]
 
 
+def _optimizers(optimizer) -> set:
+    """The ids of the engine's optimizer and of the optimizers inside DeepSpeed's wrappers of it."""
+    found = set()
+    while optimizer is not None and id(optimizer) not in found:
+        found.add(id(optimizer))
+        optimizer = getattr(optimizer, "optimizer", None)
+    return found
+
+
+def _holds_any(obj, optimizers: set) -> bool:
+    """Whether an attribute of ``obj`` is one of ``optimizers`` (:func:`_optimizers`), under whatever name (probe 26's
+    g15: a warm-up of the script's holding it as ``self.opt`` was not found, and resumed from a count of 0, silently)."""
+    held = getattr(obj, "__dict__", None)
+    return isinstance(held, dict) and any(id(value) in optimizers for value in held.values())
+
+
 def _scheduler_like_kind(kind: type) -> bool:
     """Whether objects of ``kind`` may be schedulers of a class neither torch's nor DeepSpeed's (the script's own
     warm-up, timm's ``Scheduler``): it has ``step``, ``state_dict`` and ``load_state_dict``, and is no optimizer (a
     wrapper of the script's, Lookahead), module, or class of torch's, DeepSpeed's or baft's. One is where it holds the
-    engine's optimizer as ``optimizer`` (:func:`_holds_no_module`)."""
+    engine's optimizer, under any name (``self.optimizer``, ``self.opt``), and no module (:func:`_holds_no_module`)."""
     return (all(callable(getattr(kind, name, None)) for name in ("step", "state_dict", "load_state_dict"))
             and not issubclass(kind, (torch.optim.Optimizer, torch.nn.Module))
             and kind.__module__.partition(".")[0] not in ("torch", "deepspeed", "baft"))
