@@ -620,6 +620,13 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     assert [(c.where, c.key, c.read_before_call) for c in site.carried] == [
         (f"{script}:{line + 6} (self.count += 1)", "meter.count", False),
         (f"{script}:{line + 8} (self.sum += value)", "meter.sum", False)]
+    # an object called itself: its class's __call__ (probe 26's g13: a warm-up's count, read before the call, unsaid)
+    warm = ("class Warmup:\n    def __init__(self):\n        self.t = 0\n    def step(self):\n        self.t += 1\n"
+            "        return min(1.0, self.t / 10)\n    __call__ = step\nwarm = Warmup()\n"
+            "while engine.global_steps < N:\n    factor = warm()\n    engine.train_batch()\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, warm)
+    assert [(c.where, c.key, c.read_before_call) for c in site.carried] == [
+        (f"{script}:{line + 5} (self.t += 1)", "warm.t", True)], site
     keeps_itself = meter.replace("    def add(", "    def state_dict(self):\n        return {}\n    def add(")
     assert _site(tmp_path, keeps_itself)[0].carried == ()
     held = meter.replace("meter = Meter()\nwhile engine.global_steps < N:\n    meter.update(", (

@@ -182,6 +182,9 @@ def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast
     todo = [(source.dotted(node.func.value), node.func.attr, node.func.attr) for node in ast.walk(loop)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and source.dotted(node.func.value)
             and source.dotted(node.func.value).split(".")[0] not in made]
+    # an object called itself (``factor = warm()``): its class's ``__call__`` (probe 26's g13: its count was not read)
+    todo += [(node.func.id, node.func.id, "__call__") for node in ast.walk(loop)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in made]
     found, seen = [], set()
     while todo:
         name, called, method = todo.pop(0)
