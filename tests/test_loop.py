@@ -627,6 +627,18 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     site, script = _site(tmp_path, warm)
     assert [(c.where, c.key, c.read_before_call) for c in site.carried] == [
         (f"{script}:{line + 5} (self.t += 1)", "warm.t", True)], site
+    # a dict or list of tensors it updates in place from themselves, started from a copy of the weights (probe 26's g7)
+    ema = ("import torch\nmodel = torch.nn.Linear(2, 1)\nema = {n: p.detach().clone() for n, p in model.named_parameters()}\n"
+           "while engine.global_steps < N:\n    engine.train_batch()\n    for n, p in model.named_parameters():\n"
+           "        ema[n].mul_(0.99).add_(p.detach(), alpha=0.01)\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, ema)
+    assert [(c.key, c.read_before_call) for c in site.carried] == [("ema", False)], site
+    listed = ema.replace("{n: p.detach().clone() for n, p in", "[p.detach().clone() for p in").replace(
+        "named_parameters()}", "parameters()]").replace("for n, p in model.named_parameters():\n        ema[n]",
+                                                        "for e, p in zip(ema, model.parameters()):\n        e")
+    assert [c.key for c in _site(tmp_path, listed)[0].carried] == ["ema"], listed
+    noise = ema.replace("ema[n].mul_(0.99).add_(p.detach(), alpha=0.01)", "p.detach().add_(1e-3)")
+    assert _site(tmp_path, noise)[0].carried == (), "the weights' own, not a container's items"
     keeps_itself = meter.replace("    def add(", "    def state_dict(self):\n        return {}\n    def add(")
     assert _site(tmp_path, keeps_itself)[0].carried == ()
     held = meter.replace("meter = Meter()\nwhile engine.global_steps < N:\n    meter.update(", (
@@ -848,6 +860,18 @@ while engine.global_steps < 3:
         pass
     engine.global_steps += 1
 """
+EMA = """
+import torch
+model = torch.nn.Linear(2, 1, bias=False)
+torch.nn.init.constant_(model.weight, 1.0)
+ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+made = ema
+while engine.global_steps < 3:
+    loss = engine.train_batch()
+    for n, p in model.named_parameters():
+        ema[n].mul_(0.5).add_(p.detach() * loss, alpha=0.5)
+    engine.global_steps += 1
+"""
 
 
 def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_its_first_call(tmp_path, capsys):
@@ -877,6 +901,12 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
     assert whole["KEPT"][2] == {"recent": collections.deque([3.0, 1.0], maxlen=2)}, whole["KEPT"]
     resumed = run(2, whole["KEPT"][2], WINDOW)["recent"]
     assert resumed == whole["recent"] == collections.deque([1.0, 2.0]) and resumed.maxlen == 2, resumed
+    # probe 26's g7: an EMA of the weights in a dict of tensors the loop updates in place: resumed, made again from the
+    # restored weights (relaunched), or with a step's update twice (in place), silently
+    whole = run(0, None, EMA)
+    assert torch.equal(whole["KEPT"][2]["ema"]["weight"], torch.tensor([[1.5, 1.5]])), whole["KEPT"]
+    resumed = run(2, whole["KEPT"][2], EMA)
+    assert torch.equal(resumed["ema"]["weight"], whole["ema"]["weight"]) and resumed["ema"] is resumed["made"]
     assert run(2, {"best": 1.0}, AT_MODULE)["best"] == 1.0, "the module's variable, set as the first call started"
     assert run(2, None, AT_MODULE)["best"] == 2.0, "not kept: started again from its first value"
 

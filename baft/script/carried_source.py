@@ -56,7 +56,8 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
     iteration (in source order), or folds it into itself (``meter = 0.9 * meter + 0.1 * loss``, ``bad += 1``), or
     changes it in place and reads it otherwise (``losses.append(loss)``, then ``mean(losses[-5:])``); and its scope
     starts it before the loop at nothing but a literal (``prev = None``, ``best = float("inf")``, ``losses = []``): a
-    value set otherwise there may be the script's own resume of it."""
+    value set otherwise there may be the script's own resume of it. A dict or list whose tensors the loop changes in
+    place from themselves (an EMA of the weights, ``ema[n].mul_(0.99).add_(p)``) may start as a copy of the weights."""
     def position(node):
         return node.lineno, node.col_offset
 
@@ -65,7 +66,9 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
 
     stores: dict[str, list] = {}
     changes: dict[str, list] = {}  # changed in place: by a method, or an item assigned
+    folds: dict[str, list] = {}  # their tensor items changed in place from themselves (``ema[n].mul_(0.99).add_(p)``)
     changed = set()  # the names those read (ids), not reads of what they hold
+    iterated = _iterated(loop)
     for node in ast.walk(loop):
         targets = source.targets(node)
         for target in targets:
@@ -79,6 +82,10 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
                 and isinstance(node.func.value, ast.Name)):
             changes.setdefault(node.func.value.id, []).append(node)
             changed.add(id(node.func.value))
+        held = _items_changed_in_place(node, iterated)
+        if held is not None:
+            folds.setdefault(held.id, []).append(node)
+            changed.add(id(held))
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     reached = source.reached(filename, loop) if isinstance(scope, ast.Module) else ()
     found = []
@@ -96,11 +103,58 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
         if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
                 and _started_at_a_literal(name, loop, scope)):
             found.append((name, min(nodes, key=position)))
+    for name, nodes in folds.items():
+        if name not in stores and name not in {n for n, _ in found} and _started_at_a_literal(
+                name, loop, scope, or_weights=True):
+            found.append((name, min(nodes, key=position)))
     call = source.call_position(frame)
     return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
                     # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
                     read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
             for name, node in sorted(found, key=lambda item: position(item[1]))]
+
+
+def _iterated(loop: ast.AST) -> dict[str, str]:
+    """The names the loop's ``for`` statements bind to the items of a variable (``for e, p in zip(ema, params)``,
+    ``for e in ema.values()``), each to that variable's."""
+    def container(expr):
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in ("values", "items"):
+            expr = expr.func.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    bound = {}
+    for node in ast.walk(loop):
+        if not isinstance(node, ast.For):
+            continue
+        pairs = [(node.target, node.iter)]
+        if isinstance(node.iter, ast.Call) and source.called_name(node.iter.func) == "zip" and isinstance(
+                node.target, ast.Tuple) and len(node.target.elts) == len(node.iter.args):
+            pairs = list(zip(node.target.elts, node.iter.args))
+        for target, iterated in pairs:
+            name = container(iterated)
+            if name is not None:
+                bound.update((n.id, name) for n in ast.walk(target) if isinstance(n, ast.Name))
+    return bound
+
+
+def _items_changed_in_place(node: ast.AST, iterated: dict) -> Optional[ast.Name]:
+    """The variable whose tensor item ``node`` changes in place from itself, a tensor method's (``ema[n].mul_(0.99)``,
+    ``average.lerp_(p, 0.1)`` over ``zip(ema, ...)``: ``iterated``, :func:`_iterated`), or None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
+            and not node.func.attr.startswith("_")):
+        return None
+    held, items = node.func.value, False
+    while True:
+        if isinstance(held, ast.Subscript):
+            held, items = held.value, True
+        elif (isinstance(held, ast.Call) and isinstance(held.func, ast.Attribute) and held.func.attr.endswith("_")
+              and not held.func.attr.startswith("_")):
+            held = held.func.value
+        else:
+            break
+    if isinstance(held, ast.Name) and (items or held.id in iterated):
+        return held if items else ast.Name(id=iterated[held.id], ctx=ast.Load())
+    return None
 
 
 def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list) -> list[Carried]:
@@ -395,10 +449,20 @@ def _made_empty(call: ast.Call) -> bool:
     return all(_literal(value) for value in args + keywords)
 
 
-def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST) -> bool:
-    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`)."""
+WEIGHTS = ("parameters", "named_parameters", "state_dict")  # what a copy of the model's weights is made from
+
+
+def _started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST, or_weights: bool = False) -> bool:
+    """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`_literal`), or
+    (``or_weights``) a copy of the model's weights (``{n: p.detach().clone() for n, p in model.named_parameters()}``,
+    an EMA's start: a resumed process makes it from the restored weights, not as the snapshot held it)."""
     inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
     started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and node.value is not None and node.lineno not in inside
                for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
-    return bool(started) and all(_literal(value) for value in started)
+    return bool(started) and all(_literal(value) or or_weights and _copies_weights(value) for value in started)
+
+
+def _copies_weights(value: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in WEIGHTS
+               for n in ast.walk(value))
