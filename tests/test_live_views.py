@@ -251,6 +251,37 @@ def test_a_global_tensor_of_the_script_the_loop_updates_is_kept(monkeypatch, cap
     assert torch.equal(main.W, torch.ones(4)) and torch.equal(main.V, torch.zeros(2)) and w is not main.W
 
 
+class WarmedLoss:
+    """A loss of the script's that is a plain callable class, not a module, counting its calls (a warm-up)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        return nn.functional.mse_loss(out, y) * min(1.0, self.calls / 40)
+
+
+def test_the_plain_values_of_a_loss_that_is_no_module_are_kept(monkeypatch):
+    """Probe 26's g11: a PipelineModule's ``loss_fn`` of a plain callable class (an attribute, not a submodule) counting
+    its calls was in no snapshot, and a resumed run warmed its loss up again, silently."""
+    from baft.script import attributes
+
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    model = nn.Sequential(nn.Linear(2, 1))
+    model.loss_fn = WarmedLoss()
+    attributes.hold_module_attributes(model)
+    for _ in range(3):
+        model.loss_fn(model(torch.ones(1, 2)), torch.zeros(1, 1))
+    kept = attributes.changed_module_attributes(model)
+    assert kept == {"loss_fn.calls": 3}, kept
+    model.loss_fn.calls = 7  # a survivor's, moved on since: taken back to the snapshot's
+    attributes.restore_module_attributes(model, kept)
+    assert model.loss_fn.calls == 3
+    attributes.restore_module_attributes(model, None)  # a snapshot from before its first call: as it started
+    assert model.loss_fn.calls == 0
+
+
 class Scaled(Counted):
     """A class attribute the script's loop may change for every instance at once (``Scaled.factor = 0.5``)."""
 

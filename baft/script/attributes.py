@@ -77,7 +77,22 @@ def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
         if kinds:
             values.update(((name, attr), value) for attr, value in vars(sub).items()
                           if attr not in own and isinstance(value, kinds))
+    values.update(_held_objects(module))
     return values
+
+
+def _held_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """The plain values of the objects of the script's own classes, not modules, that ``module`` holds as attributes,
+    by (attribute, theirs): a loss that is a plain callable class (``loss_fn=WarmedLoss()``, a PipelineModule's
+    attribute, not a submodule) counting its calls (probe 26's g11: not kept, silently)."""
+    return {(attr, its): value for attr, obj in vars(module).items() if _script_object(type(obj))
+            for its, value in vars(obj).items() if isinstance(value, PLAIN)}
+
+
+@functools.lru_cache(maxsize=None)
+def _script_object(cls: type) -> bool:
+    return (not issubclass(cls, (torch.nn.Module, type)) and not _torchs(cls) and _read(cls)
+            and "__dict__" in dir(cls))
 
 
 def _script_classes(module: torch.nn.Module) -> dict[str, type]:
@@ -212,12 +227,13 @@ def _set(module: torch.nn.Module, name: str, attr: str, value_for, given) -> Non
     """Set ``attr`` of ``module``'s submodule ``name`` to ``value_for(given, its value now, the submodule's device)``
     (:func:`~baft.script.held.put`, :func:`~baft.script.held.as_started`), where that is not
     :data:`~baft.script.held.NOT_KEPT`."""
-    try:
-        sub = module.get_submodule(name)
+    try:  # a submodule, or an object of the script's the module holds (_held_objects)
+        held_object = vars(module).get(name)
+        sub = held_object if _script_object(type(held_object)) else module.get_submodule(name)
     except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
         return
     current = getattr(sub, attr, None)
-    value = value_for(given, current, _device(sub))
+    value = value_for(given, current, _device(sub if isinstance(sub, torch.nn.Module) else module))
     if value is not held.NOT_KEPT and value is not current:
         setattr(sub, attr, value)
 
