@@ -282,6 +282,38 @@ def test_the_plain_values_of_a_loss_that_is_no_module_are_kept(monkeypatch):
     assert model.loss_fn.calls == 0
 
 
+class Lazy(nn.Module):
+    """A layer of the script's that makes its noise generator as it first runs forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = None
+
+    def forward(self, x):
+        if self.gen is None:
+            self.gen = torch.Generator().manual_seed(1)
+        return x + torch.randn(x.shape, generator=self.gen)
+
+
+def test_a_generator_a_layer_makes_as_it_first_runs_forward_is_said_once(monkeypatch, capfd):
+    """Probe 26's g12: no snapshot holds it (made after baft.initialize noted the model's generators), and a resumed
+    run drew from one made again, silently (relaunched, or in place: a restore set the attribute back to None)."""
+    from baft.script import rng
+
+    monkeypatch.setattr(rng, "_HELD", [])
+    monkeypatch.setattr(rng, "_LATER", [], raising=False)
+    model = nn.Sequential(nn.Linear(2, 2), Lazy())
+    rng.hold_module_generators(model)
+    rng.rng_states()
+    assert capfd.readouterr().err == ""
+    for _ in range(2):
+        model(torch.ones(1, 2))
+        rng.rng_states()
+    err = capfd.readouterr().err
+    assert err.count("baft:") == 1 and "baft: rank 0: the model's 1.gen is a generator its module made after " \
+                                       "baft.initialize" in err, err
+
+
 class Scaled(Counted):
     """A class attribute the script's loop may change for every instance at once (``Scaled.factor = 0.5``)."""
 

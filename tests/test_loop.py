@@ -565,8 +565,8 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     assert not site.carried[0].read_before_call, "refilled in place: the list its append was looked up on"
     # an empty container made by a call is a literal start (probe 26's g14: a deque's window was neither kept nor said)
     deque = ("import collections\nrecent = collections.deque(maxlen=4)\nwhile engine.global_steps < N:\n"
-             "    recent.append(engine.train_batch() or 1.0)\n    if len(recent) == 4 and recent[-1] > sum(recent) / 4:\n"
-             "        break\n    engine.global_steps += 1")
+             "    recent.append(engine.train_batch() or 1.0)\n"
+             "    if len(recent) == 4 and recent[-1] > sum(recent) / 4:\n        break\n    engine.global_steps += 1")
     assert [c.key for c in _site(tmp_path, deque)[0].carried] == ["recent"]
     seen = ("from collections import Counter, defaultdict\nseen = START\nwhile engine.global_steps < N:\n"
             "    loss = engine.train_batch() or 1.0\n    seen[loss] = seen.get(loss, 0) + 1\n"
@@ -623,13 +623,15 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     # an object called itself: its class's __call__ (probe 26's g13: a warm-up's count, read before the call, unsaid)
     warm = ("class Warmup:\n    def __init__(self):\n        self.t = 0\n    def step(self):\n        self.t += 1\n"
             "        return min(1.0, self.t / 10)\n    __call__ = step\nwarm = Warmup()\n"
-            "while engine.global_steps < N:\n    factor = warm()\n    engine.train_batch()\n    engine.global_steps += 1")
+            "while engine.global_steps < N:\n    factor = warm()\n    engine.train_batch()\n"
+            "    engine.global_steps += 1")
     site, script = _site(tmp_path, warm)
     assert [(c.where, c.key, c.read_before_call) for c in site.carried] == [
         (f"{script}:{line + 5} (self.t += 1)", "warm.t", True)], site
     # a dict or list of tensors it updates in place from themselves, started from a copy of the weights (probe 26's g7)
-    ema = ("import torch\nmodel = torch.nn.Linear(2, 1)\nema = {n: p.detach().clone() for n, p in model.named_parameters()}\n"
-           "while engine.global_steps < N:\n    engine.train_batch()\n    for n, p in model.named_parameters():\n"
+    ema = ("import torch\nmodel = torch.nn.Linear(2, 1)\n"
+           "ema = {n: p.detach().clone() for n, p in model.named_parameters()}\nwhile engine.global_steps < N:\n"
+           "    engine.train_batch()\n    for n, p in model.named_parameters():\n"
            "        ema[n].mul_(0.99).add_(p.detach(), alpha=0.01)\n    engine.global_steps += 1")
     site, script = _site(tmp_path, ema)
     assert [(c.key, c.read_before_call) for c in site.carried] == [("ema", False)], site

@@ -118,7 +118,8 @@ def _iterated(loop: ast.AST) -> dict[str, str]:
     """The names the loop's ``for`` statements bind to the items of a variable (``for e, p in zip(ema, params)``,
     ``for e in ema.values()``), each to that variable's."""
     def container(expr):
-        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in ("values", "items"):
+        if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)
+                and expr.func.attr in ("values", "items")):
             expr = expr.func.value
         return expr.id if isinstance(expr, ast.Name) else None
 

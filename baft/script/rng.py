@@ -11,6 +11,7 @@ import hashlib
 import inspect
 import pickle
 import random
+import sys
 import types
 import weakref
 from typing import Iterator, Optional
@@ -20,9 +21,12 @@ import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
+from baft.script import source
+
 
 GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _HELD: list[tuple[str, "weakref.ref", str]] = []  # the model's generators: (name, its module, the attribute)
+_LATER: list[tuple[str, "weakref.ref", str]] = []  # the attributes of the script's modules that were None then
 _NAMED: dict[str, object] = {}  # the generators the script names (its variables, its collate function's globals)
 
 
@@ -33,6 +37,28 @@ def hold_module_generators(module: torch.nn.Module) -> None:
     _HELD[:] = [(f"{name}.{attr}" if name else attr, weakref.ref(sub), attr)
                 for name, sub in module.named_modules() for attr, value in vars(sub).items()
                 if isinstance(value, torch.Generator)]
+    # None now in a module of the script's: a generator it may make as it first runs forward, said where it does
+    _LATER[:] = [(f"{name}.{attr}" if name else attr, weakref.ref(sub), attr)
+                 for name, sub in module.named_modules() if _scripts_module(type(sub))
+                 for attr, value in vars(sub).items() if value is None]
+
+
+@functools.lru_cache(maxsize=None)
+def _scripts_module(cls: type) -> bool:
+    filename = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return filename is not None and not source.library(filename)
+
+
+def _say_made_later() -> None:
+    """A generator a module of the script's made since :func:`hold_module_generators` (``if self.gen is None:
+    self.gen = torch.Generator().manual_seed(1)`` in its forward), said once by the rank holding it: no snapshot holds
+    it, and a resumed run draws from one made again (probe 26's g12: relaunched or in place, silently)."""
+    for held in [h for h in _LATER if isinstance(getattr(h[1](), h[2], None), GENERATORS)]:
+        _LATER.remove(held)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f"baft: rank {rank}: the model's {held[0]} is a generator its module made after baft.initialize (as it "
+              f"first ran forward), which no snapshot holds: a run resumed after a fault draws from one made again, "
+              f"not where the uninterrupted run's stood. Make it in the module's __init__", file=sys.stderr, flush=True)
 
 
 def hold_script_generators(frame, data_iterator=None) -> None:
@@ -188,6 +214,8 @@ def rng_states() -> dict:
     tracked = get_cuda_rng_tracker().get_states()
     if tracked:
         states["tracker"] = dict(tracked)
+    if _LATER:
+        _say_made_later()
     held = {name: generator_state(generator) for name, generator in _held()}
     if held:
         states["modules"] = held

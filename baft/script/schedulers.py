@@ -131,8 +131,9 @@ def _optimizers(optimizer) -> set:
 
 
 def _holds_any(obj, optimizers: set) -> bool:
-    """Whether an attribute of ``obj`` is one of ``optimizers`` (:func:`_optimizers`), under whatever name (probe 26's
-    g15: a warm-up of the script's holding it as ``self.opt`` was not found, and resumed from a count of 0, silently)."""
+    """Whether an attribute of ``obj`` is one of ``optimizers`` (:func:`_optimizers`), under whatever name (probe
+    26's g15: a warm-up of the script's holding it as ``self.opt`` was not found, and resumed from a count of 0,
+    silently)."""
     held = getattr(obj, "__dict__", None)
     return isinstance(held, dict) and any(id(value) in optimizers for value in held.values())
 
