@@ -85,7 +85,7 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
         held = _items_changed_in_place(node, iterated)
         if held is not None:
             folds.setdefault(held.id, []).append(node)
-            changed.add(id(held))
+            changed.add(id(held))  # the item's (``ema`` of ``ema[n]``), not a read of the variable otherwise
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     reached = source.reached(filename, loop) if isinstance(scope, ast.Module) else ()
     found = []
@@ -138,21 +138,29 @@ def _iterated(loop: ast.AST) -> dict[str, str]:
     return bound
 
 
+# a tensor's in-place methods that do not read what it holds: an item they change is not folded into itself
+OVERWRITES = {"copy_", "zero_", "fill_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "set_",
+              "resize_", "requires_grad_", "detach_", "share_memory_"}
+
+
+def _in_place(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
+            and not node.func.attr.startswith("_"))
+
+
 def _items_changed_in_place(node: ast.AST, iterated: dict) -> Optional[ast.Name]:
     """The variable whose tensor item ``node`` changes in place from itself, a tensor method's (``ema[n].mul_(0.99)``,
     ``average.lerp_(p, 0.1)`` over ``zip(ema, ...)``: ``iterated``, :func:`_iterated`), or None."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
-            and not node.func.attr.startswith("_")):
+    if not _in_place(node):
         return None
-    held, items = node.func.value, False
-    while True:
+    first, held, items = node.func.attr, node.func.value, False
+    while isinstance(held, ast.Subscript) or _in_place(held):
         if isinstance(held, ast.Subscript):
             held, items = held.value, True
-        elif (isinstance(held, ast.Call) and isinstance(held.func, ast.Attribute) and held.func.attr.endswith("_")
-              and not held.func.attr.startswith("_")):
-            held = held.func.value
         else:
-            break
+            first, held = held.func.attr, held.func.value
+    if first in OVERWRITES:
+        return None
     if isinstance(held, ast.Name) and (items or held.id in iterated):
         return held if items else ast.Name(id=iterated[held.id], ctx=ast.Load())
     return None
