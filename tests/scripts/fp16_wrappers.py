@@ -30,13 +30,13 @@ class StandIn(SimpleNamespace):
 
 
 def build(wrapper_cls):
-    """A stand-in for the engine: what baft's state capture reads (module, optimizer, the batch size)."""
+    """A stand-in for the engine: what baft's state capture reads (module, optimizer, the batch size, its rank)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).half()
     wrapper = wrapper_cls(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
                           dynamic_loss_args={"init_scale": 2 ** 24, "scale_window": 2, "min_scale": 1,
                                              "delayed_shift": 1}, verbose=False)
-    return StandIn(module=model, optimizer=wrapper, train_batch_size=lambda: 8)
+    return StandIn(module=model, optimizer=wrapper, train_batch_size=lambda: 8, global_rank=0)
 
 
 def train(engine, steps: range) -> None:
