@@ -1479,19 +1479,27 @@ def test_the_generators_a_script_names_and_its_collate_function_reads_are_kept_w
     assert (flips.random(), [batch[0, 0].item() for batch in loader]) == first
 
 
+def killed_once_trains_the_same(tmp_path, script: str, step: int, resumed: int) -> subprocess.CompletedProcess:
+    """``baft train`` of ``tests/scripts/<script>`` on 2 ranks, rank 1 killed in step ``step``'s backward and the job
+    relaunched: it resumes from step ``resumed`` and trains each step again as it first trained it (the ranks' state
+    digests); the run."""
+    digests = tmp_path / "digests"
+    run = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
+                          "--run-dir", str(tmp_path / "run"), "--fault", f"rank=1,step={step},phase=backward", "--",
+                          str(Path(__file__).parent / "scripts" / script)],
+                         capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"resumed from step {resumed}" in run.stdout + run.stderr, run.stdout[-3000:]
+    assert redone_differ(digests) == []
+    return run
+
+
 @pytest.mark.slow
 def test_the_scripts_own_generators_resume_where_its_loop_its_collate_function_and_its_dataset_draw(tmp_path):
     """Probe 16: a generator the script names (a variable its loop drew a learning rate from, a module global its
     collate function read) was in no state, and one its dataset held, kept with the loader's state as the next
     iteration began, was drawn by the loop before that: resumed, each drew anew or once more, silently."""
-    digests = tmp_path / "digests"
-    run = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
-                          "--run-dir", str(tmp_path / "run"), "--fault", "rank=1,step=6,phase=backward", "--",
-                          str(Path(__file__).parent / "scripts" / "script_generators.py")],
-                         capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "resumed from step 4" in run.stdout + run.stderr, run.stdout[-3000:]
-    assert redone_differ(digests) == []
+    killed_once_trains_the_same(tmp_path, "script_generators.py", step=6, resumed=4)
 
 
 @pytest.mark.slow
@@ -1502,14 +1510,7 @@ def test_settings_the_loop_changes_resume_in_the_workers_of_the_restored_epoch_a
     had it (the restored step's noise, the dict's first item), not as that epoch began, silently; a collate_fn the
     loop replaced was in no snapshot, silently. Killed inside the second epoch: its steps trained again are the same
     as first trained, and the collate_fn is said."""
-    digests = tmp_path / "digests"
-    run = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
-                          "--run-dir", str(tmp_path / "run"), "--fault", "rank=1,step=7,phase=backward", "--",
-                          str(Path(__file__).parent / "scripts" / "data_settings.py")],
-                         capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "resumed from step 5" in run.stdout + run.stderr, run.stdout[-3000:]
-    assert redone_differ(digests) == []
+    run = killed_once_trains_the_same(tmp_path, "data_settings.py", step=7, resumed=5)
     assert "baft: the loop replaced the data loader's collate_fn (now a partial)" in run.stderr, run.stderr[-3000:]
 
 
