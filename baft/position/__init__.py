@@ -7,6 +7,7 @@
 - ``repeated_loader`` a plain ``DataLoader`` the loop repeats through ``RepeatingLoader``
 - ``deepspeed_loader`` DeepSpeed's own loader that the script makes (``engine.deepspeed_io``), seen as a plain one
 - ``plain_loader`` a plain ``DataLoader`` whose iterators the loop takes itself
+- ``epoch_position`` what those two share: the sampler's, the generator's and the dataset's part of an epoch
 - ``found_position`` the position where ``baft.initialize`` was given none, found as the loop first reads
 - ``wrappers``    a wrapper of the script's around the iterator ``train_batch`` reads (a cast), read through
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from

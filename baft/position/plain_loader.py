@@ -11,18 +11,15 @@ from typing import Optional
 
 import torch
 
-from baft.errors import BaftError
+from baft.position.epoch_position import EpochPosition
 from baft.position.epoch_starts import generator_states, made_again
 from baft.position.first_iterators import made_from
-from baft.position.iterators import batches_read, read_to, take_over
+from baft.position.iterators import batches_read, take_over
 from baft.position.repeated_loader import workers_caveat
-from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
-from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
 from baft.script.loop import THIS_PROCESS
-from baft.script.rng import hold_loader_generators
 
 
-class PlainLoaderPosition:
+class PlainLoaderPosition(EpochPosition):
     """Where a plain ``DataLoader`` the loop takes iterators of stands: which of them reads (:attr:`epoch`: 0 the one
     the loop read first), the batches it has given, the generators' states it was made from, the state its sampler
     drew its order from, the loader's ``generator`` and the settings the loop changed in its dataset.
@@ -44,10 +41,7 @@ class PlainLoaderPosition:
         self.epoch, self.made_from = 0, made_from(read) if self._latest is not None else None
         # (the iter() that gets it, the restored iterator, the position restored) until the loop takes it
         self.handing: Optional[tuple[int, object, dict]] = None
-        self.sampler = drawing_sampler(loader)
-        record_epoch_starts(self.sampler)
-        hold_loader_generators(loader)
-        data_attributes_at_start(loader)
+        self.keep(loader)
         _NOTES[type(loader)] = _NOTES.get(type(loader)) or type(type(loader).__name__, (type(loader),), {
             "__iter__": lambda self: self._baft_position.iterator(), "__module__": type(loader).__module__,
             "__qualname__": type(loader).__qualname__})
@@ -86,33 +80,17 @@ class PlainLoaderPosition:
     def state_dict(self) -> dict:
         if self.handing is not None:  # restored, not yet handed to the loop: the position is the one restored
             return self.handing[2]
-        generator = self.loader.generator
-        latest = self.latest
-        return {"epoch": self.epoch, "read": batches_read(latest) if latest is not None else 0,
-                "made_from": self.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
-                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "attributes": changed_data_attributes(self.loader)}
+        return self.position(self.epoch, self.latest, self.made_from)
 
     def load_state_dict(self, saved: dict) -> None:
         loader, live = self.loader, self.latest
         # the first epoch's iterator, made before baft.initialize returned, as this process made it
         own = (saved["epoch"] == 0 == self.epoch and saved["made_from"] is None and live is not None
                and batches_read(live) <= saved["read"])
-        began = (saved["made_from"] or {}).get("attributes")  # which its workers copy and its sampler draws from
-        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
-            if own:
-                restored = live
-            elif saved["made_from"] is None and loader.num_workers:
-                raise BaftError("the restored position is in the first epoch's iterator of a DataLoader with workers, "
-                                "which this process cannot make again as it was made: give baft.initialize "
-                                "torchdata's StatefulDataLoader as data_iterator=")
-            else:
-                restored = made_again(loader, saved["made_from"], torch.utils.data.DataLoader.__iter__)
-            read_to(restored, saved["read"], loader)
+        restored = self.restore_epoch(saved, live if own else None,
+                                      lambda made_from: made_again(loader, made_from, torch.utils.data.DataLoader.__iter__))
         self.made_from = saved["made_from"]
-        if saved["generator"] is not None:
-            loader.generator.set_state(saved["generator"])
-        set_data_attributes(loader, saved["attributes"])
+        self.set_back(saved)
         if own:
             self.epoch = 0
         elif live is not None and (saved["epoch"] == self.epoch or not THIS_PROCESS.counts_calls):

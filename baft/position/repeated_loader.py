@@ -12,17 +12,15 @@ from typing import Optional
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
-from baft.errors import BaftError
 from baft.position.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
+from baft.position.iterators import batches_read
+from baft.position.epoch_position import EpochPosition
 from baft.position.epoch_starts import EpochStarts
-from baft.position.iterators import batches_read, read_to
-from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
-from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
+from baft.position.samplers import drawing_sampler, record_epoch_starts
 from baft.script.loop import THIS_PROCESS
-from baft.script.rng import hold_loader_generators
 
 
-class RepeatedLoaderPosition:
+class RepeatedLoaderPosition(EpochPosition):
     """Where a plain ``DataLoader`` that the loop repeats through ``RepeatingLoader`` stands (or DeepSpeed's, seen as
     the torch loader it makes each epoch: :class:`~baft.position.deepspeed_loader.DeepSpeedEpochs`): which of the
     epochs' iterators reads it, the batches that one has given, what it was made from (:class:`EpochStarts`), the
@@ -46,10 +44,7 @@ class RepeatedLoaderPosition:
             DeepSpeedEpochs.take_over(repeating.loader)
         self.repeating = EpochStarts.take_over(repeating)
         loader = repeating.loader
-        self.sampler = drawing_sampler(loader)
-        record_epoch_starts(self.sampler)
-        hold_loader_generators(loader)
-        data_attributes_at_start(loader)
+        self.keep(loader)
         if loader.num_workers and engine is not None and self.repeating.made_from is None:
             THIS_PROCESS.no_survivors(engine, "the loop repeats a DataLoader with workers through RepeatingLoader, "
                                               "whose first epoch's iterator a survivor cannot make again as it was "
@@ -67,32 +62,23 @@ class RepeatedLoaderPosition:
         return workers_caveat(self.loader)
 
     def state_dict(self) -> dict:
-        generator = self.repeating.loader.generator
-        return {"epoch": self.repeating.epoch, "read": batches_read(epoch_iterator(self.repeating.data_iter)),
-                "made_from": self.repeating.made_from, "sampler": getattr(self.sampler, EPOCH_START, None),
-                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "attributes": changed_data_attributes(self.loader)}
+        repeating = self.repeating
+        return self.position(repeating.epoch, epoch_iterator(repeating.data_iter), repeating.made_from)
 
     def load_state_dict(self, saved: dict) -> None:
-        repeating, loader = self.repeating, self.repeating.loader
+        repeating = self.repeating
         here = epoch_iterator(repeating.data_iter)
         # the first epoch's iterator, as made in this process, not read past the position: read on from it
         own = (saved["made_from"] is None and saved["epoch"] == repeating.epoch == 0 and here is repeating.first
                and batches_read(here) <= saved["read"])
-        if not own and saved["made_from"] is None and loader.num_workers:
-            raise BaftError("the restored position is in the first epoch of a DataLoader with workers that "
-                            "RepeatingLoader repeats, whose iterator this process cannot make again as it was "
-                            "made: give baft.initialize torchdata's StatefulDataLoader as data_iterator=")
-        began = (saved["made_from"] or {}).get("attributes")  # which its workers copy and its sampler draws from
-        with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
-            if not own:
-                repeating.remake(saved["made_from"])
-            here = epoch_iterator(repeating.data_iter)
-            read_to(here, saved["read"], loader)
+
+        def remade(made_from: Optional[dict]):
+            repeating.remake(made_from)
+            return epoch_iterator(repeating.data_iter)
+
+        self.restore_epoch(saved, here if own else None, remade)
         repeating.epoch, repeating.made_from = saved["epoch"], saved["made_from"]
-        if saved["generator"] is not None:
-            loader.generator.set_state(saved["generator"])
-        set_data_attributes(loader, saved["attributes"])  # a setting the loop changed once (dataset.scale = 0.5)
+        self.set_back(saved)
 
 
 def workers_caveat(loader) -> Optional[str]:
