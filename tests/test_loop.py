@@ -507,8 +507,8 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
 def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path):
     """Probe 23: a global of the script that the loop, or a function it calls, sets once (noise turned off at a step),
     read by a layer's forward inside train_batch and nowhere in the loop, or a config module's of the script's: resumed
-    after it, it was back at its first value, silently. A value the loop sets for itself, read by no function it does
-    not call, is not carried."""
+    after it, it was back at its first value, silently; so was an item of a global dict the loop sets (probe 26 G16). A
+    value the loop sets for itself, read by no function it does not call, is not carried."""
     line = STUB.count(chr(10))
     layer = "NOISE = 0.1\nclass Noise:\n    def forward(self, x):\n        return x * NOISE\n"
     at_top = layer + ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        NOISE = 0.0\n"
@@ -530,6 +530,29 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
               "    engine.global_steps += 1")
     site, script = _site(tmp_path, config)
     assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 5} (knobs.NOISE = 0.0)", "knobs.NOISE")]
+    # an item of a global dict the loop sets after its call, read by a layer (probe 26 G16)
+    item = ('CTX = {"step": 0}\nclass Warm:\n    def forward(self, x):\n        return x * CTX["step"]\n'
+            'while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1\n'
+            '    CTX["step"] = engine.global_steps')
+    site, script = _site(tmp_path, item)
+    assert [(c.where, c.key) for c in site.carried] == [
+        (f"{script}:{line + 8} (CTX['step'] = engine.global_steps)", "CTX")], site
+
+
+def test_a_setting_the_loop_changes_once_that_the_loss_reads_in_main_is_carried(tmp_path):
+    """Probe 26 G9: the script's code in ``main()``, its loss function a closure over main's ``weight``, which the loop
+    sets once at a step: resumed after it, it trained with the first weight again, silently. A local of main's that no
+    nested function reads, or one the nested function assigns itself, is not carried."""
+    line = STUB.count(chr(10))
+    closure = ("def main():\n    weight = 1.0\n    def loss_fn(out):\n        return out * weight\n"
+               "    while engine.global_steps < N:\n        engine.train_batch()\n        engine.global_steps += 1\n"
+               "        if engine.global_steps == 1:\n            weight = 0.5\nmain()")
+    site, script = _site(tmp_path, closure)
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 9} (weight = 0.5)", "weight")], site
+    own = closure.replace("return out * weight", "weight = 2.0\n        return out * weight")
+    assert _site(tmp_path, own)[0].carried == ()
+    unread = closure.replace("return out * weight", "return out")
+    assert _site(tmp_path, unread)[0].carried == ()
 
 
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):

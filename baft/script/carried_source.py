@@ -87,20 +87,26 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
             folds.setdefault(held.id, []).append(node)
             changed.add(id(held))  # the item's (``ema`` of ``ema[n]``), not a read of the variable otherwise
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    reached = source.reached(filename, loop) if isinstance(scope, ast.Module) else ()
+    reached = source.reached(filename, loop)
+
+    def elsewhere(name):
+        # a global a function of the file reads, a layer's forward in the next call (probe 23: a noise scale the loop
+        # set to 0 once was back at its first value in a run resumed after it, silently), or a local of the loop's
+        # function a function nested in it reads (probe 26 G9: a loss_fn closing over main's ``weight``)
+        return (_read_as_global(scope, name, outside=reached) if isinstance(scope, ast.Module)
+                else _read_as_closure(scope, name, outside=reached))
+
     found = []
     for name, assignments in stores.items():
         first = min(position(a) for a in assignments)
         read = [n for n in reads if n.id == name]
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
-        # a global a function of the file reads, a layer's forward in the next call (probe 23: a noise scale the loop
-        # set to 0 once was back at its first value in a run resumed after it, silently)
-        elsewhere = isinstance(scope, ast.Module) and _read_as_global(scope, name, outside=reached)
-        if ((elsewhere or read and (folded or any(position(n) < first for n in read)))
+        if ((elsewhere(name) or read and (folded or any(position(n) < first for n in read)))
                 and _started_at_a_literal(name, loop, scope)):
             found.append((name, min(folded or assignments, key=position)))
     for name, nodes in changes.items():
-        if (name not in stores and any(n.id == name and id(n) not in changed for n in reads)
+        # a dict's item a layer's forward reads (probe 26 G16: ``CTX["step"] = engine.global_steps`` after the call)
+        if (name not in stores and (any(n.id == name and id(n) not in changed for n in reads) or elsewhere(name))
                 and _started_at_a_literal(name, loop, scope)):
             found.append((name, min(nodes, key=position)))
     for name, nodes in folds.items():
@@ -358,6 +364,24 @@ def _read_as_global(tree: ast.Module, name: str, outside) -> bool:
         names = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name]
         local = name in arguments or any(isinstance(n.ctx, ast.Store) for n in names)
         if (name in declared or not local) and any(isinstance(n.ctx, ast.Load) for n in names):
+            return True
+    return False
+
+
+def _read_as_closure(scope: ast.AST, name: str, outside) -> bool:
+    """Whether a function nested in the function ``scope`` and not in ``outside`` (the loop and the functions it
+    calls) reads ``scope``'s local ``name`` (not assigning it, nor declaring it global): a loss function given to the
+    model reads in the next call what the loop set last."""
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    skipped = {(n.lineno, n.col_offset) for body in outside for n in ast.walk(body) if isinstance(n, functions)}
+    for function in ast.walk(scope):
+        if function is scope or not isinstance(function, functions) or (function.lineno, function.col_offset) in skipped:
+            continue
+        declared = {n for node in ast.walk(function) if isinstance(node, ast.Global) for n in node.names}
+        arguments = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+        names = [n for n in ast.walk(function) if isinstance(n, ast.Name) and n.id == name]
+        local = name in arguments | declared or any(isinstance(n.ctx, ast.Store) for n in names)
+        if not local and any(isinstance(n.ctx, ast.Load) for n in names):
             return True
     return False
 
