@@ -555,6 +555,25 @@ def test_a_setting_the_loop_changes_once_that_the_loss_reads_in_main_is_carried(
     assert _site(tmp_path, unread)[0].carried == ()
 
 
+def test_a_setting_the_loop_changes_once_on_the_options_or_a_loss_module_is_carried(tmp_path):
+    """Probe 26 G10: ``args.weight = 0.5`` at a step on argparse's Namespace, read by the loss function, and
+    ``crit.delta = 0.1`` on a torch loss module a loss function closes over (outside the model): resumed after the
+    step, each was back at its first value, silently. An option only the loop reads is not carried."""
+    line = STUB.count(chr(10))
+    options = ("import argparse\nopts = argparse.Namespace(weight=1.0)\ndef loss_fn(out):\n"
+               "    return out * opts.weight\nwhile engine.global_steps < N:\n    engine.train_batch()\n"
+               "    engine.global_steps += 1\n    if engine.global_steps == 1:\n        opts.weight = 0.5")
+    site, script = _site(tmp_path, options)
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 9} (opts.weight = 0.5)", "opts.weight")]
+    own = options.replace("out * opts.weight", "out")
+    assert _site(tmp_path, own)[0].carried == ()
+    loss_module = ("import torch\ncrit = torch.nn.HuberLoss(delta=1.0)\nwhile engine.global_steps < N:\n"
+                   "    engine.train_batch()\n    engine.global_steps += 1\n    if engine.global_steps == 1:\n"
+                   "        crit.delta = 0.1")
+    site, script = _site(tmp_path, loss_module)
+    assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 7} (crit.delta = 0.1)", "crit.delta")]
+
+
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
     """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count, a window of losses:
     resumed, each started again from its first value (a learning rate not halved at the first resumed step, and every

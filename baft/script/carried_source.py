@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import types
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from baft.script import source
 
@@ -224,7 +227,8 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
                 if owner is None or any(owner is k for k in kept):
                     continue
                 if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere))
-                        or _scripts_module_setting(owner, key[1])):
+                        or _scripts_module_setting(owner, key[1])
+                        or _setting_read_in_the_call(owner, key, filename, loop)):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
@@ -240,6 +244,34 @@ def _scripts_module_setting(owner, attr: str) -> bool:
         return False
     tree = source.parsed(filename)
     return tree is not None and _started_at_module_level_at_a_literal(attr, tree)
+
+
+OPTIONS = (argparse.Namespace, types.SimpleNamespace)
+
+
+def _setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
+    """Whether the attribute ``key`` (owner's path, attribute) the loop sets is a plain value read inside train_batch:
+    of a torch module outside the model (a loss module a loss function closes over: ``crit.delta = 0.1``), or of the
+    script's options (argparse's Namespace) that a function of the file neither the loop nor the function around it
+    calls reads (the loss: ``args.weight``). Probe 26 G10: set once at a step, resumed after it, it was back at its
+    first value, silently."""
+    if not isinstance(getattr(owner, key[1], None), (bool, int, float, str)):
+        return False
+    if isinstance(owner, torch.nn.Module):
+        return type(owner).__module__.startswith("torch.")
+    if not isinstance(owner, OPTIONS):
+        return False
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    skipped = {(n.lineno, n.col_offset) for body in source.reached(filename, loop) for n in ast.walk(body)
+               if isinstance(n, functions)}
+    for function in ast.walk(source.parsed(filename)):
+        if (not isinstance(function, functions) or (function.lineno, function.col_offset) in skipped
+                or function.lineno <= loop.lineno <= (function.end_lineno or function.lineno)):
+            continue
+        if any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and n.attr == key[1]
+               and source.dotted(n.value) == key[0] for n in ast.walk(function)):
+            return True
+    return False
 
 
 def _methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.AST]]:
