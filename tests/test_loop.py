@@ -507,8 +507,9 @@ def test_a_count_of_the_scripts_own_in_the_loop_is_found(tmp_path):
 def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path):
     """Probe 23: a global of the script that the loop, or a function it calls, sets once (noise turned off at a step),
     read by a layer's forward inside train_batch and nowhere in the loop, or a config module's of the script's: resumed
-    after it, it was back at its first value, silently; so was an item of a global dict the loop sets (probe 26 G16). A
-    value the loop sets for itself, read by no function it does not call, is not carried."""
+    after it, it was back at its first value, silently; so were an item of a global dict the loop sets (probe 26 G16)
+    and a count a forward keeps in a global (G6). A value the loop sets for itself, read by no function it does not
+    call, is not carried."""
     line = STUB.count(chr(10))
     layer = "NOISE = 0.1\nclass Noise:\n    def forward(self, x):\n        return x * NOISE\n"
     at_top = layer + ("while engine.global_steps < N:\n    if engine.global_steps == 1:\n        NOISE = 0.0\n"
@@ -530,6 +531,14 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
               "    engine.global_steps += 1")
     site, script = _site(tmp_path, config)
     assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 5} (knobs.NOISE = 0.0)", "knobs.NOISE")]
+    # a global a layer's forward counts in itself (probe 26 G6), not one it only reads
+    count = ("CALLS = 0\nclass Warm:\n    def forward(self, x):\n        global CALLS\n        CALLS += 1\n"
+             "        return x * CALLS\nwhile engine.global_steps < N:\n    engine.train_batch()\n"
+             "    engine.global_steps += 1")
+    site, script = _site(tmp_path, count)
+    assert [(c.where, c.key, c.module_global) for c in site.carried] == [
+        (f"{script}:{line + 5} (CALLS += 1)", "CALLS", True)], site
+    assert _site(tmp_path, count.replace("CALLS += 1", "print(CALLS)"))[0].carried == ()
     # an item of a global dict the loop sets after its call, read by a layer (probe 26 G16)
     item = ('CTX = {"step": 0}\nclass Warm:\n    def forward(self, x):\n        return x * CTX["step"]\n'
             'while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1\n'

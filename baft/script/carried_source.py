@@ -45,6 +45,7 @@ def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[C
     methods = _methods_called(loop, frame, kept)
     return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept, methods)
             + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame)
+            + _counted_inside_the_call(filename, frame)
             + _other_modules_globals(filename, loop, frame))
 
 
@@ -379,6 +380,29 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
                                                                for where, n in read),
                                           module_global=True)
     return sorted(found.values(), key=lambda c: c.where)
+
+
+def _counted_inside_the_call(filename: str, frame) -> list[Carried]:
+    """The module's globals a function or method of the same file that no code of it calls by name adds to (called
+    inside train_batch: a layer's forward, ``global CALLS`` and ``CALLS += 1``; probe 26 G6: a warm-up from it started
+    again in a resumed run, silently), started at the module's level at nothing but a literal, in order of their
+    lines."""
+    tree = source.parsed(filename)
+    called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    found = {}
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
+            continue
+        declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
+        for node in ast.walk(function):
+            targets = source.targets(node)
+            for name in {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)} & declared - set(found):
+                folded = isinstance(node, ast.AugAssign) or any(
+                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                if folded and _started_at_module_level_at_a_literal(name, tree):
+                    found[name] = node.lineno, Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name,
+                                                       frame=frame, module_global=True)
+    return [carried for _, carried in sorted(found.values(), key=lambda item: item[0])]
 
 
 def _read_as_global(tree: ast.Module, name: str, outside) -> bool:
