@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -383,26 +385,40 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
 
 
 def _counted_inside_the_call(filename: str, frame) -> list[Carried]:
-    """The module's globals a function or method of the same file that no code of it calls by name adds to (called
-    inside train_batch: a layer's forward, ``global CALLS`` and ``CALLS += 1``; probe 26 G6: a warm-up from it started
-    again in a resumed run, silently), started at the module's level at nothing but a literal, in order of their
-    lines."""
-    tree = source.parsed(filename)
-    called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
-    found = {}
-    for function in ast.walk(tree):
-        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
+    """The globals of the script's file, or of another module of the script's (its model's file), that a function or
+    method of that file no code of it calls by name adds to (called inside train_batch: a layer's forward, ``global
+    CALLS`` and ``CALLS += 1``; probe 26 G6: a warm-up from it started again in a resumed run, silently), started at
+    that module's level at nothing but a literal, in order of their lines."""
+    found = []
+    for file, module in [(filename, None), *_scripts_modules(filename)]:
+        tree = source.parsed(file)
+        if tree is None:
             continue
-        declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
-        for node in ast.walk(function):
-            targets = source.targets(node)
-            for name in {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)} & declared - set(found):
-                folded = isinstance(node, ast.AugAssign) or any(
-                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
-                if folded and _started_at_module_level_at_a_literal(name, tree):
-                    found[name] = node.lineno, Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name,
-                                                       frame=frame, module_global=True)
-    return [carried for _, carried in sorted(found.values(), key=lambda item: item[0])]
+        called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        counted = {}
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
+                continue
+            declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
+            for node in ast.walk(function):
+                stored = {n.id for t in source.targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
+                for name in stored & declared - set(counted):
+                    folded = isinstance(node, ast.AugAssign) or any(
+                        isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                    if folded and _started_at_module_level_at_a_literal(name, tree):
+                        counted[name] = node.lineno, Carried(f"{file}:{node.lineno} ({ast.unparse(node)})", name,
+                                                             frame=frame, module_global=module is None, module=module)
+        found += [carried for _, carried in sorted(counted.values(), key=lambda item: item[0])]
+    return found
+
+
+def _scripts_modules(filename: str) -> list[tuple[str, str]]:
+    """(file, module name) of the modules of the script's own imported now, but the one of ``filename``."""
+    here = os.path.realpath(filename)
+    return [(module.__file__, name) for name, module in list(sys.modules.items())
+            if name != "__main__" and isinstance(getattr(module, "__file__", None), str)
+            and module.__file__.endswith(".py") and not source.library(module.__file__)
+            and os.path.realpath(module.__file__) != here]
 
 
 def _read_as_global(tree: ast.Module, name: str, outside) -> bool:
