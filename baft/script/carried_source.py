@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import os
 import sys
 import types
@@ -250,6 +251,7 @@ def _scripts_module_setting(owner, attr: str) -> bool:
 
 
 OPTIONS = (argparse.Namespace, types.SimpleNamespace)
+SETTINGS_OF = (*OPTIONS, torch.nn.Module)  # the objects whose settings :func:`_setting_read_in_the_call` reads
 
 
 def _setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
@@ -391,25 +393,38 @@ def _counted_inside_the_call(filename: str, frame) -> list[Carried]:
     that module's level at nothing but a literal, in order of their lines."""
     found = []
     for file, module in [(filename, None), *_scripts_modules(filename)]:
-        tree = source.parsed(file)
-        if tree is None:
+        try:
+            counted = _counted_globals(file, os.stat(file).st_mtime_ns)
+        except OSError:
             continue
-        called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
-        counted = {}
-        for function in ast.walk(tree):
-            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
-                continue
-            declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
-            for node in ast.walk(function):
-                stored = {n.id for t in source.targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
-                for name in stored & declared - set(counted):
-                    folded = isinstance(node, ast.AugAssign) or any(
-                        isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
-                    if folded and _started_at_module_level_at_a_literal(name, tree):
-                        counted[name] = node.lineno, Carried(f"{file}:{node.lineno} ({ast.unparse(node)})", name,
-                                                             frame=frame, module_global=module is None, module=module)
-        found += [carried for _, carried in sorted(counted.values(), key=lambda item: item[0])]
+        found += [Carried(where, name, frame=frame, module_global=module is None, module=module)
+                  for where, name in counted]
     return found
+
+
+@functools.lru_cache(maxsize=256)
+def _counted_globals(file: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
+    """(``file:line (text)``, name) of :func:`_counted_inside_the_call`'s globals of ``file`` as it is at
+    ``mtime_ns`` (read once a version: every module of the script's is read at each loop's first call)."""
+    tree = source.parsed(file)
+    if tree is None:
+        return ()
+    called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    counted = {}
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
+            continue
+        declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
+        if not declared:
+            continue
+        for node in ast.walk(function):
+            stored = {n.id for t in source.targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
+            for name in stored & declared - set(counted):
+                folded = isinstance(node, ast.AugAssign) or any(
+                    isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                if folded and _started_at_module_level_at_a_literal(name, tree):
+                    counted[name] = node.lineno, f"{file}:{node.lineno} ({ast.unparse(node)})"
+    return tuple((where, name) for name, (_, where) in sorted(counted.items(), key=lambda item: item[1][0]))
 
 
 def _scripts_modules(filename: str) -> list[tuple[str, str]]:
@@ -417,8 +432,13 @@ def _scripts_modules(filename: str) -> list[tuple[str, str]]:
     here = os.path.realpath(filename)
     return [(module.__file__, name) for name, module in list(sys.modules.items())
             if name != "__main__" and isinstance(getattr(module, "__file__", None), str)
-            and module.__file__.endswith(".py") and not source.library(module.__file__)
-            and os.path.realpath(module.__file__) != here]
+            and _scripts_file(module.__file__) and os.path.realpath(module.__file__) != here]
+
+
+@functools.lru_cache(maxsize=None)
+def _scripts_file(file: str) -> bool:
+    """Whether ``file`` is Python source of the script's own (read once a file: torch alone imports thousands)."""
+    return file.endswith(".py") and not source.library(file)
 
 
 def _read_as_global(tree: ast.Module, name: str, outside) -> bool:
