@@ -971,6 +971,45 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
     assert run(2, None, AT_MODULE)["best"] == 2.0, "not kept: started again from its first value"
 
 
+CLOSURE = ENGINE + """
+LOOP, KEPT, SEEN = Loop(), [], []
+if RESTORED is not None:
+    LOOP.restored(None, {"global_steps": STEP}, RESTORED)
+
+class Reading(Engine):  # its call reads the loss function given to it, as a pipeline's last stage does
+    def train_batch(self):
+        super().train_batch()
+        KEPT.append(LOOP.carried_values(self))
+        SEEN.append(self.losses[0]())
+
+engine = Reading(STEP)
+
+def main():
+    weight = 1.0
+    def loss_fn():
+        return weight
+    engine.losses = [loss_fn]
+    while engine.global_steps < 3:
+        engine.train_batch()
+        engine.global_steps += 1
+        if engine.global_steps == 1:
+            weight = 0.5
+
+main()
+"""
+
+
+def test_a_local_of_main_a_nested_loss_function_reads_is_put_back_at_the_first_call(tmp_path):
+    """Probe 26 G9: main()'s ``weight``, set once by the loop and read by the loss function closing over it inside
+    train_batch: a resumed process sets the closure's cell as the snapshot had it, which the loss reads."""
+    script = tmp_path / "closure.py"
+    script.write_text(CLOSURE.replace("STEP", "0"))
+    whole = runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": None})
+    assert whole["SEEN"] == [1.0, 0.5, 0.5] and whole["KEPT"][2] == {"weight": 0.5}, whole["KEPT"]
+    script.write_text(CLOSURE.replace("STEP", "2"))
+    assert runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": whole["KEPT"][2]})["SEEN"] == [0.5]
+
+
 def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
     """Data too large to copy at every snapshot, or read before the call: said once, by rank 0, at the first capture.
     Not an object of the script's own (made again as it first was), nor anything in a loop that counts its calls, whose
