@@ -539,9 +539,13 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
     assert [(c.where, c.key, c.module_global) for c in site.carried] == [
         (f"{script}:{line + 5} (CALLS += 1)", "CALLS", True)], site
     assert _site(tmp_path, count.replace("CALLS += 1", "print(CALLS)"))[0].carried == ()
-    (tmp_path / "layers.py").write_text(count[:count.index("while")])  # the layer in a module of the script's
-    site, script = _site(tmp_path, f"sys.path.insert(0, {str(tmp_path)!r})\nimport layers\n" + count[count.index("while"):])
-    assert [(c.where, c.key) for c in site.carried] == [(f"{tmp_path / 'layers.py'}:5 (CALLS += 1)", "layers:CALLS")]
+    # the layer in a module of the script's, with a helper the loop calls that counts too (found once)
+    helper = "TOTAL = 0\ndef note(x):\n    global TOTAL\n    TOTAL += x\n    return TOTAL\n"
+    (tmp_path / "layers.py").write_text(count[:count.index("while")] + helper)
+    site, script = _site(tmp_path, f"sys.path.insert(0, {str(tmp_path)!r})\nimport layers\n"
+                                   + count[count.index("while"):] + "\n    layers.note(1)")
+    assert [(c.where, c.key) for c in site.carried] == [(f"{tmp_path / 'layers.py'}:10 (TOTAL += x)", "layers:TOTAL"),
+                                                        (f"{tmp_path / 'layers.py'}:5 (CALLS += 1)", "layers:CALLS")]
     sys.modules.pop("layers")
     # an item of a global dict the loop sets after its call, read by a layer (probe 26 G16)
     item = ('CTX = {"step": 0}\nclass Warm:\n    def forward(self, x):\n        return x * CTX["step"]\n'

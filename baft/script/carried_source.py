@@ -46,10 +46,11 @@ def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[C
     """The values ``loop`` (in ``scope``, run in ``frame``) carries from one call to the next: its variables, the
     attributes of objects from outside it (not of ``kept``) and the module's globals, each in order of its lines."""
     methods = _methods_called(loop, frame, kept)
-    return (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept, methods)
-            + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame)
-            + _counted_inside_the_call(filename, frame)
-            + _other_modules_globals(filename, loop, frame))
+    found = (_carried_variables(filename, loop, scope, frame) + _carried_attributes(filename, loop, frame, kept, methods)
+             + _changed_within(loop, frame, methods) + _carried_globals(filename, loop, frame)
+             + _other_modules_globals(filename, loop, frame))
+    keys = {value.key for value in found}  # a helper's count the loop calls, found again with the forwards' counts
+    return found + [value for value in _counted_inside_the_call(filename, frame) if value.key not in keys]
 
 
 # methods that change a list, dict, set or deque in place
