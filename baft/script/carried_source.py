@@ -233,7 +233,7 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
                     continue
                 if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere))
                         or _scripts_module_setting(owner, key[1])
-                        or _setting_read_in_the_call(owner, key, filename, loop)):
+                        or setting_read_in_the_call(owner, key, filename, loop)):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
@@ -252,15 +252,14 @@ def _scripts_module_setting(owner, attr: str) -> bool:
 
 
 OPTIONS = (argparse.Namespace, types.SimpleNamespace)
-SETTINGS_OF = (*OPTIONS, torch.nn.Module)  # the objects whose settings :func:`_setting_read_in_the_call` reads
 
 
-def _setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
+def setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
     """Whether the attribute ``key`` (owner's path, attribute) the loop sets is a plain value read inside train_batch:
-    of a torch module outside the model (a loss module a loss function closes over: ``crit.delta = 0.1``), or of the
-    script's options (argparse's Namespace) that a function of the file neither the loop nor the function around it
-    calls reads (the loss: ``args.weight``). Probe 26 G10: set once at a step, resumed after it, it was back at its
-    first value, silently."""
+    of a torch module (a loss module outside the model that a loss function closes over: ``crit.delta = 0.1``), or of
+    the script's options (argparse's Namespace) that a function of the file reads which the loop does not call and
+    which is not the one around it (the loss: ``args.weight``). Probe 26 G10: set once at a step, resumed after it,
+    it was back at its first value, silently; a survivor in place takes it back with the restore."""
     if not isinstance(getattr(owner, key[1], None), (bool, int, float, str)):
         return False
     if isinstance(owner, torch.nn.Module):

@@ -543,8 +543,9 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept, carried=()) -> list[s
             if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
                 continue
             value = source.value_in(frame, base.id)
-            if (f"{source.dotted(target.value)}.{target.attr}" in settings
-                    and isinstance(source.value_in(frame, source.dotted(target.value)), carried_source.SETTINGS_OF)):
+            owner = source.dotted(target.value)
+            if f"{owner}.{target.attr}" in settings and carried_source.setting_read_in_the_call(
+                    source.value_in(frame, owner), (owner, target.attr), filename, loop):
                 continue
             if (not isinstance(value, types.ModuleType) and not any(value is k for k in kept)
                     and not (target.value is base and (attributes.keeps_class_attribute(value, target.attr)
