@@ -582,7 +582,7 @@ def test_a_setting_the_loop_changes_once_on_the_options_or_a_loss_module_is_carr
                "    engine.global_steps += 1\n    if engine.global_steps == 1:\n        opts.weight = 0.5")
     site, script = _site(tmp_path, options)
     assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 9} (opts.weight = 0.5)", "opts.weight")]
-    assert site.sets_state == "", site
+    assert site.sets_state == (), site
     own = options.replace("out * opts.weight", "out")
     assert _site(tmp_path, own)[0].carried == ()
     loss_module = ("import torch\ncrit = torch.nn.HuberLoss(delta=1.0)\nwhile engine.global_steps < N:\n"
@@ -590,7 +590,7 @@ def test_a_setting_the_loop_changes_once_on_the_options_or_a_loss_module_is_carr
                    "        crit.delta = 0.1")
     site, script = _site(tmp_path, loss_module)
     assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 7} (crit.delta = 0.1)", "crit.delta")]
-    assert site.sets_state == "", "kept: a survivor in place takes it back with the restore"
+    assert site.sets_state == (), "kept: a survivor in place takes it back with the restore"
 
 
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
