@@ -5,6 +5,7 @@ it on DeepSpeed pipelines (tests/test_matrix.py); these check the source and the
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -283,34 +284,56 @@ def test_the_plain_values_of_a_loss_that_is_no_module_are_kept(monkeypatch):
 
 
 class Lazy(nn.Module):
-    """A layer of the script's that makes its noise generator as it first runs forward."""
+    """A layer of the script's that makes its noise generator as it first runs forward (torch's, or numpy's)."""
 
-    def __init__(self):
+    def __init__(self, kind=torch.Generator):
         super().__init__()
-        self.gen = None
+        self.gen, self.kind = None, kind
 
     def forward(self, x):
         if self.gen is None:
-            self.gen = torch.Generator().manual_seed(1)
-        return x + torch.randn(x.shape, generator=self.gen)
+            self.gen = self.kind().manual_seed(1) if self.kind is torch.Generator else np.random.default_rng(1)
+        noise = torch.randn(x.shape, generator=self.gen) if self.kind is torch.Generator else \
+            torch.from_numpy(self.gen.standard_normal(x.shape)).float()
+        return x + noise
 
 
-def test_a_generator_a_layer_makes_as_it_first_runs_forward_is_said_once(monkeypatch, capfd):
-    """Probe 26's g12: no snapshot holds it (made after baft.initialize noted the model's generators), and a resumed
-    run drew from one made again, silently (relaunched, or in place: a restore set the attribute back to None)."""
-    from baft.script import rng
+def test_a_generator_a_layer_makes_as_it_first_runs_forward_is_kept_as_one_made_before(monkeypatch, capfd):
+    """Probe 26's g12: no snapshot held it (made after baft.initialize noted the model's generators), and a resumed
+    run drew from one made again, silently (relaunched, or in place: a restore set the attribute back to None). A
+    torch generator is held as it appears, and a restore where the layer has none yet makes it, as the snapshot had
+    it; a numpy one is said once."""
+    from baft.script import attributes, rng
 
     monkeypatch.setattr(rng, "_HELD", [])
-    monkeypatch.setattr(rng, "_LATER", [], raising=False)
-    model = nn.Sequential(nn.Linear(2, 2), Lazy())
+    monkeypatch.setattr(rng, "_LATER", [])
+    for held in ("_AT_START", "_CLASSES_AT_START", "_CLASS_VALUES_AT_START", "_LAST_WALK"):
+        monkeypatch.setattr(attributes, held, [])
+    model, x = nn.Sequential(nn.Identity(), Lazy()), torch.zeros(1, 2)
     rng.hold_module_generators(model)
-    rng.rng_states()
+    attributes.hold_module_attributes(model)
+    model(x)
+    states = rng.rng_states()
+    kept = attributes.changed_module_attributes(model)
+    expected = model(x)
+    resumed = nn.Sequential(nn.Identity(), Lazy())  # a new process's, before its first forward
+    monkeypatch.setattr(rng, "_HELD", [])
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    rng.hold_module_generators(resumed)
+    attributes.hold_module_attributes(resumed)
+    attributes.restore_module_attributes(resumed, kept)
+    rng.set_rng_states(states)
+    attributes.restore_module_attributes(resumed, kept)  # again as the first resumed iteration starts: kept
+    assert torch.equal(resumed(x), expected), "the noise the uninterrupted run drew"
     assert capfd.readouterr().err == ""
+    monkeypatch.setattr(rng, "_HELD", [])
+    numpy_made = nn.Sequential(Lazy(kind=np.random.Generator))
+    rng.hold_module_generators(numpy_made)
     for _ in range(2):
-        model(torch.ones(1, 2))
+        numpy_made(torch.ones(1, 2))
         rng.rng_states()
     err = capfd.readouterr().err
-    assert err.count("baft:") == 1 and "baft: rank 0: the model's 1.gen is a generator its module made after " \
+    assert err.count("baft:") == 1 and "baft: rank 0: the model's 0.gen is a generator its module made after " \
                                        "baft.initialize" in err, err
 
 

@@ -216,11 +216,19 @@ def restore_module_attributes(module: torch.nn.Module, changed: Optional[dict[st
     start = _AT_START[0] if _AT_START else {}
     for (name, attr), was in start.items():
         if f"{name}.{attr}" not in changed:
-            _set(module, name, attr, held.as_started, was)
+            _set(module, name, attr, _unless_generator(held.as_started), was)
     for path, value in changed.items():
         if ":" not in path:
             name, attr = path.rsplit(".", 1)
             _set(module, name, attr, held.put, value)
+
+
+def _unless_generator(value_for):
+    """``value_for``, but for an attribute that holds a generator now: one a module made as it first ran forward,
+    None as the process started, whose state the RNG states keep and set (:mod:`baft.script.rng`)."""
+    def set_unless_generator(given, current, device):
+        return held.NOT_KEPT if isinstance(current, torch.Generator) else value_for(given, current, device)
+    return set_unless_generator
 
 
 def _set(module: torch.nn.Module, name: str, attr: str, value_for, given) -> None:

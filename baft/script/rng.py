@@ -49,16 +49,34 @@ def _scripts_module(cls: type) -> bool:
     return filename is not None and not source.library(filename)
 
 
-def _say_made_later() -> None:
+def _hold_made_later() -> None:
     """A generator a module of the script's made since :func:`hold_module_generators` (``if self.gen is None:
-    self.gen = torch.Generator().manual_seed(1)`` in its forward), said once by the rank holding it: no snapshot holds
-    it, and a resumed run draws from one made again (probe 26's g12: relaunched or in place, silently)."""
+    self.gen = torch.Generator().manual_seed(1)`` in its forward; probe 26's g12: a resumed run drew from one made
+    again, silently): a torch one is held from now on, as those made before (a restore where the module has none yet
+    makes it, :func:`set_rng_states`); another kind is said once, by the rank holding it."""
     for held in [h for h in _LATER if isinstance(getattr(h[1](), h[2], None), GENERATORS)]:
         _LATER.remove(held)
+        if isinstance(getattr(held[1](), held[2]), torch.Generator):
+            _HELD.append(held)
+            continue
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"baft: rank {rank}: the model's {held[0]} is a generator its module made after baft.initialize (as it "
               f"first ran forward), which no snapshot holds: a run resumed after a fault draws from one made again, "
               f"not where the uninterrupted run's stood. Make it in the module's __init__", file=sys.stderr, flush=True)
+
+
+def _made_again(name: str, state: torch.Tensor) -> Optional[torch.Generator]:
+    """Where ``name`` is a module's attribute still None (:data:`_LATER`) that held a torch generator of ``state`` at
+    the snapshot: one made there now, held from now on."""
+    held = next((h for h in _LATER if h[0] == name and getattr(h[1](), h[2], False) is None), None)
+    if held is None:
+        return None
+    # a CPU generator's state is its Mersenne Twister's (5056 bytes), a CUDA one's its seed and offset (16)
+    generator = torch.Generator() if state.numel() > 16 else torch.Generator(device=torch.cuda.current_device())
+    setattr(held[1](), held[2], generator)
+    _LATER.remove(held)
+    _HELD.append(held)
+    return generator
 
 
 def hold_script_generators(frame, data_iterator=None) -> None:
@@ -215,7 +233,7 @@ def rng_states() -> dict:
     if tracked:
         states["tracker"] = dict(tracked)
     if _LATER:
-        _say_made_later()
+        _hold_made_later()
     held = {name: generator_state(generator) for name, generator in _held()}
     if held:
         states["modules"] = held
@@ -237,8 +255,11 @@ def set_rng_states(states: dict) -> None:
     if "modules" in states:
         held = dict(_held())
         for name, state in states["modules"].items():
-            if name in held:
-                set_generator_state(held[name], state)
+            generator = held.get(name)
+            if generator is None and isinstance(state, torch.Tensor):
+                generator = _made_again(name, state)
+            if generator is not None:
+                set_generator_state(generator, state)
 
 
 def drawn_between(before: dict, now: dict) -> list[str]:
