@@ -619,6 +619,15 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                 "    if loss < best:\n        best, bad = loss, 0\n    else:\n        bad += 1\n"
                 "    engine.global_steps += 1\n    if bad > 3:\n        break")
     assert [c.key for c in _site(tmp_path, patience)[0].carried] == ["best", "bad"]
+    # probe 27's h1: an HF-style callback's state in a dict, changed by item through an alias, started with
+    # float("inf"); another class of the file starting its own self.state otherwise does not hide it
+    callback = ("class State:\n    def __init__(self):\n        self.state = object()\n"
+                "class Plateau:\n    def __init__(self):\n        self.state = {'best': float('inf'), 'bad': 0}\n"
+                "    def on_step_end(self, loss):\n        s = self.state\n        if loss < s['best']:\n"
+                "            s['best'], s['bad'] = loss, 0\n        else:\n            s['bad'] += 1\n"
+                "cb = Plateau()\nwhile engine.global_steps < N:\n    cb.on_step_end(engine.train_batch() or 1.0)\n"
+                "    engine.global_steps += 1")
+    assert [c.key for c in _site(tmp_path, callback)[0].carried] == ["cb.state"]
     window = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch() or 1.0)\n"
               "    if len(losses) > 5 and sum(losses[-5:]) > 5:\n        break\n    engine.global_steps += 1")
     site = _site(tmp_path, window)[0]

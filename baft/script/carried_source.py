@@ -207,8 +207,18 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
             head, _, rest = owner.partition(".")
             return (f"{receiver}.{rest}" if rest else receiver, node.attr) if head == this else None
 
+        # a name the body makes stand for such an attribute (``s = self.state``: ``s["mean"] = ...`` changes it)
+        aliases = {node.targets[0].id: attribute(node.value) for node in ast.walk(body)
+                   if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                   and isinstance(node.value, ast.Attribute) and attribute(node.value)}
+
+        def attribute_or_alias(node):
+            return aliases.get(node.id) if isinstance(node, ast.Name) else attribute(node)
+
         reads = [(node.lineno, node.col_offset, attribute(node)) for node in ast.walk(body)
                  if attribute(node) and isinstance(node.ctx, ast.Load)]
+        reads += [(node.lineno, node.col_offset, aliases[node.id]) for node in ast.walk(body)
+                  if isinstance(node, ast.Name) and node.id in aliases and isinstance(node.ctx, ast.Load)]
         elsewhere = {(line, col) for f, line, col in inside if f == file}
         early |= {attribute(node) for node in ast.walk(body) if attribute(node) and isinstance(node.ctx, ast.Load)
                   and (source.in_iteration(loop, ends, body, node) if called is None else ends.get(called, (0, 0))) < call}
@@ -216,22 +226,27 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
             targets = source.targets(node)
             changed = None  # a list, dict or set the attribute holds, changed in place and read otherwise
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-                    and attribute(node.func.value)):
+                    and attribute_or_alias(node.func.value)):
                 changed = node.func.value
                 targets = [changed]
+            # an alias's item set (``s["mean"] = ...``, ``s["bad"] += 1``): its attribute changed in place
+            items = [t.value for target in targets for t in ast.walk(target) if isinstance(t, ast.Subscript)
+                     and isinstance(t.value, ast.Name) and t.value.id in aliases]
             for target in (t for target in targets for t in ast.walk(target)):
-                key = attribute(target)
+                key = attribute(target) if not isinstance(target, ast.Name) else (
+                    aliases[target.id] if target in items or target is changed else None)
                 if key is None or key[0].split(".")[0] in made or key[1] in source.ENGINE_STEP:
                     continue
                 if changed is not None:
                     folded = sum(read == key for _, _, read in reads) > 1  # read besides as the receiver
                 else:
-                    folded = isinstance(node, ast.AugAssign) or any(attribute(n) == key for n in ast.walk(node.value))
+                    folded = isinstance(node, ast.AugAssign) or any(attribute_or_alias(n) == key
+                                                                    for n in ast.walk(node.value))
                 before = any((line, col) < (node.lineno, node.col_offset) and read == key for line, col, read in reads)
                 owner = source.value_in(frame, key[0])
                 if owner is None or any(owner is k for k in kept):
                     continue
-                if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere))
+                if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere, type(owner)))
                         or _scripts_module_setting(owner, key[1])
                         or setting_read_in_the_call(owner, key, filename, loop)):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
@@ -523,14 +538,21 @@ def _started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
     return bool(started) and all(_literal(value) for value in started)
 
 
-def _attribute_started_at_a_literal(attr: str, filename: str, inside: set) -> bool:
-    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), or a class of it
-    defaults it (a dataclass's ``loss_sum: float = 0.0``), and only literals."""
+def _attribute_started_at_a_literal(attr: str, filename: str, inside: set, owner_class: type) -> bool:
+    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), but to ``self`` in a
+    class that is not ``owner_class`` nor one of its bases (another class's ``self.state = State()``: probe 27, an
+    HF-style callback's ``self.state = {...}`` beside it was not carried), or such a class defaults it (a
+    dataclass's ``loss_sum: float = 0.0``), and only literals."""
     tree = source.parsed(filename)
+    ours = {cls.__name__ for cls in owner_class.__mro__}
+    classes = [cls for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)]
+    others = {(node.lineno, node.col_offset) for cls in classes if cls.name not in ours for node in ast.walk(cls)
+              if isinstance(node, ast.stmt)}
     started = [v for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and (node.lineno, node.col_offset) not in inside and node.value is not None
-               for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr)]
-    started += [v for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for node in cls.body
+               for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr and not (
+                   (node.lineno, node.col_offset) in others and isinstance(t.value, ast.Name) and t.value.id == "self"))]
+    started += [v for cls in classes if cls.name in ours for node in cls.body
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
                 for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == attr)]
     return bool(started) and all(_literal(value) for value in started)
@@ -543,7 +565,11 @@ FACTORIES = EMPTY | {"int", "float", "str", "bool"}  # what a defaultdict makes 
 def _literal(value: ast.AST) -> bool:
     """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set, one made by
     a call (``deque(maxlen=4)``, ``defaultdict(int)``, ``Counter()``, ``dict()``), and a dataclass field of one
-    (``field(default=0)``, ``field(default_factory=list)``)."""
+    (``field(default=0)``, ``field(default_factory=list)``); a list, tuple, set or dict of them
+    (``{"best": float("inf"), "bad": 0}``)."""
+    if isinstance(value, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
+        elements = [*value.keys, *value.values] if isinstance(value, ast.Dict) else value.elts
+        return all(element is not None and _literal(element) for element in elements)
     if isinstance(value, ast.Call) and source.called_name(value.func) in ("float", "int") and not value.keywords:
         return all(_literal(arg) for arg in value.args)
     if isinstance(value, ast.Call) and source.called_name(value.func) in EMPTY:
