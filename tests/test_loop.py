@@ -628,6 +628,14 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                 "cb = Plateau()\nwhile engine.global_steps < N:\n    cb.on_step_end(engine.train_batch() or 1.0)\n"
                 "    engine.global_steps += 1")
     assert [c.key for c in _site(tmp_path, callback)[0].carried] == ["cb.state"]
+    # probe 27's h5: the same state in a module's dict a function the loop calls sets items of (no ``global``); not a
+    # dict the function makes
+    module_dict = ("STATS = {'best': float('inf'), 'bad': 0}\ndef on_step_end(loss):\n    made = {}\n"
+                   "    made['x'] = loss\n    if loss < STATS['best']:\n"
+                   "        STATS['best'], STATS['bad'] = loss, 0\n    else:\n        STATS['bad'] += 1\n"
+                   "while engine.global_steps < N:\n    on_step_end(engine.train_batch() or 1.0)\n"
+                   "    engine.global_steps += 1")
+    assert [c.key for c in _site(tmp_path, module_dict)[0].carried] == ["STATS"]
     window = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch() or 1.0)\n"
               "    if len(losses) > 5 and sum(losses[-5:]) > 5:\n        break\n    engine.global_steps += 1")
     site = _site(tmp_path, window)[0]

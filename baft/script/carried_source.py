@@ -380,11 +380,16 @@ def _carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
     found = {}
     for body in bodies[1:]:
         declared = {name for node in ast.walk(body) if isinstance(node, ast.Global) for name in node.names}
+        arguments = {a.arg for a in ast.walk(body.args) if isinstance(a, ast.arg)} if hasattr(body, "args") else set()
+        local = {n.id for n in ast.walk(body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | arguments
         for node in ast.walk(body):
             targets = source.targets(node)
             names = {n.id for t in targets for n in ast.walk(t)
                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-            for name in names & declared - set(found):
+            # a global dict's or list's items set, no ``global`` needed (``STATS["best"] = loss``: probe 27's h5)
+            items = {t.value.id for target in targets for t in ast.walk(target)
+                     if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)} - local
+            for name in (names & declared | items) - set(found):
                 read = [(where, n) for where, n in reads if n.id == name]
                 stored_at = source.in_iteration(loop, ends, body, node)
                 folded = isinstance(node, ast.AugAssign) or any(
