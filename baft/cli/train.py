@@ -72,6 +72,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     prints one line per iteration, also appended to ``RUN_DIR/losses.jsonl``) and baft's lines.
     """
     _check_options(example, command, warm, in_place, hang_timeout, nodes)
+    from baft.cli.launch import clear_stale_build_locks
     from baft.cli.preflight import later_imports
     from baft.recovery import chaos
     from baft.warm import WarmServer
@@ -79,6 +80,7 @@ def train(example, iters, policy, period, executor, leftovers, bubble_map, plan_
     asked = [chaos.parse_fault(fault) for fault in faults]
     procs = nprocs or model["stages"] * dp
     run, run_id, env = _run_dir_and_env(run_dir, procs, nodes, faults, trace_dir)
+    clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])  # before the warm server and the ranks load DeepSpeed's ops
     _refuse_another_policys_progress(run, *(_policy_and_save_dir(command) if command else (policy, None)))
     server = WarmServer.running(env) or WarmServer()
     managed = manager and (policy in IN_MEMORY or not example)  # a script's policy is its config's
@@ -145,7 +147,7 @@ def _unread_by_scripts(context) -> str:
 def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tuple[Path, str, dict]:
     """The run directory (made here, unless shared memory keeps an earlier run's snapshots of it), its run id,
     and the environment every rank is launched with."""
-    from baft.cli.launch import clear_stale_build_locks, launch_env
+    from baft.cli.launch import launch_env
     from baft.cli.launch import run_id as launch_run_id
     from baft.config import TRACE_DIR_ENV
     from baft.recovery import chaos
@@ -161,7 +163,6 @@ def _run_dir_and_env(run_dir, procs: int, nodes: int, faults, trace_dir) -> tupl
                       LAUNCHER_ENV["run_dir"]: str(run),
                       **({chaos.ENV: ";".join(faults)} if faults else {}),
                       **({TRACE_DIR_ENV: str(_fresh_trace_dir(trace_dir))} if trace_dir else {})})
-    clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
     return run, run_id, env
 
 
