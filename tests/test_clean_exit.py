@@ -19,6 +19,7 @@ import pytest
 
 from baft.cli.launch import launch_env
 from baft.cli.runlog import LOG_NAME
+from baft.recovery.digests import DIGESTS_ENV, redone_differ
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
 CONFIGS = [("bf16", 2, 0), ("fp32", 4, 1)]  # precision, ranks, ZeRO stage
@@ -44,3 +45,22 @@ def test_protected_jobs_exit_cleanly(tmp_path):
     for p, run_dir in zip(procs, run_dirs):
         assert "terminate called" not in p.stderr + p.stdout + (run_dir / LOG_NAME).read_text()  # every rank's output
         assert "step 3 " in p.stdout  # it trained every step, then exited
+
+
+@pytest.mark.slow
+def test_a_script_that_raises_after_a_call_trains_that_step_again(tmp_path):
+    """Probe 27 (W3): the code after step K's call raised (once), and the ranks snapshotted step K as they exited:
+    relaunched, the job went on from step K and never ran that code again, where an uninterrupted run stopped in it.
+    No snapshot is taken at exit after an exception: the relaunch goes on from step K-1, trains step K as it first
+    did and runs the code after it again."""
+    digests = tmp_path / "digests"
+    cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir",
+           str(tmp_path / "run"), "--", str(SCRIPT), "--steps", "5", "--raise-once-at", "3"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = (tmp_path / "run" / LOG_NAME).read_text()  # every rank's output
+    assert "OSError: the logger's disk is full" in ranks
+    assert "baft: rank 0 takes no snapshot of step 3 at exit: the script raised" in ranks, ranks[-3000:]
+    assert "resumed from step 2" in ranks
+    assert ranks.count("step 3 code after the call") == 2 and "step 5 " in ranks, ranks[-3000:]
+    assert redone_differ(digests) == []

@@ -179,11 +179,19 @@ class SnapshotPolicy(InstructionHook, Periodic):
     def snapshot_final(self) -> None:
         """When training stops: the state after the last step, copied now, so that a later launch goes on
         from it rather than redoing that step. Only at a step boundary: an iteration that raised leaves a
-        state no step produced."""
+        state no step produced; and only where the script ended without an exception, not where the code after its
+        call raised: a launch going on from that step would never run that code again, where the uninterrupted run
+        stopped in it (probe 27's W3)."""
         engine = self.engine
         if engine is None or not self.at_step_boundary or self.snapshot is not None:
             return
         if engine.global_steps == self.last_step or state.optimizer_state_missing(engine) is not None:
+            return
+        error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+        if error is not None:
+            print(f"baft: rank {engine.global_rank} takes no snapshot of step {engine.global_steps} at exit: the "
+                  f"script raised after that step's call ({type(error).__name__}); a relaunch trains that step "
+                  f"again and runs the code after it again", file=sys.stderr, flush=True)
             return
         self.sealer.wait()
         self.begin(engine, at_exit=True)

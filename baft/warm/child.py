@@ -67,7 +67,9 @@ def become_rank(conn: socket.socket, fds: list[int], request: dict, started: boo
         code = _exit_code(end)
     except KeyboardInterrupt:
         raise  # the interpreter's own exit, by the signal
-    except BaseException:
+    except BaseException as error:
+        # as the interpreter does for a script's uncaught exception, before the ``atexit`` handlers read it
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
         sys.excepthook(*sys.exc_info())
         code = 1
     _exit_without_finalizing(code)
