@@ -248,7 +248,7 @@ def _carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list
                     continue
                 if (((folded or before) and _attribute_started_at_a_literal(key[1], file, elsewhere, type(owner)))
                         or _scripts_module_setting(owner, key[1])
-                        or setting_read_in_the_call(owner, key, filename, loop)):
+                        or _setting_read_in_the_call(owner, key, filename, loop)):
                     found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
     unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
     return [Carried(where, *key, frame=frame, read_before_call=key in early)
@@ -269,7 +269,7 @@ def _scripts_module_setting(owner, attr: str) -> bool:
 OPTIONS = (argparse.Namespace, types.SimpleNamespace)
 
 
-def setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
+def _setting_read_in_the_call(owner, key: tuple[str, str], filename: str, loop: ast.AST) -> bool:
     """Whether the attribute ``key`` (owner's path, attribute) the loop sets is a plain value read inside train_batch:
     of a torch module (a loss module outside the model that a loss function closes over: ``crit.delta = 0.1``), or of
     the script's options (argparse's Namespace) that a function of the file reads which the loop does not call and

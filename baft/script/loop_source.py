@@ -102,7 +102,7 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
                     from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
                                   for _, loop, scope, _ in loops),
                     sets_state=tuple(where for file, loop, _, frame in loops
-                                     for where in _sets_state(file, loop, frame, kept, carried)),
+                                     for where in _sets_state(file, loop, frame, kept)),
                     own_count=next((count for file, loop, scope, frame in loops
                                     for count in _own_count(file, loop, scope, frame, kept)
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
@@ -521,17 +521,15 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     return bool(started) and all(isinstance(v, ast.Constant) and isinstance(v.value, int) for v in started)
 
 
-def _sets_state(filename: str, loop: ast.AST, frame, kept, carried=()) -> list[str]:
+def _sets_state(filename: str, loop: ast.AST, frame, kept) -> list[str]:
     """The assignments in ``loop`` to an attribute of an object it did not make (``data.active = ...``,
     ``self.step += 1``), but of a module, one of ``kept``, a class of the model's whose plain class attribute a
-    snapshot keeps (``Block.scale = 0.75``: :func:`attributes.keeps_class_attribute`), a dataset's setting
-    (``dataset.noise = ...``: :func:`attributes.keeps_data_attribute`), or a setting of the script's options or of a
-    torch module that the ``carried`` values keep and a survivor takes back (``args.weight = 0.5``), each as
-    ``file:line (text)``, in their lines' order. An ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is
-    not state: which iterator ``train_batch`` reads is checked at every call
-    (:meth:`baft.protection.Protection.reads`)."""
+    snapshot keeps (``Block.scale = 0.75``: :func:`attributes.keeps_class_attribute`), or a dataset's setting
+    (``dataset.noise = ...``: :func:`attributes.keeps_data_attribute`), each as ``file:line (text)``, in their
+    lines' order; those a loop on the engine's step carries its snapshots keep (:meth:`baft.script.loop.Loop
+    ._sets_state`). An ``iter(...)`` assigned (``self.it = iter(loader)``, an epoch's) is not state: which iterator
+    ``train_batch`` reads is checked at every call (:meth:`baft.protection.Protection.reads`)."""
     made = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    settings = {c.key for c in carried if not c.read_before_call}
     found = []
     for node in ast.walk(loop):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and source.called_name(node.value.func) == "iter":
@@ -543,10 +541,6 @@ def _sets_state(filename: str, loop: ast.AST, frame, kept, carried=()) -> list[s
             if not isinstance(target, ast.Attribute) or not isinstance(base, ast.Name) or base.id in made:
                 continue
             value = source.value_in(frame, base.id)
-            owner = source.dotted(target.value)
-            if f"{owner}.{target.attr}" in settings and carried_source.setting_read_in_the_call(
-                    source.value_in(frame, owner), (owner, target.attr), filename, loop):
-                continue
             if (not isinstance(value, types.ModuleType) and not any(value is k for k in kept)
                     and not (target.value is base and (attributes.keeps_class_attribute(value, target.attr)
                                                        or attributes.keeps_data_attribute(value, target.attr)))):
