@@ -634,6 +634,15 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
                    "while engine.global_steps < N:\n    on_step_end(engine.train_batch() or 1.0)\n"
                    "    engine.global_steps += 1")
     assert [c.key for c in _site(tmp_path, module_dict)[0].carried] == ["STATS"]
+    # probe 27's h6: a closure's cells, a dict it closes over among them; not one only appended to, nor started from
+    # what the script resumed, nor a closure the loop makes anew
+    closure = ("def make(start):\n    best, stats, seen, own = float('inf'), {'bad': 0}, [], start\n"
+               "    def on_step_end(loss):\n        nonlocal best, own\n        seen.append(loss)\n"
+               "        own = own + loss\n        if loss < best:\n            best = loss\n        else:\n"
+               "            stats['bad'] += 1\n    return on_step_end\ncb = make(0.0)\n"
+               "while engine.global_steps < N:\n    cb(engine.train_batch() or 1.0)\n    engine.global_steps += 1")
+    assert [c.key for c in _site(tmp_path, closure)[0].carried] == ["cb.best", "cb.stats"]
+    assert _site(tmp_path, closure.replace("    cb(", "    cb = make(0.0)\n    cb("))[0].carried == ()
     window = ("losses = []\nwhile engine.global_steps < N:\n    losses.append(engine.train_batch() or 1.0)\n"
               "    if len(losses) > 5 and sum(losses[-5:]) > 5:\n        break\n    engine.global_steps += 1")
     site = _site(tmp_path, window)[0]
@@ -988,6 +997,50 @@ def test_the_values_a_loop_on_the_engines_step_carries_are_kept_and_put_back_at_
     assert torch.equal(resumed["ema"]["weight"], whole["ema"]["weight"]) and resumed["ema"] is resumed["made"]
     assert run(2, {"best": 1.0}, AT_MODULE)["best"] == 1.0, "the module's variable, set as the first call started"
     assert run(2, None, AT_MODULE)["best"] == 2.0, "not kept: started again from its first value"
+
+
+PLATEAU = """
+def make_plateau():
+    best, bad = float("inf"), 0
+    def on_step_end(loss):
+        nonlocal best, bad
+        if loss < best:
+            best, bad = loss, 0
+        else:
+            bad += 1
+        return bad
+    return on_step_end
+
+def main():
+    on_step_end, bads = make_plateau(), []
+    while engine.global_steps < 3:
+        bads.append(on_step_end(engine.train_batch()))
+        engine.global_steps += 1
+    return bads
+"""
+
+
+def test_a_plateau_rules_state_in_a_closure_the_loop_calls_is_kept_and_put_back(tmp_path, capsys):
+    """Probe 27's h6: a plateau rule as a closure keeping its state in ``nonlocal`` variables, made at module level or
+    in the script's main function, called after each train_batch: resumed, its rule started from an empty state (the
+    learning rate one decay behind), silently, relaunched and in place. Its cells are carried as a module's globals are,
+    and said so."""
+    script = tmp_path / "plateau.py"
+
+    def run(step, restored, body):
+        script.write_text(CARRIES.replace("STEP", str(step)) + PLATEAU + body)
+        return runpy.run_path(str(script), run_name="__main__", init_globals={"RESTORED": restored})
+
+    in_main = "RESULT = main()\n"
+    at_module = ("on_step_end, RESULT = make_plateau(), []\nwhile engine.global_steps < 3:\n"
+                 "    RESULT.append(on_step_end(engine.train_batch()))\n    engine.global_steps += 1\n")
+    for body in (in_main, at_module):
+        whole = run(0, None, body)
+        assert whole["RESULT"] == [0, 0, 1] and whole["KEPT"][2] == {"on_step_end.best": 1.0, "on_step_end.bad": 0}, \
+            whole["KEPT"]
+        assert run(2, whole["KEPT"][2], body)["RESULT"][-1] == 1, "its rule as the uninterrupted run had it"
+        assert "carries on_step_end.best, on_step_end.bad from one iteration to the next" in capsys.readouterr().out
+    assert run(2, None, in_main)["RESULT"] == [0], "not kept: started again from its first value"
 
 
 CLOSURE = ENGINE + """

@@ -33,6 +33,9 @@ def read(carried: Carried):
     """The value now; :data:`UNREADABLE` where its owner or variable is gone."""
     if carried.attr is None:
         return _names(carried).get(carried.name, UNREADABLE)
+    if carried.cell:
+        cell = _cell(carried)
+        return UNREADABLE if cell is None else cell.cell_contents
     return getattr(_owner(carried), carried.attr, UNREADABLE)
 
 
@@ -40,6 +43,11 @@ def write(carried: Carried, value) -> None:
     """Set it to ``value``: a container of the same type refilled in place, else the variable or attribute bound."""
     current = read(carried)
     if type(current) is type(value) and _refill(current, value):
+        return
+    if carried.cell:
+        cell = _cell(carried)
+        if cell is not None:
+            cell.cell_contents = value
         return
     if carried.attr is not None:
         setattr(_owner(carried), carried.attr, value)
@@ -123,6 +131,21 @@ def _refill(current, value) -> bool:
 
 def _owner(carried: Carried):
     return value_in(carried.frame, carried.name)
+
+
+def _cell(carried: Carried):
+    """The cell of the closure variable ``carried`` is (``attr`` of the function its owner is), or None where it is
+    gone or was never set."""
+    function = getattr(_owner(carried), "__func__", _owner(carried))
+    code = getattr(function, "__code__", None)
+    if code is None or carried.attr not in code.co_freevars:
+        return None
+    cell = function.__closure__[code.co_freevars.index(carried.attr)]
+    try:
+        cell.cell_contents
+    except ValueError:
+        return None
+    return cell
 
 
 class _Unreadable:
