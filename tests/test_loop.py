@@ -670,6 +670,18 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     unread = "last = None\nwhile engine.global_steps < N:\n    last = engine.train_batch()\n    engine.global_steps += 1"
     assert not any(_site(tmp_path, body)[0].carried for body in (fresh, resumed, unread))
     assert not any(_site(tmp_path, STEPS[name])[0].carried for name in STEPS)
+    # probe 27's W2: an epoch recomputed from the engine's step before the call, read before only to tell it changed
+    # (a resumed process sets the sampler's epoch and makes an iterator again), was said to be carried and not kept;
+    # an epoch folded, or one whose change also steps a schedule, is carried
+    epochs = ("class Sampler:\n    def set_epoch(self, epoch):\n        pass\n    step = set_epoch\n"
+              "sampler, epoch = Sampler(), -1\nwhile engine.global_steps < N:\n"
+              "    if engine.global_steps // 2 != epoch:\n        epoch = engine.global_steps // 2\n"
+              "        sampler.set_epoch(epoch)\n        it = iter(loader)\n    engine.train_batch()\n"
+              "    engine.global_steps += 1")
+    assert _site(tmp_path, epochs)[0].carried == ()
+    for carries in (epochs.replace("epoch = engine.global_steps // 2", "epoch += 1"),
+                    epochs.replace("sampler.set_epoch(epoch)", "sampler.step(epoch)")):
+        assert [c.key for c in _site(tmp_path, carries)[0].carried] == ["epoch"], carries
     # a trainer's attribute, in a method its loop calls; not where the trainer resumes it, nor set before it is read
     trainer = ("class Trainer:\n    def __init__(self):\n        self.prev = None\n    def after(self, loss):\n"
                "        if self.prev is not None and loss > self.prev:\n            pass\n        self.prev = loss\n"

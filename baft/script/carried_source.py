@@ -97,7 +97,7 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
             folds.setdefault(held.id, []).append(node)
             changed.add(id(held))  # the item's (``ema`` of ``ema[n]``), not a read of the variable otherwise
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    reached = source.reached(filename, loop)
+    reached, call = source.reached(filename, loop), source.call_position(frame)
 
     def elsewhere(name):
         # a global a function of the file reads, a layer's forward in the next call (probe 23: a noise scale the loop
@@ -112,7 +112,7 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
         read = [n for n in reads if n.id == name]
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
         if ((elsewhere(name) or read and (folded or any(position(n) < first for n in read)))
-                and _started_at_a_literal(name, loop, scope)):
+                and _started_at_a_literal(name, loop, scope) and not _recomputed_from_step(name, loop, scope, call)):
             found.append((name, min(folded or assignments, key=position)))
     for name, nodes in changes.items():
         # a dict's item a layer's forward reads (probe 26 G16: ``CTX["step"] = engine.global_steps`` after the call)
@@ -123,11 +123,57 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
         if name not in stores and name not in {n for n, _ in found} and _started_at_a_literal(
                 name, loop, scope, or_weights=True):
             found.append((name, min(nodes, key=position)))
-    call = source.call_position(frame)
     return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
                     # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
                     read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
             for name, node in sorted(found, key=lambda item: position(item[1]))]
+
+
+# what the loop does where a value of the engine's step it keeps changed (an epoch's start): nothing that a resumed
+# process, doing it again at its first iteration, would do otherwise than the uninterrupted run did there
+REDONE = {"iter", "set_epoch", "print"}
+
+
+def _recomputed_from_step(name: str, loop: ast.AST, scope: ast.AST, call: tuple[int, int]) -> bool:
+    """Whether ``loop`` sets ``name`` from the engine's step alone before its ``call`` towards ``train_batch``, and
+    reads it before that only to tell whether it changed, doing nothing then but set it, make an iterator and set a
+    sampler's epoch (probe 27's W2: ``if engine.global_steps // n != epoch: epoch = engine.global_steps // n;
+    sampler.set_epoch(epoch); it = iter(loader)``): a resumed process recomputes it, it is not carried."""
+    stores = [node for node in ast.walk(loop) if any(isinstance(n, ast.Name) and n.id == name
+                                                     for t in source.targets(node) for n in ast.walk(t))]
+    if not stores or not all(isinstance(node, ast.Assign) and (node.end_lineno, node.end_col_offset) < call
+                             and source.reads_engine_step(node.value, scope)
+                             and not any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
+                             for node in stores):
+        return False
+    first = min((node.lineno, node.col_offset) for node in stores)
+    checks = [node for node in ast.walk(loop) if isinstance(node, ast.If) and not node.orelse
+              and _tells_step_changed(node.test, name, scope)]
+    tested = {id(n) for node in checks for n in ast.walk(node.test)}
+    early = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id == name
+             and (n.lineno, n.col_offset) < first]
+    return all(id(n) in tested for n in early) and all(_redone(statement, name) for node in checks
+                                                       for statement in node.body)
+
+
+def _tells_step_changed(test: ast.AST, name: str, scope: ast.AST) -> bool:
+    """Whether ``test`` compares ``name`` with a value of the engine's step (``engine.global_steps // n != epoch``)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.NotEq, ast.Eq))):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(side, ast.Name) and side.id == name and source.reads_engine_step(other, scope)
+               for side, other in (sides, sides[::-1]))
+
+
+def _redone(statement: ast.AST, name: str) -> bool:
+    """Whether ``statement`` is one of what :data:`REDONE` allows: ``name`` or an iterator assigned, a sampler's epoch
+    set, a print (a step's value assigned to another name, an epoch's first step, would differ resumed)."""
+    if isinstance(statement, ast.Assign) and all(isinstance(t, ast.Name) for t in statement.targets):
+        value = statement.value
+        return (isinstance(value, ast.Call) and source.called_name(value.func) == "iter"
+                or all(t.id == name for t in statement.targets))
+    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+            and source.called_name(statement.value.func) in REDONE)
 
 
 def _iterated(loop: ast.AST) -> dict[str, str]:

@@ -80,10 +80,11 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
     filename, innermost, _, _ = loops[0]
     header = (f"for {ast.unparse(innermost.target)} in {ast.unparse(innermost.iter)}"
               if isinstance(innermost, (ast.For, ast.AsyncFor)) else f"while {ast.unparse(innermost.test)}")
-    reads_step = any(_reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
+    reads_step = any(source.reads_engine_step(loop, scope) for _, loop, scope, _ in loops)
     # a count inside a ``while`` on the engine's step (``for _ in range(2): train_batch()``): resumed inside the
     # count, it would start again from 0; replayed, the while reads the step each replayed call sets
-    on_step = [isinstance(loop, ast.While) and _reads_engine_step(loop.test, scope) for _, loop, scope, _ in loops]
+    on_step = [isinstance(loop, ast.While) and source.reads_engine_step(loop.test, scope)
+               for _, loop, scope, _ in loops]
     # so is such a ``while`` that calls ``train_batch`` more than once a pass (a task's step, then another's): resumed
     # between its calls, its pass would start again from the first
     counts = [_counts_calls(loop, scope, frame, kept) or (step and _train_calls(file, loop) > 1)
@@ -99,8 +100,8 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
                     unread=not reads_step and (_count_around_data(loops, counts) or any(
                         not (count or _goes_on_itself(loop, frame) or _while_from_own_start(loop, scope))
                         for count, (_, loop, scope, frame) in zip(counts, loops))),
-                    from_step=any(isinstance(loop, (ast.For, ast.AsyncFor)) and _reads_engine_step(loop.iter, scope)
-                                  for _, loop, scope, _ in loops),
+                    from_step=any(isinstance(loop, (ast.For, ast.AsyncFor))
+                                  and source.reads_engine_step(loop.iter, scope) for _, loop, scope, _ in loops),
                     sets_state=tuple(where for file, loop, _, frame in loops
                                      for where in _sets_state(file, loop, frame, kept)),
                     own_count=next((count for file, loop, scope, frame in loops
@@ -325,7 +326,7 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
     ``list``, ``tuple``, ``reversed`` or a ``zip`` of counts (``repeat`` aside); a name the scope assigns one of
     them to once (``bar = tqdm(range(n))``); in ``frame``, a list, tuple or array the script holds (``for lr in
     lrs``) or a range from 0 or 1 (``range(args.start, n)``, read at that call)."""
-    if frame is not None and not _reads_engine_step(expr, scope):
+    if frame is not None and not source.reads_engine_step(expr, scope):
         value = _value(expr, frame)
         if isinstance(value, range) and value.start in (0, 1) or isinstance(value, SEQUENCES[1:]):
             return True  # a range from another start: the script's own resume position, perhaps
@@ -342,12 +343,12 @@ def _counted(expr: ast.AST, scope: ast.AST, frame=None, resolved: int = 0) -> bo
         counts = [arg for arg in args if not (isinstance(arg, ast.Call) and source.called_name(arg.func) == "repeat")]
         return bool(counts) and all(_counted(arg, scope, frame, resolved) for arg in counts)
     if name == "islice" and len(args) > 1:
-        return _counted(args[0], scope, frame, resolved) and not _reads_engine_step(expr, scope)
+        return _counted(args[0], scope, frame, resolved) and not source.reads_engine_step(expr, scope)
     if name == "count":  # itertools.count(start): a range without an end
         return all(isinstance(arg, ast.Constant) and isinstance(arg.value, int) for arg in args)
     if not (name in RANGES and args):
         return False
-    return not _range_from_own_start(expr) and not _reads_engine_step(expr, scope)
+    return not _range_from_own_start(expr) and not source.reads_engine_step(expr, scope)
 
 
 def _count_around_data(loops: list, counts: list[bool]) -> bool:
@@ -395,7 +396,7 @@ def _while_start_read(loop: ast.AST, scope: ast.AST, frame, kept=()) -> bool:
     step (:mod:`baft.script.loop` reads that)."""
     counter = _while_counter(loop)
     if (frame is None or not counter or not _while_from_own_start(loop, scope)
-            or _reads_engine_step(ast.parse(counter, mode="eval").body, scope)):
+            or source.reads_engine_step(ast.parse(counter, mode="eval").body, scope)):
         return False
     held = ast.parse(counter, mode="eval").body
     if isinstance(held, (ast.Attribute, ast.Subscript)) and any(_value(held.value, frame) is k for k in kept
@@ -514,7 +515,7 @@ def _while_counts(loop: ast.While, scope: ast.AST) -> bool:
     """A ``while`` over a counter (:func:`_while_counter`: ``while i < n``, ``while True`` that breaks at ``i > n``)
     that is a name the scope sets to nothing but numbers, and ``i += 1`` in the loop."""
     counter = _while_counter(loop)
-    if not counter or not counter.isidentifier() or _reads_engine_step(ast.Name(counter, ast.Load()), scope):
+    if not counter or not counter.isidentifier() or source.reads_engine_step(ast.Name(counter, ast.Load()), scope):
         return False
     started = [node.value for node in ast.walk(scope) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == counter for t in node.targets)]
@@ -567,7 +568,7 @@ def _own_count(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> lis
     for node in ast.walk(loop):
         if (_adds_a_number(node) and isinstance(node.target, ast.Name) and node.target.id in loaded
                 and node.target.id not in set_otherwise and _set_to_numbers(node.target.id, scope)
-                and not _reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
+                and not source.reads_engine_step(ast.Name(node.target.id, ast.Load()), scope)):
             found.append(f"{filename}:{node.lineno} ({ast.unparse(node)})")
     reached = [node for body in source.reached(filename, loop) for node in ast.walk(body)]
     read = {n.attr for n in reached if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
@@ -669,14 +670,3 @@ def _torch_save(filename: str, loop: ast.AST) -> str:
                     isinstance(func, ast.Attribute) and func.attr == "save" and ast.unparse(func.value) == "torch"):
                 return f"{filename}:{call.lineno} ({ast.unparse(call)})"
     return ""
-
-
-def _reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
-    if any(word in ast.unparse(expr) for word in source.ENGINE_STEP):
-        return True
-    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
-    for node in ast.walk(scope):
-        if node is not scope and any(isinstance(t, ast.Name) and t.id in names for t in source.targets(node)):
-            if any(word in ast.unparse(node.value) for word in source.ENGINE_STEP):
-                return True
-    return False

@@ -71,6 +71,18 @@ def in_iteration(loop: ast.AST, ends: dict, body: ast.AST, node: ast.AST) -> tup
     return (node.lineno, node.col_offset) if body is loop else ends.get(body.name, (0, 0))
 
 
+def reads_engine_step(expr: ast.AST, scope: ast.AST) -> bool:
+    """Whether ``expr`` reads the engine's step, itself or through a variable ``scope`` sets from it."""
+    if any(word in ast.unparse(expr) for word in ENGINE_STEP):
+        return True
+    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    for node in ast.walk(scope):
+        if node is not scope and any(isinstance(t, ast.Name) and t.id in names for t in targets(node)):
+            if any(word in ast.unparse(node.value) for word in ENGINE_STEP):
+                return True
+    return False
+
+
 def targets(node: ast.AST) -> list[ast.AST]:
     """What the statement ``node`` assigns to: an assignment's targets, an augmented or annotated one's target (an
     annotation alone assigns nothing); [] for any other node."""
