@@ -1055,6 +1055,27 @@ def test_a_plateau_rules_state_in_a_closure_the_loop_calls_is_kept_and_put_back(
     assert run(2, None, in_main)["RESULT"] == [0], "not kept: started again from its first value"
 
 
+def test_a_carried_tensor_is_set_again_in_a_survivor():
+    """A value the loop carries that holds a tensor (``prev = loss``, train_batch's loss; a closure's ``best``): a
+    survivor in place, whose value is a tensor too, kept its latest one, refilled as an object's attributes are,
+    instead of the restored one."""
+    from baft.script import carry
+    from baft.script.carried_source import Carried
+
+    prev = torch.tensor(2.0)
+
+    def on_step_end(loss):
+        nonlocal prev
+        prev = loss
+
+    here = sys._getframe()
+    for value_of in (Carried("x", "on_step_end", "prev", frame=here, cell=True),
+                     Carried("x", "RESULT", frame=here, module_global=True)):
+        globals()["RESULT"] = torch.tensor(2.0)
+        carry.write(value_of, torch.tensor(1.0))
+        assert carry.read(value_of).item() == 1.0, value_of
+
+
 CLOSURE = ENGINE + """
 LOOP, KEPT, SEEN = Loop(), [], []
 if RESTORED is not None:

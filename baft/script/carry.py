@@ -121,7 +121,7 @@ def _refill(current, value) -> bool:
     elif isinstance(current, (dict, set)):
         current.clear()
         current.update(value)
-    elif hasattr(current, "__dict__"):  # an object kept whole: what else holds it sees it
+    elif hasattr(current, "__dict__") and not isinstance(current, torch.Tensor):  # an object kept whole: seen by what holds it
         vars(current).clear()
         vars(current).update(vars(value))
     else:
