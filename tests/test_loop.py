@@ -1060,7 +1060,7 @@ def test_a_carried_tensor_is_set_again_in_a_survivor():
     survivor in place, whose value is a tensor too, kept its latest one, refilled as an object's attributes are,
     instead of the restored one."""
     from baft.script import carry
-    from baft.script.carried_source import Carried
+    from baft.script.carry import Carried
 
     prev = torch.tensor(2.0)
 

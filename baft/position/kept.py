@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import Stateful
 
 from baft.position.engine_loader import EngineLoaderPosition
 from baft.position.resumable import ResumableLoader
-from baft.script.carried_source import defined_at
+from baft.script.source import defined_at
 
 
 def data_position(engine, data_iterator=None, training_data=None):

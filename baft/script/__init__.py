@@ -4,7 +4,10 @@ the uninterrupted one did.
 - ``loop``            a loop that counts its calls to ``train_batch``: replayed after a restore, kept in step in place
 - ``history``         what such a loop's calls returned at each step, saved with every snapshot
 - ``loop_source``     the loops around a call to ``train_batch``, read from the script's source
-- ``carried_source``  the values of its own a loop carries from one iteration to the next, read from the source
+- ``carried_source``  the values of its own a loop carries from one iteration to the next, read from the source:
+                      the loop's variables; through ``carried_attributes`` (its objects' attributes),
+                      ``carried_globals`` (its modules' globals) and ``carried_cells`` (its closures' variables)
+- ``starts``          whether the script starts such a value at nothing but a literal (not its own resume)
 - ``source``          what both read of the source: syntax trees, assignments, the functions a loop reaches
 - ``carry``           those values, kept with every snapshot and set again in a resumed loop
 - ``attributes``      the plain values, tensors and lists the script's own modules hold as attributes (a count, a

@@ -1,8 +1,9 @@
 """The values of the script's own a loop on the engine's step carries from one iteration to the next (the previous
-loss a hand-made schedule compares with, a patience count, a loss meter: :class:`~baft.script.carried_source.Carried`,
-read from the loop's source), kept with every snapshot (:meth:`baft.script.loop.Loop.carried_values`) and set
-again in a resumed process at its loop's first call, where the snapshot was taken: the code after each call reads
-them as the uninterrupted run did. (A loop that counts its calls needs none of this: its replay computes them again.)
+loss a hand-made schedule compares with, a patience count, a loss meter: :class:`Carried`, read from the loop's
+source by :mod:`baft.script.carried_source`), kept with every snapshot (:meth:`baft.script.loop.Loop.carried_values`)
+and set again in a resumed process at its loop's first call, where the snapshot was taken: the code after each call
+reads them as the uninterrupted run did. (A loop that counts its calls needs none of this: its replay computes them
+again.)
 
 Kept where they are plain data (numbers, strings, None, small tensors, and lists, tuples, dicts, sets and deques of
 them, up to :data:`MOST_ITEMS`); a list, dict, set or deque is refilled in place, so that what else holds it sees it.
@@ -17,16 +18,42 @@ import ctypes
 import itertools
 import numbers
 import sys
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from baft.script.carried_source import Carried
 from baft.script.source import library, value_in
 
 MOST_ITEMS = 10_000  # a container longer than this (a list of every step's loss) is not copied at every snapshot
 MOST_TENSOR_ELEMENTS = 1 << 16
 CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A value of the script's own a loop carries from one iteration to the next: the variable ``name`` of the
+    loop's ``frame`` (or of its module; or a path of attributes from one, ``self.losses``), or its attribute
+    ``attr``; ``where``: ``file:line (text)`` of the statement that carries it. The frame is held as long as this is
+    (a snapshot at exit reads it after the loop has returned)."""
+
+    where: str
+    name: str
+    attr: Optional[str] = None
+    frame: object = field(default=None, compare=False, repr=False)
+    # the loop reads it before its call to train_batch in an iteration (``best = min(best, engine.train_batch())``,
+    # a check at the loop's top): set at that call, a resumed process's first iteration would have read it already
+    read_before_call: bool = False
+    module_global: bool = False  # ``name`` is a global of the frame's module (``global best`` in a function)
+    # an object of the script's own, kept whole (:func:`baft.script.carried_attributes.changed_within`)
+    whole: bool = False
+    module: Optional[str] = None  # ``name`` is a global of this module of the script's (not the frame's)
+    cell: bool = False  # ``attr`` is a variable of the closure of the function ``name`` holds (``nonlocal best``)
+
+    @property
+    def key(self) -> str:
+        own = self.name if self.attr is None else f"{self.name}.{self.attr}"
+        return own if self.module is None else f"{self.module}:{own}"
 
 
 def read(carried: Carried):
@@ -121,7 +148,7 @@ def _refill(current, value) -> bool:
     elif isinstance(current, (dict, set)):
         current.clear()
         current.update(value)
-    elif hasattr(current, "__dict__") and not isinstance(current, torch.Tensor):  # an object kept whole: seen by what holds it
+    elif hasattr(current, "__dict__") and not isinstance(current, torch.Tensor):  # kept whole: what holds it sees it
         vars(current).clear()
         vars(current).update(vars(value))
     else:

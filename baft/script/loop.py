@@ -41,7 +41,7 @@ from baft.config import GENERATION_ENV, STORE_ENV
 from baft.errors import BaftError
 from baft.script.history import RETURNED_NONE, History
 from baft.script import carry
-from baft.script.carried_source import Carried
+from baft.script.carry import Carried
 from baft.script.loop_source import LoopSite, loop_around, set_before_call, trains_around
 from baft.script.rng import rng_states, set_rng_states
 from baft.script.schedulers import script_schedulers

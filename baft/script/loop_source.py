@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from baft.script import attributes, carried_source, source
-from baft.script.carried_source import Carried
+from baft.script.carry import Carried
 
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
@@ -198,7 +198,7 @@ def _calls_reached(filename: str, loop: ast.AST, frame):
                     or (this is None and code.co_filename == file and names is None)):
                 continue  # a function of the loop's own file: reached already
             seen.add(code)
-            definition = carried_source.defined_at(code)
+            definition = source.defined_at(code)
             if definition is None:
                 continue
             scope = dict(function.__globals__)

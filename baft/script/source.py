@@ -8,7 +8,12 @@ import ast
 import linecache
 import os
 import sysconfig
+import types
 from typing import Optional
+
+# methods that change a list, dict, set or deque in place
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove", "clear", "update",
+            "setdefault", "add", "discard", "sort", "reverse", "rotate"}
 
 ENGINE_STEP = ("global_steps", "global_samples")  # a bound that reads these resumes with the engine
 
@@ -137,3 +142,11 @@ LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.ge
 def library(filename: str) -> bool:
     """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
     return os.path.realpath(filename).startswith(LIBRARIES)
+
+
+def defined_at(code: types.CodeType) -> Optional[ast.AST]:
+    """The definition of the function ``code`` is, read from its file; None where it cannot be read."""
+    tree = parsed(code.co_filename)
+    return next((node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name
+                 and code.co_firstlineno in (node.lineno, *(d.lineno for d in node.decorator_list))), None)
