@@ -433,6 +433,53 @@ def test_a_stream_that_draws_each_pass_order_itself_restored_at_any_batch_reads_
         assert torch.equal(read_repeated(make, 12, 0, restore_at), reference), f"restored after {restore_at}"
 
 
+class Packed(torch.utils.data.IterableDataset):
+    """A stream packing runs of random lengths, drawn from a generator it holds itself (numpy's, torch's or python's
+    kind), into samples of 4: six runs a pass, the remainder dropped or carried to the next pass (``self.rest``)."""
+
+    def __init__(self, kind, carry=False):
+        self.rng = {"numpy": lambda: np.random.RandomState(7), "torch": lambda: torch.Generator().manual_seed(7),
+                    "python": lambda: random.Random(7)}[kind]()
+        self.kind, self.carry, self.rest = kind, carry, []
+
+    def run(self):
+        if self.kind == "numpy":
+            return self.rng.randn(self.rng.randint(1, 7)).tolist()
+        if self.kind == "torch":
+            return torch.randn(int(torch.randint(1, 7, (), generator=self.rng)), generator=self.rng).tolist()
+        return [self.rng.gauss(0, 1) for _ in range(self.rng.randint(1, 6))]
+
+    def __iter__(self):
+        packing = self.rest if self.carry else []
+        for _ in range(6):
+            packing.extend(self.run())
+            while len(packing) >= 4:
+                yield torch.tensor(packing[:4])
+                del packing[:4]
+        if self.carry:
+            self.rest = list(packing)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "python"])
+def test_a_stream_drawing_from_its_own_generator_restored_at_any_batch_reads_as_the_uninterrupted_one(kind, carry):
+    """Probe 27 H3: a stream read in this process drawing its samples from a generator it holds itself
+    (``self.rng = np.random.RandomState(7)``): a restore reads the restored pass again from its start, which drew from
+    that generator as the snapshot held it, mid-pass (relaunched), or as the survivor's had moved on (in place, the
+    same stream object); the samples resumed were others, silently. Restored after every batch of five passes."""
+    def read(restore_at=None, survivor=None):
+        make = lambda workers: torch.utils.data.DataLoader(survivor or Packed(kind, carry), batch_size=BATCH,
+                                                           drop_last=True)
+        return read_repeated(make, 12, 0, restore_at)
+
+    reference = read()
+    for restore_at in range(1, 12):
+        assert torch.equal(read(restore_at), reference), f"relaunched after {restore_at}"
+    for restore_at in range(3, 12):  # in place: the stream the loop read on from, its generator and remainder moved on
+        in_place = read(restore_at, survivor=Packed(kind, carry))
+        assert torch.equal(in_place, reference), f"in place after {restore_at}"
+
+
 def deepspeed_io(sampler=None):
     """DeepSpeed's own loader of ``Noisy()`` as ``engine.deepspeed_io`` makes it on a launched rank (local_rank 0):
     over a DistributedSampler unless given ``sampler()``, with DeepSpeed's default of 2 workers where the test asks

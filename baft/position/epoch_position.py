@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from baft.errors import BaftError
+from baft.position.epoch_starts import drawn_as_kept, held_states
 from baft.position.iterators import batches_read, read_to
 from baft.position.samplers import EPOCH_START, as_epoch_started, drawing_sampler, record_epoch_starts
 from baft.position.settings import as_made, changed_data_attributes, data_attributes_at_start, set_data_attributes
@@ -37,7 +38,7 @@ class EpochPosition:
         return {"epoch": epoch, "read": batches_read(reading) if reading is not None else 0, "made_from": made_from,
                 "sampler": getattr(self.sampler, EPOCH_START, None),
                 "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-                "attributes": changed_data_attributes(self.loader)}
+                "attributes": changed_data_attributes(self.loader), "held": held_states(self.loader)}
 
     def restore_epoch(self, saved: dict, own, make: Callable[[Optional[dict]], object]):
         """The saved epoch's iterator read to the saved position: ``own``, the first epoch's as this process made it
@@ -53,6 +54,7 @@ class EpochPosition:
         with as_epoch_started(self.sampler, saved["sampler"]), as_made(loader, began):
             restored = own if own is not None else make(saved["made_from"])
             read_to(restored, saved["read"], loader)
+        drawn_as_kept(loader, saved.get("held", {}))
         return restored
 
     def set_back(self, saved: dict) -> None:

@@ -4,7 +4,10 @@ are repeated through it."""
 
 from __future__ import annotations
 
+import collections
+import copy
 import itertools
+import sys
 from typing import Optional
 
 import torch
@@ -13,7 +16,8 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from baft.position.deepspeed_loader import epoch_iterator
 from baft.position.samplers import GLOBALS
 from baft.position.settings import data_attributes
-from baft.script.rng import generator_state, set_generator_state
+from baft.script.held import PLAIN
+from baft.script.rng import data_objects, generator_state, held_by, same_state, set_generator_state
 
 
 class EpochStarts(RepeatingLoader):
@@ -69,9 +73,52 @@ def generator_states(loader) -> dict:
     states = {"torch": torch.get_rng_state(),
               "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
               "attributes": data_attributes(loader)}
-    if _streamed_here(loader):
+    if streamed_here(loader):
         states["globals"] = {name: generator_state(held) for name, held in GLOBALS.items()}
+        states["held"] = held_states(loader)
+        states["carried"] = carried_values(loader)
     return states
+
+
+def carried_values(loader) -> dict:
+    """Copies of the lists of plain values (numbers, strings; at most :data:`CARRIED_ITEMS`) that the objects of
+    ``loader``'s data pipeline hold (:func:`data_objects`), by where they are: a remainder a packing stream carries
+    from one pass to the next (``self.rest = list(buf)`` as a pass ends), which a pass read again begins from."""
+    return {f"{path}.{name}": copy.copy(value) for path, obj in data_objects(loader)
+            for name, value in vars(obj).items()
+            if isinstance(value, (list, collections.deque)) and len(value) <= CARRIED_ITEMS
+            and all(isinstance(item, PLAIN) for item in value)}
+
+
+CARRIED_ITEMS = 4096  # longer lists (a stream's list of files) are what it reads, not a remainder it carries
+
+
+def held_states(loader) -> dict:
+    """The states of the generators a stream ``loader`` reads in this process holds itself (:func:`held_by`), by
+    where they are; {} for another loader."""
+    return {name: generator_state(held) for name, held in held_by(loader).items()} if streamed_here(loader) else {}
+
+
+def drawn_as_kept(loader, kept: dict) -> None:
+    """After a stream's pass was read again to a restored position: each generator the stream holds itself set where
+    the snapshot had it (``kept``, :func:`held_states`). One the reading left elsewhere is drawn by other code too
+    while a pass reads (the same object as a global the loop draws from), or its pass began before baft kept the
+    loader: the stream's samples since are not the uninterrupted run's, said once."""
+    held = held_by(loader)
+    for name, state in kept.items():
+        if name not in held:
+            continue
+        if not same_state(generator_state(held[name]), state) and name not in _SAID:
+            _SAID.add(name)
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print(f"baft: the stream's {name} ({type(held[name]).__name__}) is drawn from outside the stream's "
+                      f"__iter__ too (or its pass began before baft.initialize): the pass read again after a fault "
+                      f"draws otherwise than the uninterrupted run's did, and its samples differ; give the stream a "
+                      f"generator only its __iter__ draws from", file=sys.stderr, flush=True)
+        set_generator_state(held[name], state)
+
+
+_SAID: set = set()  # the stream's generators said drawn otherwise
 
 
 def made_again(loader, made_from: Optional[dict], make=iter):
@@ -79,7 +126,8 @@ def made_again(loader, made_from: Optional[dict], make=iter):
     (``made_from``; None: as they stand), torch's left as it was. Its settings are the caller's to set
     (:func:`~baft.position.settings.as_made`): its sampler draws the epoch's order at its first batch. A stream
     read in this process begins its ``__iter__`` here, from the generators as its epoch began: the uninterrupted
-    run's began it at once, the restore reads it later (python's and numpy's set back after)."""
+    run's began it at once, the restore reads it later (python's and numpy's set back after; those it holds itself
+    left to the restore's reading, which draws them on to where the snapshot had them)."""
     globals_before = {name: generator_state(held) for name, held in GLOBALS.items()}
     with torch.random.fork_rng(devices=[]):
         if made_from is not None:
@@ -88,6 +136,15 @@ def made_again(loader, made_from: Optional[dict], make=iter):
                 loader.generator.set_state(made_from["generator"])
             for name, state in made_from.get("globals", {}).items():
                 set_generator_state(GLOBALS[name], state)
+            held = held_by(loader)
+            for name, state in made_from.get("held", {}).items():
+                if name in held:
+                    set_generator_state(held[name], state)
+            objects = dict(data_objects(loader))
+            for path, value in made_from.get("carried", {}).items():
+                where, name = path.rsplit(".", 1)
+                if where in objects:  # a copy: the pass read again changes it, and a later restore begins from it
+                    setattr(objects[where], name, copy.copy(value))
         made = make(loader)
         if made_from is not None and "globals" in made_from:
             _begin_stream(made)
@@ -96,7 +153,7 @@ def made_again(loader, made_from: Optional[dict], make=iter):
     return made
 
 
-def _streamed_here(loader) -> bool:
+def streamed_here(loader) -> bool:
     """Whether ``loader`` reads an ``IterableDataset`` in this process (no workers)."""
     return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
             and not getattr(loader, "num_workers", 0))

@@ -273,7 +273,7 @@ def drawn_between(before: dict, now: dict) -> list[str]:
         if name == "tracker":
             return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         if name == "modules":
-            return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+            return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
         return torch.equal(a, b) if name == "torch" else a == b
 
     return [name for name in now if name in before and not same(name)]
@@ -340,7 +340,8 @@ def from_json(items: dict) -> dict:
     return out
 
 
-def _same_state(a, b) -> bool:
+def same_state(a, b) -> bool:
+    """Whether two states :func:`generator_state` gave are equal."""
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
     return pickle.dumps(a) == pickle.dumps(b)
