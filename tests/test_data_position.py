@@ -27,6 +27,7 @@ from baft.recovery.digests import DIGESTS_ENV, redone_differ
 from baft.position.first_iterators import note_until_first_call, stop_noting
 from baft.position.resumable import ResumableLoader
 from baft.position.kept import data_position, not_restored
+from baft.script.rng import same_state
 
 SAMPLES, BATCH = 14, 2  # 7 batches an epoch
 
@@ -462,7 +463,8 @@ class Packed(torch.utils.data.IterableDataset):
 
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("kind", ["numpy", "torch", "python"])
-def test_a_stream_drawing_from_its_own_generator_restored_at_any_batch_reads_as_the_uninterrupted_one(kind, carry):
+def test_a_stream_drawing_from_its_own_generator_restored_at_any_batch_reads_as_the_uninterrupted_one(kind, carry,
+                                                                                                     capsys):
     """Probe 27 H3: a stream read in this process drawing its samples from a generator it holds itself
     (``self.rng = np.random.RandomState(7)``): a restore reads the restored pass again from its start, which drew from
     that generator as the snapshot held it, mid-pass (relaunched), or as the survivor's had moved on (in place, the
@@ -478,6 +480,53 @@ def test_a_stream_drawing_from_its_own_generator_restored_at_any_batch_reads_as_
     for restore_at in range(3, 12):  # in place: the stream the loop read on from, its generator and remainder moved on
         in_place = read(restore_at, survivor=Packed(kind, carry))
         assert torch.equal(in_place, reference), f"in place after {restore_at}"
+    assert "baft: the stream's" not in capsys.readouterr().err
+
+
+class Wrapping(torch.utils.data.IterableDataset):
+    """A stream reading another (a shuffle buffer's shape, its order its own): the stream held as an attribute."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __iter__(self):
+        yield from self.stream
+
+
+def test_a_wrapped_stream_drawing_from_its_own_generators_restored_at_any_batch_reads_as_the_uninterrupted_one(
+        capsys):
+    """Probe 27 H3, wrapped: streams that draw from generators of their own read through torch's ``ChainDataset`` and
+    through a stream of the script's holding one; restored after every batch, relaunched, and nothing said of them."""
+    make = lambda workers: torch.utils.data.DataLoader(
+        torch.utils.data.ChainDataset([Packed("numpy", carry=True), Wrapping(Packed("torch"))]), batch_size=BATCH,
+        drop_last=True)
+    reference = read_repeated(make, 12, 0)
+    for restore_at in range(1, 12):
+        assert torch.equal(read_repeated(make, 12, 0, restore_at), reference), f"restored after {restore_at}"
+    assert "baft: the stream's" not in capsys.readouterr().err
+
+
+def test_a_stream_whose_generator_the_loop_draws_from_too_is_said_once_restored(capsys):
+    """Probe 27 H3: a stream drawing from the generator the loop draws from between its batches (one object, a global
+    of the script's too): the pass read again draws otherwise than the uninterrupted run's, which no restore can
+    make exact. Said once, naming the generator, and the generator set where the snapshot had it."""
+    def read(restore_at):
+        stream = Packed("numpy")
+        feed = RepeatingLoader(torch.utils.data.DataLoader(stream, batch_size=BATCH, drop_last=True))
+        position = data_position(None, feed)
+        for i in range(restore_at):
+            next(feed)
+            stream.rng.rand()  # the loop's draw, between batches
+        return position, stream.rng
+
+    position, kept = read(7)
+    saved = position.state_dict()
+    for _ in range(2):
+        restored, generator = read(0)
+        restored.load_state_dict(saved)
+        assert same_state(generator.get_state(), kept.get_state())
+    said = capsys.readouterr().err
+    assert said.count("baft: the stream's dataset.rng (RandomState) is drawn from outside") == 1, said
 
 
 def deepspeed_io(sampler=None):
