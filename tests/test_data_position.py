@@ -468,18 +468,22 @@ def test_a_stream_drawing_from_its_own_generator_restored_at_any_batch_reads_as_
     """Probe 27 H3: a stream read in this process drawing its samples from a generator it holds itself
     (``self.rng = np.random.RandomState(7)``): a restore reads the restored pass again from its start, which drew from
     that generator as the snapshot held it, mid-pass (relaunched), or as the survivor's had moved on (in place, the
-    same stream object); the samples resumed were others, silently. Restored after every batch of five passes."""
-    def read(restore_at=None, survivor=None):
+    same stream object); the samples resumed were others, silently. Restored after every batch of five passes, and
+    through torchdata's ``StatefulDataLoader``, which reads the pass again itself."""
+    def read_packed(restore_at=None, survivor=None):
         make = lambda workers: torch.utils.data.DataLoader(survivor or Packed(kind, carry), batch_size=BATCH,
                                                            drop_last=True)
         return read_repeated(make, 12, 0, restore_at)
 
-    reference = read()
+    reference = read_packed()
     for restore_at in range(1, 12):
-        assert torch.equal(read(restore_at), reference), f"relaunched after {restore_at}"
+        assert torch.equal(read_packed(restore_at), reference), f"relaunched after {restore_at}"
     for restore_at in range(3, 12):  # in place: the stream the loop read on from, its generator and remainder moved on
-        in_place = read(restore_at, survivor=Packed(kind, carry))
+        in_place = read_packed(restore_at, survivor=Packed(kind, carry))
         assert torch.equal(in_place, reference), f"in place after {restore_at}"
+    stateful = lambda workers: StatefulDataLoader(Packed(kind, carry), batch_size=BATCH, drop_last=True)
+    for restore_at in range(1, 12):  # torchdata's loader, which reads the pass again itself
+        assert torch.equal(read(stateful, 12, restore_at), reference), f"stateful after {restore_at}"
     assert "baft: the stream's" not in capsys.readouterr().err
 
 

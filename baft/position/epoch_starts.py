@@ -68,16 +68,37 @@ def generator_states(loader) -> dict:
     its dataset and ``collate_fn`` hold (:func:`~baft.position.settings.data_attributes`: its workers copy them as
     the iterator is made). Of a stream read in this process, python's and numpy's global generators too
     (``"globals"``): its ``__iter__`` may draw its order from them (``random.shuffle``), as a sampler of the
-    script's may (:mod:`baft.position.samplers`)."""
+    script's may (:mod:`baft.position.samplers`); and what it draws and carries itself (:func:`stream_began`)."""
     generator = getattr(loader, "generator", None)
     states = {"torch": torch.get_rng_state(),
               "generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
               "attributes": data_attributes(loader)}
     if streamed_here(loader):
         states["globals"] = {name: generator_state(held) for name, held in GLOBALS.items()}
-        states["held"] = held_states(loader)
-        states["carried"] = carried_values(loader)
+        states.update(stream_began(loader))
     return states
+
+
+def stream_began(loader) -> dict:
+    """Of a stream ``loader`` reads in this process, as a pass begins: the states of the generators it holds itself
+    (``"held"``, :func:`held_states`: ``self.rng = np.random.RandomState(7)`` drawn in its ``__iter__``), which a
+    snapshot holds as they stand mid-pass, and the values it carries from one pass to the next (``"carried"``,
+    :func:`carried_values`). A pass read again after a fault begins from them (:func:`begin_stream_as`)."""
+    return {"held": held_states(loader), "carried": carried_values(loader)} if streamed_here(loader) else {}
+
+
+def begin_stream_as(loader, began: dict) -> None:
+    """Set what :func:`stream_began` gave, before a pass is read again: reading it draws the generators on to where
+    the snapshot had them."""
+    held = held_by(loader)
+    for name, state in began.get("held", {}).items():
+        if name in held:
+            set_generator_state(held[name], state)
+    objects = dict(data_objects(loader))
+    for path, value in began.get("carried", {}).items():
+        where, name = path.rsplit(".", 1)
+        if where in objects:  # a copy: the pass read again changes it, and a later restore begins from it
+            setattr(objects[where], name, copy.copy(value))
 
 
 def carried_values(loader) -> dict:
@@ -136,15 +157,7 @@ def made_again(loader, made_from: Optional[dict], make=iter):
                 loader.generator.set_state(made_from["generator"])
             for name, state in made_from.get("globals", {}).items():
                 set_generator_state(GLOBALS[name], state)
-            held = held_by(loader)
-            for name, state in made_from.get("held", {}).items():
-                if name in held:
-                    set_generator_state(held[name], state)
-            objects = dict(data_objects(loader))
-            for path, value in made_from.get("carried", {}).items():
-                where, name = path.rsplit(".", 1)
-                if where in objects:  # a copy: the pass read again changes it, and a later restore begins from it
-                    setattr(objects[where], name, copy.copy(value))
+            begin_stream_as(loader, made_from)
         made = make(loader)
         if made_from is not None and "globals" in made_from:
             _begin_stream(made)

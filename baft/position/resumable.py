@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from baft.position.epoch_starts import begin_stream_as, stream_began
 from baft.position.iterators import take_over
 from baft.position.samplers import (EPOCH_START, as_epoch_started, draws_from_torch, drawing_sampler,
                                     record_epoch_starts, records)
@@ -90,6 +91,9 @@ class ResumableLoader:
         made_with = vars(self.loader).get(MADE_WITH)
         if made_with:
             state["epoch_attributes"] = made_with
+        began = vars(self.loader).get(STREAM_BEGAN)
+        if began:
+            state["stream_began"] = began
         return state
 
     def load_state_dict(self, saved: dict) -> None:
@@ -108,6 +112,7 @@ class ResumableLoader:
             self.loader.load_state_dict(saved["loader"])
             with as_epoch_started(self.sampler, saved.get("sampler")), as_made(self.loader,
                                                                                 saved.get("epoch_attributes")):
+                begin_stream_as(self.loader, saved.get("stream_began", {}))  # torchdata reads its pass again
                 self.loader.state_dict()  # builds the restored iterator now: the script's next iter() returns this one
             restored = self.loader._iterator
             if live is not None and restored is not None and live is not restored:
@@ -199,6 +204,7 @@ class ResumableLoader:
 
 
 MADE_WITH = "_baft_made_with"  # the settings of a loader's dataset as its latest iterator was made
+STREAM_BEGAN = "_baft_stream_began"  # and what a stream it reads in this process drew from and carried then
 _NOTING: dict[type, type] = {}
 
 
@@ -213,6 +219,7 @@ def _note_settings(loader) -> None:
     if own not in _NOTING:
         def _get_iterator(self):
             self.__dict__[MADE_WITH] = data_attributes(self)
+            self.__dict__[STREAM_BEGAN] = stream_began(self)
             return own._get_iterator(self)
         _NOTING[own] = type(own.__name__, (own,), {"_get_iterator": _get_iterator, "__module__": own.__module__,
                                                    "__qualname__": own.__qualname__, "_baft_notes_settings": True})
