@@ -97,14 +97,14 @@ def begin_stream_as(loader, began: dict) -> None:
     objects = dict(data_objects(loader))
     for path, value in began.get("carried", {}).items():
         where, name = path.rsplit(".", 1)
-        held = vars(objects[where]).get(name) if where in objects else value
-        if held == value:
+        holds = vars(objects[where]).get(name) if where in objects else value
+        if holds == value:
             continue
         # into the object it holds (replaced, it would be said replaced: baft.position.settings), else a copy: the
         # pass read again changes it, and a later restore begins from what was kept
-        if type(held) is type(value):
-            held.clear()
-            held.extend(value)
+        if type(holds) is type(value):
+            holds.clear()
+            holds.extend(value)
         else:
             setattr(objects[where], name, copy.copy(value))
 
