@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from baft.position.caches import filled_caches, filled_in_place, note_caches, set_caches
+from baft.position.dataset_source import sets_itself
 from baft.script.attributes import setting
 from baft.script.rng import GENERATORS, data_objects
 
@@ -68,19 +70,21 @@ def data_attributes_at_start(loader) -> dict:
     recovering in place makes its position again)."""
     if loader not in _AT_START:
         _AT_START[loader] = _read(loader)
+        note_caches(loader)
     return _AT_START[loader][0]
 
 
 def changed_data_attributes(loader) -> dict:
-    """Those of :func:`data_attributes` that changed since :func:`data_attributes_at_start`. Another object of the
-    data pipeline the loop replaced since (``loader.collate_fn = partial(...)``, ``dataset.transform = Scale(0.5)``)
-    is said once, on stderr: no snapshot holds it, so a run restored after the
-    change reads with the script's first (probe 25, silently)."""
+    """Those of :func:`data_attributes` that changed since :func:`data_attributes_at_start`, and the caches the data
+    pipeline filled since (:func:`~baft.position.caches.filled_caches`). Another object of the data pipeline the
+    loop replaced since (``loader.collate_fn = partial(...)``, ``dataset.transform = Scale(0.5)``) is said once, on
+    stderr: no snapshot holds it, so a run restored after the change reads with the script's first (probe 25,
+    silently)."""
     start = data_attributes_at_start(loader)
     values, held = _read(loader)
     _say_replaced(loader, held)
-    return {path: value for path, value in values.items() if path in start and not _same(start[path], value)
-            or path not in start and not isinstance(value, torch.Tensor)}
+    return {**{path: value for path, value in values.items() if path in start and not _same(start[path], value)
+               or path not in start and not isinstance(value, torch.Tensor)}, **filled_caches(loader)}
 
 
 def _same(kept, value) -> bool:
@@ -94,19 +98,31 @@ def _say_replaced(loader, held: dict) -> None:
     said = _SAID.setdefault(loader, set())
     for path, (identity, kind) in held.items():
         # one made since that held no value then (a cache a dataset makes as it first reads) was not replaced
-        if path in said or start.get(path, (identity, kind) if path not in plain else None) == (identity, kind):
+        if (path in said or start.get(path, (identity, kind) if path not in plain else None) == (identity, kind)
+                or filled_in_place(loader, path)):  # a dict the dataset fills (a cache), not another one
             continue
         said.add(path)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            print(f"baft: the loop replaced the data loader's {path} (now a {kind.__name__}): no snapshot holds "
-                  f"that object, so a run restored past this step reads with the one the script first made; set it "
-                  f"before each call from the engine's step (if engine.global_steps >= N: ...), which a resumed loop "
-                  f"does again", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            continue
+        where, name = path.rsplit(".", 1)
+        itself = sets_itself(type(_holders(loader).get(where)), name)
+        if itself:  # the dataset's own code, not the loop's: no step of the loop can set it again
+            print(f"baft: {itself} sets the data loader's {path} (now a {kind.__name__}) itself: no snapshot holds "
+                  f"that object, so a run restored past this step reads with the one the script first made, and "
+                  f"its batches may differ from the uninterrupted run's; make it again from what each read gets "
+                  f"(the sample index, the pass), not kept from one read to the next", file=sys.stderr, flush=True)
+            continue
+        print(f"baft: the loop replaced the data loader's {path} (now a {kind.__name__}): no snapshot holds "
+              f"that object, so a run restored past this step reads with the one the script first made; set it "
+              f"before each call from the engine's step (if engine.global_steps >= N: ...), which a resumed loop "
+              f"does again", file=sys.stderr, flush=True)
 
 
 def set_data_attributes(loader, changed: dict) -> None:
-    """Set the attributes :func:`data_attributes` read as they started, less those ``changed`` (a snapshot's)."""
+    """Set the attributes :func:`data_attributes` read as they started, less those ``changed`` (a snapshot's), and the
+    caches as it holds them."""
     _set(loader, {**data_attributes_at_start(loader), **changed})
+    set_caches(loader, changed)
 
 
 def _set(loader, values: dict) -> None:

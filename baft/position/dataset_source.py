@@ -1,0 +1,107 @@
+"""Reading the source of the data pipeline's own classes (a dataset's, a transform's): where a method sets an attribute
+of the object itself (``self.rest = list(buf)`` in a stream's ``__iter__``), and where one draws from a global
+generator (``torch.randn(8)``, ``np.random.rand()``, ``random.random()``; not from a generator it is given or makes,
+``torch.randn(8, generator=g)``, ``np.random.default_rng(i).normal()``)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import types
+from typing import Iterator, Optional
+
+from baft.script import source
+
+_TORCH_DRAWS = frozenset({"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
+                          "rand_like", "randn_like", "randint_like"})
+_TENSOR_DRAWS = frozenset({"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+                           "log_normal_"})
+_NOT_DRAWS = frozenset({"default_rng", "RandomState", "Generator", "SeedSequence", "BitGenerator", "PCG64", "MT19937",
+                        "Philox", "SFC64", "Random", "SystemRandom", "seed", "get_state", "set_state", "getstate",
+                        "setstate"})
+
+
+def sets_itself(cls: type, attr: str) -> Optional[str]:
+    """Where a method of ``cls`` other than ``__init__`` assigns the object's own ``attr`` (``self.rest = ...``), as
+    ``Packed.__iter__ (script.py:76)``; None where none does."""
+    for function, node in _definitions(cls):
+        if function.__name__ == "__init__" or not node.args.args:
+            continue
+        me = node.args.args[0].arg
+        for n in ast.walk(node):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                   and t.value.id == me for t in targets):
+                return f"{function.__qualname__} ({_at(function, n)})"
+    return None
+
+
+def draws_globally(cls: type) -> Optional[str]:
+    """Where a method of ``cls``, or a function of the script's it calls by name, draws from torch's, numpy's or
+    python's global generator, as ``script.py:27``; None where none does."""
+    for function, node in _definitions(cls):
+        found = _draw(function, node)
+        if found:
+            return found
+        for called in _called(function, node):
+            definition = _definition(called)
+            found = definition is not None and _draw(called, definition)
+            if found:
+                return found
+    return None
+
+
+def _draw(function: types.FunctionType, node: ast.AST) -> Optional[str]:
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        name = source.dotted(call.func)
+        given = any(k.arg == "generator" for k in call.keywords)
+        root, _, rest = name.partition(".")
+        module = function.__globals__.get(root)
+        full = f"{module.__name__}.{rest}" if isinstance(module, types.ModuleType) and rest else ""
+        last = name.rpartition(".")[2]
+        if (full.startswith("torch.") and last in _TORCH_DRAWS and not given
+                or full.startswith(("numpy.random.", "random.")) and last not in _NOT_DRAWS
+                or isinstance(call.func, ast.Attribute) and call.func.attr in _TENSOR_DRAWS and not given):
+            return _at(function, call)
+    return None
+
+
+def _called(function: types.FunctionType, node: ast.AST) -> Iterator[types.FunctionType]:
+    """The script's functions ``function`` calls by a name of its module."""
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
+        value = function.__globals__.get(call.func.id)
+        if isinstance(value, types.FunctionType) and _the_scripts(value):
+            yield value
+
+
+def _definitions(cls: type) -> list[tuple[types.FunctionType, ast.FunctionDef]]:
+    """The methods of ``cls`` and of its script's bases, with their definitions as read from their files."""
+    found = []
+    for owner in cls.__mro__:
+        for value in vars(owner).values():
+            function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if isinstance(function, types.FunctionType) and _the_scripts(function):
+                node = _definition(function)
+                if node is not None:
+                    found.append((function, node))
+    return found
+
+
+def _the_scripts(function: types.FunctionType) -> bool:
+    module = function.__module__ or ""
+    return not module.startswith(("torch", "numpy", "deepspeed", "baft")) and module != "builtins"
+
+
+def _definition(function: types.FunctionType) -> Optional[ast.AST]:
+    """The definition of ``function`` as read from its file; None where it cannot be read."""
+    code = function.__code__
+    tree = source.parsed(code.co_filename)
+    return next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == code.co_name and code.co_firstlineno in (n.lineno, *(d.lineno for d in n.decorator_list))),
+                None) if tree else None
+
+
+def _at(function: types.FunctionType, node: ast.AST) -> str:
+    return f"{os.path.basename(inspect.getsourcefile(function) or function.__code__.co_filename)}:{node.lineno}"
