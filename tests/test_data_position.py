@@ -865,6 +865,121 @@ class Compose:
         return sample
 
 
+CACHE = {}  # Cached's, where it keeps its samples in a global of its module
+
+
+class Cached(torch.utils.data.Dataset):
+    """Makes each sample at its first read with a draw from torch's global generator (a crop chosen at tokenization)
+    and serves it from a cache after: one it holds (``self.cache``), or the global ``CACHE``; ``width`` floats a
+    sample (the first two read)."""
+
+    def __init__(self, own=True, width=2):
+        self.cache, self.own, self.width = {}, own, width
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        cache = self.cache if self.own else CACHE
+        if i not in cache:
+            cache[i] = self.make(i)
+        return cache[i][:2]
+
+    def make(self, i):
+        return torch.cat([torch.tensor([float(i)]), torch.rand(self.width - 1)])
+
+
+class Tokenized(Cached):
+    """As :class:`Cached`, each sample drawn from a generator seeded by its index."""
+
+    def make(self, i):
+        return torch.cat([torch.tensor([float(i)]), torch.rand(self.width - 1, generator=torch.Generator().manual_seed(i))])
+
+
+class Rest(torch.utils.data.IterableDataset):
+    """A stream that carries what a pass leaves over to the next in an attribute it sets itself."""
+
+    def __init__(self):
+        self.rest = []
+
+    def __iter__(self):
+        buf = self.rest + [float(i) for i in range(5)]
+        while len(buf) >= 2:
+            yield torch.tensor(buf[:2])
+            del buf[:2]
+        self.rest = list(buf)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_cache_the_dataset_fills_at_first_reads_from_a_random_draw_comes_back_with_the_position(own, capsys):
+    """A dataset making each sample at its first read with a draw from torch's global generator and serving it from a
+    cache after (its own dict, or a global one), restored in a new process (its cache empty) in the first epoch and
+    in the second, and in a survivor that read on: it reads what the uninterrupted loader read (probe 27, H4: the
+    restored process drew the samples again, other values, and moved the generator the restore set, silently).
+    Nothing is said: the dataset filled its dict, nothing replaced it (before: "the loop replaced dataset.cache")."""
+    def make():
+        CACHE.clear()
+        return RepeatingLoader(torch.utils.data.DataLoader(Cached(own), batch_size=BATCH, shuffle=True,
+                                                           drop_last=True))
+
+    def run(restore_at=None, survivor=False):
+        torch.manual_seed(0)
+        feed = make()
+        position, out = data_position(None, feed), []
+        for i in range(12):
+            if i == restore_at:
+                saved, rng = position.state_dict(), torch.get_rng_state()
+                if survivor:
+                    next(feed), next(feed)
+                else:
+                    feed = make()
+                data_position(None, feed).load_state_dict(saved)
+                torch.set_rng_state(rng)
+            out.append(next(feed))
+        return torch.stack(out)
+
+    reference = run()
+    for restore_at, survivor in ((3, False), (9, False), (3, True), (9, True)):
+        assert torch.equal(run(restore_at, survivor), reference), f"restored at {restore_at}, survivor {survivor}"
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cache_too_large_to_keep_is_said_where_filled_from_a_global_generator(capsys):
+    """A cache over the size a snapshot keeps is said once where the dataset's code draws its samples from a global
+    generator (the file and line of the draw), not where it draws them from a generator seeded by the index."""
+    for kind in (Cached, Tokenized):
+        position, feed = None, RepeatingLoader(torch.utils.data.DataLoader(kind(width=8192), batch_size=BATCH))
+        position = data_position(None, feed)
+        for _ in range(8):
+            next(feed)
+        position.state_dict()
+        position.state_dict()
+    said = capsys.readouterr().err.splitlines()
+    line = Cached.make.__code__.co_firstlineno + 1
+    assert said == [f"baft: the data loader's dataset.cache that Cached fills holds {SAMPLES} items, too many for a "
+                    f"snapshot to keep (over 10,000 items or 256 KiB), and its items are made with a draw from a "
+                    f"global generator (test_data_position.py:{line}): a run resumed after a fault starts with it "
+                    f"empty and draws them again, otherwise; draw from a generator seeded by the item's index "
+                    f"(torch.Generator().manual_seed(i)), or fill the cache before baft.initialize"], said
+
+
+def test_an_attribute_a_stream_sets_itself_is_said_as_the_streams(capsys):
+    """A stream's ``__iter__`` setting its own attribute (what a pass leaves over, for the next) is said as the
+    dataset's doing (before: "the loop replaced the data loader's dataset.rest ... set it before each call from the
+    engine's step", advice the loop cannot follow)."""
+    feed = RepeatingLoader(torch.utils.data.DataLoader(Rest(), batch_size=1))
+    position = data_position(None, feed)
+    for _ in range(6):
+        next(feed)
+    position.state_dict()
+    line = Rest.__iter__.__code__.co_firstlineno + 5
+    assert capsys.readouterr().err.splitlines() == [
+        f"baft: Rest.__iter__ (test_data_position.py:{line}) sets the data loader's dataset.rest (now a list) itself: "
+        f"no snapshot holds that object, so a run restored past this step reads with the one the script first made, "
+        f"and its batches may differ from the uninterrupted run's; make it again from what each read gets (the "
+        f"sample index, the pass), not kept from one read to the next"]
+
+
 class Transformed(Noisy):
     def __init__(self, transform):
         self.transform = transform

@@ -77,15 +77,17 @@ def _called(function: types.FunctionType, node: ast.AST) -> Iterator[types.Funct
 
 
 def _definitions(cls: type) -> list[tuple[types.FunctionType, ast.FunctionDef]]:
-    """The methods of ``cls`` and of its script's bases, with their definitions as read from their files."""
-    found = []
+    """The methods of ``cls`` (of the script's: its own and those it inherits, not those it overrides), with their
+    definitions as read from their files."""
+    found, names = [], set()
     for owner in cls.__mro__:
-        for value in vars(owner).values():
+        for name, value in vars(owner).items():
             function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-            if isinstance(function, types.FunctionType) and _the_scripts(function):
+            if name not in names and isinstance(function, types.FunctionType) and _the_scripts(function):
                 node = _definition(function)
                 if node is not None:
                     found.append((function, node))
+            names.add(name)
     return found
 
 
