@@ -104,8 +104,9 @@ def _say_replaced(loader, held: dict) -> None:
         said.add(path)
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             continue
-        where, name = path.rsplit(".", 1)
-        itself = sets_itself(type(_holders(loader).get(where)), name)
+        where, _, name = path.rpartition(".")
+        holder = _holders(loader).get(where)
+        itself = holder is not None and sets_itself(type(holder), name)
         if itself:  # the dataset's own code, not the loop's: no step of the loop can set it again
             print(f"baft: {itself} sets the data loader's {path} (now a {kind.__name__}) itself: no snapshot holds "
                   f"that object, so a run restored past this step reads with the one the script first made, and "
