@@ -52,6 +52,8 @@ class _Cache:
         it only grew since (a cache adds items), else again."""
         if len(value) > MOST_ITEMS:
             return False
+        if len(value) == self.measured:
+            return self.size <= MOST_BYTES
         if len(value) < self.measured:
             self.measured, self.size = 0, 0
         for item in itertools.islice(value.values(), self.measured, None):
