@@ -910,30 +910,35 @@ class Rest(torch.utils.data.IterableDataset):
         self.rest = list(buf)
 
 
-@pytest.mark.parametrize("own", [True, False])
-def test_a_cache_the_dataset_fills_at_first_reads_from_a_random_draw_comes_back_with_the_position(own, capsys):
+@pytest.mark.parametrize("kind", ["own", "global", "stateful"])
+def test_a_cache_the_dataset_fills_at_first_reads_from_a_random_draw_comes_back_with_the_position(kind, capsys):
     """A dataset making each sample at its first read with a draw from torch's global generator and serving it from a
-    cache after (its own dict, or a global one), restored in a new process (its cache empty) in the first epoch and
-    in the second, and in a survivor that read on: it reads what the uninterrupted loader read (probe 27, H4: the
-    restored process drew the samples again, other values, and moved the generator the restore set, silently).
-    Nothing is said: the dataset filled its dict, nothing replaced it (before: "the loop replaced dataset.cache")."""
+    cache after (its own dict, or a global one), read through RepeatingLoader (of torch's loader, or of torchdata's
+    StatefulDataLoader), restored in a new process (its cache empty) in the first epoch and in the second, and in a
+    survivor that read on: it reads what the uninterrupted loader read (probe 27, H4: the restored process drew the
+    samples again, other values, and moved the generator the restore set, silently). Nothing is said: the dataset
+    filled its dict, nothing replaced it (before: "the loop replaced the data loader's dataset.cache")."""
     def make():
         CACHE.clear()
-        return RepeatingLoader(torch.utils.data.DataLoader(Cached(own), batch_size=BATCH, shuffle=True,
-                                                           drop_last=True))
+        if kind == "stateful":
+            return StatefulDataLoader(Cached(), batch_size=BATCH, shuffle=True, drop_last=True,
+                                      generator=torch.Generator().manual_seed(3))
+        return torch.utils.data.DataLoader(Cached(kind == "own"), batch_size=BATCH, shuffle=True, drop_last=True)
 
     def run(restore_at=None, survivor=False):
         torch.manual_seed(0)
-        feed = make()
-        position, out = data_position(None, feed), []
+        loader = make()
+        feed = RepeatingLoader(loader)
+        position, out = data_position(None, loader if kind == "stateful" else feed), []
         for i in range(12):
             if i == restore_at:
                 saved, rng = position.state_dict(), torch.get_rng_state()
                 if survivor:
                     next(feed), next(feed)
                 else:
-                    feed = make()
-                data_position(None, feed).load_state_dict(saved)
+                    loader = make()
+                    feed = RepeatingLoader(loader)
+                data_position(None, loader if kind == "stateful" else feed).load_state_dict(saved)
                 torch.set_rng_state(rng)
             out.append(next(feed))
         return torch.stack(out)
