@@ -20,14 +20,21 @@ _TENSOR_DRAWS = frozenset({"uniform_", "normal_", "random_", "bernoulli_", "expo
 _NOT_DRAWS = frozenset({"default_rng", "RandomState", "Generator", "SeedSequence", "BitGenerator", "PCG64", "MT19937",
                         "Philox", "SFC64", "Random", "SystemRandom", "seed", "get_state", "set_state", "getstate",
                         "setstate"})
+_READS = ("__getitem__", "__getitems__", "__iter__", "__next__", "__call__")  # what a loader calls as it reads
 
 
 def sets_itself(cls: type, attr: str) -> Optional[str]:
-    """Where a method of ``cls`` other than ``__init__`` assigns the object's own ``attr`` (``self.rest = ...``), as
-    ``Packed.__iter__ (script.py:76)``; None where none does."""
-    for function, node in _definitions(cls):
-        if function.__name__ == "__init__" or not node.args.args:
+    """Where a method of ``cls`` that the loader calls as it reads (``__getitem__``, ``__iter__``, ``__call__``: not
+    one the loop calls, ``set_epoch``), or one such a method calls on the object, assigns the object's own ``attr``
+    (``self.rest = ...``), as ``Packed.__iter__ (script.py:76)``; None where none does."""
+    methods = {function.__name__: (function, node) for function, node in _definitions(cls)}
+    names, reached = [name for name in _READS if name in methods], set()
+    while names:
+        name = names.pop()
+        if name in reached or not methods[name][1].args.args:
             continue
+        reached.add(name)
+        function, node = methods[name]
         me = node.args.args[0].arg
         for n in ast.walk(node):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
@@ -35,6 +42,9 @@ def sets_itself(cls: type, attr: str) -> Optional[str]:
             if any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
                    and t.value.id == me for t in targets):
                 return f"{function.__qualname__} ({_at(function, n)})"
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                    and n.func.value.id == me and n.func.attr in methods):
+                names.append(n.func.attr)
     return None
 
 
