@@ -36,7 +36,7 @@ class _Cache:
     name: str
     named: str  # as a message names it
     owner: type
-    identity: Optional[int]  # the dict's id as first kept; None where it was made since
+    first: Optional[dict]  # the dict as first kept; None where it was made since
     started: Optional[dict]
     length: int
     measured: int = 0  # its first items that ``size`` counts
@@ -87,15 +87,14 @@ def note_caches(loader) -> None:
 
 def _noted(holder: dict, name: str, named: str, owner: type) -> _Cache:
     value = holder[name]
-    return _Cache(holder, name, named, owner, id(value), dict(value) if len(value) <= MOST_ITEMS else None,
-                  len(value))
+    return _Cache(holder, name, named, owner, value, dict(value) if len(value) <= MOST_ITEMS else None, len(value))
 
 
 def filled_in_place(loader, path: str) -> bool:
     """Whether the data pipeline's ``path`` holds the dict it held as first kept (its items set since, not
     replaced)."""
     cache = _FOUND.get(loader, {}).get(path)
-    return cache is not None and cache.identity is not None and id(cache.value()) == cache.identity
+    return cache is not None and cache.first is not None and cache.value() is cache.first
 
 
 def filled_caches(loader) -> dict:
