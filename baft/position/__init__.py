@@ -15,6 +15,8 @@
                   made from
 - ``samplers``    a sampler's own state as it draws each epoch's order
 - ``settings``    the plain settings a loop changes in its dataset or ``collate_fn``
+- ``caches``      the dicts a dataset fills as it first reads each sample (a cache), kept where small
+- ``dataset_source`` a data class's source: an attribute it sets itself as it reads, a draw from a global generator
 - ``iterators``   a loader's iterator as the loop holds it: its epoch's mark, a restored one's state moved into it
 - ``reads``       what ``train_batch`` reads, call by call, against the loader whose position is kept
 
