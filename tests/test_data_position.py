@@ -961,10 +961,10 @@ def test_a_cache_too_large_to_keep_is_said_where_filled_from_a_global_generator(
         position.state_dict()
     said = capsys.readouterr().err.splitlines()
     line = Cached.make.__code__.co_firstlineno + 1
-    assert said == [f"baft: the data loader's dataset.cache that Cached fills holds {SAMPLES} items, too many for a "
-                    f"snapshot to keep (over 10,000 items or 256 KiB), and its items are made with a draw from a "
-                    f"global generator (test_data_position.py:{line}): a run resumed after a fault starts with it "
-                    f"empty and draws them again, otherwise; draw from a generator seeded by the item's index "
+    assert said == [f"baft: the data loader's dataset.cache that Cached fills holds over 256 KiB in {SAMPLES} items, "
+                    f"more than a snapshot keeps, and its items are made with a draw from a global generator "
+                    f"(test_data_position.py:{line}): a run resumed after a fault starts with it empty and draws them "
+                    f"again, other values; draw from a generator seeded by the item's index "
                     f"(torch.Generator().manual_seed(i)), or fill the cache before baft.initialize"], said
 
 

@@ -139,11 +139,12 @@ def _say_too_large(cache: _Cache, value: dict) -> None:
     draw = draws_globally(cache.owner)
     if draw is None:
         return
-    print(f"baft: {cache.named} that {cache.owner.__qualname__} fills holds {len(value):,} items, too many for a snapshot "
-          f"to keep (over {MOST_ITEMS:,} items or {MOST_BYTES >> 10} KiB), and its items are made with a draw from a "
-          f"global generator ({draw}): a run resumed after a fault starts with it empty and draws them again, "
-          f"otherwise; draw from a generator seeded by the item's index (torch.Generator().manual_seed(i)), or fill "
-          f"the cache before baft.initialize", file=sys.stderr, flush=True)
+    held = (f"{len(value):,} items (over {MOST_ITEMS:,})" if len(value) > MOST_ITEMS
+            else f"over {MOST_BYTES >> 10} KiB in {len(value):,} items")
+    print(f"baft: {cache.named} that {cache.owner.__qualname__} fills holds {held}, more than a snapshot keeps, and "
+          f"its items are made with a draw from a global generator ({draw}): a run resumed after a fault starts with "
+          f"it empty and draws them again, other values; draw from a generator seeded by the item's index "
+          f"(torch.Generator().manual_seed(i)), or fill the cache before baft.initialize", file=sys.stderr, flush=True)
 
 
 def _methods(cls: type) -> list[types.FunctionType]:
