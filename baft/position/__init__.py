@@ -11,6 +11,7 @@
 - ``found_position`` the position where ``baft.initialize`` was given none, found as the loop first reads
 - ``wrappers``    a wrapper of the script's around the iterator ``train_batch`` reads (a cast), read through
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
+- ``stream_carried`` the lists a stream read in this process carries from one pass to the next (a remainder)
 - ``first_iterators`` what the iterators the script makes between ``baft.initialize`` and its loop's first call were
                   made from
 - ``samplers``    a sampler's own state as it draws each epoch's order

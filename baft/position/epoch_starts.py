@@ -4,7 +4,6 @@ are repeated through it."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 import sys
@@ -16,7 +15,7 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from baft.position.deepspeed_loader import epoch_iterator
 from baft.position.samplers import GLOBALS
 from baft.position.settings import data_attributes
-from baft.script.held import PLAIN
+from baft.position.stream_carried import carried_values, streamed_here
 from baft.script.rng import data_objects, generator_state, held_by, same_state, set_generator_state
 
 
@@ -109,19 +108,6 @@ def begin_stream_as(loader, began: dict) -> None:
             setattr(objects[where], name, copy.copy(value))
 
 
-def carried_values(loader) -> dict:
-    """Copies of the lists of plain values (numbers, strings; at most :data:`CARRIED_ITEMS`) that the objects of
-    ``loader``'s data pipeline hold (:func:`data_objects`), by where they are: a remainder a packing stream carries
-    from one pass to the next (``self.rest = list(buf)`` as a pass ends), which a pass read again begins from."""
-    return {f"{path}.{name}": copy.copy(value) for path, obj in data_objects(loader)
-            for name, value in vars(obj).items()
-            if isinstance(value, (list, collections.deque)) and len(value) <= CARRIED_ITEMS
-            and all(isinstance(item, PLAIN) for item in value)}
-
-
-CARRIED_ITEMS = 4096  # longer lists (a stream's list of files) are what it reads, not a remainder it carries
-
-
 def held_states(loader) -> dict:
     """The states of the generators a stream ``loader`` reads in this process holds itself (:func:`held_by`), by
     where they are; {} for another loader."""
@@ -172,12 +158,6 @@ def made_again(loader, made_from: Optional[dict], make=iter):
     for name, state in globals_before.items():
         set_generator_state(GLOBALS[name], state)
     return made
-
-
-def streamed_here(loader) -> bool:
-    """Whether ``loader`` reads an ``IterableDataset`` in this process (no workers)."""
-    return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
-            and not getattr(loader, "num_workers", 0))
 
 
 def _begin_stream(iterator) -> None:

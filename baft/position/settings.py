@@ -15,6 +15,7 @@ import torch
 
 from baft.position.caches import filled_caches, filled_in_place, note_caches, set_caches
 from baft.position.dataset_source import sets_itself
+from baft.position.stream_carried import carries
 from baft.script.attributes import setting
 from baft.script.rng import GENERATORS, data_objects
 
@@ -107,6 +108,8 @@ def _say_replaced(loader, held: dict) -> None:
         where, _, name = path.rpartition(".")
         holder = _holders(loader).get(where)
         itself = holder is not None and sets_itself(type(holder), name)
+        if itself and carries(loader, path):  # a stream's remainder, which each pass read again begins from
+            continue
         if itself:  # the dataset's own code, not the loop's: no step of the loop can set it again
             print(f"baft: {itself} sets the data loader's {path} (now a {kind.__name__}) itself: no snapshot holds "
                   f"that object, so a run restored past this step reads with the one the script first made, and "
