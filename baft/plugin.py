@@ -21,6 +21,7 @@ from baft.script.loop import THIS_PROCESS, frozen, set_frozen
 from baft.script.rng import hold_script_generators
 from baft.script.schedulers import engines_own
 from baft.recovery import world
+from baft.recovery.record import log_raised, mark
 from baft.snapshot.optimizers import base_optimizer
 from baft.teardown import teardown
 
@@ -128,7 +129,6 @@ def _frozen(model) -> Optional[list]:
 
 def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) -> tuple:
     """``initialize``'s work; ``again``: a survivor's, in the new world, whose loop is past its first call."""
-    from baft.recovery.record import mark
     mark("init_start")
     given = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments  # DeepSpeed's own TypeError
     ds_config = load_ds_config(_config_source(given))
@@ -141,6 +141,7 @@ def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) 
     engines_own(scheduler)
     atexit.register(_not_mid_replay)  # after the teardown (the last registered runs first)
     atexit.register(teardown, engine)  # a clean exit, with or without baft attached
+    atexit.register(log_raised, engine.global_rank)  # before the teardown's end of the process groups: peers see it
     said = unprotected(ds_config)
     if said and engine.global_rank == 0:
         print(f"baft: warning: {said}", file=sys.stderr, flush=True)

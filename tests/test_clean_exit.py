@@ -20,6 +20,7 @@ import pytest
 from baft.cli.launch import launch_env
 from baft.cli.runlog import LOG_NAME
 from baft.recovery.digests import DIGESTS_ENV, redone_differ
+from baft.recovery.record import load_recoveries
 
 SCRIPT = Path(__file__).parent / "scripts" / "finish.py"
 CONFIGS = [("bf16", 2, 0), ("fp32", 4, 1)]  # precision, ranks, ZeRO stage
@@ -64,3 +65,5 @@ def test_a_script_that_raises_after_a_call_trains_that_step_again(tmp_path):
     assert "resumed from step 2" in ranks
     assert ranks.count("step 3 code after the call") == 2 and "step 5 " in ranks, ranks[-3000:]
     assert redone_differ(digests) == []
+    recovery, = load_recoveries(tmp_path / "run")  # the rank that raised, not its peer that lost it, nor "process exit"
+    assert (recovery.fault, recovery.restored_step) == ("rank 0 raised OSError: the logger's disk is full", 2), recovery

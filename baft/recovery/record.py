@@ -10,8 +10,8 @@ fault and restart::
 
 - ``restart``: restart number (int; 0: a new launch that resumed the run, its T1 counted from the
   launch); ``fault``: what was injected, the hang a manager killed, the signal a warm rank was killed by
-  that nothing passed on to it (the OOM killer's, a user's: logged by the warm server that reaped it), or
-  "process exit" (text);
+  that nothing passed on to it (the OOM killer's, a user's: logged by the warm server that reaped it), the exception
+  a rank's script raised (``rank 0 raised OSError: ...``), or "process exit" (text);
   ``killed_at``: unix time of the fault, or null when unknown; ``kind``: how the job came back,
   ``in place`` (the survivors kept their processes, the killed rank was replaced:
   :mod:`baft.recovery.in_place`; its T1 is the wait for the replacement, T2 the engine built again),
@@ -39,14 +39,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from baft import faults as fault_log
-from baft.config import GENERATION_ENV, ROUND_ENV, WARM_RANK_ENV
-from baft.errors import BaftError
+from baft.config import GENERATION_ENV, LAUNCHER_ENV, ROUND_ENV, WARM_RANK_ENV
+from baft.errors import BaftError, says_peer_lost
 from baft.jsonfile import append_line, parse_object
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.agree import SOURCES as RESTORE_SOURCES
@@ -82,6 +83,20 @@ def attempt_of(env) -> int:
     """Recoveries of the job before a process of environment ``env`` (its attempt, as faults are logged):
     torchrun's restarts, and the recoveries in place since the latest (:mod:`baft.recovery.in_place`)."""
     return torchrun_attempt(env) + sum(int(env.get(name, "0")) for name in (EARLIER_ENV, GENERATION_ENV))
+
+
+def log_raised(rank: int) -> None:
+    """At interpreter exit under ``baft train``: the script's own uncaught exception (not a peer's loss it then saw)
+    as the fault of its attempt, where nothing logged one, so that the restart's record names it (before: "process
+    exit", or the peer that lost this rank and ended first)."""
+    run_dir = os.environ.get(LAUNCHER_ENV["run_dir"])
+    error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+    if run_dir is None or error is None or says_peer_lost(str(error)):
+        return
+    attempt = restart_count()
+    if not any(f.get("restart") == attempt for f in fault_log.read(run_dir)):
+        said = str(error).splitlines()[0][:120] if str(error) else ""
+        fault_log.append(run_dir, f"rank {rank} raised {type(error).__name__}{': ' + said if said else ''}", attempt)
 
 
 def restart_count() -> int:
