@@ -264,3 +264,41 @@ def test_a_scheduler_of_a_class_neither_torchs_nor_deepspeeds_is_kept_and_a_trai
     engine = SimpleNamespace(optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
     held = HeldAsOpt(engine.optimizer)
     assert schedulers.script_schedulers(engine) == [held]
+
+
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "OneCycle"])
+def test_the_settings_a_loop_changes_on_deepspeeds_own_scheduler_come_back_with_its_count(kind):
+    """Probe 28 (K4): DeepSpeed's schedulers keep their count alone in ``state_dict()``; a setting the loop changed
+    once (``sched.total_num_steps = 40``: train longer than planned) came back at the config's value in a resumed
+    run, silently. Its plain attributes are kept beside it: a scheduler made again from the config, loaded with
+    both, gives the rates the changed one gives, bit for bit (the same computation on both sides)."""
+    from deepspeed.runtime import lr_schedules
+
+    from baft.script import schedulers
+
+    params = {"WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                                "total_num_steps": 20},
+              "OneCycle": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 5}}[kind]
+    changes = {"WarmupDecayLR": {"total_num_steps": 40}, "OneCycle": {"total_size": 30, "step_ratio": 0.25}}[kind]
+
+    def made():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        return getattr(lr_schedules, kind)(optimizer, **params)
+
+    first = made()
+    for step in range(12):
+        first.step()
+        if step == 5:
+            for name, value in changes.items():
+                setattr(first, name, value)
+    kept, count = schedulers.settings(first), first.state_dict()
+    assert set(changes) <= set(kept) and "optimizer" not in kept
+    resumed = made()
+    resumed.load_state_dict(count)
+    schedulers.set_settings(resumed, kept)
+    schedulers.last_lrs_again(resumed)
+    assert resumed.get_last_lr() == first.get_last_lr()
+    for _ in range(10):
+        first.step()
+        resumed.step()
+        assert resumed.get_last_lr() == first.get_last_lr()

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from baft.errors import BaftError
+from baft.script.held import PLAIN
 
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> [weakref to a scheduler]
 _LOOKED_AT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine's optimizer -> its references then
@@ -162,6 +163,26 @@ def last_lrs_again(scheduler) -> None:
     if (not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and hasattr(scheduler, "get_lr")
             and getattr(scheduler, "last_batch_iteration", -1) >= 0):
         scheduler._last_lr = scheduler.get_lr()
+
+
+def settings(scheduler) -> dict:
+    """The plain attributes of the engine's scheduler that its ``state_dict`` leaves out (numbers, strings, short
+    lists of them): DeepSpeed's WarmupLR, WarmupDecayLR and OneCycle keep their count alone there, and compute their
+    rates from settings a loop may change once (``sched.total_num_steps = 40`` to train longer: probe 28's K4, back
+    at the config's value in a resumed run, silently); torch's keep every one in theirs."""
+    kept = scheduler.state_dict()
+    return {name: value for name, value in vars(scheduler).items()
+            if name not in kept and (isinstance(value, PLAIN) or isinstance(value, (list, tuple))
+                                     and len(value) <= _MOST_RATES and all(isinstance(v, PLAIN) for v in value))}
+
+
+_MOST_RATES = 4096  # a list of one rate per param group
+
+
+def set_settings(scheduler, kept: dict) -> None:
+    """Set what :func:`settings` gave, before the scheduler's rates are computed again (:func:`last_lrs_again`)."""
+    for name, value in kept.items():
+        setattr(scheduler, name, copy.copy(value))
 
 
 def capture(engine) -> Optional[list]:

@@ -311,6 +311,7 @@ def capture_items(engine, data_iterator=None, script_schedulers: bool = True, ca
         items["added_groups"] = added
     if getattr(engine, "lr_scheduler", None) is not None:
         items["lr_scheduler"] = _torch_blob(engine.lr_scheduler.state_dict())
+        items["lr_scheduler_settings"] = _torch_blob(schedulers.settings(engine.lr_scheduler))
     kept = schedulers.capture(engine) if script_schedulers else None
     if kept:
         items["script_schedulers"] = _torch_blob(kept)
@@ -383,6 +384,8 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         optimizer_adapter(engine).load_scalars(_torch_unblob(items["optimizer_scalars"]))
     if "lr_scheduler" in items and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(_torch_unblob(items["lr_scheduler"]))
+        if "lr_scheduler_settings" in items:
+            schedulers.set_settings(engine.lr_scheduler, _torch_unblob(items["lr_scheduler_settings"]))
         schedulers.last_lrs_again(engine.lr_scheduler)
     scaler = loss_scaler(engine.optimizer)
     for k, v in items.get("loss_scaler", {}).items():
