@@ -11,10 +11,12 @@ import os
 import sys
 import types
 
+import torch
+
 from baft.script import source
 from baft.script.carry import Carried
 from baft.script.source import defined_at
-from baft.script.starts import started_at_module_level_at_a_literal
+from baft.script.starts import attribute_started_at_a_literal, started_at_module_level_at_a_literal
 
 
 def carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
@@ -58,16 +60,19 @@ def carried_globals(filename: str, loop: ast.AST, frame) -> list[Carried]:
 def counted_inside_the_call(filename: str, frame) -> list[Carried]:
     """The globals of the script's file, or of another module of the script's (its model's file), that a function or
     method of that file no code of it calls by name adds to (called inside train_batch: a layer's forward, ``global
-    CALLS`` and ``CALLS += 1``; probe 26 G6: a warm-up from it started again in a resumed run, silently), started at
-    that module's level at nothing but a literal, in order of their lines."""
+    CALLS`` and ``CALLS += 1``; probe 26 G6: a warm-up from it started again in a resumed run, silently), or to an
+    item of (a forward hook's ``HOOK["n"] += 1``), started at that module's level at nothing but a literal, in order
+    of their lines; then the attributes such a method adds to of an object ``frame`` holds (a hook object's
+    ``self.n += 1`` in its ``__call__``: probe 28 K1), where its file starts them at nothing but a literal."""
     found = []
     for file, module in [(filename, None), *_scripts_modules(filename)]:
         try:
-            counted = _counted_globals(file, os.stat(file).st_mtime_ns)
+            mtime = os.stat(file).st_mtime_ns
         except OSError:
             continue
         found += [Carried(where, name, frame=frame, module_global=module is None, module=module)
-                  for where, name in counted]
+                  for where, name in _counted_globals(file, mtime)]
+        found += _counted_in_objects(file, _counted_attributes(file, mtime), frame)
     return found
 
 
@@ -84,16 +89,75 @@ def _counted_globals(file: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in called:
             continue
         declared = {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
-        if not declared:
-            continue
+        arguments = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+        local = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                 } - declared | arguments
         for node in ast.walk(function):
-            stored = {n.id for t in source.targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
-            for name in stored & declared - set(counted):
+            targets = source.targets(node)
+            stored = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            items = {t.value.id for target in targets for t in ast.walk(target)
+                     if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)} - local
+            for name in (stored & declared | items) - set(counted):
                 folded = isinstance(node, ast.AugAssign) or any(
                     isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.value))
                 if folded and started_at_module_level_at_a_literal(name, tree):
                     counted[name] = node.lineno, f"{file}:{node.lineno} ({ast.unparse(node)})"
     return tuple((where, name) for name, (_, where) in sorted(counted.items(), key=lambda item: item[1][0]))
+
+
+@functools.lru_cache(maxsize=256)
+def _counted_attributes(file: str, mtime_ns: int) -> tuple[tuple[str, str, str, int, int], ...]:
+    """(``file:line (text)``, class, attribute, line, column) for each attribute of ``self`` that a method of a class
+    of ``file`` no code of it calls by name adds to (``self.n += 1`` in a hook object's ``__call__``, or in a method
+    given as a hook), as the file is at ``mtime_ns``."""
+    tree = source.parsed(file)
+    if tree is None:
+        return ()
+    called = {source.called_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    counted = []
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for method in cls.body:
+            if (not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method.name in called
+                    or not method.args.args):
+                continue
+            this = method.args.args[0].arg
+            for node in ast.walk(method):
+                for target in source.targets(node):
+                    if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            and target.value.id == this):
+                        continue
+                    folded = isinstance(node, ast.AugAssign) or any(
+                        isinstance(n, ast.Attribute) and n.attr == target.attr and isinstance(n.value, ast.Name)
+                        and n.value.id == this for n in ast.walk(node.value))
+                    if folded:
+                        counted.append((f"{file}:{node.lineno} ({ast.unparse(node)})", cls.name, target.attr,
+                                        node.lineno, node.col_offset))
+    return tuple(counted)
+
+
+def _counted_in_objects(file: str, counted, frame) -> list[Carried]:
+    """The attributes ``counted`` (:func:`_counted_attributes`) of the objects of those classes of ``file`` that a
+    variable of ``frame`` (or of its module) holds, where the file starts them at nothing but a literal (a module of
+    the model's is kept with its own attributes: :mod:`baft.script.attributes`)."""
+    if not counted:
+        return []
+    found, here = {}, os.path.realpath(file)
+    for name, value in {**frame.f_globals, **frame.f_locals}.items():
+        cls = type(value)
+        if isinstance(value, (torch.nn.Module, type)) or _class_file(cls) != here:
+            continue
+        for where, class_name, attr, line, column in counted:
+            if (class_name in {c.__name__ for c in cls.__mro__} and (name, attr) not in found
+                    and attribute_started_at_a_literal(attr, file, {(line, column)}, cls)):
+                found[name, attr] = Carried(where, name, attr=attr, frame=frame)
+    return list(found.values())
+
+
+def _class_file(cls: type) -> str:
+    """The file (its real path) that defines ``cls``'s own methods, read from their code (a script run as ``__main__``
+    by a launcher may be no module's ``__file__``); "" for a class without any."""
+    code = next((f.__code__ for f in vars(cls).values() if isinstance(f, types.FunctionType)), None)
+    return os.path.realpath(code.co_filename) if code is not None else ""
 
 
 def _scripts_modules(filename: str) -> list[tuple[str, str]]:
