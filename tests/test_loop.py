@@ -447,6 +447,19 @@ def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
         site, _ = _first_site(tmp_path, start + "while engine.global_steps < N:\n    engine.train_batch()\n"
                                                 "    engine.global_steps += 1\n    ema.update(net)")
         assert site.reads_weights == f"{ema}:9 (self.module.state_dict())" and site.weights_owner == "ema (ModelEma)"
+        # torch's own EMA, whose library method reads the weights of the model it is given (probe 28 K2: silent)
+        site, script = _first_site(tmp_path, "import torch\nfrom torch.optim.swa_utils import AveragedModel\n"
+                                             "net = torch.nn.Linear(2, 2)\navg = AveragedModel(net)\n"
+                                             "while engine.global_steps < N:\n    engine.train_batch()\n"
+                                             "    engine.global_steps += 1\n    avg.update_parameters(net)")
+        line = FIRST_CALL.count(chr(10)) + 8
+        assert (site.reads_weights, site.weights_owner) == (f"{script}:{line} (avg.update_parameters(net))",
+                                                            "avg (AveragedModel)"), site
+        site, _ = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nsaved = dict(net.state_dict())\n"
+                                        "opt = torch.optim.SGD(net.parameters())\n"
+                                        "while engine.global_steps < N:\n    engine.train_batch()\n"
+                                        "    engine.global_steps += 1\n    net.load_state_dict(saved)\n    opt.step()")
+        assert site.reads_weights == "", "library methods that read no weights they are given"
         site, script = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nfor _ in range(N):\n"
                                              "    engine.train_batch()\n    norm = sum(p.norm() for p in net.parameters())")
         assert site.reads_weights.endswith("(net.parameters())") and site.weights_owner == "", site

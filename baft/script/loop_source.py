@@ -5,6 +5,7 @@ carry (:mod:`baft.script.carried_source`); :mod:`baft.script.loop` acts on what 
 from __future__ import annotations
 
 import ast
+import functools
 import types
 from dataclasses import dataclass
 from typing import Optional
@@ -165,15 +166,17 @@ def _reaches_train_batch(filename: str, loop: ast.AST, frame) -> bool:
     """Whether ``loop`` (run in ``frame``) calls ``train_batch``, or a function it calls does: one of the same file
     (:func:`source.reached`), or of another module of the script's it names (GPT-NeoX's ``train_step``), and those
     they call."""
-    return any(source.called_name(call.func) == "train_batch" for _, call, _ in _calls_reached(filename, loop, frame))
+    return any(source.called_name(call.func) == "train_batch"
+               for _, call, _, _ in _calls_reached(filename, loop, frame))
 
 
 def _calls_reached(filename: str, loop: ast.AST, frame):
-    """(file, call, owner) for each call ``loop`` (run in ``frame``) makes, and the functions it calls make: those of
-    the same file (:func:`source.reached`), and those of the script's own it names, in another module or as a method
-    of an object of the script's it holds (``model_ema.update(model)``, ``self.flatten_grads()`` in it), and those
-    they call; ``owner``: the name in ``frame`` of the object whose method makes the call (``model_ema``), else
-    None."""
+    """(file, call, owner, method) for each call ``loop`` (run in ``frame``) makes, and the functions it calls make:
+    those of the same file (:func:`source.reached`), and those of the script's own it names, in another module or as a
+    method of an object of the script's it holds (``model_ema.update(model)``, ``self.flatten_grads()`` in it), and
+    those they call; ``owner``: the name in ``frame`` of the object whose method makes the call (``model_ema``), else
+    None; ``method``: where the call is to a method of a library's class, its name in ``frame``
+    (``avg.update_parameters``) and its function, else None."""
     def named(name: str, names: Optional[dict]):  # what ``name`` (``a.b``) holds in the frame, or a function's names
         if names is None:
             return source.value_in(frame, name)
@@ -187,14 +190,15 @@ def _calls_reached(filename: str, loop: ast.AST, frame):
     while todo:
         file, body, names, owner = todo.pop(0)
         for call in (node for node in ast.walk(body) if isinstance(node, ast.Call)):
-            yield file, call, owner
             path = source.dotted(call.func)
             function = named(path, names) if path else None
             this = None
             if isinstance(function, types.MethodType):
                 this, function = function.__self__, function.__func__
             code = getattr(function, "__code__", None)
-            if (not isinstance(function, types.FunctionType) or code in seen or source.library(code.co_filename)
+            library = isinstance(function, types.FunctionType) and source.library(code.co_filename)
+            yield file, call, owner, (owner or path.rpartition(".")[0], function) if this is not None and library else None
+            if (not isinstance(function, types.FunctionType) or code in seen or library
                     or (this is None and code.co_filename == file and names is None)):
                 continue  # a function of the loop's own file: reached already
             seen.add(code)
@@ -217,8 +221,11 @@ def _reads_weights(filename: str, loop: ast.AST, frame) -> tuple[str, str]:
     to train (``model.parameters()``, ``model.state_dict()``, ``p.grad``: an EMA of the weights, a noise scale, a
     logged norm), as ``file:line (text)``, and the name of the object whose method reads them (``model_ema``), or "";
     ("", "") where it reads none. Not a ``state_dict()`` beside a ``save`` (a checkpoint: :func:`_torch_save`), nor
-    one of what its name says is other state (an optimizer's, a loader's)."""
-    for file, call, owner in _calls_reached(filename, loop, frame):
+    one of what its name says is other state (an optimizer's, a loader's); a library's method that reads them from
+    an object it is given (torch's ``AveragedModel.update_parameters(model)``: probe 28 K2) is said at its call."""
+    for file, call, owner, method in _calls_reached(filename, loop, frame):
+        if method is not None and _reads_argument_weights(method[1]):
+            return f"{file}:{call.lineno} ({ast.unparse(call)})", method[0]
         name = source.called_name(call.func)
         receiver = source.dotted(call.func.value).rpartition(".")[2].lower() if isinstance(call.func,
                                                                                          ast.Attribute) else ""
@@ -229,6 +236,36 @@ def _reads_weights(filename: str, loop: ast.AST, frame) -> tuple[str, str]:
             continue
         return f"{file}:{call.lineno} ({ast.unparse(call)})", owner or ""
     return "", ""
+
+
+def _reads_argument_weights(function: types.FunctionType) -> bool:
+    """Whether the method ``function`` (a library's), or a method of ``self`` it calls, reads the weights of an object
+    it is given, not its own (``model.parameters()`` in ``update_parameters(self, model)``, timm's ``_update(self,
+    model)``)."""
+    return _given_weights_read(function.__code__)
+
+
+@functools.lru_cache(maxsize=512)
+def _given_weights_read(code: types.CodeType) -> bool:
+    """:func:`_reads_argument_weights` of the method whose code is ``code`` (read once: a library's file is long)."""
+    tree = source.parsed(code.co_filename)
+    found = [(cls, m) for cls in ast.walk(tree or ast.Module(body=[], type_ignores=[])) if isinstance(cls, ast.ClassDef)
+             for m in cls.body if isinstance(m, ast.FunctionDef) and m.name == code.co_name
+             and code.co_firstlineno in (m.lineno, *(d.lineno for d in m.decorator_list))]
+    if not found or not found[0][1].args.args:
+        return False
+    owner, definition = found[0]
+    this = definition.args.args[0].arg
+    called = {node.func.attr for node in ast.walk(definition) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == this}
+    bodies = [definition] + [m for m in owner.body if isinstance(m, ast.FunctionDef) and m.name in called]
+    for body in bodies:
+        given = {a.arg for a in [*body.args.posonlyargs, *body.args.args[1:], *body.args.kwonlyargs]}
+        if any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WEIGHTS
+               and isinstance(node.func.value, ast.Name) and node.func.value.id in given for node in ast.walk(body)):
+            return True
+    return False
 
 
 def _held_apart(owner: str, frame, kept, carried) -> str:
