@@ -1,6 +1,7 @@
 """Which training loops count their calls to ``train_batch`` (:mod:`baft.script.loop`), read from their source."""
 
 import collections
+import copy
 import json
 import re
 import runpy
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from baft.cli.launch import launch_env
+from baft.script import carry
 from baft.script.history import Column, History
 
 STUB = """
@@ -433,7 +435,9 @@ def test_an_evaluation_before_the_training_loop_is_not_read_as_it(tmp_path):
 def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
     """Probe 19: timm's ``model_ema.update(model)`` and GPT-NeoX's noise-scale logger read the model's weights between
     the calls: replayed, from the restored step's (said as the replay starts); on the engine's step, an EMA (an
-    ``nn.Module`` of the script's) no snapshot holds (said at start, where it is not the client_state)."""
+    ``nn.Module`` of the script's) too large to copy at every snapshot (said at start, where it is not the
+    client_state); one small enough, torch's ``AveragedModel`` among them (probe 28 K2: silent), is kept as the values
+    the loop carries are."""
     ema = tmp_path / "ema_module.py"
     ema.write_text("import copy\nimport torch\nclass ModelEma(torch.nn.Module):\n    def __init__(self, model):\n"
                    "        super().__init__()\n        self.module = copy.deepcopy(model)\n"
@@ -443,7 +447,7 @@ def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
                    "        self._update(model)\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        start = "import torch\nfrom ema_module import ModelEma\nnet = torch.nn.Linear(2, 2)\nema = ModelEma(net)\n"
+        start = "import torch\nfrom ema_module import ModelEma\nnet = torch.nn.Linear(300, 300)\nema = ModelEma(net)\n"
         site, _ = _first_site(tmp_path, start + "while engine.global_steps < N:\n    engine.train_batch()\n"
                                                 "    engine.global_steps += 1\n    ema.update(net)")
         assert site.reads_weights == f"{ema}:9 (self.module.state_dict())" and site.weights_owner == "ema (ModelEma)"
@@ -453,8 +457,21 @@ def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
                                              "while engine.global_steps < N:\n    engine.train_batch()\n"
                                              "    engine.global_steps += 1\n    avg.update_parameters(net)")
         line = FIRST_CALL.count(chr(10)) + 8
-        assert (site.reads_weights, site.weights_owner) == (f"{script}:{line} (avg.update_parameters(net))",
-                                                            "avg (AveragedModel)"), site
+        assert (site.reads_weights, site.weights_owner) == (f"{script}:{line} (avg.update_parameters(net))", ""), site
+        assert [(c.key, c.where, c.stateful) for c in site.carried] == [
+            ("avg", f"{script}:{line} (avg.update_parameters(net))", True)], site
+        (averaged,) = site.carried
+        kept = copy.deepcopy(carry.read(averaged))
+        assert int(kept["n_averaged"]) == 2, kept
+        with torch.no_grad():
+            averaged.frame.f_globals["avg"].module.weight.add_(1.0)
+        carry.write(averaged, kept)
+        assert all(torch.equal(kept[k], v) for k, v in carry.read(averaged).items()), "set back as kept"
+        large = _first_site(tmp_path, "import torch\nfrom torch.optim.swa_utils import AveragedModel\n"
+                                      "net = torch.nn.Linear(300, 300)\navg = AveragedModel(net)\n"
+                                      "while engine.global_steps < N:\n    engine.train_batch()\n"
+                                      "    engine.global_steps += 1\n    avg.update_parameters(net)")[0]
+        assert (large.weights_owner, large.carried) == ("avg (AveragedModel)", ()), large
         site, _ = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nsaved = dict(net.state_dict())\n"
                                         "opt = torch.optim.SGD(net.parameters())\n"
                                         "while engine.global_steps < N:\n    engine.train_batch()\n"

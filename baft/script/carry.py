@@ -49,6 +49,9 @@ class Carried:
     whole: bool = False
     module: Optional[str] = None  # ``name`` is a global of this module of the script's (not the frame's)
     cell: bool = False  # ``attr`` is a variable of the closure of the function ``name`` holds (``nonlocal best``)
+    # ``name`` holds an ``nn.Module`` the loop updates from the model's weights (torch's ``AveragedModel``), kept by its
+    # ``state_dict()`` and set by its ``load_state_dict()``
+    stateful: bool = False
 
     @property
     def key(self) -> str:
@@ -58,6 +61,9 @@ class Carried:
 
 def read(carried: Carried):
     """The value now; :data:`UNREADABLE` where its owner or variable is gone."""
+    if carried.stateful:
+        module = _owner(carried)
+        return module.state_dict() if isinstance(module, torch.nn.Module) else UNREADABLE
     if carried.attr is None:
         return _names(carried).get(carried.name, UNREADABLE)
     if carried.cell:
@@ -68,6 +74,9 @@ def read(carried: Carried):
 
 def write(carried: Carried, value) -> None:
     """Set it to ``value``: a container of the same type refilled in place, else the variable or attribute bound."""
+    if carried.stateful:
+        _owner(carried).load_state_dict(value)
+        return
     current = read(carried)
     if type(current) is type(value) and _refill(current, value):
         return
@@ -123,9 +132,15 @@ def why_not_kept(carried: Carried, value) -> Optional[str]:
     """Why ``carried``, data now ``value`` (:func:`is_data`), is not kept with every snapshot, or None where it is."""
     if carried.read_before_call:
         return "the loop reads it before it calls train_batch, where a resumed process would set it"
-    if not _plain(value):
+    if not fits(value):
         return f"over {MOST_ITEMS} items, or a tensor of over {MOST_TENSOR_ELEMENTS} elements or with a gradient"
     return None
+
+
+def fits(value) -> bool:
+    """Whether ``value`` (data: :func:`is_data`) is small enough to copy at every snapshot (:data:`MOST_ITEMS`,
+    :data:`MOST_TENSOR_ELEMENTS`)."""
+    return _plain(value)
 
 
 def _plain(value, depth: int = 0) -> bool:

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from baft.script import attributes, carried_source, source
+from baft.script import attributes, carried_source, carry, source
 from baft.script.carry import Carried
 
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -92,8 +92,14 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
               for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
                     for value in carried_source.carried(file, loop, scope, frame, kept))
-    weights = next(((where, _held_apart(owner, at, kept, carried)) for file, loop, _, at in loops
-                    for where, owner in [_reads_weights(file, loop, at)] if where), ("", ""))
+    weights, owner, at = next(((where, owner, at) for file, loop, _, at in loops
+                               for where, owner in [_reads_weights(file, loop, at)] if where), ("", "", None))
+    held = _held_apart(owner, at, kept, carried) if weights else ""
+    averaged = source.value_in(at, owner) if held else None
+    if isinstance(averaged, torch.nn.Module) and carry.fits(averaged.state_dict()):
+        # an EMA of the weights (torch's AveragedModel, timm's): kept with every snapshot as the values the loop
+        # carries are (probe 28 K2: a resumed run made it again from the restored weights, silently)
+        carried, held = (*carried, Carried(weights, owner, frame=at, stateful=True)), ""
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     saves=next(filter(None, (_torch_save(file, loop) for file, loop, _, _ in loops)), ""),
@@ -110,7 +116,7 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
                                     if count not in {c.where for c in carried if not c.read_before_call}), ""),
                     carried=carried,
                     start_read=any(_start_read(loop, scope, frame, kept) for _, loop, scope, frame in loops),
-                    reads_weights=weights[0], weights_owner=weights[1])
+                    reads_weights=weights, weights_owner=held)
 
 
 def _loops_of(frame) -> Optional[list[tuple[str, ast.AST, ast.AST, object]]]:
