@@ -570,8 +570,9 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
         (f"{script}:{line + 5} (CALLS += 1)", "CALLS", True)], site
     assert _site(tmp_path, count.replace("CALLS += 1", "print(CALLS)"))[0].carried == ()
     # a forward hook's count (probe 28 K1): in an item of a global dict, no ``global`` needed, or in an attribute of a
-    # hook object (its ``__call__``, or a method given as the hook), which the torch calls, never the loop; not a dict
-    # the hook makes, nor a model's module (kept with its own attributes), nor a class no variable holds an object of
+    # hook object (its ``__call__``, or a method given as the hook), which torch calls, never the loop; not a dict the
+    # hook makes, nor a model's module (kept with its own attributes), nor a stream's pass count (the data position's),
+    # nor a class no variable holds an object of
     hooks = ('HOOK = {"n": 0}\ndef count(mod, inp, out):\n    made = {"n": 0}\n    made["n"] += 1\n'
              '    HOOK["n"] += 1\nclass Count:\n    def __init__(self):\n        self.n = 0\n'
              '    def __call__(self, mod, inp, out):\n        self.n += 1\nclass Scale:\n'
@@ -579,7 +580,9 @@ def test_a_setting_the_loop_changes_once_that_a_layer_reads_is_carried(tmp_path)
              '        self.calls = self.calls + 1\nclass Unheld:\n    def __init__(self):\n        self.k = 0\n'
              '    def __call__(self):\n        self.k += 1\nimport torch\nclass Layer(torch.nn.Module):\n'
              '    def __init__(self):\n        super().__init__()\n        self.m = 0\n'
-             '    def forward(self, x):\n        self.m += 1\nhook, scale, layer = Count(), Scale(), Layer()\n'
+             '    def forward(self, x):\n        self.m += 1\nclass Stream:\n    def __init__(self):\n'
+             '        self.passes = 0\n    def __iter__(self):\n        self.passes += 1\n        return iter([])\n'
+             'hook, scale, layer, stream = Count(), Scale(), Layer(), Stream()\n'
              'while engine.global_steps < N:\n    engine.train_batch()\n    engine.global_steps += 1')
     site, script = _site(tmp_path, hooks)
     assert [(c.where, c.key) for c in site.carried] == [

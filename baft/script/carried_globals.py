@@ -135,16 +135,21 @@ def _counted_attributes(file: str, mtime_ns: int) -> tuple[tuple[str, str, str, 
     return tuple(counted)
 
 
+ITERABLE = ("__iter__", "__next__", "__getitem__")  # a dataset, a sampler, an iterator: the data position's
+
+
 def _counted_in_objects(file: str, counted, frame) -> list[Carried]:
     """The attributes ``counted`` (:func:`_counted_attributes`) of the objects of those classes of ``file`` that a
-    variable of ``frame`` (or of its module) holds, where the file starts them at nothing but a literal (a module of
-    the model's is kept with its own attributes: :mod:`baft.script.attributes`)."""
+    variable of ``frame`` (or of its module) holds, where the file starts them at nothing but a literal; not a
+    module's (kept with the model's attributes: :mod:`baft.script.attributes`), nor an iterable's (a dataset's, a
+    sampler's pass count: kept with the data position, :mod:`baft.position`)."""
     if not counted:
         return []
     found, here = {}, os.path.realpath(file)
     for name, value in {**frame.f_globals, **frame.f_locals}.items():
         cls = type(value)
-        if isinstance(value, (torch.nn.Module, type)) or _class_file(cls) != here:
+        if (isinstance(value, (torch.nn.Module, type)) or any(hasattr(cls, m) for m in ITERABLE)
+                or _class_file(cls) != here):
             continue
         for where, class_name, attr, line, column in counted:
             if (class_name in {c.__name__ for c in cls.__mro__} and (name, attr) not in found
