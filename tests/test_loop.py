@@ -472,6 +472,13 @@ def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
                                       "while engine.global_steps < N:\n    engine.train_batch()\n"
                                       "    engine.global_steps += 1\n    avg.update_parameters(net)")[0]
         assert (large.weights_owner, large.carried) == ("avg (AveragedModel)", ()), large
+        # ... after another read of the weights the loop makes (a logged norm), in a function it calls: kept too
+        later = _first_site(tmp_path, "import torch\nfrom torch.optim.swa_utils import AveragedModel\n"
+                                      "net = torch.nn.Linear(2, 2)\navg = AveragedModel(net)\ndef after():\n"
+                                      "    avg.update_parameters(net)\nwhile engine.global_steps < N:\n"
+                                      "    engine.train_batch()\n    engine.global_steps += 1\n"
+                                      "    norm = sum(p.norm() for p in net.parameters())\n    after()")[0]
+        assert later.reads_weights.endswith("(net.parameters())") and [c.key for c in later.carried] == ["avg"], later
         site, _ = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nsaved = dict(net.state_dict())\n"
                                         "opt = torch.optim.SGD(net.parameters())\n"
                                         "while engine.global_steps < N:\n    engine.train_batch()\n"

@@ -92,14 +92,15 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
               for (file, loop, scope, frame), step in zip(loops, on_step)]
     carried = tuple(value for file, loop, scope, frame in loops
                     for value in carried_source.carried(file, loop, scope, frame, kept))
-    weights, owner, at = next(((where, owner, at) for file, loop, _, at in loops
-                               for where, owner in [_reads_weights(file, loop, at)] if where), ("", "", None))
+    reads = [(where, owner, at) for file, loop, _, at in loops for where, owner in _reads_weights(file, loop, at)]
+    for where, owner, at in reads:
+        averaged = source.value_in(at, owner) if _held_apart(owner, at, kept, carried) else None
+        if isinstance(averaged, torch.nn.Module) and carry.fits(averaged.state_dict()):
+            # an EMA of the weights (torch's AveragedModel, timm's): kept with every snapshot as the values the loop
+            # carries are (probe 28 K2: a resumed run made it again from the restored weights, silently)
+            carried += (Carried(where, owner, frame=at, stateful=True),)
+    weights, owner, at = reads[0] if reads else ("", "", None)
     held = _held_apart(owner, at, kept, carried) if weights else ""
-    averaged = source.value_in(at, owner) if held else None
-    if isinstance(averaged, torch.nn.Module) and carry.fits(averaged.state_dict()):
-        # an EMA of the weights (torch's AveragedModel, timm's): kept with every snapshot as the values the loop
-        # carries are (probe 28 K2: a resumed run made it again from the restored weights, silently)
-        carried, held = (*carried, Carried(weights, owner, frame=at, stateful=True)), ""
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
                     saves=next(filter(None, (_torch_save(file, loop) for file, loop, _, _ in loops)), ""),
@@ -222,16 +223,18 @@ WEIGHTS = ("parameters", "named_parameters", "buffers", "named_buffers", "state_
 NOT_WEIGHTS = ("optim", "sched", "loader", "sampler", "data", "iter", "scaler")  # state_dict()s of other state
 
 
-def _reads_weights(filename: str, loop: ast.AST, frame) -> tuple[str, str]:
+def _reads_weights(filename: str, loop: ast.AST, frame):
     """Where the loop (run in ``frame``), or what it calls, reads the model's weights or gradients between its calls
     to train (``model.parameters()``, ``model.state_dict()``, ``p.grad``: an EMA of the weights, a noise scale, a
-    logged norm), as ``file:line (text)``, and the name of the object whose method reads them (``model_ema``), or "";
-    ("", "") where it reads none. Not a ``state_dict()`` beside a ``save`` (a checkpoint: :func:`_torch_save`), nor
-    one of what its name says is other state (an optimizer's, a loader's); a library's method that reads them from
-    an object it is given (torch's ``AveragedModel.update_parameters(model)``: probe 28 K2) is said at its call."""
+    logged norm), as ``file:line (text)``, and the name of the object whose method reads them (``model_ema``), or "",
+    for each such read in the order they are found. Not a ``state_dict()`` beside a ``save`` (a checkpoint:
+    :func:`_torch_save`), nor one of what its name says is other state (an optimizer's, a loader's); a library's
+    method that reads them from an object it is given (torch's ``AveragedModel.update_parameters(model)``: probe 28
+    K2) is one at its call."""
     for file, call, owner, method in _calls_reached(filename, loop, frame):
         if method is not None and _reads_argument_weights(method[1]):
-            return f"{file}:{call.lineno} ({ast.unparse(call)})", method[0]
+            yield f"{file}:{call.lineno} ({ast.unparse(call)})", method[0]
+            continue
         name = source.called_name(call.func)
         receiver = source.dotted(call.func.value).rpartition(".")[2].lower() if isinstance(call.func,
                                                                                          ast.Attribute) else ""
@@ -240,8 +243,7 @@ def _reads_weights(filename: str, loop: ast.AST, frame) -> tuple[str, str]:
             continue
         if name == "state_dict" and _beside_a_save(file, call):
             continue
-        return f"{file}:{call.lineno} ({ast.unparse(call)})", owner or ""
-    return "", ""
+        yield f"{file}:{call.lineno} ({ast.unparse(call)})", owner or ""
 
 
 def _reads_argument_weights(function: types.FunctionType) -> bool:
