@@ -479,6 +479,14 @@ def test_a_loop_that_reads_the_weights_between_its_calls_is_found(tmp_path):
                                       "    engine.train_batch()\n    engine.global_steps += 1\n"
                                       "    norm = sum(p.norm() for p in net.parameters())\n    after()")[0]
         assert later.reads_weights.endswith("(net.parameters())") and [c.key for c in later.carried] == ["avg"], later
+        # ... and a read of them deeper in the loop (weight noise before the call) is still where it reads them
+        noised = _first_site(tmp_path, "import torch\nfrom torch.optim.swa_utils import AveragedModel\n"
+                                       "net = torch.nn.Linear(2, 2)\navg = AveragedModel(net)\n"
+                                       "while engine.global_steps < N:\n    with torch.no_grad():\n"
+                                       "        for p in net.parameters():\n            p.add_(0.0)\n"
+                                       "    engine.train_batch()\n    engine.global_steps += 1\n"
+                                       "    avg.update_parameters(net)")[0]
+        assert noised.reads_weights.endswith("(net.parameters())") and [c.key for c in noised.carried] == ["avg"]
         site, _ = _first_site(tmp_path, "import torch\nnet = torch.nn.Linear(2, 2)\nsaved = dict(net.state_dict())\n"
                                         "opt = torch.optim.SGD(net.parameters())\n"
                                         "while engine.global_steps < N:\n    engine.train_batch()\n"

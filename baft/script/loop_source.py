@@ -99,7 +99,10 @@ def loop_around(frame, kept=(), training: bool = True) -> Optional[LoopSite]:
             # an EMA of the weights (torch's AveragedModel, timm's): kept with every snapshot as the values the loop
             # carries are (probe 28 K2: a resumed run made it again from the restored weights, silently)
             carried += (Carried(where, owner, frame=at, stateful=True),)
-    weights, owner, at = reads[0] if reads else ("", "", None)
+    # where it reads them otherwise, if it does (weight noise before the call: what a set-back names)
+    kept_as_carried = {c.where for c in carried if c.stateful}
+    weights, owner, at = next((read for read in reads if read[0] not in kept_as_carried),
+                              reads[0] if reads else ("", "", None))
     held = _held_apart(owner, at, kept, carried) if weights else ""
     return LoopSite(where=f"{filename}:{innermost.lineno}", text=header,
                     collective=next(filter(None, (_collective(file, loop) for file, loop, _, _ in loops)), ""),
