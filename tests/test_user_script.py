@@ -45,7 +45,8 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     was replaced too), and the replacement trains with it as the uninterrupted run did. Probe 26, in place: the
     survivor's running mean in a plain tensor attribute of its noise layer, the list it appends to, and the script's
     global tensors its loss and layers read, which its loop updates in place or rebinds, had moved past the restored
-    step: set back as the snapshot had them."""
+    step: set back as the snapshot had them. Probe 28, in place: the counts of forward hooks of the script's (in a
+    global dict's item, in a hook object) and an EMA kept with torch's AveragedModel (in the final digest): set back."""
     cfg = config(tmp_path, "profiled.json", period=1)
     bmap = tmp_path / "mine.json"
     cli = [sys.executable, "-m", "baft.cli"]
@@ -157,7 +158,8 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     not the loop), and halves a gain a config module of the script's holds (``user_data.GAIN``), which a run resumed
     after it trained with as they started, silently: the loop carries them. Probe 26: a running mean in a plain tensor
     attribute of the noise layers, a list they append to, a global tensor the loss reads that the loop updates in
-    place and one the layers read that it rebinds, resumed from their first values, silently: kept."""
+    place and one the layers read that it rebinds, resumed from their first values, silently: kept. Probe 28: the
+    forward hooks' counts and the AveragedModel's EMA, each resumed from its start, silently: kept."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",

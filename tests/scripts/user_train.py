@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import baft
 import user_data
@@ -66,6 +67,27 @@ class WarmedLoss(nn.Module):
         return min(1.0, self.calls / self.warmup) * nn.functional.mse_loss(output + SHIFT, target)
 
 
+HOOKED = {"calls": 0}  # with --statistics, a forward hook's count in a global dict's item (probe 28)
+
+
+def halved_late(module, inputs, output):
+    """A forward hook halving its layer's output after its 18th call: torch calls it, never the loop."""
+    HOOKED["calls"] += 1
+    return output * 0.5 if HOOKED["calls"] > 18 else output
+
+
+class Tempered:
+    """A forward hook object scaling its layer's output up with its calls, counted in its own attribute (probe 28:
+    neither hook's count was in a snapshot, each resumed from 0 relaunched and moved on in place, silently)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, inputs, output):
+        self.calls += 1
+        return output * (1 + 0.01 * self.calls)
+
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
@@ -112,6 +134,12 @@ if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 factors = np.random.default_rng(3)  # a generator of the script's own, which its loop draws from between steps
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
+if args.statistics:  # the hooks, and an EMA of the stage's linear layers kept with torch's AveragedModel (probe 28)
+    linears = nn.ModuleList(m for m in engine.module.modules() if isinstance(m, nn.Linear))
+    tempered = Tempered()
+    linears[0].register_forward_hook(halved_late)
+    linears[-1].register_forward_hook(tempered)
+    averaged = AveragedModel(linears, multi_avg_fn=get_ema_multi_avg_fn(0.9))
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
 losses = AverageMeter()  # the loss's average over the run, whose sum and count the loop carries in the meter's update
@@ -153,8 +181,10 @@ while engine.global_steps < args.steps:
     if args.statistics:
         SHIFT.mul_(0.5).add_(0.1 * float(loss))
         TILT = 0.5 * TILT + 0.1 * float(loss)
+        averaged.update_parameters(linears)
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
+weights = [*engine.module.parameters(), *(averaged.parameters() if args.statistics else ())]
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in weights)).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
       f"average loss {losses.avg!r} engine {type(engine).__name__} metrics {metrics} logged {mean!r}", flush=True)
