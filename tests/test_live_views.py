@@ -283,6 +283,44 @@ def test_the_plain_values_of_a_loss_that_is_no_module_are_kept(monkeypatch):
     assert model.loss_fn.calls == 0
 
 
+class CountingHook:
+    """A forward hook object of the script's that counts its calls; torch alone holds it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, inputs, output):
+        self.calls += 1
+
+    def pre(self, module, inputs):
+        self.calls += 10
+
+
+def test_the_plain_values_of_a_hook_object_only_torch_holds_are_kept(monkeypatch):
+    """Probe 28's K1: a forward hook object (or one whose method is the hook) registered on a layer, counting its
+    calls, which no variable of the script's holds: in no snapshot, a resumed run counted again from 0, silently."""
+    from baft.script import attributes
+
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    monkeypatch.setattr(attributes, "_LAST_WALK", [])
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model[1].register_forward_hook(CountingHook())
+    model[1].register_forward_pre_hook(CountingHook().pre)
+    attributes.hold_module_attributes(model)
+    for _ in range(3):
+        model(torch.ones(1, 2))
+    kept = attributes.changed_module_attributes(model)
+    assert kept == {"1[_forward_hooks/0].calls": 3, "1[_forward_pre_hooks/0].calls": 30}, kept
+    hooks = [getattr(h, "__self__", h) for kind in ("_forward_hooks", "_forward_pre_hooks")
+             for h in getattr(model[1], kind).values()]
+    for hook in hooks:  # a survivor's, moved on since: taken back to the snapshot's
+        hook.calls = 77
+    attributes.restore_module_attributes(model, kept)
+    assert [hook.calls for hook in hooks] == [3, 30]
+    attributes.restore_module_attributes(model, None)  # a snapshot from before their first call: as they started
+    assert [hook.calls for hook in hooks] == [0, 0]
+
+
 class Lazy(nn.Module):
     """A layer of the script's that makes its noise generator as it first runs forward (torch's, or numpy's)."""
 

@@ -78,6 +78,7 @@ def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
             values.update(((name, attr), value) for attr, value in vars(sub).items()
                           if attr not in own and isinstance(value, kinds))
     values.update(_held_objects(module))
+    values.update(_hook_objects(module))
     return values
 
 
@@ -87,6 +88,37 @@ def _held_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     attribute, not a submodule) counting its calls (probe 26's g11: not kept, silently)."""
     return {(attr, its): value for attr, obj in vars(module).items() if _script_object(type(obj))
             for its, value in vars(obj).items() if isinstance(value, PLAIN)}
+
+
+HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hook_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """The plain values of the hook objects of the script's own classes that ``module``'s submodules hold (torch calls
+    them, never the script: a forward hook's ``self.calls += 1``; probe 28 K1), or whose methods they hold as hooks,
+    by (the submodule's path and the hook's place, ``0[_forward_hooks/1]``, theirs)."""
+    found = {}
+    for name, sub in _walked(module).named:
+        for kind in HOOKS:
+            for place, hook in enumerate(vars(sub).get(kind, {}).values()):
+                obj = getattr(hook, "__self__", hook)
+                if _script_object(type(obj)):
+                    found.update(((f"{name}[{kind}/{place}]", its), value) for its, value in vars(obj).items()
+                                 if isinstance(value, PLAIN))
+    return found
+
+
+def _hook_object(module: torch.nn.Module, name: str):
+    """The hook object at ``name`` (``path[kind/place]``, :func:`_hook_objects`), or None where there is none."""
+    path, _, where = name[:-1].rpartition("[")
+    kind, _, place = where.partition("/")
+    try:
+        hooks = list(vars(module.get_submodule(path)).get(kind, {}).values())
+    except AttributeError:
+        return None
+    hook = hooks[int(place)] if int(place) < len(hooks) else None
+    obj = getattr(hook, "__self__", hook)
+    return obj if _script_object(type(obj)) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,8 +267,8 @@ def _set(module: torch.nn.Module, name: str, attr: str, value_for, given) -> Non
     """Set ``attr`` of ``module``'s submodule ``name`` to ``value_for(given, its value now, the submodule's device)``
     (:func:`~baft.script.held.put`, :func:`~baft.script.held.as_started`), where that is not
     :data:`~baft.script.held.NOT_KEPT`."""
-    try:  # a submodule, or an object of the script's the module holds (_held_objects)
-        held_object = vars(module).get(name)
+    try:  # a submodule, or an object of the script's the module holds (_held_objects) or a hook of its (_hook_objects)
+        held_object = _hook_object(module, name) if name.endswith("]") else vars(module).get(name)
         sub = held_object if _script_object(type(held_object)) else module.get_submodule(name)
     except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
         return
