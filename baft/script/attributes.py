@@ -99,8 +99,13 @@ def _hook_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     by (the submodule's path and the hook's place, ``0[_forward_hooks/1]``, theirs)."""
     found = {}
     for name, sub in _walked(module).named:
+        held_here = vars(sub)
+        # most modules hold none: looked at once each (every snapshot reads them: ~0.2 ms for 480 modules here)
+        if not (held_here.get("_forward_hooks") or held_here.get("_forward_pre_hooks")
+                or held_here.get("_backward_hooks") or held_here.get("_backward_pre_hooks")):
+            continue
         for kind in HOOKS:
-            for place, hook in enumerate(vars(sub).get(kind, {}).values()):
+            for place, hook in enumerate(held_here.get(kind, {}).values()):
                 obj = getattr(hook, "__self__", hook)
                 if _script_object(type(obj)):
                     found.update(((f"{name}[{kind}/{place}]", its), value) for its, value in vars(obj).items()
