@@ -296,9 +296,21 @@ class CountingHook:
         self.calls += 10
 
 
+class GradCount:
+    """A gradient hook object of the script's that counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, grad):
+        self.calls += 1
+
+
 def test_the_plain_values_of_a_hook_object_only_torch_holds_are_kept(monkeypatch):
-    """Probe 28's K1: a forward hook object (or one whose method is the hook) registered on a layer, counting its
-    calls, which no variable of the script's holds: in no snapshot, a resumed run counted again from 0, silently."""
+    """Probe 28's K1: a forward hook object (or one whose method is the hook) registered on a layer, or a gradient
+    hook's on a parameter, counting its calls, which no variable of the script's holds, and K5: a loss given as a
+    method of a plain object of the script's (``loss_fn=crit.loss``): in no snapshot, a resumed run counted again from
+    0, silently."""
     from baft.script import attributes
 
     monkeypatch.setattr(attributes, "_AT_START", [])
@@ -319,6 +331,23 @@ def test_the_plain_values_of_a_hook_object_only_torch_holds_are_kept(monkeypatch
     assert [hook.calls for hook in hooks] == [3, 30]
     attributes.restore_module_attributes(model, None)  # a snapshot from before their first call: as they started
     assert [hook.calls for hook in hooks] == [0, 0]
+    # a gradient hook object on a parameter (K1's update), and a loss given as a method of a plain object (K5)
+    monkeypatch.setattr(attributes, "_AT_START", [])
+    monkeypatch.setattr(attributes, "_LAST_WALK", [])
+    grads, crit = GradCount(), CountingHook()
+    model = nn.Sequential(nn.Linear(2, 1))
+    model[0].weight.register_hook(lambda g: None)  # a function: no object of the script's
+    model[0].bias.register_hook(grads)
+    model.loss_fn = crit.pre
+    attributes.hold_module_attributes(model)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        model.loss_fn(None, None)
+    kept = attributes.changed_module_attributes(model)
+    assert kept == {"0[bias/0].calls": 2, "loss_fn.calls": 20}, kept
+    grads.calls = crit.calls = 77
+    attributes.restore_module_attributes(model, kept)
+    assert (grads.calls, crit.calls) == (2, 20)
 
 
 class Lazy(nn.Module):

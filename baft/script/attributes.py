@@ -85,8 +85,10 @@ def _values(module: torch.nn.Module) -> dict[tuple[str, str], object]:
 def _held_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     """The plain values of the objects of the script's own classes, not modules, that ``module`` holds as attributes,
     by (attribute, theirs): a loss that is a plain callable class (``loss_fn=WarmedLoss()``, a PipelineModule's
-    attribute, not a submodule) counting its calls (probe 26's g11: not kept, silently)."""
-    return {(attr, its): value for attr, obj in vars(module).items() if _script_object(type(obj))
+    attribute, not a submodule) counting its calls (probe 26's g11: not kept, silently), or whose method it holds
+    (``loss_fn=crit.loss``: probe 28 K5)."""
+    return {(attr, its): value for attr, held_here in vars(module).items()
+            for obj in [getattr(held_here, "__self__", held_here)] if _script_object(type(obj))
             for its, value in vars(obj).items() if isinstance(value, PLAIN)}
 
 
@@ -96,21 +98,30 @@ HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backwa
 def _hook_objects(module: torch.nn.Module) -> dict[tuple[str, str], object]:
     """The plain values of the hook objects of the script's own classes that ``module``'s submodules hold (torch calls
     them, never the script: a forward hook's ``self.calls += 1``; probe 28 K1), or whose methods they hold as hooks,
-    by (the submodule's path and the hook's place, ``0[_forward_hooks/1]``, theirs)."""
+    and those their parameters hold as gradient hooks (``p.register_hook(GradCount())``), by (the submodule's path and
+    the hook's place, ``0[_forward_hooks/1]``, ``0[weight/0]``, theirs)."""
     found = {}
     for name, sub in _walked(module).named:
         held_here = vars(sub)
-        # most modules hold none: looked at once each (every snapshot reads them: ~0.2 ms for 480 modules here)
-        if not (held_here.get("_forward_hooks") or held_here.get("_forward_pre_hooks")
+        # most hold none: passed over at one look each (every snapshot reads them: ~0.2 ms for 480 modules here)
+        if (held_here.get("_forward_hooks") or held_here.get("_forward_pre_hooks")
                 or held_here.get("_backward_hooks") or held_here.get("_backward_pre_hooks")):
-            continue
-        for kind in HOOKS:
-            for place, hook in enumerate(held_here.get(kind, {}).values()):
-                obj = getattr(hook, "__self__", hook)
-                if _script_object(type(obj)):
-                    found.update(((f"{name}[{kind}/{place}]", its), value) for its, value in vars(obj).items()
-                                 if isinstance(value, PLAIN))
+            for kind in HOOKS:
+                _add_hook_objects(found, f"{name}[{kind}", held_here.get(kind))
+        for its, parameter in held_here["_parameters"].items():
+            if parameter is not None and parameter._backward_hooks:
+                _add_hook_objects(found, f"{name}[{its}", parameter._backward_hooks)
     return found
+
+
+def _add_hook_objects(found: dict, held_at: str, hooks) -> None:
+    """Add to ``found`` the plain values of the objects of the script's among ``hooks`` (a dict of them, or None), or
+    whose methods they are, by (``held_at`` and the hook's place, ``0[_forward_hooks/1]``, theirs)."""
+    for place, hook in enumerate(hooks.values() if hooks else ()):
+        obj = getattr(hook, "__self__", hook)
+        if _script_object(type(obj)):
+            found.update(((f"{held_at}/{place}]", its), value) for its, value in vars(obj).items()
+                         if isinstance(value, PLAIN))
 
 
 def _hook_object(module: torch.nn.Module, name: str):
@@ -118,9 +129,12 @@ def _hook_object(module: torch.nn.Module, name: str):
     path, _, where = name[:-1].rpartition("[")
     kind, _, place = where.partition("/")
     try:
-        hooks = list(vars(module.get_submodule(path)).get(kind, {}).values())
+        sub = module.get_submodule(path)
     except AttributeError:
         return None
+    held_hooks = vars(sub).get(kind) if kind in HOOKS else getattr(vars(sub)["_parameters"].get(kind),
+                                                                   "_backward_hooks", None)
+    hooks = list(held_hooks.values()) if held_hooks else []
     hook = hooks[int(place)] if int(place) < len(hooks) else None
     obj = getattr(hook, "__self__", hook)
     return obj if _script_object(type(obj)) else None
@@ -274,6 +288,7 @@ def _set(module: torch.nn.Module, name: str, attr: str, value_for, given) -> Non
     :data:`~baft.script.held.NOT_KEPT`."""
     try:  # a submodule, or an object of the script's the module holds (_held_objects) or a hook of its (_hook_objects)
         held_object = _hook_object(module, name) if name.endswith("]") else vars(module).get(name)
+        held_object = getattr(held_object, "__self__", held_object)  # a method of it held (``loss_fn=crit.loss``)
         sub = held_object if _script_object(type(held_object)) else module.get_submodule(name)
     except AttributeError:  # a submodule this model has not: another model's snapshot is refused before this
         return
