@@ -168,7 +168,10 @@ def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) 
         if caveat and engine.global_rank == 0:
             protection.warn(caveat)
         stream = open_file_stream(data_iterator)
-        if stream:
+        if stream and not world.available():
+            if engine.global_rank == 0:
+                protection.warn(stream)
+        elif stream:
             THIS_PROCESS.no_survivors(engine, stream, "Open the file in its __iter__, or give the dataset state_dict() "
                                                       "and load_state_dict(), for its survivors to recover in place")
         protection.restore(data_iterator)

@@ -8,6 +8,7 @@ generator beside the loader's state; these tests restore it at every batch of th
 
 import functools
 import json
+import os
 import random
 import subprocess
 import sys
@@ -508,6 +509,46 @@ def test_a_wrapped_stream_drawing_from_its_own_generators_restored_at_any_batch_
     for restore_at in range(1, 12):
         assert torch.equal(read_repeated(make, 12, 0, restore_at), reference), f"restored after {restore_at}"
     assert "baft: the stream's" not in capsys.readouterr().err
+
+
+class Chunked(torch.utils.data.IterableDataset):
+    """A stream of a corpus's lines through a file it opens once: each pass reads the next 6 lines from where the last
+    stopped (``readline()``), back to the file's start at its end (an epoch of a large corpus)."""
+
+    def __init__(self, path):
+        self.f = open(path)
+
+    def __iter__(self):
+        for _ in range(6):
+            line = self.f.readline()
+            if not line:
+                self.f.seek(0)
+                line = self.f.readline()
+            yield torch.tensor(float(line))
+
+
+def test_a_stream_reading_on_through_a_file_it_holds_open_restored_at_any_batch_reads_as_the_uninterrupted_one(
+        tmp_path):
+    """Probe 28 K3: a stream reading each pass on from where its file (opened once, in ``__init__``) stood: a restore
+    reads the restored pass again, through the new process's file at its start (relaunched) or the survivor's past what
+    it read (in place); the lines resumed were others, silently. Restored after every batch of five passes, relaunched,
+    in place and through torchdata's ``StatefulDataLoader``."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"{i}\n" for i in range(10)))
+
+    def read_lines(restore_at=None, survivor=None):
+        make = lambda workers: torch.utils.data.DataLoader(survivor or Chunked(path), batch_size=BATCH)
+        return read_repeated(make, 15, 0, restore_at)
+
+    reference = read_lines()
+    assert reference.flatten().tolist()[:12] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+    for restore_at in range(1, 15):
+        assert torch.equal(read_lines(restore_at), reference), f"relaunched after {restore_at}"
+    for restore_at in range(4, 15):  # in place, past the first pass (made before this stub notes what from)
+        assert torch.equal(read_lines(restore_at, survivor=Chunked(path)), reference), f"in place after {restore_at}"
+    stateful = lambda workers: StatefulDataLoader(Chunked(path), batch_size=BATCH)
+    for restore_at in range(1, 15):
+        assert torch.equal(read(stateful, 15, restore_at), reference), f"stateful after {restore_at}"
 
 
 def test_a_stream_whose_generator_the_loop_draws_from_too_is_said_once_restored(capsys):
@@ -1740,18 +1781,20 @@ def test_settings_the_loop_changes_resume_in_the_workers_of_the_restored_epoch_a
     assert "baft: the loop replaced the data loader's collate_fn (now a partial)" in run.stderr, run.stderr[-3000:]
 
 
-def test_a_stream_that_reads_a_file_it_holds_open_is_named_for_its_survivors(tmp_path):
+def test_a_stream_that_reads_a_file_it_holds_open_is_named_where_its_position_cannot_be_kept(tmp_path):
     """Probe 16: an ``IterableDataset`` that opens its file once (in ``__init__``) and reads it in ``__iter__`` was
     restored in a survivor by reading on from where that file stood, not from its start: other batches, silently.
-    Every rank is replaced in place instead; a stream that opens its file in ``__iter__`` is not named."""
+    Probe 28 K3: a seekable file's position is kept as each pass begins (above), and such a stream is not named; one
+    whose position cannot be kept (a pipe, a text file read part-way by ``for line in f``) is, and every rank is
+    replaced in place. A stream that opens its file in ``__iter__`` is not named."""
     from baft.position.kept import open_file_stream
 
     path = tmp_path / "lines.txt"
     path.write_text("".join(f"{i}\n" for i in range(8)))
 
     class Held(torch.utils.data.IterableDataset):
-        def __init__(self):
-            self.handle = open(path)
+        def __init__(self, handle):
+            self.handle = handle
 
         def __iter__(self):
             return (torch.tensor([float(line)]) for line in self.handle)
@@ -1761,10 +1804,18 @@ def test_a_stream_that_reads_a_file_it_holds_open_is_named_for_its_survivors(tmp
             with open(path) as handle:
                 yield from (torch.tensor([float(line)]) for line in handle)
 
-    held = Held()
-    assert open_file_stream(ResumableLoader(StatefulDataLoader(held, batch_size=2))) == (
-        "the Held the loader streams reads a file it holds open (dataset.handle): a survivor's restore reads the "
-        "stream again from where that file stands, past what it read, not from its start")
-    assert open_file_stream(ResumableLoader(StatefulDataLoader(Opened(), batch_size=2))) is None
+    named = lambda dataset: open_file_stream(ResumableLoader(StatefulDataLoader(dataset, batch_size=2)))
+    held = Held(open(path))
+    assert named(held) is None
+    next(held.handle)  # part-way through a for loop: its tell() is refused
+    assert named(held) == (
+        "the Held the loader streams reads a file it holds open whose position cannot be kept, dataset.handle "
+        "(telling position disabled by next() call: read it with readline()): a restore reads the stream again from "
+        "where that file stands, not from where the pass began")
     held.handle.close()
-    assert open_file_stream(ResumableLoader(StatefulDataLoader(held, batch_size=2))) is None
+    assert named(held) is None
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        assert "dataset.handle (not seekable)" in named(Held(pipe))
+    assert named(Opened()) is None

@@ -12,6 +12,7 @@
 - ``wrappers``    a wrapper of the script's around the iterator ``train_batch`` reads (a cast), read through
 - ``epoch_starts`` DeepSpeed's ``RepeatingLoader``, noting what each epoch's iterator was made from
 - ``stream_carried`` the lists a stream read in this process carries from one pass to the next (a remainder)
+- ``stream_files`` where the files a stream read in this process holds open stand as each pass begins
 - ``first_iterators`` what the iterators the script makes between ``baft.initialize`` and its loop's first call were
                   made from
 - ``samplers``    a sampler's own state as it draws each epoch's order

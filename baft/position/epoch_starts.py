@@ -16,6 +16,7 @@ from baft.position.deepspeed_loader import epoch_iterator
 from baft.position.samplers import GLOBALS
 from baft.position.settings import data_attributes
 from baft.position.stream_carried import carried_values, streamed_here
+from baft.position.stream_files import file_positions, seek_files
 from baft.script.rng import data_objects, generator_state, held_by, same_state, set_generator_state
 
 
@@ -82,13 +83,18 @@ def stream_began(loader) -> dict:
     """Of a stream ``loader`` reads in this process, as a pass begins: the states of the generators it holds itself
     (``"held"``, :func:`held_states`: ``self.rng = np.random.RandomState(7)`` drawn in its ``__iter__``), which a
     snapshot holds as they stand mid-pass, and the values it carries from one pass to the next (``"carried"``,
-    :func:`carried_values`). A pass read again after a fault begins from them (:func:`begin_stream_as`)."""
-    return {"held": held_states(loader), "carried": carried_values(loader)} if streamed_here(loader) else {}
+    :func:`carried_values`), and where the files it holds open stand (``"files"``, :func:`file_positions`: a pass
+    reading on from where the last stopped). A pass read again after a fault begins from them
+    (:func:`begin_stream_as`)."""
+    if not streamed_here(loader):
+        return {}
+    return {"held": held_states(loader), "carried": carried_values(loader), "files": file_positions(loader)}
 
 
 def begin_stream_as(loader, began: dict) -> None:
     """Set what :func:`stream_began` gave, before a pass is read again: reading it draws the generators on to where
-    the snapshot had them."""
+    the snapshot had them, and reads the files on from where they stood."""
+    seek_files(loader, began.get("files", {}))
     held = held_by(loader)
     for name, state in began.get("held", {}).items():
         if name in held:

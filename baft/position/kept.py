@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import io
 import itertools
 from typing import Iterator, Optional
 
@@ -75,21 +74,22 @@ def not_restored(position) -> Optional[str]:
 
 
 def open_file_stream(position) -> Optional[str]:
-    """Where the loader of ``position`` streams an ``IterableDataset`` with no state of its own that reads a file it
-    holds open (``self.f = open(path)`` in its ``__init__``): why a survivor's restore would read it wrongly. torchdata
-    restores such a stream by reading it again through a new ``iter()`` from its start, and that reads on from where
-    the file stands: a new process's at its start, a survivor's past what it read. None otherwise."""
+    """Where the loader of ``position`` streams an ``IterableDataset`` with no state of its own that holds a file open
+    (``self.f = open(path)`` in its ``__init__``) whose position cannot be kept (a pipe, a socket, a text file read by
+    ``for line in f``; :func:`~baft.position.stream_files.unkept_file`): why a restore would read it wrongly. A
+    seekable file's position is kept as each pass begins (:mod:`baft.position.stream_files`). None otherwise."""
+    from baft.position.stream_files import unkept_file
+
     loader = getattr(position, "loader", position)
     dataset = getattr(loader, "dataset", None)
     if not isinstance(dataset, torch.utils.data.IterableDataset) or isinstance(dataset, Stateful):
         return None
-    held = next((name for name, value in vars(dataset).items() if isinstance(value, io.IOBase) and not value.closed),
-                None)
+    held = unkept_file(loader)
     if held is None:
         return None
-    return (f"the {type(dataset).__name__} the loader streams reads a file it holds open (dataset.{held}): a "
-            f"survivor's restore reads the stream again from where that file stands, past what it read, not from its "
-            f"start")
+    return (f"the {type(dataset).__name__} the loader streams reads a file it holds open whose position cannot be "
+            f"kept, {held}: a restore reads the stream again from where that file stands, not from where the pass "
+            f"began")
 
 
 def _held_loaders(position) -> list[str]:
