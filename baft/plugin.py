@@ -53,6 +53,7 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
     if bound.arguments.get("model_parameters") is not None:  # a generator, as often, is used up by the first call
         bound.arguments["model_parameters"] = list(bound.arguments["model_parameters"])
     args, kwargs = bound.args, bound.kwargs
+    own_collectives = world.collectives_before() if world.available() else 0
     if world.available() and not world.generation():
         world.register()
     tied = world.tied_dtypes(bound.arguments.get("model"))  # as the constructor left them: DeepSpeed converts them
@@ -82,6 +83,13 @@ def initialize(*args, data_iterator=None, client_state=None, **kwargs):
             THIS_PROCESS.no_survivors(engine, f"the script made {own_groups} process groups before its "
                                               f"PipelineModule, which a replacement makes again and a survivor cannot "
                                               f"make with it")
+        elif own_collectives:
+            THIS_PROCESS.no_survivors(engine, f"the script called collectives before baft.initialize "
+                                              f"({own_collectives}: a barrier while rank 0 prepares the data?), "
+                                              f"which a replacement calls again and a survivor, inside train_batch, "
+                                              f"never meets",
+                                      "Have the other ranks wait for the data's file rather than at a barrier, or "
+                                      "prepare the data before baft train, for its survivors to recover in place")
         else:
             engine.baft.again = functools.partial(_again, args, kwargs, data_iterator, client_state, returned, tied,
                                                   [base_optimizer(returned[1])], frozen_first)

@@ -256,21 +256,25 @@ GROUPS = """
 import sys
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
-from baft.recovery.world import groups_before
+from baft.recovery.world import collectives_before, groups_before
 
 dist.init_process_group("gloo")
 for _ in range(int(sys.argv[1])):  # Megatron's model-parallel unit: groups of the script's, before the model
     dist.new_group([0])
+for _ in range(int(sys.argv[2])):  # rank 0 writes the data, the others wait
+    dist.barrier()
 model = PipelineModule.__new__(PipelineModule)
 model.world_group = dist.new_group(ranks=range(dist.get_world_size()))  # a PipelineModule's first group, so made
-print("groups before", groups_before(model))
+print("groups before", groups_before(model), "collectives before", collectives_before())
 """
 
 
-@pytest.mark.parametrize("own", [0, 2])
-def test_the_process_groups_a_script_makes_before_its_model_are_counted(tmp_path, own):
-    """A replacement's script makes them again and a survivor's regroup does not: such a job replaces every rank on
-    a fault (the survivors waited for groups nobody else made: a hang)."""
+@pytest.mark.parametrize("own, barriers", [(0, 0), (2, 0), (0, 1)])
+def test_the_process_groups_and_collectives_a_script_makes_before_its_model_are_counted(tmp_path, own, barriers):
+    """A replacement's script makes them again and a survivor's regroup does not (the survivors waited for groups
+    nobody else made: a hang); a replacement's script calls its collectives again, which its survivors, inside
+    train_batch, never meet (probe 28 W1: a barrier while rank 0 wrote the data hung until gloo's timeout). Such a job
+    replaces every rank on a fault."""
     script = tmp_path / "groups.py"
     script.write_text(GROUPS)
     with socket.socket() as free:
@@ -278,5 +282,6 @@ def test_the_process_groups_a_script_makes_before_its_model_are_counted(tmp_path
         port = free.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
-    proc = subprocess.run([sys.executable, str(script), str(own)], capture_output=True, text=True, env=env, timeout=120)
-    assert f"groups before {own}\n" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(script), str(own), str(barriers)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert f"groups before {own} collectives before {barriers}\n" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -281,6 +281,19 @@ def groups_before(model) -> int:
     return int(name) - 1 if name.isdigit() else 0
 
 
+def collectives_before() -> int:
+    """How many collectives this process called on its default process group so far: at ``baft.initialize``, the
+    script's own (a barrier while rank 0 writes the data), which a replacement's script calls again and its survivors,
+    inside ``train_batch``, never meet (probe 28: a hang until gloo's timeout); 0 where the backend does not count
+    them."""
+    if not dist.is_initialized():
+        return 0
+    try:
+        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except (RuntimeError, AttributeError):
+        return 0
+
+
 def regroup(model, dtypes: dict[tuple[str, str], torch.dtype]) -> None:
     """The process groups a ``PipelineModule`` makes in its constructor, made again in the new world in the
     same order, and the broadcasts of its tied weights, as the constructor makes them (a replacement's
