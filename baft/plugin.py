@@ -163,7 +163,7 @@ def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) 
         return engine, optimizer, loader, scheduler
     from baft.recovery.digests import digests_hook
     from baft.recovery.script_checkpoint import ClientState, guard_load_checkpoint
-    from baft.position.kept import data_position, not_restored, open_file_stream
+    from baft.position.kept import data_position, not_restored, say_open_file_stream
     from baft.position.first_iterators import note_until_first_call
     from baft.position.found_position import PositionFoundLater
 
@@ -175,13 +175,7 @@ def _initialize(args, kwargs, data_iterator, client_state, again: bool = False) 
         caveat = None if found_later else not_restored(data_iterator)  # (said of as the loop first reads it)
         if caveat and engine.global_rank == 0:
             protection.warn(caveat)
-        stream = open_file_stream(data_iterator)
-        if stream and not world.available():
-            if engine.global_rank == 0:
-                protection.warn(stream)
-        elif stream:
-            THIS_PROCESS.no_survivors(engine, stream, "Open the file in its __iter__, or give the dataset state_dict() "
-                                                      "and load_state_dict(), for its survivors to recover in place")
+        say_open_file_stream(engine, data_iterator)
         protection.restore(data_iterator)
         if found_later:
             data_iterator.resumed = protection.restored is not None

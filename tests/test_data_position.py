@@ -1819,3 +1819,37 @@ def test_a_stream_that_reads_a_file_it_holds_open_is_named_where_its_position_ca
     with os.fdopen(read_end) as pipe:
         assert "dataset.handle (not seekable)" in named(Held(pipe))
     assert named(Opened()) is None
+
+
+def test_a_stream_holding_a_pipe_open_that_the_loop_reads_is_said_once_as_train_batch_first_reads_it(capsys):
+    """Probe 28 K3: a loader baft finds at the loop's first call (not given to baft.initialize, K3's shape) whose
+    stream holds a file whose position cannot be kept was not said at all; said once, by rank 0."""
+    from types import SimpleNamespace
+
+    from baft.position.found_position import PositionFoundLater
+    from baft.position.reads import TrainBatchReads
+
+    class Piped(torch.utils.data.IterableDataset):
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __iter__(self):
+            return (torch.tensor([float(line)]) for line in self.handle)
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as sink:
+        sink.write("".join(f"{i}\n" for i in range(8)))
+    with os.fdopen(read_end) as pipe:
+        engine = SimpleNamespace(global_steps=0, global_rank=0, baft=SimpleNamespace(config=SimpleNamespace(
+            policy="baft")))
+        reads = TrainBatchReads(engine)
+        reads.position = PositionFoundLater(engine)
+        feed = RepeatingLoader(torch.utils.data.DataLoader(Piped(pipe), batch_size=2))
+        for _ in range(2):
+            reads.call(feed)
+            next(feed)
+            engine.global_steps += 1
+            reads.ended()
+    said = capsys.readouterr().err
+    assert said.count("reads a file it holds open whose position cannot be kept, dataset.handle (not seekable)") == 1, \
+        said

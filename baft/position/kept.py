@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import itertools
 from typing import Iterator, Optional
 
@@ -12,9 +13,12 @@ import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 from torchdata.stateful_dataloader import Stateful
 
+from baft.config import STORE_ENV
 from baft.position.engine_loader import EngineLoaderPosition
 from baft.position.resumable import ResumableLoader
+from baft.script.loop import THIS_PROCESS
 from baft.script.source import defined_at
+from baft.snapshot.build import warn
 
 
 def data_position(engine, data_iterator=None, training_data=None):
@@ -90,6 +94,23 @@ def open_file_stream(position) -> Optional[str]:
     return (f"the {type(dataset).__name__} the loader streams reads a file it holds open whose position cannot be "
             f"kept, {held}: a restore reads the stream again from where that file stands, not from where the pass "
             f"began")
+
+
+def say_open_file_stream(engine, position) -> None:
+    """Where the stream ``position`` reads holds a file open whose position cannot be kept (:func:`open_file_stream`):
+    with recovery in place every rank is replaced on a fault, said once; else said once, by rank 0."""
+    stream = open_file_stream(position)
+    if stream is None:
+        return
+    if STORE_ENV in os.environ:  # recovery in place (baft.recovery.world.available)
+        THIS_PROCESS.no_survivors(engine, stream, "Read the file with readline(), or open it in the dataset's "
+                                                  "__iter__, for its survivors to recover in place")
+    elif engine.global_rank == 0 and stream not in _SAID:
+        _SAID.add(stream)
+        warn(engine, stream)
+
+
+_SAID: set = set()  # the unkept files said
 
 
 def _held_loaders(position) -> list[str]:

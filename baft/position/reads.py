@@ -17,7 +17,7 @@ from typing import Optional
 from baft.position.first_iterators import stop_noting
 from baft.position.found_position import PositionFoundLater
 from baft.position.iterators import epoch_mark
-from baft.position.kept import foreign_iterator, not_restored
+from baft.position.kept import foreign_iterator, not_restored, say_open_file_stream
 from baft.position.repeated_loader import keep_epochs
 from baft.position.resumable import ResumableLoader
 from baft.script.loop import THIS_PROCESS
@@ -95,6 +95,8 @@ class TrainBatchReads:
         position = self.position
         said = [position.find(read)]
         said.append(position.caveat(read) if isinstance(position, PositionFoundLater) else not_restored(position))
+        if not isinstance(position, PositionFoundLater) and self.engine.baft.config.policy != "none":
+            say_open_file_stream(self.engine, position)
         for message in said:
             if message and self.engine.global_rank == 0 and self.engine.baft.config.policy != "none":
                 warn(self.engine, message)
