@@ -1821,6 +1821,30 @@ def test_a_stream_that_reads_a_file_it_holds_open_is_named_where_its_position_ca
     assert named(Opened()) is None
 
 
+def test_a_stream_whose_pass_leaves_its_file_part_way_through_a_for_loop_is_said_once(tmp_path, capsys):
+    """Probe 28 K3: a text file a pass leaves part-way through ``for line in f`` (a break) refuses ``tell()`` as the
+    next pass begins: its position cannot be kept there, said once, by name."""
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"{i}\n" for i in range(8)))
+
+    class Broken(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.f = open(path)
+
+        def __iter__(self):
+            for i, line in enumerate(self.f):
+                yield torch.tensor(float(line))
+                if i % 2:
+                    break
+
+    feed = RepeatingLoader(torch.utils.data.DataLoader(Broken(), batch_size=1))
+    data_position(None, feed)
+    for _ in range(6):
+        next(feed)
+    said = capsys.readouterr().err
+    assert said.count("baft: the stream's dataset.f cannot tell where it stands as a pass begins") == 1, said
+
+
 def test_a_stream_holding_a_pipe_open_that_the_loop_reads_is_said_once_as_train_batch_first_reads_it(capsys):
     """Probe 28 K3: a loader baft finds at the loop's first call (not given to baft.initialize, K3's shape) whose
     stream holds a file whose position cannot be kept was not said at all; said once, by rank 0."""

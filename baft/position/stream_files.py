@@ -6,7 +6,10 @@ survivor's stand past what it read."""
 from __future__ import annotations
 
 import io
+import sys
 from typing import Iterator, Optional
+
+import torch
 
 from baft.script.rng import data_objects
 
@@ -27,9 +30,23 @@ def file_positions(loader) -> dict:
         if _keepable(held):
             try:
                 positions[path] = held.tell()
-            except OSError:  # a text file read mid-way by ``for line in f``
-                pass
+            except OSError as e:  # a text file a pass left part-way through a ``for line in f``
+                _say_unkept(path, e)
     return positions
+
+
+def _say_unkept(path: str, error: OSError) -> None:
+    """Said once, by rank 0: the file at ``path`` a pass begins from cannot be told where it stands."""
+    if path in _SAID:
+        return
+    _SAID.add(path)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"baft: the stream's {path} cannot tell where it stands as a pass begins ({error}): a pass read again "
+              f"after a fault reads it on from where it stands then, not from where the uninterrupted run's began; "
+              f"read it with readline()", file=sys.stderr, flush=True)
+
+
+_SAID: set = set()  # the files said
 
 
 def seek_files(loader, positions: dict) -> None:
