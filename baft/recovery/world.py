@@ -127,6 +127,8 @@ def join(replacement: bool = False, backend: str | None = None) -> int:
         _started(store)
     replaced = torch.tensor([int(replacement)], device=collective_device())
     dist.all_reduce(replaced)
+    global _JOINED_AT
+    _JOINED_AT = _sequence_number()  # a replacement's script runs next: its collectives are counted from here
     os.environ[REPLACED_ENV] = str(int(replaced.item()))
     return int(replaced.item())
 
@@ -282,10 +284,17 @@ def groups_before(model) -> int:
 
 
 def collectives_before() -> int:
-    """How many collectives this process called on its default process group so far: at ``baft.initialize``, the
-    script's own (a barrier while rank 0 writes the data), which a replacement's script calls again and its survivors,
-    inside ``train_batch``, never meet (probe 28: a hang until gloo's timeout); 0 where the backend does not count
-    them."""
+    """How many collectives this process's script called on its default process group so far: at
+    ``baft.initialize``, the script's own (a barrier while rank 0 writes the data), which a replacement's script calls
+    again and its survivors, inside ``train_batch``, never meet (probe 28: a hang until gloo's timeout); not those a
+    replacement's :func:`join` made before its script ran; 0 where the backend does not count them."""
+    return _sequence_number() - _JOINED_AT
+
+
+_JOINED_AT = 0  # the default group's collectives as this process joined a new world (a replacement), before its script
+
+
+def _sequence_number() -> int:
     if not dist.is_initialized():
         return 0
     try:
