@@ -1349,6 +1349,12 @@ def test_a_plain_loader_is_found_wherever_the_script_holds_it_and_said_where_it_
     assert position.find(iter(own)) is None and position.loader is None
     assert position.caveat(iter(own)).startswith("train_batch reads an iterator of Own, whose own __iter__ baft does "
                                                  "not follow")
+    # batches the loop took itself and gives as a list (probe 28: told to use the RepeatingLoader it already read)
+    repeating = RepeatingLoader(PLAIN["shuffle"](0))
+    collected, position = iter([next(repeating), next(repeating)]), data_position(None, None)
+    assert position.find(collected) is None
+    assert position.caveat(collected).startswith("train_batch reads an iterator over a list the loop made of the "
+                                                 "batches it took itself (iter([...])): ")
 
 
 def test_the_engines_loader_position_counts_each_step_at_the_batch_size_it_had():

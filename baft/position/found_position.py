@@ -107,9 +107,18 @@ class PositionFoundLater:
                     "run reads its data from the start; keep the loader (loader = DataLoader(...); iter(loader)), read "
                     "it through deepspeed.utils.RepeatingLoader, or give baft.initialize torchdata's "
                     "StatefulDataLoader (a drop-in) as data_iterator=")
+        if isinstance(data_iter, _COLLECTED):  # probe 28: the loop took them with next(), mixed them, gave iter(list)
+            return (f"train_batch reads an iterator over a {type(data_iter).__name__.split('_')[0]} the loop made of "
+                    f"the batches it took itself (iter([...])): baft keeps the position of what train_batch reads, and "
+                    f"a resumed run reads its data from the start; take and mix them in a generator over the loader "
+                    f"(def batches(): for batch in RepeatingLoader(loader): yield mix(batch)) that train_batch reads, "
+                    f"or give baft.initialize a data_iterator= whose state_dict() keeps the position")
         return ("the data position will not be restored after a restart (a resumed run would read its data from the "
                 "start): read a DataLoader through deepspeed.utils.RepeatingLoader, or pass data_iterator= an iterator "
                 "with state_dict() and load_state_dict(), such as torchdata's StatefulDataLoader")
+
+
+_COLLECTED = (type(iter([])), type(iter(())))  # list_iterator, tuple_iterator
 
 
 def _kept(data_iter) -> bool:
