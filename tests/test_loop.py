@@ -657,6 +657,64 @@ def test_a_setting_the_loop_changes_once_on_the_options_or_a_loss_module_is_carr
     assert [(c.where, c.key) for c in site.carried] == [(f"{script}:{line + 7} (crit.delta = 0.1)", "crit.delta")]
 
 
+def test_a_best_score_started_at_a_constant_a_sign_or_a_choice_of_literals_is_carried(tmp_path):
+    """Probe 28 K6: a best score started at ``-float("inf")``, ``math.inf``, a choice of literals (the min/max mode's
+    start), or in an if/else, was neither kept nor named, and a resumed run's plateau rule decayed the learning rate
+    elsewhere, silently. Each is carried now; one started at a constant expression baft does not read as a literal
+    (``np.float32(np.inf)``) is named (not kept: said, with what to do); one from the script's own resume is neither."""
+    plateau = ("import math, sys\nimport numpy as np\nimport torch\nMODE = 'min'\nSTART\n"
+               "while engine.global_steps < N:\n    loss = engine.train_batch() or 1.0\n"
+               "    if -loss > best:\n        best = -loss\n    engine.global_steps += 1")
+    for start in ("best = -float('inf')", "best = math.inf", "best = -np.inf", "best = +torch.inf",
+                  "best = sys.maxsize", "best = float('inf') if MODE == 'min' else -float('inf')",
+                  "if MODE == 'min':\n    best = float('inf')\nelse:\n    best = -math.inf"):
+        (carried,) = _site(tmp_path, plateau.replace("START", start))[0].carried
+        assert (carried.key, carried.start) == ("best", ""), start
+    site, script = _site(tmp_path, plateau.replace("START", "best = np.float32(np.inf)"))
+    (named,) = site.carried
+    line = STUB.count(chr(10)) + 5
+    assert named.start == f"{script}:{line} (np.float32(np.inf))", named
+    assert carry.why_not_kept(named, 1.0).startswith(f"it starts at {named.start}, which baft cannot tell"), named
+    assert _site(tmp_path, plateau.replace("START", "best = float(args.steps)"))[0].carried == (), "its own resume"
+    # probe 27's callback with math.inf (k6_callback_mathinf): best and mean were dropped, bad said carried; another
+    # class folding its own state's mean does not start it
+    callback = ("import math\nclass State:\n    def __init__(self):\n        self.best, self.mean = math.inf, 0.0\n"
+                "class Nested:\n    def __init__(self):\n        self.state = State()\n    def step(self, loss):\n"
+                "        self.state.mean = 0.8 * self.state.mean + 0.2 * loss\n"
+                "class Plateau:\n    def __init__(self):\n        self.best, self.bad, self.mean = math.inf, 0, 0.0\n"
+                "    def on_step_end(self, loss):\n        self.mean = 0.8 * self.mean + 0.2 * loss\n"
+                "        if self.mean < self.best:\n            self.best, self.bad = self.mean, 0\n"
+                "        else:\n            self.bad += 1\n"
+                "cb = Plateau()\nwhile engine.global_steps < N:\n    cb.on_step_end(engine.train_batch() or 1.0)\n"
+                "    engine.global_steps += 1")
+    assert sorted(c.key for c in _site(tmp_path, callback)[0].carried) == ["cb.bad", "cb.best", "cb.mean"]
+
+
+def test_callbacks_in_a_list_the_loop_goes_through_are_carried(tmp_path):
+    """Probe 28 K9: ``for c in callbacks: c.on_step_end(...)`` over a module's list (or a trainer's
+    ``self.callbacks``) of plateau callbacks: their attributes were neither carried nor named (one in a variable
+    ``cb`` was). Each item's are carried, by its index; a list the loop makes is not followed."""
+    plateau = ("class Plateau:\n    def __init__(self):\n        self.best = float('inf')\n"
+               "    def on_step_end(self, loss):\n        if loss < self.best:\n            self.best = loss\n")
+    listed = plateau + ("callbacks = [Plateau(), Plateau()]\nwhile engine.global_steps < N:\n"
+                        "    loss = engine.train_batch() or 1.0\n    for c in callbacks:\n        c.on_step_end(loss)\n"
+                        "    engine.global_steps += 1")
+    site, script = _site(tmp_path, listed)
+    assert sorted(c.key for c in site.carried) == ["callbacks[0].best", "callbacks[1].best"], site
+    assert [carry.read(c) for c in site.carried] == [1.0, 1.0]
+    second = next(c for c in site.carried if c.key == "callbacks[1].best")
+    carry.write(second, 0.5)
+    assert second.frame.f_globals["callbacks"][1].best == 0.5
+    trainer = plateau + ("class Trainer:\n    def __init__(self, callbacks):\n        self.callbacks = callbacks\n"
+                         "    def fit(self):\n        while engine.global_steps < N:\n"
+                         "            loss = engine.train_batch() or 1.0\n            for cb in self.callbacks:\n"
+                         "                cb.on_step_end(loss)\n            engine.global_steps += 1\n"
+                         "Trainer((Plateau(),)).fit()")
+    assert [c.key for c in _site(tmp_path, trainer)[0].carried] == ["self.callbacks[0].best"]
+    made = listed.replace("    for c in callbacks:", "    for c in [Plateau()]:")
+    assert _site(tmp_path, made)[0].carried == ()
+
+
 def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_path):
     """The previous loss a bold-driver learning rate compares with, a loss meter, a patience count, a window of losses:
     resumed, each started again from its first value (a learning rate not halved at the first resumed step, and every

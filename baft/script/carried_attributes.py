@@ -15,7 +15,8 @@ import torch
 from baft.script import source
 from baft.script.carry import Carried
 from baft.script.source import MUTATORS, defined_at
-from baft.script.starts import attribute_started_at_a_literal, started_at_module_level_at_a_literal
+from baft.script.starts import (attribute_started_at_a_literal, started_at_module_level_at_a_literal,
+                                unread_attribute_start)
 
 
 def carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list) -> list[Carried]:
@@ -84,13 +85,18 @@ def carried_attributes(filename: str, loop: ast.AST, frame, kept, methods: list)
                 owner = source.value_in(frame, key[0])
                 if owner is None or any(owner is k for k in kept):
                     continue
+                where = f"{file}:{node.lineno} ({ast.unparse(node)})"
                 if (((folded or before) and attribute_started_at_a_literal(key[1], file, elsewhere, type(owner)))
                         or _scripts_module_setting(owner, key[1])
                         or _setting_read_in_the_call(owner, key, filename, loop)):
-                    found.append(((file, node.lineno), f"{file}:{node.lineno} ({ast.unparse(node)})", key))
-    unique = {key: (line, where) for line, where, key in sorted(found, reverse=True)}  # each key's first
-    return [Carried(where, *key, frame=frame, read_before_call=key in early)
-            for key, (line, where) in sorted(unique.items(), key=lambda kv: kv[1])]
+                    found.append(((file, node.lineno), where, key, ""))
+                elif folded or before:  # named, not kept
+                    start = unread_attribute_start(key[1], file, elsewhere, type(owner))
+                    if start is not None:
+                        found.append(((file, node.lineno), where, key, f"{file}:{start.lineno} ({ast.unparse(start)})"))
+    unique = {key: (line, where, start) for line, where, key, start in sorted(found, reverse=True)}  # each key's first
+    return [Carried(where, *key, frame=frame, read_before_call=key in early, start=start)
+            for key, (line, where, start) in sorted(unique.items(), key=lambda kv: kv[1])]
 
 
 def _scripts_module_setting(owner, attr: str) -> bool:
@@ -144,6 +150,7 @@ def methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.
     # an object called itself (``factor = warm()``): its class's ``__call__`` (probe 26's g13: its count was not read)
     todo += [(node.func.id, node.func.id, "__call__") for node in ast.walk(loop)
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in made]
+    todo += _called_on_items(loop, frame, made)
     found, seen = [], set()
     while todo:
         name, called, method = todo.pop(0)
@@ -164,6 +171,26 @@ def methods_called(loop: ast.AST, frame, kept) -> list[tuple[str, str, str, ast.
         todo += [(name, called, node.func.attr) for node in ast.walk(definition)
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and isinstance(node.func.value, ast.Name) and node.func.value.id == this]
+    return found
+
+
+MOST_ITEMS_FOLLOWED = 64  # a list of callbacks, not of samples or tensors
+
+
+def _called_on_items(loop: ast.AST, frame, made: set) -> list[tuple[str, str, str]]:
+    """(``callbacks[i]``, method, method) for the methods the loop calls on the items of a list or tuple from outside
+    it that it goes through (``for c in callbacks: c.on_step_end(...)``, a trainer's ``self.callbacks``; probe 28 K9:
+    their attributes were neither carried nor named), each item by its index."""
+    found = []
+    for node in ast.walk(loop):
+        held = source.dotted(node.iter) if isinstance(node, ast.For) and isinstance(node.target, ast.Name) else ""
+        items = source.value_in(frame, held) if held and held.split(".")[0] not in made else None
+        if not isinstance(items, (list, tuple)) or len(items) > MOST_ITEMS_FOLLOWED:
+            continue
+        found += [(f"{held}[{index}]", call.func.attr, call.func.attr) for call in ast.walk(node)
+                  if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                  and isinstance(call.func.value, ast.Name) and call.func.value.id == node.target.id
+                  for index in range(len(items))]
     return found
 
 

@@ -13,7 +13,7 @@ from baft.script.carried_cells import carried_cells
 from baft.script.carried_globals import carried_globals, counted_inside_the_call, other_modules_globals, read_as_global
 from baft.script.carry import Carried
 from baft.script.source import MUTATORS
-from baft.script.starts import started_at_a_literal
+from baft.script.starts import started_at_a_literal, unread_start
 
 
 def carried(filename: str, loop: ast.AST, scope: ast.AST, frame, kept) -> list[Carried]:
@@ -66,6 +66,7 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
             changed.add(id(held))  # the item's (``ema`` of ``ema[n]``), not a read of the variable otherwise
     reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     reached, call = source.reached(filename, loop), source.call_position(frame)
+    tree = source.parsed(filename)
 
     def elsewhere(name):
         # a global a function of the file reads, a layer's forward in the next call (probe 23: a noise scale the loop
@@ -80,21 +81,25 @@ def _carried_variables(filename: str, loop: ast.AST, scope: ast.AST, frame) -> l
         read = [n for n in reads if n.id == name]
         folded = [a for a in assignments if isinstance(a, ast.AugAssign) or name in names_read(a.value)]
         if ((elsewhere(name) or read and (folded or any(position(n) < first for n in read)))
-                and started_at_a_literal(name, loop, scope) and not _recomputed_from_step(name, loop, scope, call)):
-            found.append((name, min(folded or assignments, key=position)))
+                and not _recomputed_from_step(name, loop, scope, call)):
+            kept = started_at_a_literal(name, loop, scope)
+            start = None if kept else unread_start(name, loop, scope, tree)  # named, not kept
+            if kept or start is not None:
+                found.append((name, min(folded or assignments, key=position), start))
     for name, nodes in changes.items():
         # a dict's item a layer's forward reads (probe 26 G16: ``CTX["step"] = engine.global_steps`` after the call)
         if (name not in stores and (any(n.id == name and id(n) not in changed for n in reads) or elsewhere(name))
                 and started_at_a_literal(name, loop, scope)):
-            found.append((name, min(nodes, key=position)))
+            found.append((name, min(nodes, key=position), None))
     for name, nodes in folds.items():
-        if name not in stores and name not in {n for n, _ in found} and started_at_a_literal(
+        if name not in stores and name not in {n for n, _, _ in found} and started_at_a_literal(
                 name, loop, scope, or_weights=True):
-            found.append((name, min(nodes, key=position)))
+            found.append((name, min(nodes, key=position), None))
     return [Carried(f"{filename}:{node.lineno} ({ast.unparse(node)})", name, frame=frame,
+                    start=f"{filename}:{start.lineno} ({ast.unparse(start)})" if start is not None else "",
                     # a list the call's own statement fills (``losses.append(engine.train_batch())``) is refilled
                     read_before_call=any(n.id == name and position(n) < call and id(n) not in changed for n in reads))
-            for name, node in sorted(found, key=lambda item: position(item[1]))]
+            for name, node, start in sorted(found, key=lambda item: position(item[1]))]
 
 
 # what the loop does where a value of the engine's step it keeps changed (an epoch's start): nothing that a resumed

@@ -52,6 +52,9 @@ class Carried:
     # ``name`` holds an ``nn.Module`` the loop updates from the model's weights (torch's ``AveragedModel``), kept by its
     # ``state_dict()`` and set by its ``load_state_dict()``
     stateful: bool = False
+    # ``file:line (text)`` of a start that is no literal and not the script's own resume (``np.float32(np.inf)``):
+    # not kept, but named (probe 28 K6)
+    start: str = ""
 
     @property
     def key(self) -> str:
@@ -130,6 +133,9 @@ def object_data(value) -> bool:
 
 def why_not_kept(carried: Carried, value) -> Optional[str]:
     """Why ``carried``, data now ``value`` (:func:`is_data`), is not kept with every snapshot, or None where it is."""
+    if carried.start:
+        return (f"it starts at {carried.start}, which baft cannot tell from a resume of the script's own: start it "
+                f"at a literal, float(\"inf\") or math.inf")
     if carried.read_before_call:
         return "the loop reads it before it calls train_batch, where a resumed process would set it"
     if not fits(value):

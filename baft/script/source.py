@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import linecache
 import os
+import re
 import sysconfig
 import types
 from typing import Optional
@@ -40,13 +41,17 @@ def call_position(frame) -> tuple[int, int]:
 
 
 def value_in(frame, name: str):
-    """What ``name`` (a variable of ``frame``'s or of its module's, or a path of attributes from one:
-    ``self.losses``) holds in ``frame``; None where nothing."""
-    root, *path = name.split(".")
+    """What ``name`` (a variable of ``frame``'s or of its module's, or a path of attributes and items of a list or
+    tuple from one: ``self.losses``, ``callbacks[0]``) holds in ``frame``; None where nothing."""
+    root, *path = re.findall(r"\[\d+\]|[^.\[]+", name) or [name]
     value = frame.f_locals.get(root, frame.f_globals.get(root))
     for attr in path:
-        value = getattr(value, attr, None)
+        value = _item(value, int(attr[1:-1])) if attr.startswith("[") else getattr(value, attr, None)
     return value
+
+
+def _item(held, index: int):
+    return held[index] if isinstance(held, (list, tuple)) and index < len(held) else None
 
 
 def dotted(expr: ast.AST) -> str:

@@ -5,8 +5,12 @@ baft leaves to it (:mod:`baft.script.carried_source`)."""
 from __future__ import annotations
 
 import ast
+import builtins
+from typing import Optional
 
 from baft.script import source
+
+BUILTINS = set(vars(builtins))
 
 
 def started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
@@ -27,6 +31,13 @@ def attribute_started_at_a_literal(attr: str, filename: str, inside: set, owner_
     class that is not ``owner_class`` nor one of its bases (another class's ``self.state = State()``: probe 27, an
     HF-style callback's ``self.state = {...}`` beside it was not carried), or such a class defaults it (a
     dataclass's ``loss_sum: float = 0.0``), and only literals."""
+    started = _attribute_starts(attr, filename, inside, owner_class)
+    return bool(started) and all(literal(value) for value in started)
+
+
+def _attribute_starts(attr: str, filename: str, inside: set, owner_class: type) -> list[ast.AST]:
+    """What the file assigns ``.attr`` (:func:`attribute_started_at_a_literal`'s), but from itself: another class's
+    fold of its own ``.attr`` (``self.state.mean = 0.8 * self.state.mean + ...``) starts nothing."""
     tree = source.parsed(filename)
     ours = {cls.__name__ for cls in owner_class.__mro__}
     classes = [cls for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)]
@@ -35,11 +46,12 @@ def attribute_started_at_a_literal(attr: str, filename: str, inside: set, owner_
     started = [v for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and (node.lineno, node.col_offset) not in inside and node.value is not None
                for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr and not (
-                   (node.lineno, node.col_offset) in others and isinstance(t.value, ast.Name) and t.value.id == "self"))]
+                   (node.lineno, node.col_offset) in others and isinstance(t.value, ast.Name) and t.value.id == "self"))
+               if not any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(v))]
     started += [v for cls in classes if cls.name in ours for node in cls.body
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
                 for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == attr)]
-    return bool(started) and all(literal(value) for value in started)
+    return started
 
 
 EMPTY = {"list", "dict", "set", "tuple", "deque", "OrderedDict", "defaultdict", "Counter"}  # made empty by a call
@@ -48,11 +60,23 @@ EMPTY = {"list", "dict", "set", "tuple", "deque", "OrderedDict", "defaultdict", 
 FACTORIES = EMPTY | {"int", "float", "str", "bool"}  # what a defaultdict makes its missing items with
 
 
+# well-known constants a start reads (``best = math.inf``, ``-np.inf``)
+CONSTANTS = {f"{module}.{name}" for module in ("math", "np", "numpy", "torch") for name in ("inf", "nan", "pi", "e")} | {
+    "math.tau", "sys.maxsize", "sys.float_info.max", "sys.float_info.min", "sys.float_info.epsilon"}
+
+
 def literal(value: ast.AST) -> bool:
-    """A number, a string, None, a bool, ``float("inf")``, an empty or literal list, tuple, dict or set, one made by
+    """A number, a string, None, a bool, ``float("inf")``, a well-known constant (``math.inf``: :data:`CONSTANTS`),
+    either sign of one (``-float("inf")``), a choice between two (``inf if MODE == "min" else -inf``), an empty or literal list, tuple, dict or set, one made by
     a call (``deque(maxlen=4)``, ``defaultdict(int)``, ``Counter()``, ``dict()``), and a dataclass field of one
     (``field(default=0)``, ``field(default_factory=list)``); a list, tuple, set or dict of them
     (``{"best": float("inf"), "bad": 0}``)."""
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, (ast.UAdd, ast.USub)):
+        return literal(value.operand)
+    if isinstance(value, ast.IfExp):
+        return literal(value.body) and literal(value.orelse)
+    if isinstance(value, ast.Attribute):
+        return source.dotted(value) in CONSTANTS
     if isinstance(value, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
         elements = [*value.keys, *value.values] if isinstance(value, ast.Dict) else value.elts
         return all(element is not None and literal(element) for element in elements)
@@ -93,11 +117,35 @@ def started_at_a_literal(name: str, loop: ast.AST, scope: ast.AST, or_weights: b
     """Whether ``scope`` assigns ``name`` outside ``loop``, and only a literal (:func:`literal`), or
     (``or_weights``) a copy of the model's weights (``{n: p.detach().clone() for n, p in model.named_parameters()}``,
     an EMA's start: a resumed process makes it from the restored weights, not as the snapshot held it)."""
-    inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
-    started = [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
-               and node.value is not None and node.lineno not in inside
-               for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
+    started = _starts(name, loop, scope)
     return bool(started) and all(literal(value) or or_weights and _copies_weights(value) for value in started)
+
+
+def _starts(name: str, loop: ast.AST, scope: ast.AST) -> list[ast.AST]:
+    """What ``scope`` assigns ``name`` outside ``loop``."""
+    inside = range(loop.lineno, (loop.end_lineno or loop.lineno) + 1)
+    return [v for node in ast.walk(scope) if isinstance(node, (ast.Assign, ast.AnnAssign))
+            and node.value is not None and node.lineno not in inside
+            for v in source.assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
+
+
+def unread_start(name: str, loop: ast.AST, scope: ast.AST, tree: ast.Module) -> Optional[ast.AST]:
+    """The first start of ``name`` (:func:`started_at_a_literal`'s) that is no literal yet reads nothing of the
+    script's (no name but a builtin or a module ``tree`` imports: ``np.float32(np.inf)``, ``1e9 * 2``), or None: not
+    the script's own resume, so a value the loop carries from it is named, not dropped silently (probe 28 K6)."""
+    return _unread(_starts(name, loop, scope), tree)
+
+
+def unread_attribute_start(attr: str, filename: str, inside: set, owner_class: type) -> Optional[ast.AST]:
+    """:func:`unread_start` of the attribute ``attr`` (:func:`attribute_started_at_a_literal`'s starts)."""
+    return _unread(_attribute_starts(attr, filename, inside, owner_class), source.parsed(filename))
+
+
+def _unread(started: list[ast.AST], tree: ast.Module) -> Optional[ast.AST]:
+    imported = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    return next((value for value in started if not literal(value) and all(
+        n.id in imported or n.id in BUILTINS for n in ast.walk(value) if isinstance(n, ast.Name))), None)
 
 
 def _copies_weights(value: ast.AST) -> bool:
