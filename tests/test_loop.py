@@ -675,7 +675,11 @@ def test_a_best_score_started_at_a_constant_a_sign_or_a_choice_of_literals_is_ca
     line = STUB.count(chr(10)) + 5
     assert named.start == f"{script}:{line} (np.float32(np.inf))", named
     assert carry.why_not_kept(named, 1.0).startswith(f"it starts at {named.start}, which baft cannot tell"), named
-    assert _site(tmp_path, plateau.replace("START", "best = float(args.steps)"))[0].carried == (), "its own resume"
+    torch.save(1.0, tmp_path / "best.pt")
+    (tmp_path / "best.txt").write_text("1.0")
+    for resumed in ("best = float(args.steps)", f"best = float(torch.load('{tmp_path / 'best.pt'}'))",
+                    f"best = float(open('{tmp_path / 'best.txt'}').read())"):
+        assert _site(tmp_path, plateau.replace("START", resumed))[0].carried == (), "its own resume"
     # probe 27's callback with math.inf (k6_callback_mathinf): best and mean were dropped, bad said carried; another
     # class folding its own state's mean does not start it
     callback = ("import math\nclass State:\n    def __init__(self):\n        self.best, self.mean = math.inf, 0.0\n"

@@ -5,12 +5,14 @@ baft leaves to it (:mod:`baft.script.carried_source`)."""
 from __future__ import annotations
 
 import ast
-import builtins
 from typing import Optional
 
 from baft.script import source
 
-BUILTINS = set(vars(builtins))
+# what a start made of nothing of the script's reads (``np.float32(np.inf)``, ``1e9 * 2``): not a file (its own resume)
+NUMERIC_MODULES = {"math", "numpy", "torch", "sys"}
+NUMERIC_BUILTINS = {"float", "int", "abs", "min", "max", "round", "pow", "bool", "complex"}
+READERS = {"load", "loadtxt", "genfromtxt", "fromfile", "from_file"}
 
 
 def started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
@@ -131,8 +133,9 @@ def _starts(name: str, loop: ast.AST, scope: ast.AST) -> list[ast.AST]:
 
 def unread_start(name: str, loop: ast.AST, scope: ast.AST, tree: ast.Module) -> Optional[ast.AST]:
     """The first start of ``name`` (:func:`started_at_a_literal`'s) that is no literal yet reads nothing of the
-    script's (no name but a builtin or a module ``tree`` imports: ``np.float32(np.inf)``, ``1e9 * 2``), or None: not
-    the script's own resume, so a value the loop carries from it is named, not dropped silently (probe 28 K6)."""
+    script's nor a file (no name but a numeric builtin or a numeric module ``tree`` imports, :data:`NUMERIC_MODULES`:
+    ``np.float32(np.inf)``, ``1e9 * 2``), or None: not the script's own resume, so a value the loop carries from it is
+    named, not dropped silently (probe 28 K6)."""
     return _unread(_starts(name, loop, scope), tree)
 
 
@@ -142,10 +145,11 @@ def unread_attribute_start(attr: str, filename: str, inside: set, owner_class: t
 
 
 def _unread(started: list[ast.AST], tree: ast.Module) -> Optional[ast.AST]:
-    imported = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    numeric = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name in NUMERIC_MODULES} | NUMERIC_BUILTINS
     return next((value for value in started if not literal(value) and all(
-        n.id in imported or n.id in BUILTINS for n in ast.walk(value) if isinstance(n, ast.Name))), None)
+        n.id in numeric for n in ast.walk(value) if isinstance(n, ast.Name)) and not any(
+        isinstance(n, ast.Attribute) and n.attr in READERS for n in ast.walk(value))), None)
 
 
 def _copies_weights(value: ast.AST) -> bool:
