@@ -681,10 +681,11 @@ def test_a_best_score_started_at_a_constant_a_sign_or_a_choice_of_literals_is_ca
                     f"best = float(open('{tmp_path / 'best.txt'}').read())"):
         assert _site(tmp_path, plateau.replace("START", resumed))[0].carried == (), "its own resume"
     # probe 27's callback with math.inf (k6_callback_mathinf): best and mean were dropped, bad said carried; another
-    # class folding its own state's mean does not start it
+    # class setting its own state's best and mean does not start them
     callback = ("import math\nclass State:\n    def __init__(self):\n        self.best, self.mean = math.inf, 0.0\n"
                 "class Nested:\n    def __init__(self):\n        self.state = State()\n    def step(self, loss):\n"
                 "        self.state.mean = 0.8 * self.state.mean + 0.2 * loss\n"
+                "        self.state.best = self.state.mean\n"
                 "class Plateau:\n    def __init__(self):\n        self.best, self.bad, self.mean = math.inf, 0, 0.0\n"
                 "    def on_step_end(self, loss):\n        self.mean = 0.8 * self.mean + 0.2 * loss\n"
                 "        if self.mean < self.best:\n            self.best, self.bad = self.mean, 0\n"

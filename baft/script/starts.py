@@ -29,9 +29,10 @@ def started_at_module_level_at_a_literal(name: str, tree: ast.Module) -> bool:
 
 
 def attribute_started_at_a_literal(attr: str, filename: str, inside: set, owner_class: type) -> bool:
-    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), but to ``self`` in a
-    class that is not ``owner_class`` nor one of its bases (another class's ``self.state = State()``: probe 27, an
-    HF-style callback's ``self.state = {...}`` beside it was not carried), or such a class defaults it (a
+    """Whether the file assigns ``.attr`` outside the statements at ``inside`` (line, column), but to ``self`` or an
+    object it holds in a class that is not ``owner_class`` nor one of its bases (another class's ``self.state =
+    State()``: probe 27, an HF-style callback's ``self.state = {...}`` beside it was not carried; its
+    ``self.state.best = ...``: probe 28), or such a class defaults it (a
     dataclass's ``loss_sum: float = 0.0``), and only literals."""
     started = _attribute_starts(attr, filename, inside, owner_class)
     return bool(started) and all(literal(value) for value in started)
@@ -48,7 +49,7 @@ def _attribute_starts(attr: str, filename: str, inside: set, owner_class: type) 
     started = [v for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
                and (node.lineno, node.col_offset) not in inside and node.value is not None
                for v in source.assigned(node, lambda t: isinstance(t, ast.Attribute) and t.attr == attr and not (
-                   (node.lineno, node.col_offset) in others and isinstance(t.value, ast.Name) and t.value.id == "self"))
+                   (node.lineno, node.col_offset) in others and source.dotted(t.value).split(".")[0] == "self"))
                if not any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(v))]
     started += [v for cls in classes if cls.name in ours for node in cls.body
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
