@@ -661,7 +661,8 @@ def test_a_best_score_started_at_a_constant_a_sign_or_a_choice_of_literals_is_ca
     """Probe 28 K6: a best score started at ``-float("inf")``, ``math.inf``, a choice of literals (the min/max mode's
     start), or in an if/else, was neither kept nor named, and a resumed run's plateau rule decayed the learning rate
     elsewhere, silently. Each is carried now; one started at a constant expression baft does not read as a literal
-    (``np.float32(np.inf)``) is named (not kept: said, with what to do); one from the script's own resume is neither."""
+    (``np.float32(np.inf)``) is named (not kept: said, with what to do); one from the script's own resume is neither,
+    nor a tensor of torch's (a global's is kept otherwise)."""
     plateau = ("import math, sys\nimport numpy as np\nimport torch\nMODE = 'min'\nSTART\n"
                "while engine.global_steps < N:\n    loss = engine.train_batch() or 1.0\n"
                "    if -loss > best:\n        best = -loss\n    engine.global_steps += 1")
@@ -677,7 +678,8 @@ def test_a_best_score_started_at_a_constant_a_sign_or_a_choice_of_literals_is_ca
     assert carry.why_not_kept(named, 1.0).startswith(f"it starts at {named.start}, which baft cannot tell"), named
     torch.save(1.0, tmp_path / "best.pt")
     (tmp_path / "best.txt").write_text("1.0")
-    for resumed in ("best = float(args.steps)", f"best = float(torch.load('{tmp_path / 'best.pt'}'))",
+    for resumed in ("best = float(args.steps)", "best = torch.zeros(())",
+                    f"best = float(torch.load('{tmp_path / 'best.pt'}'))",
                     f"best = float(open('{tmp_path / 'best.txt'}').read())"):
         assert _site(tmp_path, plateau.replace("START", resumed))[0].carried == (), "its own resume"
     # probe 27's callback with math.inf (k6_callback_mathinf): best and mean were dropped, bad said carried; another

@@ -9,8 +9,9 @@ from typing import Optional
 
 from baft.script import source
 
-# what a start made of nothing of the script's reads (``np.float32(np.inf)``, ``1e9 * 2``): not a file (its own resume)
-NUMERIC_MODULES = {"math", "numpy", "torch", "sys"}
+# what a start made of nothing of the script's reads (``np.float32(np.inf)``, ``1e9 * 2``): not a file (its own
+# resume), nor torch (a global tensor made before baft.initialize is kept otherwise: the tensor globals)
+NUMERIC_MODULES = {"math", "numpy", "sys"}
 NUMERIC_BUILTINS = {"float", "int", "abs", "min", "max", "round", "pow", "bool", "complex"}
 READERS = {"load", "loadtxt", "genfromtxt", "fromfile", "from_file"}
 
@@ -64,16 +65,17 @@ FACTORIES = EMPTY | {"int", "float", "str", "bool"}  # what a defaultdict makes 
 
 
 # well-known constants a start reads (``best = math.inf``, ``-np.inf``)
-CONSTANTS = {f"{module}.{name}" for module in ("math", "np", "numpy", "torch") for name in ("inf", "nan", "pi", "e")} | {
-    "math.tau", "sys.maxsize", "sys.float_info.max", "sys.float_info.min", "sys.float_info.epsilon"}
+CONSTANTS = {f"{module}.{name}" for module in ("math", "np", "numpy", "torch")
+             for name in ("inf", "nan", "pi", "e")} | {"math.tau", "sys.maxsize", "sys.float_info.max",
+                                                      "sys.float_info.min", "sys.float_info.epsilon"}
 
 
 def literal(value: ast.AST) -> bool:
     """A number, a string, None, a bool, ``float("inf")``, a well-known constant (``math.inf``: :data:`CONSTANTS`),
-    either sign of one (``-float("inf")``), a choice between two (``inf if MODE == "min" else -inf``), an empty or literal list, tuple, dict or set, one made by
-    a call (``deque(maxlen=4)``, ``defaultdict(int)``, ``Counter()``, ``dict()``), and a dataclass field of one
-    (``field(default=0)``, ``field(default_factory=list)``); a list, tuple, set or dict of them
-    (``{"best": float("inf"), "bad": 0}``)."""
+    either sign of one (``-float("inf")``), a choice between two (``inf if MODE == "min" else -inf``), an empty or
+    literal list, tuple, dict or set, one made by a call (``deque(maxlen=4)``, ``defaultdict(int)``, ``Counter()``,
+    ``dict()``), and a dataclass field of one (``field(default=0)``, ``field(default_factory=list)``); a list, tuple,
+    set or dict of them (``{"best": float("inf"), "bad": 0}``)."""
     if isinstance(value, ast.UnaryOp) and isinstance(value.op, (ast.UAdd, ast.USub)):
         return literal(value.operand)
     if isinstance(value, ast.IfExp):
@@ -134,7 +136,7 @@ def _starts(name: str, loop: ast.AST, scope: ast.AST) -> list[ast.AST]:
 
 def unread_start(name: str, loop: ast.AST, scope: ast.AST, tree: ast.Module) -> Optional[ast.AST]:
     """The first start of ``name`` (:func:`started_at_a_literal`'s) that is no literal yet reads nothing of the
-    script's nor a file (no name but a numeric builtin or a numeric module ``tree`` imports, :data:`NUMERIC_MODULES`:
+    script's nor a file (no name but a numeric builtin or a module of numbers ``tree`` imports, :data:`NUMERIC_MODULES`:
     ``np.float32(np.inf)``, ``1e9 * 2``), or None: not the script's own resume, so a value the loop carries from it is
     named, not dropped silently (probe 28 K6)."""
     return _unread(_starts(name, loop, scope), tree)

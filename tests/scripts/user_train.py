@@ -3,6 +3,7 @@
 import argparse
 import hashlib
 import json
+import math
 
 import deepspeed
 import numpy as np
@@ -88,6 +89,22 @@ class Tempered:
         return output * (1 + 0.01 * self.calls)
 
 
+class Plateau:
+    """A callback of the script's own in a list the loop goes through, a score to maximize its best, started at
+    ``-math.inf`` (probe 28: neither kept nor named, relaunched and in place): the rate lower where a step's loss did
+    not improve on it."""
+
+    def __init__(self):
+        self.best = -math.inf
+
+    def on_step_end(self, engine, loss):
+        if -loss > self.best:
+            self.best = -loss
+        else:
+            for group in engine.optimizer.param_groups:
+                group["lr"] *= 0.8
+
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int, default=8)
@@ -144,6 +161,7 @@ held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its 
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
 losses = AverageMeter()  # the loss's average over the run, whose sum and count the loop carries in the meter's update
 metrics = MetricLogger()  # and the loss's and rate's meters, made in its first update, kept whole
+callbacks = [Plateau()] if args.statistics else []
 while engine.global_steps < args.steps:
     if args.batch_once and engine.global_steps == args.batch_once:  # a resumed run past it does not set it again
         engine.set_train_batch_size(2 * engine.train_batch_size())
@@ -182,6 +200,8 @@ while engine.global_steps < args.steps:
         SHIFT.mul_(0.5).add_(0.1 * float(loss))
         TILT = 0.5 * TILT + 0.1 * float(loss)
         averaged.update_parameters(linears)
+    for callback in callbacks:
+        callback.on_step_end(engine, float(loss))
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
 weights = [*engine.module.parameters(), *(averaged.parameters() if args.statistics else ())]
