@@ -42,7 +42,8 @@ def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently). The
     loop sets a class attribute the noise layers of both stages read (``Noise.scale``) at step 2, before the restored
     step, which the snapshot keeps: the survivor recovers in place (session 39: read as state baft does not keep, it
-    was replaced too), and the replacement trains with it as the uninterrupted run did. Probe 26, in place: the
+    was replaced too), and the replacement trains with it as the uninterrupted run did. Probe 28, in place: a plateau
+    callback in a list the loop goes through, its best started at -math.inf: set back (the ranks' rates differed). Probe 26, in place: the
     survivor's running mean in a plain tensor attribute of its noise layer, the list it appends to, and the script's
     global tensors its loss and layers read, which its loop updates in place or rebinds, had moved past the restored
     step: set back as the snapshot had them. Probe 28, in place: the counts of forward hooks of the script's (in a
@@ -159,7 +160,8 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     after it trained with as they started, silently: the loop carries them. Probe 26: a running mean in a plain tensor
     attribute of the noise layers, a list they append to, a global tensor the loss reads that the loop updates in
     place and one the layers read that it rebinds, resumed from their first values, silently: kept. Probe 28: the
-    forward hooks' counts and the AveragedModel's EMA, each resumed from its start, silently: kept."""
+    forward hooks' counts and the AveragedModel's EMA, each resumed from its start, silently: kept; so is a plateau
+    callback's best in a list the loop goes through, started at -math.inf."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",
