@@ -1046,7 +1046,7 @@ class Meter:
 
 LOOP, KEPT = Loop(), []
 if RESTORED is not None:
-    LOOP.restored(None, {"global_steps": STEP}, RESTORED)
+    LOOP.restored(None, {"global_steps": STEP}, lambda: RESTORED)
 engine = Engine(STEP)
 
 total = 0.0
@@ -1210,7 +1210,7 @@ def test_a_carried_tensor_is_set_again_in_a_survivor():
 CLOSURE = ENGINE + """
 LOOP, KEPT, SEEN = Loop(), [], []
 if RESTORED is not None:
-    LOOP.restored(None, {"global_steps": STEP}, RESTORED)
+    LOOP.restored(None, {"global_steps": STEP}, lambda: RESTORED)
 
 class Reading(Engine):  # its call reads the loss function given to it, as a pipeline's last stage does
     def train_batch(self):

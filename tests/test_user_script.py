@@ -161,7 +161,9 @@ def test_a_batch_size_the_script_changed_once_is_restored(tmp_path):
     attribute of the noise layers, a list they append to, a global tensor the loss reads that the loop updates in
     place and one the layers read that it rebinds, resumed from their first values, silently: kept. Probe 28: the
     forward hooks' counts and the AveragedModel's EMA, each resumed from its start, silently: kept; so is a plateau
-    callback's best in a list the loop goes through, started at -math.inf."""
+    callback's best in a list the loop goes through, started at -math.inf; an EMA object of a class the script defines
+    after ``baft.initialize`` (``Shadow``), which the loop carries, had every relaunched rank die unpickling it in the
+    restore: set back at the loop's first call."""
     runs = {}
     for name, fault in (("reference", []), ("killed", ["--fault", "rank=1,step=7,phase=backward"])):
         proc = subprocess.run([sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1",

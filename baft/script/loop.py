@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -77,7 +77,7 @@ class Loop:
         # the values of the script's own a loop on the engine's step carries, read at its first train_batch call
         self.carried: Optional[list[Carried]] = None
         self.site_at_train_batch = False  # whether the site was read at a train_batch call (not eval_batch's)
-        self.carried_restored: Optional[dict] = None  # their values the restored snapshot holds (key -> value)
+        self.carried_restored: Optional[Callable[[], dict]] = None  # their values the restored snapshot holds
         self.said_not_kept: set = set()  # the keys of those said to be in no snapshot
         self.said_own_count = ""  # where the loop adds to a count of the script's own, once said at its first call
         self.hidden: Optional[dict] = None  # the counters and learning rates restored, shown as at the first call
@@ -86,10 +86,11 @@ class Loop:
         self.client_set_before = ""  # where the loop sets its client_state before its call (file:line), if it does
         self.evals_at_exit = 0
 
-    def restored(self, items: Optional[dict], counters: dict, carried: Optional[dict] = None,
+    def restored(self, items: Optional[dict], counters: dict, carried: Optional[Callable[[], dict]] = None,
                  at_exit: bool = False) -> None:
-        """The history a snapshot holds, the engine's ``counters`` it set and the values the loop carried then (put
-        back at the loop's first call), in a process that has not trained yet (a survivor keeps its own).
+        """The history a snapshot holds, the engine's ``counters`` it set and the values the loop carried then
+        (``carried`` returns them, key -> value; put back at the loop's first call, where the classes of the script's
+        they may be objects of are defined), in a process that has not trained yet (a survivor keeps its own).
         ``at_exit``: the snapshot was taken as the process that trained the step ended."""
         if not self.decided:
             self.history = History.from_items(items) if items else History()
@@ -99,12 +100,13 @@ class Loop:
             self.restored_at_exit = at_exit
             # the evaluations made after the restored step's call before the process ended: replayed, the rest made
             self.evals_at_exit = len(self.history.evals.get(counters.get("global_steps", 0), [])) if at_exit else 0
-        elif not self.counts_calls:
+        elif not self.counts_calls and self.carried and carried is not None:
             # a survivor in place, taken back to the snapshot's step: its call trains the step after it and returns to
             # the loop's code, which reads them as they were when that step first started
-            for value_of in self.carried or ():
-                if value_of.key in (carried or {}):
-                    carry.write(value_of, carried[value_of.key])
+            values = carried()
+            for value_of in self.carried:
+                if value_of.key in values:
+                    carry.write(value_of, values[value_of.key])
 
     def before_first_call(self, engine) -> None:
         """As ``baft.initialize`` returns. A process resumed from a loop that counted its calls replays them from the
@@ -318,7 +320,7 @@ class Loop:
         if site is not None and not self.site_at_train_batch:  # read at an eval_batch call: where it reads them differs
             site = loop_around(frame, kept=self._kept(engine))
         self.carried = list(site.carried) if site is not None else []
-        restored = self.carried_restored or {}
+        restored = self.carried_restored() if self.carried_restored is not None and self.carried else {}
         put = [value_of for value_of in self.carried if value_of.key in restored]
         for value_of in put:
             carry.write(value_of, restored[value_of.key])

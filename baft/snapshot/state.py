@@ -35,6 +35,7 @@ When each part is captured and restored (the rule a bit-identical resume rests o
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import re
 from typing import Callable, Iterable, Iterator, Optional
@@ -398,8 +399,11 @@ def restore_items(engine, items: dict, data_iterator=None) -> "RngRestore":
         client.restore(_torch_unblob(items["client_state"]))
     if "reader" in items and getattr(getattr(engine, "baft", None), "reads", None) is not None:
         engine.baft.reads.restore_reader(items["reader"])
+    # unpickled where they are set, at the loop's first call: one may be an object of a class the script defines
+    # after baft.initialize (probe 28's K8: every relaunched rank died here)
     THIS_PROCESS.restored(items.get("loop"), items["counters"],
-                          _torch_unblob(items["carried"]) if "carried" in items else None, bool(items.get("at_exit")))
+                          functools.partial(_torch_unblob, items["carried"]) if "carried" in items else None,
+                          bool(items.get("at_exit")))
     restore = RngRestore(items["rng"], items.get("rng_between"), at_exit=bool(items.get("at_exit")),
                          started=items.get("rng_started"))
     restore.replaced = items.get("replaced_modules", {})

@@ -151,12 +151,28 @@ if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 factors = np.random.default_rng(3)  # a generator of the script's own, which its loop draws from between steps
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
+
+
+class Shadow:
+    """A timm-style EMA of the stage's weights, defined after ``baft.initialize`` (probe 28: a relaunched process
+    unpickled the loop's carried copy of it in baft.initialize's restore, before this class existed, and died)."""
+
+    def __init__(self, module):
+        self.weights = {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    def update(self, module):
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                self.weights[name].mul_(0.9).add_(p.detach(), alpha=0.1)
+
+
 if args.statistics:  # the hooks, and an EMA of the stage's linear layers kept with torch's AveragedModel (probe 28)
     linears = nn.ModuleList(m for m in engine.module.modules() if isinstance(m, nn.Linear))
     tempered = Tempered()
     linears[0].register_forward_hook(halved_late)
     linears[-1].register_forward_hook(tempered)
     averaged = AveragedModel(linears, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    shadow = Shadow(engine.module)
 held_out = Samples(first_seed=1000)  # an iterator kept across evaluations, its position in no snapshot
 previous = None  # the last step's loss, which a schedule of the script's own compares with: carried by the loop
 losses = AverageMeter()  # the loss's average over the run, whose sum and count the loop carries in the meter's update
@@ -200,11 +216,13 @@ while engine.global_steps < args.steps:
         SHIFT.mul_(0.5).add_(0.1 * float(loss))
         TILT = 0.5 * TILT + 0.1 * float(loss)
         averaged.update_parameters(linears)
+        shadow.update(engine.module)
     for callback in callbacks:
         callback.on_step_end(engine, float(loss))
     if args.evaluate and engine.global_steps % 2 == 0:
         engine.eval_batch(data_iter=held_out if args.evaluate == "kept" else Samples(first_seed=1000))
-weights = [*engine.module.parameters(), *(averaged.parameters() if args.statistics else ())]
+weights = [*engine.module.parameters(), *(averaged.parameters() if args.statistics else ()),
+           *(shadow.weights.values() if args.statistics else ())]
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in weights)).hexdigest()
 print(f"rank {engine.global_rank} final step {engine.global_steps} loss {float(loss)!r} params {digest} "
       f"average loss {losses.avg!r} engine {type(engine).__name__} metrics {metrics} logged {mean!r}", flush=True)
