@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,22 @@ class OwnDraws(Noisy):
     def __getitem__(self, i):
         draw = self.crops.random() + self.flips.random() + torch.rand((), generator=self.noise).item()
         return torch.tensor([float(i), draw])
+
+
+class Counting(Noisy):
+    """A curriculum by the samples served, counted as the loader reads (in a worker: its own copy's count)."""
+
+    def __getitem__(self, i):
+        self.seen = getattr(self, "seen", 0) + 1
+        return torch.tensor([float(i), 1 + 0.001 * self.seen])
+
+
+class CountingCollate:
+    """A collate_fn object that counts the batches it made."""
+
+    def __call__(self, samples):
+        self.made = getattr(self, "made", 0) + 1
+        return torch.utils.data.default_collate(samples) * self.made
 
 
 class Masking:
@@ -661,6 +678,17 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     persistent = torch.utils.data.DataLoader(Noisy(), batch_size=BATCH, num_workers=2, persistent_workers=True)
     said = not_restored(data_position(None, RepeatingLoader(persistent)))
     assert "in the loader's 2 persistent workers are in no saved state" in said, said
+    # a count its persistent workers' copies of the dataset or collate_fn keep: named, not said as random draws
+    # (probe 28's K7: said so, and that the samples resume exactly, and the batches differed)
+    for dataset, collate, named in ((Counting(), None, r"Counting.seen, set as the loader reads "
+                                                       r"\(Counting.__getitem__ \(test_data_position.py:\d+\)\)"),
+                                    (Noisy(), CountingCollate(), r"CountingCollate.made, set as the loader reads "
+                                                                 r"\(CountingCollate.__call__ \(test_data_position.py")):
+        for make in (torch.utils.data.DataLoader, StatefulDataLoader):
+            persistent = make(dataset, batch_size=BATCH, num_workers=2, persistent_workers=True, collate_fn=collate)
+            said = not_restored(data_position(None, persistent if make is StatefulDataLoader
+                                              else RepeatingLoader(persistent)))
+            assert re.match(named + r".* compute it from the sample index, or set persistent_workers=False$", said), said
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
     # so for one whose iterators the loop takes: its restore reads to the position through its workers (before: said
     # that their draws were in no saved state, which they resume from)

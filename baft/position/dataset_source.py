@@ -27,6 +27,19 @@ def sets_itself(cls: type, attr: str) -> Optional[str]:
     """Where a method of ``cls`` that the loader calls as it reads (``__getitem__``, ``__iter__``, ``__call__``: not
     one the loop calls, ``set_epoch``), or one such a method calls on the object, assigns the object's own ``attr``
     (``self.rest = ...``), as ``Packed.__iter__ (script.py:76)``; None where none does."""
+    return next((where for name, where in _sets(cls) if name == attr), None)
+
+
+def first_set(cls: type) -> Optional[tuple[str, str]]:
+    """The first attribute of its own that a method of ``cls`` the loader calls as it reads sets (as
+    :func:`sets_itself` finds them), and where: ``("seen", "Samples.__getitem__ (script.py:40)")``; None where none
+    does."""
+    return next(_sets(cls), None)
+
+
+def _sets(cls: type) -> Iterator[tuple[str, str]]:
+    """Each attribute of the object's own that a method of ``cls`` the loader calls as it reads (or one it calls on
+    the object) assigns, and where."""
     methods = {function.__name__: (function, node) for function, node in _definitions(cls)}
     names, reached = [name for name in _READS if name in methods], set()
     while names:
@@ -39,13 +52,12 @@ def sets_itself(cls: type, attr: str) -> Optional[str]:
         for n in ast.walk(node):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
                 n, (ast.AugAssign, ast.AnnAssign)) else []
-            if any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
-                   and t.value.id == me for t in targets):
-                return f"{function.__qualname__} ({_at(function, n)})"
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == me:
+                    yield t.attr, f"{function.__qualname__} ({_at(function, n)})"
             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
                     and n.func.value.id == me and n.func.attr in methods):
                 names.append(n.func.attr)
-    return None
 
 
 def draws_globally(cls: type) -> Optional[str]:

@@ -69,6 +69,11 @@ def not_restored(position) -> Optional[str]:
                 f"global one) comes out anew; give it state_dict() and load_state_dict() (its position in the "
                 f"stream, its generators') to resume it exactly and at once")
     if workers:  # each worker's generators are seeded from the loader's base seed as the workers start
+        from baft.position.repeated_loader import persistent_state
+
+        kept = persistent_state(loader)
+        if kept is not None:
+            return kept
         where = ("anywhere: its persistent workers are seeded once, as they start" if
                  getattr(loader, "persistent_workers", False) else "inside an epoch")
         return (f"random numbers your dataset or collate_fn draws in the loader's {workers} workers are in no saved "

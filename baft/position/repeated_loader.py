@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from deepspeed.runtime.dataloader import RepeatingLoader
 
+from baft.position.dataset_source import first_set
 from baft.position.deepspeed_loader import DeepSpeedEpochs, epoch_iterator, keeps_no_state
 from baft.position.iterators import batches_read
 from baft.position.epoch_position import EpochPosition
@@ -83,12 +84,33 @@ class RepeatedLoaderPosition(EpochPosition):
 
 def workers_caveat(loader) -> Optional[str]:
     """What a restore of a plain ``loader`` whose epoch's iterator it makes again (and reads to the position through
-    its workers) does not bring back: its persistent workers' draws; None otherwise."""
+    its workers) does not bring back: its persistent workers' draws and what else their copies of the dataset and
+    collate_fn keep; None otherwise."""
     if loader.num_workers and loader.persistent_workers:
-        return (f"random numbers your dataset or collate_fn draws in the loader's {loader.num_workers} persistent "
-                f"workers are in no saved state: they are seeded once, as they start, so a resume draws others (the "
-                f"samples and their order resume exactly); draw them from a generator seeded by the sample index to "
-                f"make them resume too")
+        return persistent_state(loader) or (
+            f"random numbers your dataset or collate_fn draws in the loader's {loader.num_workers} persistent "
+            f"workers are in no saved state: they are seeded once, as they start, so a resume draws others; draw them "
+            f"from a generator seeded by the sample index to make them resume too")
+    return None
+
+
+def persistent_state(loader) -> Optional[str]:
+    """Where the dataset or collate_fn of ``loader``, which has persistent workers, sets an attribute of its own as it
+    reads (a count of the samples it served; :func:`~baft.position.dataset_source.first_set`): each worker changes
+    its own copy, kept from epoch to epoch and in no snapshot, and a resume starts new workers from the main
+    process's (probe 28: said as random draws, the samples claimed to resume exactly, and the batches differed).
+    None where neither does, or the loader has none."""
+    if not (loader.num_workers and getattr(loader, "persistent_workers", False)):
+        return None
+    for held in (loader.dataset, loader.collate_fn):
+        found = first_set(type(held))
+        if found is not None:
+            attr, where = found
+            name = type(held).__name__
+            return (f"{name}.{attr}, set as the loader reads ({where}), changes in the copies of the {name} that the "
+                    f"loader's {loader.num_workers} persistent workers keep, which no snapshot holds: "
+                    f"a resume starts new workers from the main process's copy, and the batches differ; compute it "
+                    f"from the sample index, or set persistent_workers=False")
     return None
 
 
