@@ -680,15 +680,17 @@ def test_a_plain_loader_found_as_the_loop_first_reads_it_takes_a_restore_made_be
     assert "in the loader's 2 persistent workers are in no saved state" in said, said
     # a count its persistent workers' copies of the dataset or collate_fn keep: named, not said as random draws
     # (probe 28's K7: said so, and that the samples resume exactly, and the batches differed)
-    for dataset, collate, named in ((Counting(), None, r"Counting.seen, set as the loader reads "
-                                                       r"\(Counting.__getitem__ \(test_data_position.py:\d+\)\)"),
-                                    (Noisy(), CountingCollate(), r"CountingCollate.made, set as the loader reads "
-                                                                 r"\(CountingCollate.__call__ \(test_data_position.py")):
+    for dataset, collate, named in (
+            (Counting(), None, r"Counting.seen, set in Counting.__getitem__ \(test_data_position.py:\d+\)\)"),
+            (Noisy(), CountingCollate(), r"CountingCollate.made, set in CountingCollate.__call__ \(test_data_position"),
+            (Counting(), CountingCollate(), r"Counting.seen, .*\); CountingCollate.made, set in CountingCollate")):
         for make in (torch.utils.data.DataLoader, StatefulDataLoader):
             persistent = make(dataset, batch_size=BATCH, num_workers=2, persistent_workers=True, collate_fn=collate)
             said = not_restored(data_position(None, persistent if make is StatefulDataLoader
                                               else RepeatingLoader(persistent)))
-            assert re.match(named + r".* compute it from the sample index, or set persistent_workers=False$", said), said
+            assert re.match(r"what the loader's 2 persistent workers keep in their own copies of its dataset and "
+                            r"collate_fn, changed as they read \(" + named + r".* compute it from the sample index, or "
+                            r"set persistent_workers=False$", said), said
     assert not_restored(data_position(None, RepeatingLoader(PLAIN["shuffle"](2)))) is None
     # so for one whose iterators the loop takes: its restore reads to the position through its workers (before: said
     # that their draws were in no saved state, which they resume from)

@@ -95,23 +95,21 @@ def workers_caveat(loader) -> Optional[str]:
 
 
 def persistent_state(loader) -> Optional[str]:
-    """Where the dataset or collate_fn of ``loader``, which has persistent workers, sets an attribute of its own as it
-    reads (a count of the samples it served; :func:`~baft.position.dataset_source.first_set`): each worker changes
-    its own copy, kept from epoch to epoch and in no snapshot, and a resume starts new workers from the main
-    process's (probe 28: said as random draws, the samples claimed to resume exactly, and the batches differed).
+    """Where the dataset or collate_fn of ``loader``, which has persistent workers, sets attributes of its own as it
+    reads (a count of the samples it served; :func:`~baft.position.dataset_source.first_set`, each one's first): each
+    worker changes its own copy, kept from epoch to epoch and in no snapshot, and a resume starts new workers from the
+    main process's (probe 28: said as random draws, the samples claimed to resume exactly, and the batches differed).
     None where neither does, or the loader has none."""
     if not (loader.num_workers and getattr(loader, "persistent_workers", False)):
         return None
-    for held in (loader.dataset, loader.collate_fn):
-        found = first_set(type(held))
-        if found is not None:
-            attr, where = found
-            name = type(held).__name__
-            return (f"{name}.{attr}, set as the loader reads ({where}), changes in the copies of the {name} that the "
-                    f"loader's {loader.num_workers} persistent workers keep, which no snapshot holds: "
-                    f"a resume starts new workers from the main process's copy, and the batches differ; compute it "
-                    f"from the sample index, or set persistent_workers=False")
-    return None
+    found = ((type(held).__name__, first_set(type(held))) for held in (loader.dataset, loader.collate_fn))
+    named = [f"{name}.{at[0]}, set in {at[1]}" for name, at in found if at is not None]
+    if not named:
+        return None
+    return (f"what the loader's {loader.num_workers} persistent workers keep in their own copies of its dataset and "
+            f"collate_fn, changed as they read ({'; '.join(named)}), is in no snapshot: a resume starts new workers "
+            f"from the main process's copies, and the batches differ; compute it from the sample index, or set "
+            f"persistent_workers=False")
 
 
 def keep_epochs(loader):
