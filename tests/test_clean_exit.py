@@ -53,17 +53,24 @@ def test_a_script_that_raises_after_a_call_trains_that_step_again(tmp_path):
     """Probe 27 (W3): the code after step K's call raised (once), and the ranks snapshotted step K as they exited:
     relaunched, the job went on from step K and never ran that code again, where an uninterrupted run stopped in it.
     No snapshot is taken at exit after an exception: the relaunch goes on from step K-1, trains step K as it first
-    did and runs the code after it again."""
-    digests = tmp_path / "digests"
-    cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir",
-           str(tmp_path / "run"), "--", str(SCRIPT), "--steps", "5", "--raise-once-at", "3"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = (tmp_path / "run" / LOG_NAME).read_text()  # every rank's output
-    assert "OSError: the logger's disk is full" in ranks
-    assert "baft: rank 0 takes no snapshot of step 3 at exit: the script raised" in ranks, ranks[-3000:]
-    assert "resumed from step 2" in ranks
-    assert ranks.count("step 3 code after the call") == 2 and "step 5 " in ranks, ranks[-3000:]
-    assert redone_differ(digests) == []
-    recovery, = load_recoveries(tmp_path / "run")  # the rank that raised, not its peer that lost it, nor "process exit"
-    assert (recovery.fault, recovery.restored_step) == ("rank 0 raised OSError: the logger's disk is full", 2), recovery
+    did and runs the code after it again; the restart's record names the rank that raised (not "process exit", nor
+    in place its peer, which lost it and was replaced), and in place the new world says it raised (before: "the
+    fault came as they finished")."""
+    for mode in ("relaunched", "in place"):
+        run_dir, digests = tmp_path / mode / "run", tmp_path / mode / "digests"
+        cmd = [sys.executable, "-m", "baft.cli", "train", "--nprocs", "2", "--max-restarts", "1", "--run-dir",
+               str(run_dir), *(["--in-place"] if mode == "in place" else []), "--", str(SCRIPT), "--steps", "5",
+               "--raise-once-at", "3"]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=launch_env({DIGESTS_ENV: str(digests)}),
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        ranks = (run_dir / LOG_NAME).read_text()  # every rank's output
+        assert "OSError: the logger's disk is full" in ranks
+        assert "baft: rank 0 takes no snapshot of step 3 at exit: the script raised" in ranks, ranks[-3000:]
+        assert "resumed from step 2" in ranks
+        assert ranks.count("step 3 code after the call") == 2 and "step 5 " in ranks, ranks[-3000:]
+        assert redone_differ(digests) == []
+        recovery, = load_recoveries(run_dir)
+        assert (recovery.fault, recovery.restored_step) == ("rank 0 raised OSError: the logger's disk is full", 2)
+        if "before they came to the new world" in ranks:  # in place, where torchrun did not stop the attempt first
+            assert "ranks [0] ended their script before they came to the new world (rank 0 raised OSError)" in ranks

@@ -149,8 +149,9 @@ def _meet(world: dist.Store, store: dist.Store, rank: int, size: int) -> None:
             raise RuntimeError(f"ranks {missing} did not come to the new world within {waited:.0f} s")
         ended = [r for r in missing if _ended(store, r)]
         if ended:  # it finished the run (the fault came in its last step) or failed: no process will come
-            raise RuntimeError(f"ranks {ended} ended their script before they came to the new world (the fault "
-                               f"came as they finished); every rank starts again")
+            how = "; ".join(f"rank {r} {_how_ended(store, r)}" for r in ended)
+            raise RuntimeError(f"ranks {ended} ended their script before they came to the new world ({how}); every "
+                               f"rank starts again")
         if waited > STRAGGLER_GRACE:
             for other in missing:
                 _kill_if_running(store, other)
@@ -177,10 +178,19 @@ def _say_ended() -> None:
     """At this rank's exit (its script finished, or failed: a killed process runs no exit handler): said at the
     store, so that a new world's ranks waiting for it stop waiting (:func:`_meet`). Where the store is gone (its
     server with it), no one waits."""
+    error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+    how = f"raised {type(error).__name__}" if error is not None else "finished: the fault came in its last step"
     try:
-        _store(ENDED_TIMEOUT).set(f"{_job()}/rank{_ENDING[0]}/ended", _this_process())
+        store = _store(ENDED_TIMEOUT)
+        store.set(f"{_job()}/rank{_ENDING[0]}/how", how)
+        store.set(f"{_job()}/rank{_ENDING[0]}/ended", _this_process())
     except (RuntimeError, OSError, ValueError):
         pass
+
+
+def _how_ended(store: dist.Store, rank: int) -> str:
+    key = f"{_job()}/rank{rank}/how"
+    return store.get(key).decode() if store.check([key]) else "ended"
 
 
 def _ended(store: dist.Store, rank: int) -> bool:
