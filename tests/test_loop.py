@@ -1519,7 +1519,8 @@ def test_a_replay_says_the_generators_its_loop_drew_from_otherwise_than_the_unin
     import random
 
     from baft.script.rng import rng_states
-    from baft.snapshot.state import RngRestore, capture_rng
+    from baft.snapshot.resumed_iteration import RngRestore
+    from baft.snapshot.state import capture_rng
 
     def said(before, restored: int) -> list[str]:
         """What the replay of ``restored`` calls says, of a loop that runs ``before(step)`` before each call, under

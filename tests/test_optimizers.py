@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from baft.errors import BaftError
 from baft.snapshot.layout import TensorEntry, plan_layout
 from baft.snapshot.optimizers import adapter_for
-from baft.snapshot.state import optimizer_adapter
+from baft.snapshot.optimizers import optimizer_adapter
 from conftest import run_ranks
 
 

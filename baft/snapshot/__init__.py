@@ -1,6 +1,8 @@
 """One snapshot of a rank's state: what it is, where it goes, when it is copied.
 
 - ``state``       what a rank's state is (tensors and small items: RNG, the data position of ``baft.position``)
+- ``resumed_iteration`` what a restore sets as the first resumed iteration starts (the generators, the script's
+                  schedulers and globals, the weights its loop's code changed again)
 - ``optimizers``  where each DeepSpeed optimizer wrapper keeps its masters and moments
 - ``sizes``       how big the snapshot is and how fast it copies (for the profiler)
 - ``layout``      the state's byte layout in a host buffer, chunked, and its commit record

@@ -376,3 +376,20 @@ def adapter_for(engine):
                     f"state yet (supported: torch optimizers, BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer, "
                     f"DeepSpeedZeroOptimizer stage 1); "
                     f"train without the \"baft\" section or use a supported configuration")
+
+
+_ADAPTER = "_baft_adapter"  # the attribute of an optimizer that holds its adapter
+
+
+def optimizer_adapter(engine):
+    """The engine's optimizer adapter: where its state lives and what it is called. Made once per optimizer, and
+    kept on it: a recovery in place gives the engine the script holds a new optimizer, made and restored through
+    another engine object whose state the script's takes (one adapter: DeepSpeed's C++ Adam's products are
+    followed by one)."""
+    optimizer = getattr(engine, "optimizer", None)
+    adapter = getattr(optimizer, _ADAPTER, None)
+    if adapter is None:
+        adapter = adapter_for(engine)
+        if optimizer is not None:
+            setattr(optimizer, _ADAPTER, adapter)
+    return adapter
