@@ -4,6 +4,7 @@ the uninterrupted one did.
 - ``loop``            a loop that counts its calls to ``train_batch``: replayed after a restore, kept in step in place
 - ``history``         what such a loop's calls returned at each step, saved with every snapshot
 - ``loop_source``     the loops around a call to ``train_batch``, read from the script's source
+- ``counting``        whether such a loop counts its calls (``for step in range(n)``): a new process calls again
 - ``carried_source``  the values of its own a loop carries from one iteration to the next, read from the source:
                       the loop's variables; through ``carried_attributes`` (its objects' attributes),
                       ``carried_globals`` (its modules' globals) and ``carried_cells`` (its closures' variables)

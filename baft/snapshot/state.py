@@ -19,7 +19,7 @@ When each part is captured and restored (the rule a bit-identical resume rests o
   the restore, with the hyper-parameters (a scheduler made anew sets its first learning rate; one the loop
   steps before its call was stepped once more);
 * the RNG states: captured at the start of iteration k+1 and set there again, at the start of the
-  first iteration after the restore (:class:`~baft.snapshot.resumed_iteration.RngRestore`). What runs in between draws random
+  first iteration after the restore (:mod:`baft.snapshot.resumed_iteration`). What runs in between draws random
   numbers that an uninterrupted run drew before step 1 instead: DeepSpeed and the script build
   loaders and take iterators (a ``DataLoader`` iterator draws its base seed from torch's
   generator), and the restore itself re-positions the data. The generators the script's loop drew
@@ -249,7 +249,7 @@ def unblob(value):
 def capture_rng(rng_end: Optional[dict] = None, rng_start: Optional[dict] = None, now: Optional[dict] = None) -> dict:
     """The generators' states now (``now``, where taken already), at an iteration's start (``rng``), as JSON;
     ``rng_between``: of those the script drew from since the previous iteration ended (``rng_end``,
-    :func:`~baft.script.rng.rng_states`), their states then, what a resumed script's first such draws come from (:class:`~baft.snapshot.resumed_iteration.RngRestore`); and
+    :func:`~baft.script.rng.rng_states`), their states then, what a resumed script's first such draws come from (:class:`RngRestore`); and
     ``rng_started``: the fingerprints of their states as the previous iteration started (``rng_start``), what a
     replay of the loop's calls up to it compares its own with."""
     now = rng_states() if now is None else now
