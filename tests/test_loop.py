@@ -908,6 +908,23 @@ def test_a_value_the_loop_carries_from_one_iteration_to_the_next_is_found(tmp_pa
     site, script = _site(tmp_path, logger)
     assert [(c.where, c.key, c.whole) for c in site.carried] == [
         (f"{script}:{line + 13} (self.meters[name].update(value))", "logger", True)]
+    # an EMA of the script's own keeping a list of tensors it changes in place through the loop's variable, as the
+    # dict form above (h45: relaunched, it started again from the restored weights, silently): kept whole
+    ema = ("import torch\nclass EMA:\n    def __init__(self, model):\n"
+           "        self.weights = [p.detach().clone() for p in model.parameters()]\n    def update(self, model):\n"
+           "        for kept, p in zip(self.weights, model.parameters()):\n"
+           "            kept.mul_(0.9).add_(p.detach(), alpha=0.1)\n"
+           "model = torch.nn.Linear(2, 1)\nema = EMA(model)\nwhile engine.global_steps < N:\n"
+           "    engine.train_batch()\n    ema.update(model)\n    engine.global_steps += 1")
+    site, script = _site(tmp_path, ema)
+    assert [(c.where, c.key, c.whole) for c in site.carried] == [
+        (f"{script}:{line + 7} (kept.mul_(0.9))", "ema", True)], site
+    numbered = ema.replace("for kept, p in zip(self.weights, model.parameters()):",
+                           "for i, kept in enumerate(self.weights):").replace("p.detach(), alpha", "1.0, alpha")
+    direct = numbered.replace("for i, kept in enumerate(self.weights)", "for kept in self.weights")
+    assert all([c.key for c in _site(tmp_path, body)[0].carried] == ["ema"] for body in (numbered, direct))
+    read = ema.replace("kept.mul_(0.9).add_(p.detach(), alpha=0.1)", "p.detach().add_(kept)")
+    assert _site(tmp_path, read)[0].carried == (), "the weights changed, not the list"
 
 
 def test_a_loop_baft_cannot_read_is_said_to_be_unread(tmp_path):
@@ -1280,6 +1297,15 @@ def test_a_carried_value_that_cannot_be_kept_is_said_once(tmp_path, capfd):
     err = capfd.readouterr().err
     assert err.count("baft:") == 1 and (f"adds to a count of the script's own, {script}:{header.count(chr(10)) + 4} "
                                         f"(count += 1), which no snapshot holds") in err, err
+    # an EMA's list of tensors changed in place through the loop's variable, one over the limits: named, not dropped
+    script.write_text(header.replace("prev = None", (
+        "import torch\nclass EMA:\n    def __init__(self):\n        self.weights = [torch.zeros(1 << 17)]\n"
+        "    def update(self):\n        for kept in self.weights:\n            kept.mul_(0.9)\nema = EMA()")) +
+        "while engine.global_steps < 3:\n    engine.train_batch()\n    ema.update()\n    LOOP.carried_values(engine)\n"
+        "    engine.global_steps += 1\n")
+    runpy.run_path(str(script), run_name="__main__")
+    err = capfd.readouterr().err
+    assert err.count("carries a value") == 1 and "(kept.mul_(0.9)), which no snapshot holds (over 10000 items" in err
 
 
 def test_an_attribute_the_loop_carries_and_a_snapshot_keeps_leaves_survivors_in_place(tmp_path):

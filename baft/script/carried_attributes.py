@@ -204,6 +204,7 @@ def changed_within(loop: ast.AST, frame, methods: list) -> list[Carried]:
     found = {}
     for receiver, called, file, body in methods:
         this = body.args.args[0].arg
+        items = _bound_to_items(body, this)
         for node in ast.walk(body):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
@@ -213,10 +214,35 @@ def changed_within(loop: ast.AST, frame, methods: list) -> list[Carried]:
                 path.append(held)
                 held = held.value if not isinstance(held, ast.Call) else held.func
             nested = len(path) > 1 or path and node.func.attr not in MUTATORS  # not a list's append (attributes')
-            if isinstance(held, ast.Name) and held.id == this and nested and receiver not in found:
+            # an item changed in place through the ``for``'s variable, as ``self.w[n].mul_(...)`` changes it
+            item = (not path and isinstance(held, ast.Name) and held.id in items
+                    and (source.in_place(node) or node.func.attr in MUTATORS))
+            if isinstance(held, ast.Name) and (held.id == this and nested or item) and receiver not in found:
                 found[receiver] = Carried(f"{file}:{node.lineno} ({ast.unparse(node)})", *_split(receiver),
                                           frame=frame, read_before_call=ends.get(called, (0, 0)) < call, whole=True)
     return list(found.values())
+
+
+def _bound_to_items(body: ast.AST, this: str) -> set[str]:
+    """The names the ``for`` statements of ``body`` bind to the items of an attribute of ``this``: ``for w in
+    self.weights``, ``for w, p in zip(self.weights, params)``, ``for i, w in enumerate(self.weights)``."""
+    def of_this(expr):
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "values":
+            expr = expr.func.value
+        return isinstance(expr, ast.Attribute) and source.dotted(expr).split(".")[0] == this
+
+    bound = set()
+    for node in ast.walk(body):
+        if not isinstance(node, ast.For):
+            continue
+        pairs = [(node.target, node.iter)]
+        wrapped = source.called_name(node.iter.func) if isinstance(node.iter, ast.Call) and node.iter.args else ""
+        if wrapped == "zip" and isinstance(node.target, ast.Tuple) and len(node.target.elts) == len(node.iter.args):
+            pairs = list(zip(node.target.elts, node.iter.args))
+        elif wrapped == "enumerate" and isinstance(node.target, ast.Tuple) and len(node.target.elts) == 2:
+            pairs = [(node.target.elts[1], node.iter.args[0])]
+        bound |= {target.id for target, iterated in pairs if isinstance(target, ast.Name) and of_this(iterated)}
+    return bound
 
 
 def _split(path: str) -> tuple[str, Optional[str]]:

@@ -178,18 +178,13 @@ OVERWRITES = {"copy_", "zero_", "fill_", "normal_", "uniform_", "random_", "bern
               "resize_", "requires_grad_", "detach_", "share_memory_"}
 
 
-def _in_place(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
-            and not node.func.attr.startswith("_"))
-
-
 def _items_changed_in_place(node: ast.AST, iterated: dict) -> Optional[ast.Name]:
     """The variable whose tensor item ``node`` changes in place from itself, a tensor method's (``ema[n].mul_(0.99)``,
     ``average.lerp_(p, 0.1)`` over ``zip(ema, ...)``: ``iterated``, :func:`_iterated`), or None."""
-    if not _in_place(node):
+    if not source.in_place(node):
         return None
     first, held, items = node.func.attr, node.func.value, False
-    while isinstance(held, ast.Subscript) or _in_place(held):
+    while isinstance(held, ast.Subscript) or source.in_place(held):
         if isinstance(held, ast.Subscript):
             held, items = held.value, True
         else:

@@ -144,6 +144,12 @@ LIBRARIES = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.ge
                   | {os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep})  # and baft's own
 
 
+def in_place(node: ast.AST) -> bool:
+    """Whether ``node`` calls a tensor's in-place method (``w.mul_(0.9)``: torch's trailing underscore)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
+            and not node.func.attr.startswith("_"))
+
+
 def library(filename: str) -> bool:
     """Whether ``filename`` is Python's, an installed package's or baft's, not the script's own."""
     return os.path.realpath(filename).startswith(LIBRARIES)
