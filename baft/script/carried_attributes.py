@@ -197,9 +197,10 @@ def _called_on_items(loop: ast.AST, frame, made: set) -> list[tuple[str, str, st
 def changed_within(loop: ast.AST, frame, methods: list) -> list[Carried]:
     """The objects of the script's own whose methods the loop calls (``methods``, :func:`methods_called`) where those
     change an object an attribute holds through that object's own methods (torchvision's ``MetricLogger.update``:
-    ``self.meters[name].update(value)``, each meter's count and total): kept whole, where their attributes are data
-    (:func:`baft.script.carry.object_data`). Their attributes alone do not say that state changed (probe: a resumed
-    run's running averages started again, silently)."""
+    ``self.meters[name].update(value)``, each meter's count and total), or the items of one in place through a
+    ``for``'s variable (an EMA's ``for w, p in zip(self.weights, params): w.mul_(d)``): kept whole, where their
+    attributes are data (:func:`baft.script.carry.object_data`). Their attributes alone do not say that state changed
+    (probe: a resumed run's running averages started again, silently)."""
     call, ends = source.call_position(frame), source.calls_end(loop)
     found = {}
     for receiver, called, file, body in methods:
