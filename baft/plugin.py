@@ -104,6 +104,9 @@ def _script_frame():
     return frame
 
 
+SET_ON_THE_ENGINE = ("batch_fn", "has_attention_mask")  # PipelineEngine.set_batch_fn(), set_has_attention_mask()
+
+
 def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, bases: list,
            frozen_first: Optional[list]):
     """In a survivor of a killed rank, in the new world (:mod:`baft.recovery.in_place`): what :func:`initialize`
@@ -120,6 +123,9 @@ def _again(args, kwargs, data_iterator, client_state, first: tuple, tied: dict, 
     held_engine = first[0]
     if getattr(held_engine, "training_dataloader", None) is None and fresh[0].data_iterator is None:
         fresh[0].data_iterator = held_engine.data_iterator  # the script's, given by set_dataiterator()
+    for name in SET_ON_THE_ENGINE:  # which the script set after initialize, and does not set again (probe 29's L1)
+        if hasattr(held_engine, name):
+            setattr(fresh[0], name, getattr(held_engine, name))
     base = base_optimizer(fresh[1])
     for held, new in [*zip(first, fresh), *((old, base) for old in bases)]:
         if held is not None and new is not None and held is not new:

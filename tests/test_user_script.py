@@ -39,8 +39,9 @@ def finals(output: str) -> dict[int, tuple[str, ...]]:
 def test_profile_show_train_kill_resume_a_user_script(tmp_path):
     """Profiled, shown, trained beside a plain run, killed and recovered in place by a spare; each stage draws noise
     from a generator a layer of its holds, and the loop multiplies the learning rate by a factor before each call
-    (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently). The
-    loop sets a class attribute the noise layers of both stages read (``Noise.scale``) at step 2, before the restored
+    (probe 11: the generator was not kept, and the resumed loop multiplied the restored rate again, silently); the
+    engine's batch_fn, which the script set after baft.initialize, is the survivor's still (probe 29: dropped with
+    the engine made again, its labels unscaled, silently). The loop sets a class attribute the noise layers of both stages read (``Noise.scale``) at step 2, before the restored
     step, which the snapshot keeps: the survivor recovers in place (session 39: read as state baft does not keep, it
     was replaced too), and the replacement trains with it as the uninterrupted run did. Probe 28, in place: a plateau
     callback in a list the loop goes through, its best started at -math.inf: set back (the ranks' rates differed). Probe 26, in place: the

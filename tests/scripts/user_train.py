@@ -151,6 +151,8 @@ if "data" in args.stateless:
     data = (batch for batch in Samples())  # a generator: no state_dict
 factors = np.random.default_rng(3)  # a generator of the script's own, which its loop draws from between steps
 engine, *_ = baft.initialize(model=model, config=config, data_iterator=data, **extra)
+if args.statistics:  # inputs scaled as the engine loads them (probe 29: a survivor in place dropped it, silently)
+    engine.set_batch_fn(lambda batch: (batch[0] * 1.1, batch[1] * 1.1) if isinstance(batch, tuple) else batch)
 
 
 class Shadow:
