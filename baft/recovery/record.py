@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from typing import Optional
 
 from baft import faults as fault_log
 from baft.config import GENERATION_ENV, LAUNCHER_ENV, ROUND_ENV, WARM_RANK_ENV
-from baft.errors import BaftError, says_peer_lost
+from baft.errors import BaftError, says_peer_lost, script_raised
 from baft.jsonfile import append_line, parse_object
 from baft.pipeline.hook import InstructionHook
 from baft.recovery.agree import SOURCES as RESTORE_SOURCES
@@ -90,7 +89,7 @@ def log_raised(rank: int) -> None:
     as the fault of its attempt, where nothing logged one, so that the restart's record names it (before: "process
     exit", or the peer that lost this rank and ended first)."""
     run_dir = os.environ.get(LAUNCHER_ENV["run_dir"])
-    error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+    error = script_raised()
     if run_dir is None or error is None or says_peer_lost(str(error)):
         return
     attempt = restart_count()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from baft.accelerator import collective_device
 from baft.config import GENERATION_ENV, STORE_ENV
-from baft.errors import says_peer_lost
+from baft.errors import says_peer_lost, script_raised
 from baft.recovery.record import EARLIER_ENV, torchrun_attempt
 
 JOIN_TIMEOUT = timedelta(seconds=60)  # to wait for every rank of a new world (the replacement runs its script)
@@ -178,7 +178,7 @@ def _say_ended() -> None:
     """At this rank's exit (its script finished, or failed: a killed process runs no exit handler): said at the
     store, so that a new world's ranks waiting for it stop waiting (:func:`_meet`). Where the store is gone (its
     server with it), no one waits."""
-    error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+    error = script_raised()
     how = f"raised {type(error).__name__}" if error is not None else "finished: the fault came in its last step"
     try:
         store = _store(ENDED_TIMEOUT)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from baft.config import DEFAULT_CHUNK_BYTES
+from baft.errors import script_raised
 from baft.pipeline.hook import InstructionHook
 from baft.script.loop import THIS_PROCESS
 from baft.script.rng import rng_states
@@ -187,7 +188,7 @@ class SnapshotPolicy(InstructionHook, Periodic):
             return
         if engine.global_steps == self.last_step or state.optimizer_state_missing(engine) is not None:
             return
-        error = getattr(sys, "last_value", None)  # set by the interpreter (and baft's warm ranks) as a script raises
+        error = script_raised()
         if error is not None:
             print(f"baft: rank {engine.global_rank} takes no snapshot of step {engine.global_steps} at exit: the "
                   f"script raised after that step's call ({type(error).__name__}); a relaunch trains that step "
