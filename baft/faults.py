@@ -26,6 +26,13 @@ def append(run_dir, what: str, restart: int, at: Optional[float] = None, **more)
     append_line(Path(run_dir) / FILENAME, line, sync=True)
 
 
+def append_first(run_dir, what: str, restart: int) -> None:
+    """Log a fault of attempt ``restart`` where none is logged for it yet: the first ended it (a peer that failed
+    because of it, or a later account of it, is not its cause)."""
+    if not any(f.get("restart") == restart for f in read(run_dir)):
+        append(run_dir, what, restart)
+
+
 def read(run_dir) -> list[dict]:
     """Every fault logged in ``run_dir``, oldest first (a line a kill cut short is skipped)."""
     path = Path(run_dir) / FILENAME

@@ -92,10 +92,9 @@ def log_raised(rank: int) -> None:
     error = script_raised()
     if run_dir is None or error is None or says_peer_lost(str(error)):
         return
-    attempt = restart_count()
-    if not any(f.get("restart") == attempt for f in fault_log.read(run_dir)):
-        said = str(error).splitlines()[0][:120] if str(error) else ""
-        fault_log.append(run_dir, f"rank {rank} raised {type(error).__name__}{': ' + said if said else ''}", attempt)
+    said = str(error).splitlines()[0][:120] if str(error) else ""
+    fault_log.append_first(run_dir, f"rank {rank} raised {type(error).__name__}{': ' + said if said else ''}",
+                           restart_count())
 
 
 def restart_count() -> int:

@@ -371,8 +371,8 @@ def _log_death(rank: Rank, code: int) -> None:
     run_dir = env.get(LAUNCHER_ENV["run_dir"])
     attempt = attempt_of(env)
     try:
-        if run_dir and not any(f.get("restart") == attempt for f in faults.read(run_dir)):
-            faults.append(run_dir, f"rank {env.get('RANK', '?')} killed by {signal.Signals(-code).name}", attempt)
+        if run_dir:
+            faults.append_first(run_dir, f"rank {env.get('RANK', '?')} killed by {signal.Signals(-code).name}", attempt)
     except (OSError, ValueError):  # its run directory gone, or a signal without a name: the record says less
         pass
 
